@@ -1,0 +1,3 @@
+from surgeon.cli import main
+
+main()

@@ -1,0 +1,211 @@
+"""What an engine probe finds out: typed, executable descriptions of a model class's capture setter.
+
+A probe reads an engine's installed source (never importing it) and, for each model class that
+can capture auxiliary hidden states, builds a :class:`ClassConvention`. The convention is data
+(it renders to JSON for ``surgeon conventions --json``) and code: :meth:`ClassConvention.capture`
+replays the setter's logic on a list of ids, so callers can feed ids through exactly what the
+installed engine would do instead of trusting a table.
+
+Positions are residual-stream positions: ``0`` is ``embed`` (the state entering layer 0),
+``k + 1`` is ``layer_out[k]``. Both engines' capture indices turn out to be stream positions
+(SGLang captures at the *entry* of layer ``c``, which is stream position ``c``; vLLM captures
+``idx + 1`` *after* layer ``idx``), but which positions are reachable differs, which is why the
+capture site is recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Sequence
+
+Engine = Literal["sglang", "vllm"]
+CaptureSite = Literal["entry", "exit"]
+CapturedValue = Literal["residual_stream", "layer_output_without_residual", "unknown"]
+
+
+@dataclass(frozen=True)
+class DefaultTerm:
+    """One entry of a default id list, as a function of the layer count ``L``:
+    ``L * mul // div + add`` (``2`` is (0, 1, 2); ``L // 2`` is (1, 2, 0); ``L - 3`` is (1, 1, -3))."""
+
+    mul: int
+    div: int
+    add: int
+
+    def evaluate(self, num_layers: int) -> int:
+        return num_layers * self.mul // self.div + self.add
+
+    def __str__(self) -> str:
+        if self.mul == 0:
+            return str(self.add)
+        base = "L" if self.mul == 1 else f"{self.mul}*L"
+        if self.div != 1:
+            base = f"{base}//{self.div}"
+        if self.add:
+            base = f"{base}{'+' if self.add > 0 else '-'}{abs(self.add)}"
+        return base
+
+
+@dataclass(frozen=True)
+class FirstIdEquals:
+    """Condition of a branch: the first explicit id equals ``value`` (deepseek_v2.py's rule)."""
+
+    value: int
+
+    def holds(self, ids: Sequence[int]) -> bool:
+        return len(ids) > 0 and ids[0] == self.value
+
+    def __str__(self) -> str:
+        return f"ids[0] == {self.value}"
+
+
+@dataclass(frozen=True)
+class Branch:
+    """``offset`` is added to every explicit id when ``condition`` holds (``None``: always)."""
+
+    offset: int
+    condition: FirstIdEquals | None = None
+
+
+@dataclass(frozen=True)
+class IdRule:
+    """How the setter turns explicit ids into capture indices: the first branch whose condition
+    holds applies. An unconditional ``+1`` is ``IdRule((Branch(1),))``."""
+
+    branches: tuple[Branch, ...]
+
+    def apply(self, ids: Sequence[int]) -> list[int]:
+        for branch in self.branches:
+            if branch.condition is None or branch.condition.holds(ids):
+                return [i + branch.offset for i in ids]
+        raise AssertionError("an IdRule must end with an unconditional branch")
+
+    @property
+    def name(self) -> str:
+        """Stable name used in specs (``engines.<e>.offset``) and reports: ``+1``, ``+0``, or
+        ``+1 if ids[0] == 1 else +0``."""
+        parts = []
+        for branch in self.branches:
+            text = f"{branch.offset:+d}"
+            if branch.condition is not None:
+                text = f"{text} if {branch.condition} else"
+            parts.append(text)
+        return " ".join(parts)
+
+    @property
+    def conditional(self) -> bool:
+        return any(b.condition is not None for b in self.branches)
+
+
+@dataclass(frozen=True)
+class Bypass:
+    """A path that runs decoder layers without the capture check: captures requested for
+    layers on it silently do not happen."""
+
+    line: int
+    description: str
+    # Layers (global indices, as a function of the model's config) that can take the path, in
+    # words, e.g. "layers >= config.first_k_dense_replace when forward_batch.can_run_tbo".
+    layers: str
+
+
+@dataclass(frozen=True)
+class ClassConvention:
+    """What a model class's explicit ids mean on one engine version."""
+
+    engine: Engine
+    path: str  # relative to the engine root, '/'-separated, e.g. "srt/models/deepseek_v2.py"
+    class_name: str
+    line: int
+    status: Literal["classified", "unclassified"]
+    reason: str | None = None  # why unclassified, or notes
+    setter: str | None = None  # e.g. "set_eagle3_layers_to_capture"
+    setter_owner: str | None = None  # "path:Class" where the setter body lives (may be a base)
+    id_rule: IdRule | None = None
+    # Capture indices used when no ids are given; None: the engine refuses or has no default.
+    default: tuple[DefaultTerm, ...] | None = None
+    # True when the default list goes through id_rule like explicit ids (vLLM); False when it is
+    # already capture indices (SGLang's [2, L//2, L-3]).
+    default_through_rule: bool = False
+    sorts: bool = False  # the setter sorts the ids
+    dedups: bool = False  # the setter (or membership test) removes duplicates
+    # "layer": captures are emitted in layer-loop order whatever the id order;
+    # "ids": in the order the ids were given.
+    emit_order: Literal["layer", "ids"] = "layer"
+    capture_site: CaptureSite = "entry"
+    captured_value: CapturedValue = "unknown"
+    loop_owner: str | None = None  # "path:Class.method" of the decoder-layer loop
+    bypasses: tuple[Bypass, ...] = ()
+
+    # -- the executable part -------------------------------------------------------------
+    def capture_indices(self, ids: Sequence[int] | None, num_layers: int) -> list[int]:
+        """Replay the setter: the capture indices the engine stores for ``ids`` (``None``: no ids
+        given, so the default). Raises ValueError when the engine has no default."""
+        if self.status != "classified" or self.id_rule is None:
+            raise ValueError(f"{self.class_name}: convention not classified ({self.reason})")
+        if ids is None:
+            if self.default is None:
+                raise ValueError(f"{self.class_name}: the engine has no default id list")
+            raw = [t.evaluate(num_layers) for t in self.default]
+            indices = self.id_rule.apply(raw) if self.default_through_rule else raw
+        else:
+            indices = self.id_rule.apply(list(ids))
+        return indices
+
+    def reachable(self, num_layers: int) -> range:
+        """Capture indices the loop can actually hit: entry captures see layers 0..L-1, exit
+        captures see 0 (before the loop) and 1..L (after each layer)."""
+        return range(0, num_layers) if self.capture_site == "entry" else range(0, num_layers + 1)
+
+    def capture(self, ids: Sequence[int] | None, num_layers: int) -> list[int | None]:
+        """Stream positions the engine emits, in the order it emits them. An index the loop never
+        reaches yields ``None`` in its place (emitted nowhere; kept so callers can name it)."""
+        indices = self.capture_indices(ids, num_layers)
+        if self.dedups:
+            seen: dict[int, None] = {}
+            for i in indices:
+                seen.setdefault(i, None)
+            indices = list(seen)
+        if self.sorts or self.emit_order == "layer":
+            indices = sorted(indices)
+        ok = self.reachable(num_layers)
+        return [i if i in ok else None for i in indices]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["id_rule"] = None if self.id_rule is None else self.id_rule.name
+        data["default"] = None if self.default is None else [str(t) for t in self.default]
+        return data
+
+
+@dataclass
+class EngineProbe:
+    """Everything one probe run found in one engine root."""
+
+    engine: Engine
+    version: str  # "unknown" when no metadata could be read
+    root: str
+    classes: dict[str, ClassConvention] = field(default_factory=dict)
+    files_scanned: int = 0
+
+    def get(self, class_name: str) -> ClassConvention | None:
+        return self.classes.get(class_name)
+
+    @property
+    def classified(self) -> list[ClassConvention]:
+        return [c for c in self.classes.values() if c.status == "classified"]
+
+    @property
+    def unclassified(self) -> list[ClassConvention]:
+        return [c for c in self.classes.values() if c.status == "unclassified"]
+
+    def to_json(self) -> dict:
+        return {
+            "engine": self.engine,
+            "version": self.version,
+            "root": self.root,
+            "files_scanned": self.files_scanned,
+            "classified": len(self.classified),
+            "unclassified": len(self.unclassified),
+            "classes": [c.to_json() for c in sorted(self.classes.values(), key=lambda c: (c.path, c.line))],
+        }

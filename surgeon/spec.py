@@ -1,0 +1,439 @@
+"""Spec format v1: the reviewed YAML that says, in physical terms, what a draft reads.
+
+Loading is two phases, both located (``file:line:col``):
+
+1. shape and types, by the pydantic models below (``extra="forbid"``, strict types), with a
+   did-you-mean for unknown keys;
+2. meaning: points parse and exist in the target, names are identifiers, fc width matches,
+   dump slots can hold their points truthfully.
+
+YAML is read with PyYAML's safe loader (a subclass that also refuses duplicate keys, which
+``safe_load`` would silently collapse, and anchors/aliases, which have no place in a reviewed
+spec). Nothing is ever executed or constructed beyond plain scalars, lists and mappings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import keyword
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from surgeon.conventions import DUMP_LAYOUTS, NotExpressible
+from surgeon.points import Point, PointError, parse_point
+
+SPEC_VERSION = 1
+MAX_SPEC_BYTES = 1 << 20
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SPEC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_OFFSET = re.compile(r"^[+-]\d+$|^\+1 if ids\[0\] == 1 else \+0$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Issue:
+    """One problem, with where it is (1-based line and column; 0 when unknown)."""
+
+    file: str
+    line: int
+    col: int
+    message: str
+    path: str = ""  # dotted key path, e.g. "captures.low"
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}:{self.col}" if self.line else self.file
+        key = f"{self.path}: " if self.path else ""
+        return f"{where}: {key}{self.message}"
+
+
+class SpecError(Exception):
+    """Bad input: one or more located issues. The CLI prints each on its own line, exit 2."""
+
+    def __init__(self, issues: list[Issue]):
+        assert issues
+        self.issues = issues
+        super().__init__(str(issues[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape: pydantic models (also the JSON Schema printed by `surgeon schema`)
+# ---------------------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+PointText = str
+
+
+class Target(_Model):
+    """The target (verifier) model the draft reads hidden states from."""
+
+    architecture: str = Field(min_length=1, description="HF architecture / engine model class, e.g. DeepseekV3ForCausalLM")
+    num_layers: int = Field(ge=1, description="num_hidden_layers: decoder layers are 0..num_layers-1")
+    hidden_size: int = Field(ge=1, description="width of one captured hidden state")
+    model_type: str | None = Field(default=None, description="HF config model_type, informational")
+
+
+class Draft(_Model):
+    """The draft model and the order its fc layer consumes captures in."""
+
+    kind: Literal["eagle3", "dflash", "mtp"]
+    fc_input: list[str] = Field(min_length=1, description="capture names, in the order the draft's fc concatenates them")
+    fc_in_features: int | None = Field(default=None, ge=1, description="fc weight's input width; must be len(fc_input) * hidden_size")
+
+
+class EnginePin(_Model):
+    """What a deployment on one engine relies on (checked against the installed source)."""
+
+    version: str | None = Field(default=None, description="PEP 440 range the pins were checked on, e.g. '==0.5.23' or '>=0.5.20,<0.6'")
+    model_file: str | None = Field(default=None, description="model file relative to the engine package, e.g. srt/models/deepseek_v2.py")
+    model_class: str | None = Field(default=None, description="engine model class, e.g. DeepseekV3ForCausalLM")
+    ids: list[int] | None = Field(default=None, description="the exact ids the deployment passes (eagle_aux_hidden_state_layer_ids)")
+    offset: str | None = Field(default=None, description="how the engine turns ids into capture indices for this class: '+1', '+0', or '+1 if ids[0] == 1 else +0'")
+
+
+class Engines(_Model):
+    sglang: EnginePin | None = None
+    vllm: EnginePin | None = None
+
+
+class Dumps(_Model):
+    """Training dumps of these captures."""
+
+    layout: Literal["surgeon", "specforge", "speculators"] = "surgeon"
+    slots: list[str] | None = Field(default=None, description="capture names in dump slot order (default: every capture, in order)")
+
+
+class SpecModel(_Model):
+    """surgeon spec v1."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, title="surgeon spec v1")
+
+    spec: Literal[1] = Field(description="spec format version")
+    name: str = Field(description="spec name: letters, digits, '.', '_', '-'")
+    description: str | None = None
+    target: Target
+    captures: dict[str, PointText] = Field(
+        min_length=1,
+        description="ordered: capture name -> physical point (embed, layer_out[k], layer_in[k], final_norm)",
+        json_schema_extra={
+            "propertyNames": {"pattern": _IDENT.pattern},
+            "additionalProperties": {"type": "string", "pattern": r"^\s*(embed|final_norm|layer_(out|in)\[\s*\d+\s*\])\s*$"},
+        },
+    )
+    draft: Draft | None = None
+    engines: Engines | None = None
+    dumps: Dumps | None = None
+
+
+_SECTION_MODELS: dict[tuple, type[_Model]] = {
+    (): SpecModel, ("target",): Target, ("draft",): Draft, ("engines",): Engines,
+    ("engines", "sglang"): EnginePin, ("engines", "vllm"): EnginePin, ("dumps",): Dumps,
+}
+
+
+def json_schema() -> dict:
+    schema = SpecModel.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://surgeon.invalid/spec-v1.json"
+    return schema
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML with locations
+# ---------------------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """The safe loader, refusing duplicate keys and anchors/aliases."""
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.MarkedYAMLError(None, None, "YAML aliases are not allowed in a spec: write each value out", event.start_mark)
+        event = self.peek_event()
+        if getattr(event, "anchor", None):
+            raise yaml.MarkedYAMLError(None, None, "YAML anchors are not allowed in a spec: write each value out", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.MarkedYAMLError(None, None, "a mapping key must be a plain scalar", key_node.start_mark)
+            if key in seen:
+                raise yaml.MarkedYAMLError(
+                    None, None,
+                    f"duplicate key {key!r} (first at line {seen[key].line + 1}); YAML would silently keep the last one",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+# Plain scalars that YAML 1.1 turns into booleans are a classic trap (`on:`, `no:`); keys are
+# read as written instead. Only the str/int/float/bool/null resolvers stay.
+for _ch, _resolvers in list(_Loader.yaml_implicit_resolvers.items()):
+    _Loader.yaml_implicit_resolvers[_ch] = [
+        (tag, rx) for tag, rx in _resolvers
+        if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:null", "tag:yaml.org,2002:bool")
+    ]
+
+
+@dataclass
+class _Located:
+    data: Any
+    marks: dict[tuple, tuple[int, int]]  # path -> (line, col) of the value, 1-based
+    key_marks: dict[tuple, tuple[int, int]]  # path -> (line, col) of the key
+    quoted: set[tuple]
+
+
+def _index(node: yaml.Node, path: tuple, out: _Located, depth: int = 0) -> None:
+    if depth > 32:
+        raise yaml.MarkedYAMLError(None, None, "nesting deeper than 32 levels", node.start_mark)
+    out.marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
+        out.quoted.add(path)
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else None
+            out.key_marks[path + (key,)] = (k.start_mark.line + 1, k.start_mark.column + 1)
+            _index(v, path + (key,), out, depth + 1)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _index(v, path + (i,), out, depth + 1)
+
+
+def _parse_yaml(text: str, file: str) -> _Located:
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise SpecError([Issue(file, 1, 1, "empty spec: expected a mapping with 'spec: 1'")])
+        out = _Located(None, {}, {}, set())
+        _index(node, (), out)
+        out.data = loader.construct_document(node)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        msg = " ".join(x for x in (e.context, e.problem) if x) or "invalid YAML"
+        raise SpecError([Issue(file, line, col, f"YAML: {msg}")]) from None
+    except yaml.YAMLError as e:
+        raise SpecError([Issue(file, 1, 1, f"YAML: {e}")]) from None
+    except RecursionError:
+        raise SpecError([Issue(file, 1, 1, "YAML nested too deeply")]) from None
+    finally:
+        loader.dispose()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The loaded spec
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Spec:
+    model: SpecModel
+    file: str
+    sha256: str
+    captures: dict[str, Point]  # normalised, in spec order
+    _loc: _Located = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.target.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.target.hidden_size
+
+    @property
+    def fc_names(self) -> list[str]:
+        return list(self.model.draft.fc_input) if self.model.draft else []
+
+    @property
+    def fc_points(self) -> list[Point]:
+        return [self.captures[n] for n in self.fc_names]
+
+    @property
+    def dump_slots(self) -> list[str]:
+        if self.model.dumps and self.model.dumps.slots is not None:
+            return list(self.model.dumps.slots)
+        return list(self.captures)
+
+    def pin(self, engine: str):
+        return getattr(self.model.engines, engine) if self.model.engines else None
+
+    def issue(self, path: tuple, message: str, *, key: bool = False) -> Issue:
+        return _issue(self.file, self._loc, path, message, key=key)
+
+
+def _dotted(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _issue(file: str, loc: _Located, path: tuple, message: str, *, key: bool = False, column: int = 0) -> Issue:
+    marks = loc.key_marks if key else loc.marks
+    probe = tuple(path)
+    while probe not in marks and probe:
+        probe = probe[:-1]
+    line, col = marks.get(probe) or loc.marks.get(probe) or (1, 1)
+    if column and probe == tuple(path):
+        col += column + (1 if probe in loc.quoted else 0)
+    return Issue(file, line, col, message, _dotted(path))
+
+
+def _pydantic_issues(err: ValidationError, file: str, loc: _Located) -> list[Issue]:
+    issues = []
+    for e in err.errors():
+        path = tuple(e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            section = path[:-1]
+            model = _SECTION_MODELS.get(section)
+            allowed = list(model.model_fields) if model else []
+            hint = difflib.get_close_matches(str(path[-1]), allowed, n=1)
+            msg = f"unknown key {path[-1]!r}" + (f"; did you mean {hint[0]!r}?" if hint else f" (allowed: {', '.join(allowed)})")
+            issues.append(_issue(file, loc, path, msg, key=True))
+        elif kind == "missing":
+            issues.append(_issue(file, loc, path[:-1], f"missing required key {path[-1]!r}"))
+        elif kind == "literal_error" and path == ("spec",):
+            issues.append(_issue(file, loc, path, f"unsupported spec version {e.get('input')!r}: this surgeon reads 'spec: {SPEC_VERSION}'"))
+        else:
+            got = e.get("input")
+            shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+            issues.append(_issue(file, loc, path, f"{e['msg'][0].lower()}{e['msg'][1:]} (got {shown})"))
+    return issues
+
+
+def load_spec(path: str | Path, *, text: str | None = None) -> Spec:
+    """Load and validate a spec. Raises SpecError (bad input) with located issues."""
+    file = str(path)
+    if text is None:
+        p = Path(path)
+        try:
+            if p.is_dir():
+                raise SpecError([Issue(file, 0, 0, "is a directory, not a spec file")])
+            if p.stat().st_size > MAX_SPEC_BYTES:
+                raise SpecError([Issue(file, 0, 0, f"larger than {MAX_SPEC_BYTES} bytes; not a spec")])
+            raw = p.read_bytes()
+        except OSError as e:
+            raise SpecError([Issue(file, 0, 0, f"cannot read: {e.strerror or e}")]) from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            raise SpecError([Issue(file, line, 1, "not UTF-8 text")]) from None
+    else:
+        raw = text.encode("utf-8")
+    if "\x00" in text:
+        raise SpecError([Issue(file, 1, 1, "NUL byte in spec; not a text file")])
+    loc = _parse_yaml(text, file)
+    if not isinstance(loc.data, dict):
+        raise SpecError([Issue(file, 1, 1, f"a spec is a mapping with 'spec: 1', not {type(loc.data).__name__}")])
+    if loc.data.get("spec") not in (None, SPEC_VERSION) and isinstance(loc.data.get("spec"), int):
+        raise SpecError([_issue(file, loc, ("spec",), f"unsupported spec version {loc.data['spec']}: this surgeon reads 'spec: {SPEC_VERSION}'")])
+    try:
+        model = SpecModel.model_validate(loc.data)
+    except ValidationError as e:
+        raise SpecError(_pydantic_issues(e, file, loc)) from None
+    spec = Spec(model, file, hashlib.sha256(raw).hexdigest(), {}, loc)
+    issues = _check_meaning(spec)
+    if issues:
+        raise SpecError(issues)
+    return spec
+
+
+def _check_meaning(spec: Spec) -> list[Issue]:
+    m, L, loc = spec.model, spec.model.target.num_layers, spec._loc
+    issues: list[Issue] = []
+
+    def add(path: tuple, msg: str, **kw) -> None:
+        issues.append(_issue(spec.file, loc, path, msg, **kw))
+
+    if not _SPEC_NAME.match(m.name):
+        add(("name",), f"spec name {m.name!r} must be letters, digits, '.', '_' or '-', starting with a letter or digit")
+
+    seen_points: dict[Point, str] = {}
+    for name, text in m.captures.items():
+        if not _IDENT.match(name) or keyword.iskeyword(name):
+            add(("captures", name), f"capture name {name!r} is not an identifier (letters, digits, '_'; not a Python keyword)", key=True)
+            continue
+        try:
+            point = parse_point(text, L)
+        except PointError as e:
+            issues.append(_issue(spec.file, loc, ("captures", name), e.message, column=e.column))
+            continue
+        if point in seen_points:
+            add(("captures", name), f"{point} is already captured as {seen_points[point]!r}; one name per point")
+            continue
+        seen_points[point] = name
+        spec.captures[name] = point
+
+    def check_names(section: tuple, names: list[str], what: str) -> bool:
+        ok = True
+        dup: set[str] = set()
+        for i, n in enumerate(names):
+            if n not in m.captures:
+                hint = difflib.get_close_matches(n, list(m.captures), n=1)
+                add(section + (i,), f"{what} names {n!r}, which is not a capture" + (f"; did you mean {hint[0]!r}?" if hint else f" (captures: {', '.join(m.captures)})"))
+                ok = False
+            elif n in dup:
+                add(section + (i,), f"{what} lists {n!r} twice")
+                ok = False
+            dup.add(n)
+        return ok and all(n in spec.captures for n in names)
+
+    if m.draft is not None:
+        fc_ok = check_names(("draft", "fc_input"), m.draft.fc_input, "fc_input")
+        want = len(m.draft.fc_input) * m.target.hidden_size
+        if m.draft.fc_in_features is not None and m.draft.fc_in_features != want:
+            add(("draft", "fc_in_features"),
+                f"fc_in_features is {m.draft.fc_in_features}, but {len(m.draft.fc_input)} fc inputs x hidden_size "
+                f"{m.target.hidden_size} = {want}")
+        if fc_ok and m.draft.kind in ("eagle3", "dflash"):
+            for i, n in enumerate(m.draft.fc_input):
+                p = spec.captures[n]
+                if p.position is None:
+                    add(("draft", "fc_input", i), f"{n!r} is {p}: an fc input must be a residual-stream state (embed or layer_out[k]); engines capture final_norm as the returned hidden state, not an aux input")
+
+    if m.dumps is not None:
+        slots = spec.dump_slots
+        if check_names(("dumps", "slots"), slots, "dumps.slots"):
+            layout = DUMP_LAYOUTS[m.dumps.layout]
+            try:
+                layout.slots(slots, [spec.captures[n] for n in slots], L)
+            except NotExpressible as e:
+                add(("dumps", "slots") if m.dumps.slots is not None else ("dumps", "layout"), f"a {layout.name} dump cannot hold these slots truthfully: {e}")
+
+    if m.engines is not None:
+        for engine in ("sglang", "vllm"):
+            pin: EnginePin | None = getattr(m.engines, engine)
+            if pin is None:
+                continue
+            if pin.version is not None:
+                try:
+                    SpecifierSet(pin.version)
+                except InvalidSpecifier:
+                    add(("engines", engine, "version"), f"{pin.version!r} is not a PEP 440 version range (e.g. '==0.5.23' or '>=0.5.20,<0.6')")
+            if pin.offset is not None and not _OFFSET.match(pin.offset.strip()):
+                add(("engines", engine, "offset"), f"offset {pin.offset!r} is not '+1', '+0' (or another signed integer) or '+1 if ids[0] == 1 else +0'")
+            if pin.model_file is not None and (pin.model_file.startswith("/") or ".." in Path(pin.model_file).parts):
+                add(("engines", engine, "model_file"), "model_file must be relative to the engine package and stay inside it")
+    return issues
