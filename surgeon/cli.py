@@ -1,9 +1,308 @@
+"""The `surgeon` command line: a thin shell over the library (``surgeon.spec``, ``surgeon.render``,
+``surgeon.lint``, ``surgeon.draft``, ``surgeon.review``, ``surgeon.probes``).
+
+Exit codes: 0 fine; 2 bad input (a one-line message per problem, located where there is a file;
+nothing written); 3 the checked wiring differs from the spec; 1 internal error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
 import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from surgeon import __version__
+from surgeon.errors import BadInput, Mismatch
+from surgeon.spec import SpecError, load_spec
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+ENGINE_CHOICE = click.Choice(["sglang", "vllm"])
 
 
-@click.group()
+class _Group(click.Group):
+    """Turns library errors into the documented exit codes, without tracebacks."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except SpecError as e:
+            for issue in e.issues:
+                click.echo(str(issue), err=True)
+            ctx.exit(2)
+        except BadInput as e:
+            click.echo(f"surgeon: {e}", err=True)
+            ctx.exit(2)
+        except Mismatch as e:
+            click.echo(f"surgeon: {e}", err=True)
+            ctx.exit(3)
+        except KeyboardInterrupt:
+            click.echo("surgeon: interrupted", err=True)
+            ctx.exit(130)
+        except Exception as e:  # internal error: one line, unless asked for the traceback
+            if os.environ.get("SURGEON_DEBUG"):
+                raise
+            click.echo(f"surgeon: internal error: {type(e).__name__}: {e} (SURGEON_DEBUG=1 shows the traceback)", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="surgeon")
 def main() -> None:
-    """surgeon."""
+    """Declarative hidden-state wiring for speculative-decoding drafts.
+
+    A spec names, in physical terms (embed, layer_out[k], final_norm), what a draft's fc reads;
+    surgeon translates it to every engine's ids, checks drafts and engines against it, and
+    explains changes to reviewers.
+    """
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def _progress(label: str) -> Progress:
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, transient=True, disable=not err.is_terminal)
+
+
+def _open_with_progress(engine: str, root: str | None):
+    from surgeon.engines import open_engine
+
+    with _progress(f"probing {engine} source") as bar:
+        task = bar.add_task("probe", total=None)
+
+        def hook(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return open_engine(engine, root, progress=hook)
+
+
+# ---------------------------------------------------------------------------------------------
+@main.command()
+def schema() -> None:
+    """Print the JSON Schema of spec v1 (for editors' completion and validation)."""
+    from surgeon.spec import json_schema
+
+    _emit_json(json_schema())
+
+
+# ---------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--engine", "engines", multiple=True, type=ENGINE_CHOICE, help="Check this engine (repeatable; default: the spec's engines section, else all).")
+@click.option("--engine-root", type=click.Path(), help="Engine package directory to probe (with a single --engine).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, as_json: bool) -> None:
+    """Validate specs, and check each engine can feed the draft exactly what they declare.
+
+    Exit 0 when every spec is clean (warnings allowed), 2 when any has an error.
+    """
+    from surgeon.lint import lint_files
+
+    if engine_root and len(engines) != 1:
+        raise BadInput("--engine-root needs exactly one --engine")
+    roots = {engines[0]: engine_root} if engine_root else {}
+    for e in set(engines) or {"sglang", "vllm"}:
+        _open_with_progress(e, roots.get(e))
+    results = lint_files(specs, engines=engines, roots=roots)
+    if as_json:
+        _emit_json({"ok": all(r.ok for r in results), "specs": [r.to_json() for r in results]})
+    else:
+        for r in results:
+            for issue in r.issues:
+                click.echo(str(issue), err=True)
+            if r.ok:
+                click.echo(f"{r.file}: ok" + "".join(f"\n  {c}" for c in r.checked))
+    if not all(r.ok for r in results):
+        sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------
+def _roots(engine: str | None, engine_root: str | None) -> dict[str, str | None]:
+    if engine_root and not engine:
+        raise BadInput("--engine-root needs --engine")
+    return {engine: engine_root} if engine and engine_root else {}
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--engine", type=ENGINE_CHOICE, help="Engine whose --engine-root / --model-class are given.")
+@click.option("--engine-root", type=click.Path(), help="Engine package directory to probe.")
+@click.option("--model-class", help="Engine model class (default: the spec's pin, else target.architecture).")
+@click.option("--json", "as_json", is_flag=True)
+def explain(spec: str, engine: str | None, engine_root: str | None, model_class: str | None, as_json: bool) -> None:
+    """Per capture: its point, every convention's id (or why none), fc slot and dump slot."""
+    from surgeon.render import explain as do_explain
+
+    s = load_spec(spec)
+    roots = _roots(engine, engine_root)
+    for e in ("sglang", "vllm"):
+        _open_with_progress(e, roots.get(e))
+    ex = do_explain(s, roots=roots, model_classes={engine: model_class} if engine and model_class else {})
+    if as_json:
+        _emit_json(ex.to_json())
+        return
+    out.print(f"[bold]{escape(ex.spec)}[/] ({escape(ex.file)}): L={ex.num_layers}, hidden={ex.hidden_size}")
+    cols = [c for c in ("hf", "sglang", "vllm", "eagle") if c in ex.conventions]
+    table = Table(show_lines=False)
+    for h in ("capture", "point", "fc slot", "dump slot", *cols):
+        table.add_column(h)
+    footnotes: list[str] = []
+    for row in ex.rows:
+        cells = []
+        for c in cols:
+            v = row.ids.get(c)
+            if isinstance(v, str):
+                footnotes.append(f"{row.name} / {c}: {v}")
+                cells.append(f"[red]n/e[{len(footnotes)}][/]")
+            else:
+                cells.append(str(v))
+        table.add_row(row.name, row.point, "-" if row.fc_slot is None else str(row.fc_slot), row.dump_slot or "-", *cells)
+    out.print(table)
+    for i, f in enumerate(footnotes, 1):
+        out.print(f"  [{i}] {escape(f)}")
+    out.print("fc lists:")
+    for k, lst in ex.fc_lists.items():
+        out.print(f"  {k:7} " + (f"{lst.ids} -> {', '.join(lst.captures)}" if lst.ok else f"[red]{escape(lst.error or '')}[/]"))
+    out.print("conventions:")
+    for k, v in ex.conventions.items():
+        out.print(f"  {k:7} {escape(v)}")
+    for n in ex.notes:
+        out.print(f"[yellow]note:[/] {escape(n)}")
+
+
+# ---------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--engine", "target", required=True, type=click.Choice(["sglang", "vllm", "specforge", "speculators"]))
+@click.option("--engine-root", type=click.Path(), help="Engine package directory to probe.")
+@click.option("--model-class", help="Engine model class (default: the spec's pin, else target.architecture).")
+@click.option("--json", "as_json", is_flag=True)
+def render(spec: str, target: str, engine_root: str | None, model_class: str | None, as_json: bool) -> None:
+    """The draft-config fragment and launch flags for an engine or training tool."""
+    from surgeon.render import render as do_render
+
+    s = load_spec(spec)
+    engine = {"speculators": "vllm", "specforge": None}.get(target, target)
+    if engine:
+        _open_with_progress(engine, engine_root)
+    r = do_render(s, target, engine_root=engine_root, model_class=model_class)
+    if as_json:
+        _emit_json(r.to_json())
+        return
+    out.print(f"[bold]{escape(r.spec)}[/] for {r.target}" + (f" ({escape(r.model_class)})" if r.model_class else ""))
+    out.print(f"convention: {escape(r.convention)} ({escape(r.origin)})")
+    out.print(f"ids: {r.ids}")
+    for c in r.captures:
+        out.print(f"  fc slot {c['fc_slot']}: {c['name']} = {c['point']}  (replayed: {c['captured']})")
+    out.print("draft config fragment:")
+    out.print(json.dumps(r.draft_config, indent=2), markup=False)
+    out.print("launch: " + " ".join(r.launch_flags), markup=False)
+    if r.dump:
+        out.print("dump: " + json.dumps(r.dump), markup=False)
+    for n in r.notes:
+        out.print(f"[yellow]note:[/] {escape(n)}")
+
+
+# ---------------------------------------------------------------------------------------------
+@main.command("check-draft")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.argument("draft", type=click.Path())
+@click.option("--engine", required=True, type=click.Choice(["sglang", "vllm", "specforge", "speculators"]))
+@click.option("--engine-root", type=click.Path(), help="Engine package directory to probe.")
+@click.option("--model-class", help="Engine model class (default: the spec's pin, else target.architecture).")
+@click.option("--json", "as_json", is_flag=True)
+def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, model_class: str | None, as_json: bool) -> None:
+    """Does DRAFT (a checkpoint folder or its config.json) make ENGINE feed the fc the spec's points?
+
+    Exit 0 when it does, 3 when it does not, 2 on bad input.
+    """
+    from surgeon.draft import check_draft as do_check
+
+    s = load_spec(spec)
+    if engine in ("sglang", "vllm", "speculators"):
+        _open_with_progress("vllm" if engine == "speculators" else engine, engine_root)
+    r = do_check(s, draft, engine, engine_root=engine_root, model_class=model_class)
+    if as_json:
+        _emit_json(r.to_json())
+    else:
+        out.print(f"[bold]{escape(r.draft)}[/] on {r.engine}" + (f" ({escape(r.model_class)})" if r.model_class else "") + f" against {escape(r.spec)}")
+        out.print(f"  expected fc input: {', '.join(r.expected)}")
+        out.print(f"  engine captures:   {', '.join(str(c) for c in r.captured)}")
+        style = {"error": "red", "warning": "yellow", "info": "dim"}
+        for f in r.findings:
+            out.print(f"  [{style[f.severity]}]{f.severity}[/] {f.kind}: {escape(f.detail)}")
+        out.print("[green]ok[/]" if r.ok else "[red]mismatch[/]")
+    if not r.ok:
+        sys.exit(3)
+
+
+# ---------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("old", type=click.Path(dir_okay=False))
+@click.argument("new", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+def review(old: str, new: str, as_json: bool) -> None:
+    """Markdown for a pull-request comment: what each capture physically was and is, and each
+    engine's ids before and after."""
+    from surgeon.review import review as do_review
+
+    a, b = load_spec(old), load_spec(new)
+    for e in ("sglang", "vllm"):
+        _open_with_progress(e, None)
+    r = do_review(a, b)
+    if as_json:
+        _emit_json({**r.data, "markdown": r.markdown})
+    else:
+        click.echo(r.markdown, nl=False)
+
+
+# ---------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--engine", required=True, type=ENGINE_CHOICE)
+@click.option("--engine-root", type=click.Path(), help="Engine package directory (default: the installed package, found without importing it).")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--all", "show_all", is_flag=True, help="Also list every classified class in the text report.")
+def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: bool) -> None:
+    """What the installed engine's ids mean, per model class, read from its source."""
+    view = _open_with_progress(engine, engine_root)
+    if view.probe is None:
+        raise BadInput(f"{engine} is not installed here; pass --engine-root DIR (the {engine} package directory)")
+    probe = view.probe
+    if as_json:
+        _emit_json(probe.to_json())
+        return
+    out.print(f"[bold]{engine} {escape(probe.version)}[/] at {escape(probe.root)}: {probe.files_scanned} files, "
+              f"{len(probe.classified)} classes classified, {len(probe.unclassified)} unclassified")
+    groups: dict[tuple, list] = {}
+    for c in probe.classified:
+        key = (c.id_rule.name if c.id_rule else "?", ", ".join(map(str, c.default)) if c.default else "none",
+               c.default_through_rule, c.sorts, c.dedups, c.capture_site, c.captured_value)
+        groups.setdefault(key, []).append(c)
+    table = Table(title="conventions (classes grouped by identical rules)")
+    for h in ("id -> capture index", "default", "sorted/dedup", "captured at", "value", "classes"):
+        table.add_column(h)
+    for (rule, default, through, sorts, dedups, site, value), classes in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        names = sorted(c.class_name for c in classes)
+        shown = names if show_all or len(names) <= 6 else names[:6] + [f"... {len(names) - 6} more (--all)"]
+        table.add_row(rule, f"{default}{' (through the rule)' if through else ''}",
+                      f"{'sorted' if sorts else 'layer order'}/{'dedup' if dedups else 'dups kept'}",
+                      f"layer {site}", value, "\n".join(shown))
+    out.print(table)
+    bypassed = [c for c in probe.classified if c.bypasses]
+    for c in bypassed:
+        for b in c.bypasses:
+            out.print(f"[yellow]bypass[/] {c.class_name} ({escape(c.path)}:{b.line}): {escape(b.description)}; {escape(b.layers)}")
+    for c in probe.unclassified:
+        out.print(f"[red]unclassified[/] {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")

@@ -48,11 +48,17 @@ class Issue:
     col: int
     message: str
     path: str = ""  # dotted key path, e.g. "captures.low"
+    severity: str = "error"  # or "warning"
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}:{self.col}" if self.line else self.file
         key = f"{self.path}: " if self.path else ""
-        return f"{where}: {key}{self.message}"
+        tag = "" if self.severity == "error" else f"{self.severity}: "
+        return f"{where}: {tag}{key}{self.message}"
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "line": self.line, "col": self.col, "severity": self.severity,
+                "path": self.path, "message": self.message}
 
 
 class SpecError(Exception):
@@ -181,13 +187,16 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-# Plain scalars that YAML 1.1 turns into booleans are a classic trap (`on:`, `no:`); keys are
-# read as written instead. Only the str/int/float/bool/null resolvers stay.
-for _ch, _resolvers in list(_Loader.yaml_implicit_resolvers.items()):
-    _Loader.yaml_implicit_resolvers[_ch] = [
-        (tag, rx) for tag, rx in _resolvers
-        if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:null", "tag:yaml.org,2002:bool")
-    ]
+# YAML 1.1 reads `yes`, `no`, `on`, `off` as booleans (a capture named `on` would become True);
+# only true/false are booleans here. Timestamps, merges and the like stay strings too.
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_KEEP = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:null")
+_Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag in _KEEP]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+for _ch in "tTfF":
+    _Loader.yaml_implicit_resolvers.setdefault(_ch, []).append(("tag:yaml.org,2002:bool", _BOOL))
 
 
 @dataclass
@@ -215,7 +224,12 @@ def _index(node: yaml.Node, path: tuple, out: _Located, depth: int = 0) -> None:
 
 
 def _parse_yaml(text: str, file: str) -> _Located:
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        col = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+        raise SpecError([Issue(file, line, col, f"YAML: character {e.character!r} is not allowed in YAML text")]) from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -228,8 +242,12 @@ def _parse_yaml(text: str, file: str) -> _Located:
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         msg = " ".join(x for x in (e.context, e.problem) if x) or "invalid YAML"
         raise SpecError([Issue(file, line, col, f"YAML: {msg}")]) from None
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        col = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+        raise SpecError([Issue(file, line, col, f"YAML: character {e.character!r} is not allowed in YAML text")]) from None
     except yaml.YAMLError as e:
-        raise SpecError([Issue(file, 1, 1, f"YAML: {e}")]) from None
+        raise SpecError([Issue(file, 1, 1, f"YAML: {' '.join(str(e).split())}")]) from None
     except RecursionError:
         raise SpecError([Issue(file, 1, 1, "YAML nested too deeply")]) from None
     finally:
@@ -277,8 +295,9 @@ class Spec:
     def pin(self, engine: str):
         return getattr(self.model.engines, engine) if self.model.engines else None
 
-    def issue(self, path: tuple, message: str, *, key: bool = False) -> Issue:
-        return _issue(self.file, self._loc, path, message, key=key)
+    def issue(self, path: tuple, message: str, *, key: bool = False, severity: str = "error") -> Issue:
+        i = _issue(self.file, self._loc, path, message, key=key)
+        return i if severity == "error" else Issue(i.file, i.line, i.col, i.message, i.path, severity)
 
 
 def _dotted(path: tuple) -> str:
@@ -319,7 +338,8 @@ def _pydantic_issues(err: ValidationError, file: str, loc: _Located) -> list[Iss
             got = e.get("input")
             shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
             issues.append(_issue(file, loc, path, f"{e['msg'][0].lower()}{e['msg'][1:]} (got {shown})"))
-    return issues
+    # an unknown key usually explains a missing one (a typo): report it first
+    return sorted(issues, key=lambda i: (not i.message.startswith("unknown key"), i.line, i.col))
 
 
 def load_spec(path: str | Path, *, text: str | None = None) -> Spec:
