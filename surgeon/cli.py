@@ -24,6 +24,8 @@ from surgeon.spec import SpecError, load_spec
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+if not out.is_terminal:  # piped into a file or a CI log: do not wrap tables at 80 columns
+    out = Console(highlight=False, soft_wrap=True, width=200)
 
 ENGINE_CHOICE = click.Choice(["sglang", "vllm"])
 
@@ -188,8 +190,9 @@ def explain(spec: str, engine: str | None, engine_root: str | None, model_class:
 @click.option("--engine", "target", required=True, type=click.Choice(["sglang", "vllm", "specforge", "speculators"]))
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe.")
 @click.option("--model-class", help="Engine model class (default: the spec's pin, else target.architecture).")
+@click.option("--pin", is_flag=True, help="Write engines.<engine> pins for the installed engine into SPEC (comments and order kept).")
 @click.option("--json", "as_json", is_flag=True)
-def render(spec: str, target: str, engine_root: str | None, model_class: str | None, as_json: bool) -> None:
+def render(spec: str, target: str, engine_root: str | None, model_class: str | None, pin: bool, as_json: bool) -> None:
     """The draft-config fragment and launch flags for an engine or training tool."""
     from surgeon.render import render as do_render
 
@@ -197,7 +200,15 @@ def render(spec: str, target: str, engine_root: str | None, model_class: str | N
     engine = {"speculators": "vllm", "specforge": None}.get(target, target)
     if engine:
         _open_with_progress(engine, engine_root)
+    if pin and target not in ("sglang", "vllm"):
+        raise BadInput("--pin needs --engine sglang or vllm")
     r = do_render(s, target, engine_root=engine_root, model_class=model_class)
+    if pin:
+        from surgeon.pins import pin_values, write_pins
+
+        values = pin_values(s, target, engine_root=engine_root, model_class=model_class)
+        write_pins(spec, target, values)
+        err.print(f"pinned engines.{target} in {escape(spec)}: {escape(str(values))}")
     if as_json:
         _emit_json(r.to_json())
         return

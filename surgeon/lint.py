@@ -10,6 +10,7 @@ from typing import Sequence
 from surgeon.conventions import NotExpressible
 from surgeon.engines import SERVING_ENGINES, model_class_for, open_engine
 from surgeon.errors import BadInput
+from surgeon.pins import check_pins
 from surgeon.spec import Issue, Spec, SpecError, load_spec
 
 
@@ -49,6 +50,9 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
     fc_path = ("draft", "fc_input")
     for engine in targets:
         view = open_engine(engine, roots.get(engine))
+        pin_issues, pin_checked = check_pins(spec, engine, view)
+        result.issues.extend(pin_issues)
+        result.checked.extend(pin_checked)
         cls = model_class_for(spec, engine)
         try:
             conv = view.convention(cls)
@@ -65,8 +69,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         for b in conv.cc.bypasses:
             result.issues.append(spec.issue(
                 fc_path,
-                f"{engine}: {conv.cc.path}:{b.line}: {b.description} ({b.layers}); captures requested for those layers "
-                "silently do not happen when that path is taken",
+                f"{engine}: {conv.cc.path}:{b.line}: {b.description} (when: {b.layers})",
                 severity="warning",
             ))
     return result

@@ -122,7 +122,7 @@ def explain(spec: Spec, *, roots: dict[str, str | None] | None = None, model_cla
         engines[engine] = conv
         conventions[engine] = f"{conv.name} ({conv.origin})"
         for b in conv.cc.bypasses:
-            notes.append(f"{conv.name}: {b.description} ({conv.cc.path}:{b.line}; {b.layers}): captures requested there silently do not happen")
+            notes.append(f"{conv.name}: {conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
 
     fc_lists: dict[str, IdList] = {}
     per_fc: dict[str, dict[str, int | str]] = {}
@@ -204,7 +204,7 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     if view is not None:
         cc = view.class_convention(cls)
         for b in cc.bypasses:
-            notes.append(f"{cc.path}:{b.line}: {b.description} ({b.layers}): captures requested there silently do not happen")
+            notes.append(f"{cc.path}:{b.line}: {b.description} (when: {b.layers})")
         if view.probe is None:
             notes.append(f"{engine} is not installed here: ids follow the built-in table; install it or pass --engine-root to render against its source")
     captures = [
