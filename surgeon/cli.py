@@ -294,8 +294,7 @@ def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: b
     if as_json:
         _emit_json(probe.to_json())
         return
-    out.print(f"[bold]{engine} {escape(probe.version)}[/] at {escape(probe.root)}: {probe.files_scanned} files, "
-              f"{len(probe.classified)} classes classified, {len(probe.unclassified)} unclassified")
+    out.print(f"[bold]{engine} {escape(probe.version)}[/] at {escape(probe.root)}: {probe.files_scanned} model files")
     groups: dict[tuple, list] = {}
     for c in probe.classified:
         key = (c.id_rule.name if c.id_rule else "?", ", ".join(map(str, c.default)) if c.default else "none",
@@ -314,6 +313,11 @@ def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: b
     bypassed = [c for c in probe.classified if c.bypasses]
     for c in bypassed:
         for b in c.bypasses:
-            out.print(f"[yellow]bypass[/] {c.class_name} ({escape(c.path)}:{b.line}): {escape(b.description)}; {escape(b.layers)}")
+            out.print(f"[yellow]bypass[/] {c.class_name} ({escape(b.path or c.path)}:{b.line}): {escape(b.description)} (when: {escape(b.layers)})")
     for c in probe.unclassified:
-        out.print(f"[red]unclassified[/] {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")
+        tag = "[yellow]no capture[/]" if c.no_capture else "[red]unclassified[/]"
+        out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")
+    cov = probe.coverage()
+    for group, n in cov.items():
+        out.print(f"{group}: {n['total']} classes, {n['classified']} classified, {n['no_capture']} shown by the source not to capture, "
+                  f"{n['unclassified']} unclassified")

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from surgeon.points import EMBED, FINAL_NORM, Point, layer_out
-from surgeon.probes.model import Branch, ClassConvention, DefaultTerm, FirstIdEquals, IdRule
+import re
+
+from surgeon.probes.model import Branch, ClassConvention, DefaultTerm, FirstIdEquals, IdRule, MaxIdEquals
 
 # EAGLE-3's default capture positions, as each tool writes them.
 _DEFAULT_3 = (DefaultTerm(0, 1, 2), DefaultTerm(1, 2, 0), DefaultTerm(1, 1, -3))
@@ -34,6 +36,41 @@ class NotExpressible(ValueError):
 
 class InvalidId(ValueError):
     """An id that names nothing in a convention (out of range for the model)."""
+
+
+class OffsetError(ValueError):
+    """An offset name (engines.<e>.offset in a spec) that names no id rule."""
+
+
+_TERM = re.compile(r"^(?:(?P<mul>\d+)\*)?L(?://(?P<div>\d+))?(?P<add>[+-]\d+)?$")
+_BRANCH = re.compile(r"^(?P<off>[+-]\d+) if (?:ids\[0\] == (?P<first>-?\d+)|max\(ids\) == (?P<max>\S+)) else (?P<rest>.+)$")
+
+
+def parse_term(text: str) -> DefaultTerm:
+    """The inverse of ``str(DefaultTerm)``: ``2``, ``L``, ``L//2``, ``L-3``, ``2*L//3+1``."""
+    if re.fullmatch(r"-?\d+", text):
+        return DefaultTerm(0, 1, int(text))
+    m = _TERM.match(text)
+    if not m:
+        raise OffsetError(f"{text!r} is not a layer-count term such as 'L', 'L-1' or 'L//2'")
+    return DefaultTerm(int(m.group("mul") or 1), int(m.group("div") or 1), int(m.group("add") or 0))
+
+
+def parse_offset(text: str) -> IdRule:
+    """The inverse of ``IdRule.name``: ``+1``, ``+0``, ``+1 if ids[0] == 1 else +0``,
+    ``+0 if max(ids) == L else +1``."""
+    t = " ".join(str(text).split())
+    branches = []
+    while True:
+        if re.fullmatch(r"[+-]\d+", t):
+            branches.append(Branch(int(t)))
+            return IdRule(tuple(branches))
+        m = _BRANCH.match(t)
+        if not m:
+            raise OffsetError(f"offset {text!r} is not '+1', '+0', '+1 if ids[0] == 1 else +0' or another rule name that `surgeon conventions` prints")
+        cond = FirstIdEquals(int(m.group("first"))) if m.group("first") is not None else MaxIdEquals(parse_term(m.group("max")))
+        branches.append(Branch(int(m.group("off")), cond))
+        t = m.group("rest")
 
 
 # ---------------------------------------------------------------------------------------------

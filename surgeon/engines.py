@@ -8,6 +8,7 @@ An :class:`EngineView` is one engine as surgeon sees it in this environment. Vie
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -53,14 +54,38 @@ class EngineView:
                 + (f"; did you mean {', '.join(hint)}?" if hint else f" ({len(known)} classes: see `surgeon conventions --engine {self.engine}`)")
             )
         if cc.status != "classified":
-            raise BadInput(f"{self.engine} {self.probe.version} {model_class} ({cc.path}:{cc.line}): the probe cannot tell what its ids mean: {cc.reason}")
+            what = "the source shows it cannot capture aux hidden states" if cc.no_capture else "the probe cannot tell what its ids mean"
+            raise BadInput(f"{self.engine} {self.probe.version} {model_class} ({cc.path}:{cc.line}): {what}: {cc.reason}")
         return cc
 
     def convention(self, model_class: str | None) -> EngineConvention:
         return EngineConvention(self.class_convention(model_class), self.origin)
 
 
-@lru_cache(maxsize=None)
+def _signature(location: EngineLocation) -> tuple:
+    """What the source looks like now (names, sizes, mtimes of the model files): a view is reused
+    within a process only while this is unchanged, so an edited engine is probed again."""
+    sig = [location.version]
+    for d in (location.models_dir,):
+        try:
+            for entry in sorted(os.scandir(d), key=lambda e: e.name):
+                if entry.name.endswith(".py"):
+                    st = entry.stat()
+                    sig.append((entry.name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            pass
+    return tuple(sig)
+
+
+@lru_cache(maxsize=16)
+def _probe_view(engine: str, location: EngineLocation, signature: tuple) -> EngineView:
+    try:
+        probe = probe_engine(engine, location.root, progress=_progress_hook.get(engine))
+    except ProbeError as e:
+        raise BadInput(f"{engine} at {location.root}: {e}") from None
+    return EngineView(engine, location, probe)
+
+
 def _open(engine: str, root: str | None) -> EngineView:
     try:
         location = locate_engine(engine, root)
@@ -68,11 +93,7 @@ def _open(engine: str, root: str | None) -> EngineView:
         if root is not None:
             raise BadInput(f"--engine-root {root}: {e}") from None
         return EngineView(engine, None, None)
-    try:
-        probe = probe_engine(engine, location.root, progress=_progress_hook.get(engine))
-    except ProbeError as e:
-        raise BadInput(f"{engine} at {location.root}: {e}") from None
-    return EngineView(engine, location, probe)
+    return _probe_view(engine, location, _signature(location))
 
 
 _progress_hook: dict[str, Callable[[int, int], None]] = {}

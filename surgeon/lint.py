@@ -69,7 +69,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         for b in conv.cc.bypasses:
             result.issues.append(spec.issue(
                 fc_path,
-                f"{engine}: {conv.cc.path}:{b.line}: {b.description} (when: {b.layers})",
+                f"{engine}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})",
                 severity="warning",
             ))
     return result

@@ -9,7 +9,6 @@ shifting every capture by one layer in production (sgl-project/sglang#25454).
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -17,25 +16,10 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from surgeon.conventions import EngineConvention, builtin_convention
+from surgeon.conventions import EngineConvention, OffsetError, builtin_convention, parse_offset
 from surgeon.engines import EngineView, model_class_for, open_engine
 from surgeon.errors import BadInput
-from surgeon.probes.model import Branch, FirstIdEquals, IdRule
 from surgeon.spec import Issue, Spec, load_spec
-
-_COND = re.compile(r"^([+-]\d+) if ids\[0\] == (-?\d+) else ([+-]\d+)$")
-
-
-def parse_offset(text: str) -> IdRule:
-    """The inverse of ``IdRule.name``: ``+1``, ``+0``, ``+1 if ids[0] == 1 else +0``."""
-    t = " ".join(text.split())
-    if re.fullmatch(r"[+-]\d+", t):
-        return IdRule((Branch(int(t)),))
-    m = _COND.match(t)
-    if m:
-        return IdRule((Branch(int(m.group(1)), FirstIdEquals(int(m.group(2)))), Branch(int(m.group(3)))))
-    raise BadInput(f"offset {text!r} is not '+1', '+0' or '+1 if ids[0] == 1 else +0'")
-
 
 def _slot_diffs(spec: Spec, captured: list, engine: str, who: str) -> list[str]:
     out = []
@@ -65,7 +49,7 @@ def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple
     if pin.offset is not None:
         try:
             pinned_rule = parse_offset(pin.offset)
-        except BadInput as e:
+        except OffsetError as e:
             issues.append(spec.issue(base + ("offset",), str(e)))
     if pin.ids is not None and spec.model.draft is not None and pinned_rule is not None:
         family = builtin_convention(engine, cls)

@@ -122,7 +122,7 @@ def explain(spec: Spec, *, roots: dict[str, str | None] | None = None, model_cla
         engines[engine] = conv
         conventions[engine] = f"{conv.name} ({conv.origin})"
         for b in conv.cc.bypasses:
-            notes.append(f"{conv.name}: {conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
+            notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
 
     fc_lists: dict[str, IdList] = {}
     per_fc: dict[str, dict[str, int | str]] = {}
@@ -204,7 +204,7 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     if view is not None:
         cc = view.class_convention(cls)
         for b in cc.bypasses:
-            notes.append(f"{cc.path}:{b.line}: {b.description} (when: {b.layers})")
+            notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
         if view.probe is None:
             notes.append(f"{engine} is not installed here: ids follow the built-in table; install it or pass --engine-root to render against its source")
     captures = [

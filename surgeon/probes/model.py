@@ -52,7 +52,7 @@ class FirstIdEquals:
 
     value: int
 
-    def holds(self, ids: Sequence[int]) -> bool:
+    def holds(self, ids: Sequence[int], num_layers: int | None = None) -> bool:
         return len(ids) > 0 and ids[0] == self.value
 
     def __str__(self) -> str:
@@ -60,11 +60,27 @@ class FirstIdEquals:
 
 
 @dataclass(frozen=True)
+class MaxIdEquals:
+    """Condition of a branch: the largest explicit id equals ``term`` evaluated at the layer count
+    (gpt_oss.py's ``if layer_ids and max(layer_ids) == num_layers``). Needs ``num_layers``."""
+
+    term: DefaultTerm
+
+    def holds(self, ids: Sequence[int], num_layers: int | None = None) -> bool:
+        if num_layers is None:
+            raise ValueError(f"the condition {self} needs the layer count")
+        return len(ids) > 0 and max(ids) == self.term.evaluate(num_layers)
+
+    def __str__(self) -> str:
+        return f"max(ids) == {self.term}"
+
+
+@dataclass(frozen=True)
 class Branch:
     """``offset`` is added to every explicit id when ``condition`` holds (``None``: always)."""
 
     offset: int
-    condition: FirstIdEquals | None = None
+    condition: FirstIdEquals | MaxIdEquals | None = None
 
 
 @dataclass(frozen=True)
@@ -74,9 +90,9 @@ class IdRule:
 
     branches: tuple[Branch, ...]
 
-    def apply(self, ids: Sequence[int]) -> list[int]:
+    def apply(self, ids: Sequence[int], num_layers: int | None = None) -> list[int]:
         for branch in self.branches:
-            if branch.condition is None or branch.condition.holds(ids):
+            if branch.condition is None or branch.condition.holds(ids, num_layers):
                 return [i + branch.offset for i in ids]
         raise AssertionError("an IdRule must end with an unconditional branch")
 
@@ -107,6 +123,9 @@ class Bypass:
     # Layers (global indices, as a function of the model's config) that can take the path, in
     # words, e.g. "layers >= config.first_k_dense_replace when forward_batch.can_run_tbo".
     layers: str
+    # File of ``line`` (relative to the engine root): the bypass may live in another file than the
+    # class it affects (an inherited or delegated model). None: the class's own file.
+    path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +155,13 @@ class ClassConvention:
     captured_value: CapturedValue = "unknown"
     loop_owner: str | None = None  # "path:Class.method" of the decoder-layer loop
     bypasses: tuple[Bypass, ...] = ()
+    # An entry-site model that also captures after its layer loop when asked for index L (the last
+    # layer's output, before the final norm): index L is then reachable too.
+    tail_capture: bool = False
+    # On an unclassified class: the source shows it cannot capture at all (its setter always fails,
+    # or nothing reads the stored ids, or its layers ignore the capture argument). A finding about
+    # the engine, as opposed to a class the probe cannot read.
+    no_capture: bool = False
 
     # -- the executable part -------------------------------------------------------------
     def capture_indices(self, ids: Sequence[int] | None, num_layers: int) -> list[int]:
@@ -147,15 +173,18 @@ class ClassConvention:
             if self.default is None:
                 raise ValueError(f"{self.class_name}: the engine has no default id list")
             raw = [t.evaluate(num_layers) for t in self.default]
-            indices = self.id_rule.apply(raw) if self.default_through_rule else raw
+            indices = self.id_rule.apply(raw, num_layers) if self.default_through_rule else raw
         else:
-            indices = self.id_rule.apply(list(ids))
+            indices = self.id_rule.apply(list(ids), num_layers)
         return indices
 
     def reachable(self, num_layers: int) -> range:
-        """Capture indices the loop can actually hit: entry captures see layers 0..L-1, exit
-        captures see 0 (before the loop) and 1..L (after each layer)."""
-        return range(0, num_layers) if self.capture_site == "entry" else range(0, num_layers + 1)
+        """Capture indices the loop can actually hit: entry captures see layers 0..L-1 (and L when
+        the model also captures after its loop, ``tail_capture``), exit captures see 0 (before the
+        loop) and 1..L (after each layer)."""
+        if self.capture_site == "entry":
+            return range(0, num_layers + 1) if self.tail_capture else range(0, num_layers)
+        return range(0, num_layers + 1)
 
     def capture(self, ids: Sequence[int] | None, num_layers: int) -> list[int | None]:
         """Stream positions the engine emits, in the order it emits them. An index the loop never
@@ -187,9 +216,20 @@ class EngineProbe:
     root: str
     classes: dict[str, ClassConvention] = field(default_factory=dict)
     files_scanned: int = 0
+    # Keys of ``classes`` whose own body defines the capture interface (SGLang: the setter; vLLM:
+    # SupportsEagle3/EagleModelMixin in the bases, a setter/default override, or the attribute),
+    # as opposed to classes that only inherit it.
+    defining: set[str] = field(default_factory=set)
+    # Architecture name (config.json ``architectures``) -> key of ``classes``, from the engine's
+    # registry (SGLang ``EntryClass``, vLLM ``registry.py``), for registered classes probed here.
+    architectures: dict[str, str] = field(default_factory=dict)
 
     def get(self, class_name: str) -> ClassConvention | None:
-        return self.classes.get(class_name)
+        """The convention of a class by key (its name), else by registered architecture name."""
+        found = self.classes.get(class_name)
+        if found is None and class_name in self.architectures:
+            found = self.classes.get(self.architectures[class_name])
+        return found
 
     @property
     def classified(self) -> list[ClassConvention]:
@@ -199,13 +239,27 @@ class EngineProbe:
     def unclassified(self) -> list[ClassConvention]:
         return [c for c in self.classes.values() if c.status == "unclassified"]
 
+    def coverage(self) -> dict[str, dict[str, int]]:
+        """Counts per group: every probed class, and the classes whose own body defines the
+        capture interface (``defining``). ``no_capture`` classes are decided (the source shows
+        they cannot capture), not gaps."""
+        def count(classes: list[ClassConvention]) -> dict[str, int]:
+            return {"total": len(classes),
+                    "classified": sum(c.status == "classified" for c in classes),
+                    "no_capture": sum(c.status != "classified" and c.no_capture for c in classes),
+                    "unclassified": sum(c.status != "classified" and not c.no_capture for c in classes)}
+        return {"all classes": count(list(self.classes.values())),
+                "defining classes": count([self.classes[k] for k in sorted(self.defining) if k in self.classes])}
+
     def to_json(self) -> dict:
         return {
+            "coverage": self.coverage(),
             "engine": self.engine,
             "version": self.version,
             "root": self.root,
             "files_scanned": self.files_scanned,
             "classified": len(self.classified),
             "unclassified": len(self.unclassified),
+            "architectures": dict(self.architectures),
             "classes": [c.to_json() for c in sorted(self.classes.values(), key=lambda c: (c.path, c.line))],
         }
