@@ -30,8 +30,8 @@ class NotExpressible(ValueError):
         self.convention = convention
         self.point = point
         self.reason = reason
-        where = f"{point} " if point is not None else ""
-        super().__init__(f"{where}is not expressible in {convention}: {reason}")
+        where = f"{point} is not" if point is not None else "not"
+        super().__init__(f"{where} expressible in {convention}: {reason}")
 
 
 class InvalidId(ValueError):
@@ -42,18 +42,21 @@ class OffsetError(ValueError):
     """An offset name (engines.<e>.offset in a spec) that names no id rule."""
 
 
-_TERM = re.compile(r"^(?:(?P<mul>\d+)\*)?L(?://(?P<div>\d+))?(?P<add>[+-]\d+)?$")
-_BRANCH = re.compile(r"^(?P<off>[+-]\d+) if (?:ids\[0\] == (?P<first>-?\d+)|max\(ids\) == (?P<max>\S+)) else (?P<rest>.+)$")
+_TERM = re.compile(r"(?:(?P<mul>[0-9]+)\*)?L(?://(?P<div>[0-9]+))?(?P<add>[+-][0-9]+)?")
+_BRANCH = re.compile(r"(?P<off>[+-][0-9]+) if (?:ids\[0\] == (?P<first>-?[0-9]+)|max\(ids\) == (?P<max>\S+)) else (?P<rest>.+)")
 
 
 def parse_term(text: str) -> DefaultTerm:
     """The inverse of ``str(DefaultTerm)``: ``2``, ``L``, ``L//2``, ``L-3``, ``2*L//3+1``."""
-    if re.fullmatch(r"-?\d+", text):
+    if re.fullmatch(r"-?[0-9]+", text):
         return DefaultTerm(0, 1, int(text))
-    m = _TERM.match(text)
+    m = _TERM.fullmatch(text)
     if not m:
         raise OffsetError(f"{text!r} is not a layer-count term such as 'L', 'L-1' or 'L//2'")
-    return DefaultTerm(int(m.group("mul") or 1), int(m.group("div") or 1), int(m.group("add") or 0))
+    div = int(m.group("div") or 1)
+    if div == 0:
+        raise OffsetError(f"{text!r} divides by zero")
+    return DefaultTerm(int(m.group("mul") or 1), div, int(m.group("add") or 0))
 
 
 def parse_offset(text: str) -> IdRule:
@@ -62,10 +65,10 @@ def parse_offset(text: str) -> IdRule:
     t = " ".join(str(text).split())
     branches = []
     while True:
-        if re.fullmatch(r"[+-]\d+", t):
+        if re.fullmatch(r"[+-][0-9]+", t):
             branches.append(Branch(int(t)))
             return IdRule(tuple(branches))
-        m = _BRANCH.match(t)
+        m = _BRANCH.fullmatch(t)
         if not m:
             raise OffsetError(f"offset {text!r} is not '+1', '+0', '+1 if ids[0] == 1 else +0' or another rule name that `surgeon conventions` prints")
         cond = FirstIdEquals(int(m.group("first"))) if m.group("first") is not None else MaxIdEquals(parse_term(m.group("max")))
@@ -88,7 +91,14 @@ class PointwiseConvention:
     default: tuple[DefaultTerm, ...] | None = None  # default ids, in this convention
 
     def encode(self, points: Sequence[Point], num_layers: int) -> list[int]:
-        return [self.to_id(p, num_layers) for p in points]
+        ids = [self.to_id(p, num_layers) for p in points]
+        if not self.keeps_order and ids != sorted(set(ids)):
+            raise NotExpressible(
+                self.name,
+                f"captures arrive in ascending layer order, so fc order [{', '.join(map(str, points))}] would be "
+                "permuted (or a repeated point captured once); order fc_input by layer",
+            )
+        return ids
 
     def decode(self, ids: Sequence[int] | None, num_layers: int) -> list[Point | None]:
         if ids is None:
@@ -160,6 +170,9 @@ EAGLE = PointwiseConvention(
     to_id=_eagle_to_id,
     to_point=_eagle_to_point,
     default=(DefaultTerm(0, 1, 1), DefaultTerm(1, 2, -1), DefaultTerm(1, 1, -4)),
+    # SpecForge captures through SGLang's layer loop (or HF hidden_states), so aux states arrive in
+    # layer order whatever the list order: a list out of layer order would permute the fc input.
+    keeps_order=False,
 )
 
 
@@ -217,8 +230,19 @@ class EngineConvention:
     def keeps_order(self) -> bool:
         return not (self.cc.sorts or self.cc.emit_order == "layer")
 
+    @property
+    def drops_residual(self) -> bool:
+        """The class captures a layer's own output without the residual stream added
+        (sgl-project/sglang#39286): its ids name layer_delta[k], not layer_out[k]."""
+        return self.cc.captured_value == "layer_output_without_residual"
+
+    def _point_at(self, position: int) -> Point:
+        if self.drops_residual and position > 0:
+            return Point("layer_delta", position - 1)
+        return Point.at_position(position)
+
     def decode(self, ids: Sequence[int] | None, num_layers: int) -> list[Point | None]:
-        return [None if s is None else Point.at_position(s) for s in self.cc.capture(ids, num_layers)]
+        return [None if s is None else self._point_at(s) for s in self.cc.capture(ids, num_layers)]
 
     def check_point(self, point: Point, num_layers: int) -> int:
         """The stream position of ``point``, or NotExpressible saying why the engine cannot
@@ -230,6 +254,14 @@ class EngineConvention:
                 "aux ids name residual-stream states; the final norm's output is the hidden state "
                 "the model returns, not an aux capture" if point.kind == "final_norm"
                 else "aux ids capture the residual stream, not a layer's own output",
+                point,
+            )
+        if self.drops_residual and point.kind == "layer_out":
+            raise NotExpressible(
+                self.name,
+                f"{self.cc.class_name} captures the layer's output without the residual added "
+                f"(layer_delta[{point.index}], not the residual stream; see sgl-project/sglang#39286): "
+                "patch the capture to add the residual, or train on what it captures",
                 point,
             )
         if point.position not in self.cc.reachable(num_layers):

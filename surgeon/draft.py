@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from surgeon.conventions import EAGLE, InvalidId, NotExpressible
+from surgeon.conventions import EAGLE, InvalidId
 from surgeon.engines import model_class_for, open_engine
 from surgeon.errors import BadInput
-from surgeon.spec import Spec
+from surgeon.spec import Spec, read_regular_file
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 MAX_CONFIG_BYTES = 16 << 20
@@ -69,17 +69,20 @@ def _read_config(draft: Path) -> tuple[Path, dict]:
     cfg = draft / "config.json" if draft.is_dir() else draft
     if not cfg.exists():
         raise BadInput(f"{draft}: no config.json there" if draft.is_dir() else f"{draft}: no such file")
-    if cfg.stat().st_size > MAX_CONFIG_BYTES:
-        raise BadInput(f"{cfg}: larger than {MAX_CONFIG_BYTES} bytes; not a draft config")
     try:
-        text = cfg.read_text(encoding="utf-8")
-        data = json.loads(text)
+        raw = read_regular_file(cfg, MAX_CONFIG_BYTES)
+    except ValueError as e:
+        raise BadInput(f"{cfg}: {e}; not a draft config") from None
+    except OSError as e:
+        raise BadInput(f"{cfg}: cannot read: {e.strerror or e}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise BadInput(f"{cfg}: not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise BadInput(f"{cfg}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
-    except OSError as e:
-        raise BadInput(f"{cfg}: cannot read: {e.strerror or e}") from None
+    except RecursionError:
+        raise BadInput(f"{cfg}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise BadInput(f"{cfg}:1:1: a draft config is a JSON object, not {type(data).__name__}")
     return cfg, data
@@ -107,22 +110,22 @@ def read_ids(cfg: Path, data: dict) -> dict[str, list[int] | None]:
     }
 
 
-def ids_engine_uses(engine: str, found: dict[str, list[int] | None]) -> tuple[list[int] | None, str | None]:
+def ids_engine_uses(engine: str, data: dict, found: dict[str, list[int] | None]) -> tuple[list[int] | None, str | None]:
     """The ids ``engine`` passes to the setter, and the config key they came from (None, None:
-    no ids, so the engine's default)."""
+    no ids, so the engine's default). Mirrors the reading code named in CONFIG_RULES, step by step."""
     top = found["eagle_aux_hidden_state_layer_ids"]
     nested = found["eagle_config.eagle_aux_hidden_state_layer_ids"]
     dflash = found["dflash_config.target_layer_ids"]
+    eagle_config, dflash_config = data.get("eagle_config"), data.get("dflash_config")
     if engine in ("vllm", "speculators"):
-        if top:
-            return top, "eagle_aux_hidden_state_layer_ids"
-        ids, key = None, None
-        if dflash:
-            ids, key = [i + 1 for i in dflash], "dflash_config.target_layer_ids (+1)"
-        if nested is not None:
-            ids, key = nested, "eagle_config.eagle_aux_hidden_state_layer_ids"
-        return (ids, key) if ids else (None, None)
-    # sglang, specforge
+        ids, key = top, "eagle_aux_hidden_state_layer_ids"
+        if not ids:
+            if dflash_config and isinstance(dflash_config, dict):
+                ids, key = [i + 1 for i in (dflash or [])], "dflash_config.target_layer_ids (+1)"
+            if eagle_config and isinstance(eagle_config, dict):  # replaces the dflash ids, even with None
+                ids, key = nested, "eagle_config.eagle_aux_hidden_state_layer_ids"
+        return (list(ids), key) if ids else (None, None)
+    # sglang, specforge: eagle_config["eagle_aux_hidden_state_layer_ids"], any failure -> None
     return (nested, "eagle_config.eagle_aux_hidden_state_layer_ids") if nested is not None else (None, None)
 
 
@@ -134,6 +137,8 @@ def fc_weight_shape(draft: Path) -> dict | None:
 
     found = None
     for f in sorted(draft.glob("*.safetensors")):
+        if not f.is_file():
+            continue
         try:
             with safe_open(str(f), framework="numpy") as st:
                 for name in st.keys():
@@ -160,26 +165,37 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
     expected = [str(p) for p in spec.fc_points]
     findings: list[Finding] = []
 
-    ids, key = ids_engine_uses(engine, found)
+    ids, key = ids_engine_uses(engine, data, found)
     cls = None
+    captured: list[str | None]
     if engine == "specforge":
         origin = EAGLE.source
         try:
             captured = [str(p) for p in EAGLE.decode(ids, L)]
         except InvalidId as e:
-            raise BadInput(f"{cfg}: {e}") from None
+            if ids is not None:
+                raise BadInput(f"{cfg}: {e}") from None
+            captured = []
+            findings.append(Finding("error", "missing_ids", f"the draft config gives no ids and the SpecForge default is invalid for {L} layers: {e}"))
     else:
         view = open_engine("vllm" if engine == "speculators" else engine, engine_root)
         cls = model_class_for(spec, "vllm" if engine == "speculators" else engine, model_class)
         conv = view.convention(cls)
         origin = conv.origin
-        out = conv.decode(ids, L)
+        try:
+            out = conv.decode(ids, L)
+        except ValueError as e:  # no ids and no default: the engine captures nothing (or fails)
+            out = []
+            findings.append(Finding("error", "missing_ids", f"the draft config gives {engine} no ids and {e}"))
         captured = [None if p is None else str(p) for p in out]
         if any(p is None for p in out):
             findings.append(Finding("error", "never_captured",
                                     f"ids {ids} include an index the {engine} loop never reaches; that capture silently does not happen"))
+    eagle_config = data.get("eagle_config")
+    if engine == "sglang" and isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state", True) is False:
+        findings.append(Finding("error", "aux_disabled", "eagle_config.use_aux_hidden_state is false: SGLang captures no aux hidden states for this draft"))
 
-    if ids is None:
+    if ids is None and captured:
         default = ", ".join(str(c) for c in captured)
         sev = "error" if captured != expected else "warning"
         findings.append(Finding(sev, "missing_ids",
@@ -190,7 +206,8 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
 
     if ids is not None or captured != expected:
         if len(captured) != len(expected):
-            findings.append(Finding("error", "count", f"{engine} captures {len(captured)} states ({', '.join(map(str, captured))}) but fc_input has {len(expected)}"))
+            shown = ", ".join(c or "not captured" for c in captured)
+            findings.append(Finding("error", "count", f"{engine} captures {len(captured)} states ({shown}) but fc_input has {len(expected)}"))
         for i, (want, got) in enumerate(zip(expected, captured)):
             if want != got:
                 name = spec.fc_names[i]
@@ -204,7 +221,9 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
                                 f"top-level ids {top} are ignored by SGLang, which reads eagle_config only"))
 
     target_hidden = data.get("target_hidden_size")
-    if isinstance(target_hidden, int) and target_hidden != spec.hidden_size:
+    if target_hidden is not None and (type(target_hidden) is not int):
+        raise BadInput(f"{cfg}: target_hidden_size must be an integer, not {json.dumps(target_hidden)[:40]}")
+    if target_hidden is not None and target_hidden != spec.hidden_size:
         findings.append(Finding("error", "hidden_size", f"target_hidden_size is {target_hidden}, spec target.hidden_size is {spec.hidden_size}"))
     fc = fc_weight_shape(draft)
     want_in = len(expected) * spec.hidden_size

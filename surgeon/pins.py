@@ -29,7 +29,8 @@ def _slot_diffs(spec: Spec, captured: list, engine: str, who: str) -> list[str]:
         if got != expected[i]:
             out.append(f"'{name}' (fc slot {i}, {expected[i]}) would be {got if got is not None else 'not captured'}")
     if len(captured) > len(expected):
-        out.append(f"{len(captured) - len(expected)} extra capture(s): {', '.join(str(c) for c in captured[len(expected):])}")
+        extra = ", ".join(str(c) if c is not None else "an index the loop never reaches" for c in captured[len(expected):])
+        out.append(f"{len(captured) - len(expected)} extra capture(s): {extra}")
     return out
 
 

@@ -26,8 +26,8 @@ from typing import Literal
 
 PointKind = Literal["embed", "layer_out", "final_norm", "layer_delta"]
 
-_POINT_RE = re.compile(
-    r"^(?P<kind>embed|final_norm|layer_out|layer_in|layer_delta)(?:\[\s*(?P<index>[+-]?\d+)\s*\])?$"
+_POINT_RE = re.compile(  # ASCII digits only (\d would take '１'), used with fullmatch
+    r"(?P<kind>embed|final_norm|layer_out|layer_in|layer_delta)(?:\[[ \t]*(?P<index>[+-]?[0-9]+)[ \t]*\])?"
 )
 _SPELLINGS = ["embed", "final_norm", "layer_out[k]", "layer_in[k]"]
 
@@ -125,7 +125,7 @@ def parse_point(text: object, num_layers: int | None = None, *, allow_delta: boo
         )
     raw = text
     text = text.strip()
-    m = _POINT_RE.match(text)
+    m = _POINT_RE.fullmatch(text)
     if m is None:
         hint = difflib.get_close_matches(re.sub(r"\[.*", "", text), ["embed", "final_norm", "layer_out", "layer_in"], n=1, cutoff=0.5)
         suggestion = f"; did you mean '{hint[0]}{'[k]' if hint[0].startswith('layer') else ''}'?" if hint else ""

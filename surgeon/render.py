@@ -194,6 +194,14 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         raise BadInput(f"unknown render target {target!r}; expected one of {', '.join(RENDER_TARGETS)}")
     if spec.model.draft is None:
         raise BadInput(f"{spec.file}: the spec has no draft section, so there is no fc input to render")
+    kind = spec.model.draft.kind
+    if kind == "mtp":
+        raise BadInput(f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render")
+    if kind == "dflash" and target != "vllm":
+        raise BadInput(f"{spec.file}: DFlash drafts are rendered for vLLM only (dflash_config.target_layer_ids); "
+                       f"{target}'s DFlash path is not modelled yet, and its EAGLE-3 ids would not be read")
+    if target == "specforge" and engine_root is not None:
+        raise BadInput("--engine-root does not apply to specforge (its ids follow the EAGLE config convention)")
     engine = {"speculators": "vllm", "specforge": None}.get(target, target)
     view = open_engine(engine, engine_root) if engine else None
     cls = model_class_for(spec, engine, model_class) if engine else None
@@ -211,17 +219,19 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         {"fc_slot": i, "name": n, "point": str(p), "captured": lst.captures[i]}
         for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))
     ]
-    kind = spec.model.draft.kind
     ids = lst.ids
     dump = None
     if target == "sglang":
         draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
-        algo = {"eagle3": "EAGLE3", "dflash": "DFLASH", "mtp": "EAGLE"}[kind]
-        flags = [f"--speculative-algorithm {algo}", "--speculative-draft-model-path <DRAFT>"]
+        flags = ["--speculative-algorithm EAGLE3", "--speculative-draft-model-path <DRAFT>"]
         notes.append("SGLang reads the ids from the draft config's eagle_config only; top-level ids are ignored there")
+    elif kind == "dflash":  # vLLM adds 1 to DFlash's output-of-layer ids when it reads them
+        draft_config = {"dflash_config": {"target_layer_ids": [i - 1 for i in ids]}}
+        flags = ["--speculative-config", '{"method": "dflash", "model": "<DRAFT>", "num_speculative_tokens": 3}']
+        notes.append("vLLM reads dflash_config.target_layer_ids + 1 only when the draft config has no eagle_aux_hidden_state_layer_ids and no eagle_config")
     elif target == "vllm" or target == "speculators":
         draft_config = {"eagle_aux_hidden_state_layer_ids": ids}
-        method = {"eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp"}[kind]
+        method = "eagle3"
         flags = ["--speculative-config", '{"method": "%s", "model": "<DRAFT>", "num_speculative_tokens": 3}' % method]
         notes.append("vLLM sorts and de-duplicates the ids; they are written ascending, in fc order")
         if target == "speculators":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from surgeon.errors import BadInput
 from surgeon.render import IdList, fc_ids
 from surgeon.spec import Spec
 
@@ -22,8 +23,22 @@ class Review:
     data: dict
 
 
+def _md(value: object) -> str:
+    """Text from a spec, safe inside a Markdown table cell and inline code."""
+    return str(value).replace("\\", "\\\\").replace("`", "'").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
 def _ids_text(lst: IdList) -> str:
-    return f"`{lst.ids}`" if lst.ok else f"not expressible ({lst.error})"
+    return f"`{lst.ids}`" if lst.ok else f"not expressible ({_md(lst.error)})"
+
+
+def _fc_ids(spec: Spec, target: str, root) -> IdList | None:
+    if not spec.fc_names:
+        return None
+    try:
+        return fc_ids(spec, target, engine_root=root)
+    except BadInput as e:
+        return IdList(target, "", None, f"unavailable: {e}")
 
 
 def _pin_rows(old: Spec, new: Spec) -> list[str]:
@@ -34,21 +49,21 @@ def _pin_rows(old: Spec, new: Spec) -> list[str]:
             va = getattr(a, fld) if a else None
             vb = getattr(b, fld) if b else None
             if va != vb:
-                rows.append(f"| {engine} | `{fld}` | {'`%s`' % (va,) if va is not None else '—'} | {'`%s`' % (vb,) if vb is not None else '—'} |")
+                rows.append(f"| {engine} | `{fld}` | {'`%s`' % _md(va) if va is not None else '—'} | {'`%s`' % _md(vb) if vb is not None else '—'} |")
     return rows
 
 
 def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) -> Review:
     roots = roots or {}
     lines: list[str] = []
-    title = old.name if old.name == new.name else f"{old.name} → {new.name}"
+    title = _md(old.name if old.name == new.name else f"{old.name} → {new.name}")
     lines.append(f"### surgeon review: `{title}`")
     lines.append("")
-    lines.append(f"`{old.file}` (sha256 `{old.sha256[:12]}`) → `{new.file}` (sha256 `{new.sha256[:12]}`)")
+    lines.append(f"`{_md(old.file)}` (sha256 `{old.sha256[:12]}`) → `{_md(new.file)}` (sha256 `{new.sha256[:12]}`)")
     lines.append("")
     if old.num_layers != new.num_layers or old.hidden_size != new.hidden_size or old.model.target.architecture != new.model.target.architecture:
         t0, t1 = old.model.target, new.model.target
-        lines.append(f"**Target changed:** {t0.architecture} L={t0.num_layers} H={t0.hidden_size} → {t1.architecture} L={t1.num_layers} H={t1.hidden_size}")
+        lines.append(f"**Target changed:** {_md(t0.architecture)} L={t0.num_layers} H={t0.hidden_size} → {_md(t1.architecture)} L={t1.num_layers} H={t1.hidden_size}")
         lines.append("")
 
     fc_old = list(zip(old.fc_names, old.fc_points))
@@ -71,7 +86,7 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
     for n in names:
         a, b = old.captures.get(n), new.captures.get(n)
         change = "added" if a is None else "removed" if b is None else "**changed**" if a != b else ""
-        lines.append(f"| `{n}` | {a or '—'} | {b or '—'} | {change} |")
+        lines.append(f"| `{_md(n)}` | {a or '—'} | {b or '—'} | {change} |")
         cap_rows.append({"name": n, "was": str(a) if a else None, "now": str(b) if b else None})
     lines.append("")
 
@@ -82,7 +97,7 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
         a = fc_old[i] if i < len(fc_old) else None
         b = fc_new[i] if i < len(fc_new) else None
         flag = "**changed**" if (a and a[1]) != (b and b[1]) else ""
-        lines.append(f"| {i} | {f'`{a[0]}` = {a[1]}' if a else '—'} | {f'`{b[0]}` = {b[1]}' if b else '—'} | {flag} |")
+        lines.append(f"| {i} | {f'`{_md(a[0])}` = {a[1]}' if a else '—'} | {f'`{_md(b[0])}` = {b[1]}' if b else '—'} | {flag} |")
     lines.append("")
 
     lines.append("#### Engine ids")
@@ -91,22 +106,22 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
     ids_rows = []
     for target, label in _TARGETS:
         root = roots.get(target)
-        before = fc_ids(old, target, engine_root=root) if old.fc_names else None
-        after = fc_ids(new, target, engine_root=root) if new.fc_names else None
+        before = _fc_ids(old, target, root)
+        after = _fc_ids(new, target, root)
         conv = (after or before).convention if (after or before) else target
         lines.append(f"| {label} (`{conv}`) | {_ids_text(before) if before else '—'} | {_ids_text(after) if after else '—'} |")
         ids_rows.append({"target": target, "before": before.ids if before else None, "after": after.ids if after else None})
-    origins = sorted({lst.origin for t, _ in _TARGETS[:2] for lst in [fc_ids(new, t, engine_root=roots.get(t))] if new.fc_names})
+    origins = sorted({lst.origin for t, _ in _TARGETS[:2] for lst in [_fc_ids(new, t, roots.get(t))] if lst and lst.origin})
     for o in origins:
-        lines.append(f"<sub>{o}</sub>")
+        lines.append(f"<sub>{_md(o)}</sub>")
     lines.append("")
 
     d0 = old.model.dumps
     d1 = new.model.dumps
     if d0 != d1:
         lines.append("#### Dumps")
-        lines.append(f"- was: {d0.layout + ' ' + str(old.dump_slots) if d0 else 'none'}")
-        lines.append(f"- now: {d1.layout + ' ' + str(new.dump_slots) if d1 else 'none'}")
+        lines.append(f"- was: {_md(d0.layout + ' ' + str(old.dump_slots)) if d0 else 'none'}")
+        lines.append(f"- now: {_md(d1.layout + ' ' + str(new.dump_slots)) if d1 else 'none'}")
         lines.append("")
 
     pins = _pin_rows(old, new)

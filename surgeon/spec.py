@@ -31,8 +31,8 @@ from surgeon.points import Point, PointError, parse_point
 
 SPEC_VERSION = 1
 MAX_SPEC_BYTES = 1 << 20
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SPEC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # used with fullmatch: no trailing newline
+_SPEC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ class SpecModel(_Model):
         min_length=1,
         description="ordered: capture name -> physical point (embed, layer_out[k], layer_in[k], final_norm)",
         json_schema_extra={
-            "propertyNames": {"pattern": _IDENT.pattern},
+            "propertyNames": {"pattern": f"^{_IDENT.pattern}$"},
             "additionalProperties": {"type": "string", "pattern": r"^\s*(embed|final_norm|layer_(out|in)\[\s*\d+\s*\])\s*$"},
         },
     )
@@ -188,14 +188,19 @@ class _Loader(yaml.SafeLoader):
 
 # YAML 1.1 reads `yes`, `no`, `on`, `off` as booleans (a capture named `on` would become True);
 # only true/false are booleans here. Timestamps, merges and the like stay strings too.
+# Integers are decimal only: YAML 1.1 would read `032` as 26 (octal), `1:01` as 61 (base 60),
+# `0x13` and `1_0` too; such text stays a string here, and the typed check refuses it. No field
+# of a spec is a float, so floats stay strings as well.
 _BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
-_KEEP = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:null")
+_INT = re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$")
 _Loader.yaml_implicit_resolvers = {
-    ch: [(tag, rx) for tag, rx in resolvers if tag in _KEEP]
+    ch: [(tag, rx) for tag, rx in resolvers if tag == "tag:yaml.org,2002:null"]
     for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 for _ch in "tTfF":
     _Loader.yaml_implicit_resolvers.setdefault(_ch, []).append(("tag:yaml.org,2002:bool", _BOOL))
+for _ch in "-+0123456789":
+    _Loader.yaml_implicit_resolvers.setdefault(_ch, []).append(("tag:yaml.org,2002:int", _INT))
 
 
 @dataclass
@@ -302,12 +307,20 @@ class Spec:
 def _dotted(path: tuple) -> str:
     out = ""
     for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        if isinstance(p, str) and re.fullmatch(r"[A-Za-z0-9_\-]+", p):
+            out += f".{p}" if out else p
+        else:  # an int index, or a key that would break a one-line message: show it quoted
+            out += f"[{p!r}]" if not isinstance(p, int) else f"[{p}]"
     return out
 
 
 def _issue(file: str, loc: _Located, path: tuple, message: str, *, key: bool = False, column: int = 0) -> Issue:
     marks = loc.key_marks if key else loc.marks
+    # the index is keyed by the YAML text of mapping keys; a key YAML typed (12, true) arrives here typed
+    if path not in marks and any(not isinstance(p, str) for p in path):
+        alt = tuple(str(p).lower() if isinstance(p, bool) else str(p) if not isinstance(p, str) else p for p in path)
+        if alt in marks:
+            path = alt
     probe = tuple(path)
     while probe not in marks and probe:
         probe = probe[:-1]
@@ -322,6 +335,9 @@ def _pydantic_issues(err: ValidationError, file: str, loc: _Located) -> list[Iss
     for e in err.errors():
         path = tuple(e["loc"])
         kind = e["type"]
+        if path and path[-1] == "[key]":  # a mapping key of the wrong type: point at the key
+            issues.append(_issue(file, loc, path[:-1], f"a key must be a string, not {e.get('input')!r}", key=True))
+            continue
         if kind == "extra_forbidden":
             section = path[:-1]
             model = _SECTION_MODELS.get(section)
@@ -341,17 +357,32 @@ def _pydantic_issues(err: ValidationError, file: str, loc: _Located) -> list[Iss
     return sorted(issues, key=lambda i: (not i.message.startswith("unknown key"), i.line, i.col))
 
 
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """Read a regular file of at most ``limit`` bytes. Directories, devices and FIFOs are refused
+    before any read (a FIFO or /dev/zero would block or grow without bound)."""
+    import stat
+
+    st = path.stat()
+    if stat.S_ISDIR(st.st_mode):
+        raise ValueError("is a directory, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("is not a regular file (a device, FIFO or socket)")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
+
+
 def load_spec(path: str | Path, *, text: str | None = None) -> Spec:
     """Load and validate a spec. Raises SpecError (bad input) with located issues."""
     file = str(path)
     if text is None:
         p = Path(path)
         try:
-            if p.is_dir():
-                raise SpecError([Issue(file, 0, 0, "is a directory, not a spec file")])
-            if p.stat().st_size > MAX_SPEC_BYTES:
-                raise SpecError([Issue(file, 0, 0, f"larger than {MAX_SPEC_BYTES} bytes; not a spec")])
-            raw = p.read_bytes()
+            raw = read_regular_file(p, MAX_SPEC_BYTES)
+        except ValueError as e:
+            raise SpecError([Issue(file, 0, 0, str(e))]) from None
         except OSError as e:
             raise SpecError([Issue(file, 0, 0, f"cannot read: {e.strerror or e}")]) from None
         try:
@@ -366,8 +397,9 @@ def load_spec(path: str | Path, *, text: str | None = None) -> Spec:
     loc = _parse_yaml(text, file)
     if not isinstance(loc.data, dict):
         raise SpecError([Issue(file, 1, 1, f"a spec is a mapping with 'spec: 1', not {type(loc.data).__name__}")])
-    if loc.data.get("spec") not in (None, SPEC_VERSION) and isinstance(loc.data.get("spec"), int):
-        raise SpecError([_issue(file, loc, ("spec",), f"unsupported spec version {loc.data['spec']}: this surgeon reads 'spec: {SPEC_VERSION}'")])
+    version = loc.data.get("spec")
+    if "spec" in loc.data and (type(version) is not int or version != SPEC_VERSION):
+        raise SpecError([_issue(file, loc, ("spec",), f"unsupported spec version {version!r}: this surgeon reads 'spec: {SPEC_VERSION}'")])
     try:
         model = SpecModel.model_validate(loc.data)
     except ValidationError as e:
@@ -386,12 +418,12 @@ def _check_meaning(spec: Spec) -> list[Issue]:
     def add(path: tuple, msg: str, **kw) -> None:
         issues.append(_issue(spec.file, loc, path, msg, **kw))
 
-    if not _SPEC_NAME.match(m.name):
+    if not _SPEC_NAME.fullmatch(m.name):
         add(("name",), f"spec name {m.name!r} must be letters, digits, '.', '_' or '-', starting with a letter or digit")
 
     seen_points: dict[Point, str] = {}
     for name, text in m.captures.items():
-        if not _IDENT.match(name) or keyword.iskeyword(name):
+        if not _IDENT.fullmatch(name) or keyword.iskeyword(name):
             add(("captures", name), f"capture name {name!r} is not an identifier (letters, digits, '_'; not a Python keyword)", key=True)
             continue
         try:

@@ -267,3 +267,78 @@ def test_real_process_exit_codes(tmp_path):
     assert p.stderr.strip() == f"{bad}:5:16: captures.a: negative layer index in 'layer_out[-1]': -1 means the embedding in SGLang ids but the last layer in Python; write 'embed' or 'layer_out[3]'"
     p = subprocess.run([sys.executable, "-m", "surgeon", "schema"], capture_output=True, text=True)
     assert p.returncode == 0 and json.loads(p.stdout)["title"] == "surgeon spec v1"
+
+
+# -- regressions from review ------------------------------------------------------------------------------
+def test_gemma3_on_sglang_is_refused_because_it_drops_the_residual(tmp_path):
+    f = tmp_path / "g.yaml"
+    f.write_text(textwrap.dedent("""\
+        spec: 1
+        name: gemma
+        target: {architecture: Gemma3ForCausalLM, num_layers: 26, hidden_size: 64}
+        captures: {a: 'layer_out[1]', b: 'layer_out[12]', c: 'layer_out[22]'}
+        draft: {kind: eagle3, fc_input: [a, b, c]}
+        """))
+    res = run("lint", f, "--engine", "sglang", code=2)
+    assert "without the residual" in res.stderr
+    run("render", f, "--engine", "sglang", code=2)
+
+
+def test_check_draft_vllm_eagle_config_without_ids_replaces_dflash_ids(tmp_path):
+    f = tiny_spec(tmp_path)
+    d = make_draft(tmp_path, {"dflash_config": {"target_layer_ids": [4, 5, 6]}, "eagle_config": {"use_aux_hidden_state": True}})
+    r = run_json("check-draft", f, d, "--engine", "vllm", code=3)
+    assert r["ids_used"] is None  # vLLM takes eagle_config's (missing) ids over dflash's: the default
+
+
+def test_check_draft_dflash_ids_on_vllm(tmp_path):
+    f = tiny_spec(tmp_path)
+    d = make_draft(tmp_path, {"dflash_config": {"target_layer_ids": [1, 3, 5]}})
+    r = run_json("check-draft", f, d, "--engine", "vllm")
+    assert r["ids_used"] == [2, 4, 6] and r["ok"]
+
+
+def test_check_draft_aux_disabled_on_sglang(tmp_path):
+    f = tiny_spec(tmp_path)
+    d = make_draft(tmp_path, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": False}})
+    r = run_json("check-draft", f, d, "--engine", "sglang", code=3)
+    assert [x["kind"] for x in r["findings"] if x["severity"] == "error"] == ["aux_disabled"]
+
+
+def test_check_draft_without_ids_on_a_class_without_default(tmp_path):
+    f = tiny_spec(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    r = run_json("check-draft", f, tmp_path / "config.json", "--engine", "vllm", "--model-class", "LlamaModel", code=3)
+    assert any(x["kind"] == "missing_ids" and "no default" in x["detail"] for x in r["findings"])
+
+
+def test_check_draft_refuses_special_files(tmp_path):
+    f = tiny_spec(tmp_path)
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.json").symlink_to("/dev/zero")
+    res = run("check-draft", f, d, "--engine", "vllm", code=2)
+    assert "not a regular file" in res.stderr
+
+
+def test_review_survives_an_engine_without_the_class(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text(Path(LLAMA).read_text().replace("LlamaForCausalLM", "NoSuchArch").split("engines:")[0])
+    md = run("review", f, LLAMA).output
+    assert "unavailable" in md and "#### Engine ids" in md
+
+
+def test_render_dflash_and_mtp(tmp_path):
+    f = tiny_spec(tmp_path)
+    f.write_text(f.read_text().replace("kind: eagle3", "kind: dflash"))
+    r = run_json("render", f, "--engine", "vllm")
+    assert r["draft_config"] == {"dflash_config": {"target_layer_ids": [1, 3, 5]}}
+    assert "not modelled" in run("render", f, "--engine", "sglang", code=2).stderr
+    f.write_text(f.read_text().replace("kind: dflash", "kind: mtp"))
+    assert "no ids to render" in run("render", f, "--engine", "vllm", code=2).stderr
+
+
+def test_specforge_refuses_engine_root_and_unordered_fc(tmp_path):
+    run("render", LLAMA, "--engine", "specforge", "--engine-root", "/tmp", code=2)
+    f = tiny_spec(tmp_path, fc="[high, low, mid]")
+    assert "ascending layer order" in run("render", f, "--engine", "specforge", code=2).stderr

@@ -196,3 +196,23 @@ def test_specforge_hidden_state_is_post_norm():
 def test_builtin_table_names_its_source():
     for cc in BUILTIN.values():
         assert "built-in table read from" in cc.reason
+
+
+def test_a_class_that_drops_the_residual_names_layer_deltas():
+    # sgl-project/sglang#39286 (Gemma3): captures hidden_states without the residual added
+    from dataclasses import replace
+
+    conv = EngineConvention(replace(builtin_convention("sglang", None), captured_value="layer_output_without_residual"), "t")
+    with pytest.raises(NotExpressible, match="without the residual"):
+        conv.encode([layer_out(3)], 8)
+    assert conv.decode([-1, 3], 8) == [EMBED, Point("layer_delta", 3)]
+
+
+def test_offset_terms():
+    from surgeon.conventions import OffsetError, parse_offset, parse_term
+
+    assert str(parse_term("L//2-1")) == "L//2-1"
+    with pytest.raises(OffsetError, match="divides by zero"):
+        parse_offset("+1 if max(ids) == L//0 else +0")
+    with pytest.raises(OffsetError):
+        parse_offset("+1 if ids[0] == \uff11 else +0")

@@ -150,3 +150,21 @@ def test_write_pins_refuses_to_write_a_broken_spec(tmp_path):
     with pytest.raises(Exception):
         write_pins(f, "sglang", {"version": "not a range!"})
     assert f.read_text() == text
+
+
+def test_review_shows_pin_changes_as_their_own_section(tmp_path):
+    old = tmp_path / "old.yaml"
+    new = ROOT / "specs/kimi-k2.5-eagle3.yaml"
+    old.write_text(new.read_text().replace("ids: [3, 31, 59], offset: '+1 if ids[0] == 1 else +0'", "ids: [2, 30, 58], offset: '+1'"))
+    md = cli("review", old, new, code=0).output
+    section = md.split("#### Engine pins")[1]
+    assert "| sglang | `ids` | `[2, 30, 58]` | `[3, 31, 59]` |" in section
+    assert "| sglang | `offset` | `+1` | `+1 if ids[0] == 1 else +0` |" in section
+    assert "[!WARNING]" not in md  # the captures did not change, only the pins
+
+
+def test_an_offset_dividing_by_zero_is_bad_input(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text((ROOT / "specs/llama-3.1-8b-eagle3.yaml").read_text().replace("offset: '+1'", "offset: '+1 if max(ids) == L//0 else +0'", 1))
+    res = cli("lint", f, code=2)
+    assert "engines.sglang.offset" in res.stderr and "divides by zero" in res.stderr

@@ -238,3 +238,41 @@ def test_any_yaml_document_loads_or_is_a_spec_error(doc):
             load_spec(f)
         except SpecError:
             pass
+
+
+# -- YAML 1.1 integer traps and strictness ------------------------------------------------------------
+@pytest.mark.parametrize("value", ["032", "1:01", "0x3d", "6_1", "61.0", "6.1e1"])
+def test_only_decimal_integers(tmp_path, value):
+    # YAML 1.1 would read 032 as 26 (octal) and 1:01 as 61 (base 60)
+    bad(tmp_path, GOOD.replace("num_layers: 61", f"num_layers: {value}"), 3, 59, "target.num_layers", "integer")
+
+
+@pytest.mark.parametrize("value", ["true", "1.0", "'1'"])
+def test_spec_version_must_be_the_integer_1(tmp_path, value):
+    bad(tmp_path, GOOD.replace("spec: 1", f"spec: {value}"), 1, 7, "unsupported spec version")
+
+
+def test_names_cannot_end_in_a_newline(tmp_path):
+    bad(tmp_path, GOOD.replace("name: kimi-k2.5-eagle3", 'name: "kimi\\n"'), 2, 7, "spec name")
+    bad(tmp_path, GOOD.replace("  low: layer_out[2]", '  "low\\n": layer_out[2]').replace("[low, mid", "[mid"), 5, 3, "not an identifier")
+
+
+def test_unicode_digits_are_not_layer_indices(tmp_path):
+    bad(tmp_path, GOOD.replace("layer_out[2]", "layer_out[\uff12]"), 5, 8, "unknown point")
+
+
+def test_non_string_capture_keys_are_located_at_the_key(tmp_path):
+    bad(tmp_path, GOOD.replace("  low: layer_out[2]", "  12: layer_out[2]").replace("[low, mid", "[mid"), 5, 3, "key must be a string")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev"])
+def test_special_files_are_refused_without_reading(tmp_path, kind):
+    import os
+
+    if kind == "fifo":
+        f = tmp_path / "spec.yaml"
+        os.mkfifo(f)
+    else:
+        f = Path("/dev/zero")
+    with pytest.raises(SpecError, match="not a regular file"):
+        load_spec(f)
