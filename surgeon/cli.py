@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -321,3 +322,113 @@ def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: b
     for group, n in cov.items():
         out.print(f"{group}: {n['total']} classes, {n['classified']} classified, {n['no_capture']} shown by the source not to capture, "
                   f"{n['unclassified']} unclassified")
+
+
+# ---------------------------------------------------------------------------------------------
+# the wiring harness
+# ---------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("model", type=click.Path(file_okay=False))
+@click.option("--input-ids", required=True, help="Token ids to run, comma- or space-separated.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Reference file to write (safetensors).")
+def reference(model: str, input_ids: str, output: str) -> None:
+    """Run an HF model folder on INPUT_IDS and record every physical point (embed, each
+    layer_out and layer_delta, final_norm) into a reference file."""
+    from surgeon.harness import parse_input_ids
+    from surgeon.reference import capture_reference, save_reference
+
+    with _progress("running the HF reference") as bar:
+        bar.add_task("ref", total=None)
+        ref = capture_reference(model, parse_input_ids(input_ids))
+    save_reference(ref, output)
+    out.print(f"wrote {escape(output)}: {len(ref.states)} points x {ref.input_ids.numel()} tokens, L={ref.num_layers}, H={ref.hidden_size}")
+
+
+@main.command()
+@click.argument("ref")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+@click.option("--input-ids", help="Token ids, for an hf:DIR reference.")
+@click.option("--dim", default=64, show_default=True, help="Random projection width.")
+@click.option("--seed", default=0, show_default=True)
+def fingerprint(ref: str, output: str, input_ids: str | None, dim: int, seed: int) -> None:
+    """Write a small fingerprint of REF (hf:DIR or a reference file) that identification can use
+    instead of the full tensors: keep it next to the spec."""
+    from surgeon.fingerprint import Fingerprint, fingerprint as make_fp, fingerprint_file, save_fingerprint
+    from surgeon.harness import load_reference_arg, parse_input_ids
+
+    if dim < 8 or dim > 4096:
+        raise BadInput("--dim must be between 8 and 4096")
+    if not ref.startswith("hf:") and Path(ref).is_file():
+        fp = fingerprint_file(ref, dim=dim, seed=seed)
+    else:
+        r = load_reference_arg(ref, parse_input_ids(input_ids))
+        fp = r if isinstance(r, Fingerprint) else make_fp(r, dim=dim, seed=seed)
+    save_fingerprint(fp, output)
+    out.print(f"wrote {escape(output)}: {len(fp.proj)} points x {fp.input_ids.numel()} tokens, dim {fp.dim}, seed {fp.seed}")
+
+
+def _print_match(result, *, verbose: bool = True) -> None:
+    table = Table()
+    for h in ("slot", "declared", "matched", "rel err", "margin", "verdict"):
+        table.add_column(h)
+    style = {"ok": "green", "mismatch": "red", "no_match": "red", "unlabelled": "yellow"}
+    for s in result.report.slots:
+        table.add_row(s.name, str(s.declared or "-"), str(s.matched or "none"), f"{s.rel_err:.4f}",
+                      f"{s.margin:.1f}x", f"[{style.get(s.verdict, 'white')}]{s.verdict}[/]")
+    out.print(f"{escape(result.subject.source)} ({result.subject.layout}) vs {escape(str(result.reference_source))}; tokens: {escape(result.alignment)}")
+    out.print(table)
+    for d in result.report.diagnosis:
+        out.print(f"[red]{d.kind}[/]: {escape(d.detail)}")
+    if result.report.suggested_captures and not result.ok:
+        out.print("suggested captures: " + ", ".join(f"{k}: {v}" for k, v in result.report.suggested_captures.items()))
+    for engine, ids in result.engine_ids.items():
+        out.print(f"  {engine} ids: {escape(str(ids))}")
+    for n in result.notes:
+        out.print(f"[dim]note: {escape(n)}[/]")
+
+
+def _run_match(subject, ref, spec, slots, input_ids, as_json: bool, plot: str | None):
+    from surgeon.harness import match as do_match, plot_heatmap
+
+    result = do_match(subject, ref, spec=spec, slots=slots, input_ids=input_ids)
+    if plot:
+        plot_heatmap(result, plot)
+    if as_json:
+        _emit_json(result.to_json())
+    else:
+        _print_match(result)
+    return result
+
+
+def _harness_options(f):
+    f = click.option("--slots", multiple=True, help="Name the subject's slots in order: name, point, or name=point (comma-separated or repeated).")(f)
+    f = click.option("--input-ids", help="Token ids of the subject, when the file carries none.")(f)
+    f = click.option("--json", "as_json", is_flag=True)(f)
+    f = click.option("--plot", type=click.Path(dir_okay=False), help="Write the slots x points heatmap to this PNG.")(f)
+    return f
+
+
+@main.command()
+@click.argument("subject", type=click.Path(dir_okay=False))
+@click.option("--reference", "ref", required=True, help="hf:DIR, a reference file, or a fingerprint file.")
+@click.option("--spec", type=click.Path(dir_okay=False), help="Spec declaring the slots (its dump slots, in order).")
+@_harness_options
+def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], input_ids: str | None, as_json: bool, plot: str | None) -> None:
+    """Which physical point each slot of SUBJECT really is, how sure, and what is wrong."""
+    result = _run_match(subject, ref, load_spec(spec) if spec else None, slots, input_ids, as_json, plot)
+    if not as_json and plot:
+        out.print(f"heatmap: {escape(plot)}")
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--subject", required=True, type=click.Path(dir_okay=False))
+@click.option("--reference", "ref", required=True, help="hf:DIR, a reference file, or a fingerprint file.")
+@_harness_options
+def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids: str | None, as_json: bool, plot: str | None) -> None:
+    """Exit 0 when every slot of SUBJECT is what SPEC declares, 3 when not, 2 on bad input."""
+    result = _run_match(subject, ref, load_spec(spec), slots, input_ids, as_json, plot)
+    if not as_json:
+        out.print("[green]wiring verified[/]" if result.ok else "[red]wiring differs from the spec[/]")
+    if not result.ok:
+        sys.exit(3)
