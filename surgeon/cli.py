@@ -432,3 +432,48 @@ def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids:
         out.print("[green]wiring verified[/]" if result.ok else "[red]wiring differs from the spec[/]")
     if not result.ok:
         sys.exit(3)
+
+
+@main.command("sweep-spec")
+@click.option("--name", required=True)
+@click.option("--architecture", required=True)
+@click.option("--num-layers", required=True, type=click.IntRange(1, 100000))
+@click.option("--hidden-size", required=True, type=click.IntRange(1, 10**7))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout (refuses to overwrite).")
+def sweep_spec(name: str, architecture: str, num_layers: int, hidden_size: int, output: str | None) -> None:
+    """A spec capturing every point (embed, each layer_out, final_norm): an engine's dump of it is a
+    reference where HF cannot run the model."""
+    from surgeon.spec import sweep_spec_text
+
+    text = sweep_spec_text(name, architecture, num_layers, hidden_size)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        with open(output, "x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        raise BadInput(f"{output} exists; not overwritten") from None
+    except OSError as e:
+        raise BadInput(f"{output}: {e.strerror or e}") from None
+    err.print(f"wrote {escape(output)}")
+
+
+@main.command("dump-info")
+@click.argument("dump", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+def dump_info(dump: str, as_json: bool) -> None:
+    """What a surgeon dump says it is: spec, engine, model, and each capture's physical point."""
+    from surgeon.dumps import read_dump
+
+    d = read_dump(dump, load=False)
+    info = {"file": dump, **{k: v for k, v in d.meta.items() if k != "captures"},
+            "captures": [{"name": n, "point": str(p), "shape": d.shapes.get(n)} for n, p, _ in d.captures]}
+    if as_json:
+        _emit_json(info)
+        return
+    out.print(f"[bold]{escape(dump)}[/]: spec {escape(d.meta.get('spec.name') or '-')} (sha256 {d.meta.get('spec.sha256', '')[:12] or '-'}), "
+              f"{escape(d.meta.get('engine') or '?')} {escape(d.meta.get('engine.version', ''))}, model {escape(d.meta.get('model') or '?')}, "
+              f"{d.meta.get('tokens')} tokens, {d.meta.get('dtype')}")
+    for c in info["captures"]:
+        out.print(f"  {c['name']}: {c['point']} {c['shape']}")

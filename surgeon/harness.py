@@ -19,17 +19,9 @@ from surgeon.conventions import EAGLE, NotExpressible
 from surgeon.errors import BadInput
 from surgeon.points import Point
 from surgeon.spec import Spec
-from surgeon.subjects import Subject, align, read_subject
+from surgeon.subjects import Subject, _safetensors_kind as _kind_of, align, read_subject
 
 
-def _kind_of(path: Path) -> str | None:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("surgeon.kind")
-    except Exception:
-        return None
 
 
 def parse_input_ids(text: str | None) -> torch.Tensor | None:
@@ -64,6 +56,14 @@ def load_reference_arg(ref: str, input_ids: torch.Tensor | None):
         from surgeon.fingerprint import load_fingerprint
 
         return load_fingerprint(path)
+    if kind == "dump":  # an engine's sweep (every point captured): a reference where HF cannot run
+        from surgeon.dumps import read_dump
+        from surgeon.reference import Reference
+
+        d = read_dump(path)
+        return Reference(states={p: t.float() for _, p, t in d.captures}, input_ids=d.input_ids,
+                         num_layers=d.num_layers, hidden_size=d.hidden_size,
+                         source=f"{d.meta.get('engine') or 'dump'}:{path}")
     raise BadInput(f"--reference {ref}: not a surgeon reference or fingerprint file (surgeon.kind is {kind!r})")
 
 

@@ -491,3 +491,17 @@ def _check_meaning(spec: Spec) -> list[Issue]:
             if pin.model_file is not None and (pin.model_file.startswith("/") or ".." in Path(pin.model_file).parts):
                 add(("engines", engine, "model_file"), "model_file must be relative to the engine package and stay inside it")
     return issues
+
+
+def sweep_spec_text(name: str, architecture: str, num_layers: int, hidden_size: int) -> str:
+    """A spec capturing every residual-stream point and the final norm, in forward order: applied
+    to an engine, its dumps are a reference where HF cannot run the model."""
+    captures = {"embed": "embed", **{f"layer_out_{k}": f"layer_out[{k}]" for k in range(num_layers)}, "final_norm": "final_norm"}
+    doc = {"spec": 1, "name": name,
+           "target": {"architecture": architecture, "num_layers": num_layers, "hidden_size": hidden_size},
+           "captures": captures, "dumps": {"layout": "surgeon"}}
+    text = ("# Sweep: every capturable point, in forward order. Its dumps serve as a reference\n"
+            "# (surgeon match --reference DUMP) where HF cannot run the model.\n"
+            + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=4096))
+    load_spec(f"<sweep {name}>", text=text)  # refuse to hand out a spec that does not load
+    return text

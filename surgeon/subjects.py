@@ -6,6 +6,7 @@ Formats (by content, not by file name):
   order, ``hidden_state`` [1, T, H] (after the final norm in SpecForge's semantics), ``input_ids``;
 * speculators ``hs_{i}.safetensors``: ``hidden_states`` [T, n, H] and ``token_ids`` [T] (the last
   slot is layer_out[L-1] before the final norm in speculators' semantics);
+* a surgeon dump (``surgeon.kind = dump``, :mod:`surgeon.dumps`): slots named and declared by the dump;
 * a surgeon reference file (``surgeon.kind = reference``): one slot per point, labelled;
 * plain ``.pt`` / ``.safetensors`` holding a list, a dict or a stacked tensor, named with ``--slots``.
 
@@ -95,6 +96,16 @@ def _load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         raise BadInput(f"{path}: not a readable safetensors file: {str(e).splitlines()[0][:200]}") from None
 
 
+def _safetensors_kind(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("surgeon.kind")
+    except Exception:
+        return None
+
+
 def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
     """Split a [n, T, H] or [T, n, H] stack; ``n`` (from --slots) decides when both could be."""
     while t.dim() > 3 and t.shape[0] == 1:
@@ -179,6 +190,17 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
             declared = [None] * len(tensors)
         else:
             raise BadInput(f"{p}: holds a {type(data).__name__}, not tensors")
+    elif _safetensors_kind(p) == "dump":
+        from surgeon.dumps import read_dump
+
+        dump = read_dump(p)
+        layout = "surgeon"
+        ids = dump.input_ids
+        default_names = [n for n, _, _ in dump.captures]
+        tensors = [_as_2d(t, f"{p}: {n}") for n, _, t in dump.captures]
+        declared = [pt for _, pt, _ in dump.captures]
+        notes.append(f"surgeon dump of spec {dump.meta.get('spec.name') or '-'} on {dump.meta.get('engine') or '?'} "
+                     f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
     else:
         data, meta = _load_safetensors(p)
         kind = meta.get("surgeon.kind")

@@ -171,3 +171,45 @@ def test_pytest_plugin_in_one_line(pytester, kimi):
     res = pytester.runpytest()
     res.assert_outcomes(passed=1, failed=1)
     res.stdout.fnmatch_lines(["*a: declared embed, is layer_out?2? *"])  # [2] would be a character class
+
+
+# -- surgeon dumps and sweeps -----------------------------------------------------------------------------
+def test_dump_round_trip_info_and_match(tmp_path, kimi):
+    from surgeon.dumps import read_dump, write_dump
+    from surgeon.spec import load_spec
+
+    _, ref, ref_file = kimi
+    spec = load_spec(kimi_spec(tmp_path, ["layer_out[2]", "layer_out[30]", "layer_out[58]", "final_norm"]))
+    caps = [(n, spec.captures[n], ref.states[spec.captures[n]].bfloat16()) for n in spec.dump_slots]
+    f = write_dump(tmp_path / "d.safetensors", caps, input_ids=ref.input_ids, num_layers=61, spec=spec,
+                   engine="hf", engine_version="5", model="tiny")
+    d = read_dump(f)
+    assert [(n, str(p)) for n, p, _ in d.captures] == [("a", "layer_out[2]"), ("b", "layer_out[30]"), ("c", "layer_out[58]"), ("d", "final_norm")]
+    assert all(torch.equal(t, c[2]) for (_, _, t), c in zip(d.captures, caps))
+    assert d.meta["spec.sha256"] == spec.sha256 and d.meta["tokens"] == str(len(IDS))
+    info = json.loads(run("dump-info", f, "--json").stdout)
+    assert info["captures"][1] == {"name": "b", "point": "layer_out[30]", "shape": [len(IDS), 64]}
+    r = json.loads(run("match", f, "--reference", ref_file, "--json").stdout)
+    assert [s["verdict"] for s in r["slots"]] == ["ok"] * 4  # the dump declares its own points
+
+
+def test_a_sweep_dump_is_a_reference(tmp_path, kimi):
+    from surgeon.dumps import write_dump
+    from surgeon.spec import load_spec
+
+    _, ref, _ = kimi
+    sweep = tmp_path / "sweep.yaml"
+    run("sweep-spec", "--name", "kimi-sweep", "--architecture", "DeepseekV3ForCausalLM", "--num-layers", 61, "--hidden-size", 64, "-o", sweep)
+    run("sweep-spec", "--name", "kimi-sweep", "--architecture", "X", "--num-layers", 61, "--hidden-size", 64, "-o", sweep, code=2)
+    s = load_spec(sweep)
+    assert len(s.captures) == 63
+    caps = [(n, p, ref.states[p]) for n, p in s.captures.items()]
+    engine_ref = write_dump(tmp_path / "sweep.safetensors", caps, input_ids=ref.input_ids, num_layers=61, spec=s, engine="vllm")
+    dump = specforge_dump(tmp_path / "x.ckpt", ref, [layer_out(2), layer_out(30), layer_out(58)], FINAL_NORM)
+    r = json.loads(run("match", dump, "--reference", engine_ref, "--json").stdout)
+    assert [x["matched"] for x in r["slots"]] == ["layer_out[2]", "layer_out[30]", "layer_out[58]", "final_norm"]
+
+
+def test_sweep_spec_refuses_hostile_names():
+    res = run("sweep-spec", "--name", "x\ncaptures: {}", "--architecture", "A", "--num-layers", 2, "--hidden-size", 8, code=2)
+    assert "spec name" in res.stderr
