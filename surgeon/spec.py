@@ -227,13 +227,18 @@ def _index(node: yaml.Node, path: tuple, out: _Located, depth: int = 0) -> None:
             _index(v, path + (i,), out, depth + 1)
 
 
+def _reader_error(e: yaml.reader.ReaderError, text: str, file: str) -> SpecError:
+    """A character YAML refuses (control characters): located from its offset."""
+    line = text.count("\n", 0, e.position) + 1
+    col = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+    return SpecError([Issue(file, line, col, f"YAML: character {e.character!r} is not allowed in YAML text")])
+
+
 def _parse_yaml(text: str, file: str) -> _Located:
     try:
         loader = _Loader(text)
     except yaml.reader.ReaderError as e:
-        line = text.count("\n", 0, e.position) + 1
-        col = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
-        raise SpecError([Issue(file, line, col, f"YAML: character {e.character!r} is not allowed in YAML text")]) from None
+        raise _reader_error(e, text, file) from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -247,9 +252,7 @@ def _parse_yaml(text: str, file: str) -> _Located:
         msg = " ".join(x for x in (e.context, e.problem) if x) or "invalid YAML"
         raise SpecError([Issue(file, line, col, f"YAML: {msg}")]) from None
     except yaml.reader.ReaderError as e:
-        line = text.count("\n", 0, e.position) + 1
-        col = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
-        raise SpecError([Issue(file, line, col, f"YAML: character {e.character!r} is not allowed in YAML text")]) from None
+        raise _reader_error(e, text, file) from None
     except yaml.YAMLError as e:
         raise SpecError([Issue(file, 1, 1, f"YAML: {' '.join(str(e).split())}")]) from None
     except RecursionError:
