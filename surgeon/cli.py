@@ -477,3 +477,76 @@ def dump_info(dump: str, as_json: bool) -> None:
               f"{d.meta.get('tokens')} tokens, {d.meta.get('dtype')}")
     for c in info["captures"]:
         out.print(f"  {c['name']}: {c['point']} {c['shape']}")
+
+
+@main.command()
+@click.argument("dumps", nargs=-1, required=True, type=click.Path())
+@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False), help="The spec the dumps were taken with.")
+@click.option("--layout", required=True, type=click.Choice(["specforge", "speculators"]))
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write the exported files into.")
+@click.option("--json", "as_json", is_flag=True)
+def export(dumps: tuple[str, ...], spec_path: str, layout: str, out_dir: str, as_json: bool) -> None:
+    """Export surgeon dumps (files or shard folders) to a training tool's layout, keeping its own
+    semantics (SpecForge's hidden_state is final_norm; speculators' last slot is layer_out[L-1],
+    pre-norm), or refuse when the dumps cannot fill it truthfully."""
+    from surgeon.exporters import export_specforge, export_speculators
+
+    spec = load_spec(spec_path)
+    fn = export_specforge if layout == "specforge" else export_speculators
+    written = fn(list(dumps), out_dir, spec=spec)
+    if as_json:
+        _emit_json({"layout": layout, "written": [str(p) for p in written]})
+    else:
+        out.print(f"wrote {len(written)} {layout} file(s) to {escape(out_dir)}")
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--mode", required=True, type=click.Choice(["aux", "dump"]), help="aux: hand the fc captures to the draft; dump: keep them for drain().")
+@click.option("--max-tokens", required=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per step (buffer rows).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the module here (refuses to overwrite); default stdout.")
+def hooks(spec: str, mode: str, max_tokens: int, output: str | None) -> None:
+    """Generate the CUDA-graph-safe capture hooks module for SPEC (checked before it is written)."""
+    from surgeon.graphsafe import check_source
+    from surgeon.hooks import generate_hooks_module
+
+    source = generate_hooks_module(load_spec(spec), mode=mode, max_tokens=max_tokens)
+    findings = check_source(source, "<generated>")
+    if findings:  # the generator's own contract: never hand out unsafe code
+        raise RuntimeError(f"generated hooks fail the graph-safety check: {findings[0]}")
+    if output is None:
+        click.echo(source, nl=False)
+        return
+    try:
+        with open(output, "x", encoding="utf-8") as f:
+            f.write(source)
+    except FileExistsError:
+        raise BadInput(f"{output} exists; not overwritten") from None
+    except OSError as e:
+        raise BadInput(f"{output}: {e.strerror or e}") from None
+    err.print(f"wrote {escape(output)}")
+
+
+@main.command("check-hooks")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+def check_hooks(files: tuple[str, ...], as_json: bool) -> None:
+    """Static graph-safety check of hook code: host syncs (.item, .cpu, .tolist), printing,
+    torch.save and other I/O, per-step allocation, branches on tensor values. Exit 3 on findings."""
+    from surgeon.graphsafe import check_file
+
+    findings = []
+    for f in files:
+        try:
+            findings += check_file(f)
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"{f}: cannot read as UTF-8 text: {getattr(e, 'strerror', None) or e}") from None
+    if as_json:
+        _emit_json({"ok": not findings, "findings": [x.to_json() for x in findings]})
+    else:
+        for x in findings:
+            click.echo(str(x))
+        if not findings:
+            click.echo(f"{len(files)} file(s): no graph-unsafe operations")
+    if findings:
+        sys.exit(3)
