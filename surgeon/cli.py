@@ -70,6 +70,21 @@ def main() -> None:
     """
 
 
+def _write_new_or_stdout(text: str, output: str | None) -> None:
+    """Print ``text``, or write it to a new file ``output`` (an existing file is never overwritten)."""
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        with open(output, "x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        raise BadInput(f"{output} exists; not overwritten") from None
+    except OSError as e:
+        raise BadInput(f"{output}: {e.strerror or e}") from None
+    err.print(f"wrote {escape(output)}")
+
+
 def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
@@ -445,18 +460,7 @@ def sweep_spec(name: str, architecture: str, num_layers: int, hidden_size: int, 
     reference where HF cannot run the model."""
     from surgeon.spec import sweep_spec_text
 
-    text = sweep_spec_text(name, architecture, num_layers, hidden_size)
-    if output is None:
-        click.echo(text, nl=False)
-        return
-    try:
-        with open(output, "x", encoding="utf-8") as f:
-            f.write(text)
-    except FileExistsError:
-        raise BadInput(f"{output} exists; not overwritten") from None
-    except OSError as e:
-        raise BadInput(f"{output}: {e.strerror or e}") from None
-    err.print(f"wrote {escape(output)}")
+    _write_new_or_stdout(sweep_spec_text(name, architecture, num_layers, hidden_size), output)
 
 
 @main.command("dump-info")
@@ -514,17 +518,7 @@ def hooks(spec: str, mode: str, max_tokens: int, output: str | None) -> None:
     findings = check_source(source, "<generated>")
     if findings:  # the generator's own contract: never hand out unsafe code
         raise RuntimeError(f"generated hooks fail the graph-safety check: {findings[0]}")
-    if output is None:
-        click.echo(source, nl=False)
-        return
-    try:
-        with open(output, "x", encoding="utf-8") as f:
-            f.write(source)
-    except FileExistsError:
-        raise BadInput(f"{output} exists; not overwritten") from None
-    except OSError as e:
-        raise BadInput(f"{output}: {e.strerror or e}") from None
-    err.print(f"wrote {escape(output)}")
+    _write_new_or_stdout(source, output)
 
 
 @main.command("check-hooks")

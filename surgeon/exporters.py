@@ -125,18 +125,32 @@ def check_speculators(spec) -> list[tuple[str, Point]]:
     return fc
 
 
-def export_specforge(dump_paths, out_dir: str | Path, *, spec) -> list[Path]:
-    """Write ``data_{i}.ckpt`` per dump shard; returns the paths written (in dump order)."""
-    fc = check_specforge(spec)
+def _export(dump_paths, out_dir: str | Path, spec, layout: str, needs: list[tuple[Point, str]],
+            build: Callable[[int, Dump, list[torch.Tensor], Path, Path], Path]) -> list[Path]:
+    """Check every shard can fill the layout (metadata only) before writing any file, then write
+    each through ``build(index, dump, needed tensors, out_dir, path)``."""
     paths = _expand(dump_paths)
+    for path in paths:
+        found = _by_point(read_dump(path, load=False), path, spec, layout)
+        for point, what in needs:
+            _need(found, point, what, path, layout)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for i, path in enumerate(paths):
         dump = read_dump(path)
-        found = _by_point(dump, path, spec, "SpecForge")
-        final = _need(found, FINAL_NORM, "SpecForge's hidden_state (after the final norm)", path, "SpecForge")
-        aux = [_need(found, p, f"fc input {n!r}", path, "SpecForge") for n, p in fc]
+        found = _by_point(dump, path, spec, layout)
+        written.append(build(i, dump, [_need(found, p, what, path, layout) for p, what in needs], out, path))
+    return written
+
+
+def export_specforge(dump_paths, out_dir: str | Path, *, spec) -> list[Path]:
+    """Write ``data_{i}.ckpt`` per dump shard; returns the paths written (in dump order)."""
+    fc = check_specforge(spec)
+    needs = [(FINAL_NORM, "SpecForge's hidden_state (after the final norm)")] + [(p, f"fc input {n!r}") for n, p in fc]
+
+    def build(i: int, dump: Dump, tensors: list[torch.Tensor], out: Path, path: Path) -> Path:
+        final, aux = tensors[0], tensors[1:]
         _same_dtype(aux, path, "SpecForge")
         ids = dump.input_ids.reshape(1, -1)
         data = {
@@ -145,8 +159,9 @@ def export_specforge(dump_paths, out_dir: str | Path, *, spec) -> list[Path]:
             "aux_hidden_state": torch.cat(aux, dim=-1).unsqueeze(0),
             "hidden_state": final.unsqueeze(0),
         }
-        written.append(_atomic(out / f"data_{i}.ckpt", lambda tmp: torch.save(data, tmp)))
-    return written
+        return _atomic(out / f"data_{i}.ckpt", lambda tmp: torch.save(data, tmp))
+
+    return _export(dump_paths, out_dir, spec, "SpecForge", needs, build)
 
 
 def export_speculators(dump_paths, out_dir: str | Path, *, spec) -> list[Path]:
@@ -155,19 +170,13 @@ def export_speculators(dump_paths, out_dir: str | Path, *, spec) -> list[Path]:
 
     fc = check_speculators(spec)
     L = spec.num_layers
-    paths = _expand(dump_paths)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for i, path in enumerate(paths):
-        dump = read_dump(path)
-        found = _by_point(dump, path, spec, "speculators")
-        last = _need(found, layer_out(L - 1),
-                     f"speculators' last slot (layer_out[{L - 1}] before the final norm; final_norm is not a substitute)",
-                     path, "speculators")
-        slots = [_need(found, p, f"fc input {n!r}", path, "speculators") for n, p in fc] + [last]
+    needs = [(p, f"fc input {n!r}") for n, p in fc] + [
+        (layer_out(L - 1), f"speculators' last slot (layer_out[{L - 1}] before the final norm; final_norm is not a substitute)")]
+
+    def build(i: int, dump: Dump, slots: list[torch.Tensor], out: Path, path: Path) -> Path:
         _same_dtype(slots, path, "speculators")
         tensors = {"token_ids": dump.input_ids.reshape(-1).contiguous(),
                    "hidden_states": torch.stack(slots, dim=1).contiguous()}
-        written.append(_atomic(out / f"hs_{i}.safetensors", lambda tmp: save_file(tensors, tmp)))
-    return written
+        return _atomic(out / f"hs_{i}.safetensors", lambda tmp: save_file(tensors, tmp))
+
+    return _export(dump_paths, out_dir, spec, "speculators", needs, build)

@@ -98,3 +98,24 @@ def test_hooks_and_check_hooks_commands(tmp_path):
     r = json.loads(run("check-hooks", bad, "--json", code=3).stdout)
     assert {x["rule"] for x in r["findings"]} >= {"host-sync", "io"}
     assert r["findings"][0]["line"] == 4
+
+
+def test_export_writes_nothing_when_any_shard_cannot_fill_the_layout(tmp_path):
+    from surgeon.dumps import write_dump
+    from surgeon.errors import BadInput
+
+    f = tmp_path / "s.yaml"
+    f.write_text(SPEC)
+    spec = load_spec(f)
+    ids = torch.arange(4)
+    full = [(n, spec.captures[n], torch.randn(4, 32)) for n in ("low", "mid", "high", "last")]
+    good = write_dump(tmp_path / "a.safetensors", full, input_ids=ids, num_layers=6, spec=spec)
+    bad = write_dump(tmp_path / "b.safetensors", full[:3], input_ids=ids, num_layers=6, spec=spec)  # no final_norm
+    out = tmp_path / "sf"
+    try:
+        export_specforge([good, bad], out, spec=spec)
+    except BadInput as e:
+        assert "final_norm" in str(e)
+    else:
+        raise AssertionError("export should refuse")
+    assert not out.exists() or not any(out.iterdir())
