@@ -1,0 +1,706 @@
+"""libcst rewriter: insert capture-hook calls into an engine's decoder-model forward.
+
+:func:`rewrite` is a pure function from source bytes to new source bytes. It inserts, into the
+method that holds the decoder-layer loop, calls of a generated hooks module::
+
+    begin_step(self, num_tokens)                          first statement of the method
+    capture_position(self, 0, hidden_states, residual)    before the loop (only if 0 requested)
+    capture_position(self, <idx> + 1, hidden_states, residual)
+                                                          after the layer call in the loop body
+    capture_final(self, hidden_states)                    after the final-norm assignment
+
+plus one ``import <hooks_module>`` after the last top-level import. Every other byte of the file
+round-trips (libcst keeps formatting). Inserted code is built from libcst nodes; names and
+expressions from recipes are parsed as expressions and restricted to names, attributes,
+subscripts and integers, never formatted into source text.
+
+It refuses (:class:`PatchApplicationError`, naming the file and the anchor) when an anchor
+matches zero or several places, when the loop variable is not the global layer index, when the
+residual stream cannot be read as a local, or when the method runs decoder layers through a
+second path (a ``self.layers[a:b]`` slice handed to something else) that would skip captures.
+
+Recipes (``patches/*.yaml``) are data: per engine and model file/class they override what the
+generic recognizer would pick. Without a recipe the generic one (:data:`GENERIC`) applies.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Sequence
+
+import libcst as cst
+import libcst.matchers as m
+import yaml
+from libcst.metadata import MetadataWrapper, PositionProvider
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from surgeon.errors import BadInput
+
+__all__ = [
+    "PatchApplicationError", "Recipe", "RewriteResult", "GENERIC", "rewrite",
+    "load_recipes", "find_recipe", "PATCHES_DIR",
+]
+
+PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class PatchApplicationError(BadInput):
+    """The rewriter refuses to patch: ``relpath`` and ``anchor`` say where, ``reason`` why
+    (a BadInput: the CLI reports it as one line, exit 2)."""
+
+    def __init__(self, relpath: str, anchor: str, reason: str):
+        self.relpath, self.anchor, self.reason = relpath, anchor, reason
+        super().__init__(f"{relpath}: {anchor}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes
+# ---------------------------------------------------------------------------------------------
+_SAFE_EXPR_NODES = (
+    cst.Name, cst.Attribute, cst.Subscript, cst.SubscriptElement, cst.Index, cst.Integer,
+    cst.UnaryOperation, cst.Minus, cst.Dot, cst.LeftSquareBracket, cst.RightSquareBracket,
+)
+
+
+def _safe_expression(text: str) -> cst.BaseExpression:
+    """Parse a recipe expression; only names, attributes, subscripts and integers."""
+    try:
+        expr = cst.parse_expression(text)
+    except cst.ParserSyntaxError as exc:
+        raise ValueError(f"not a Python expression: {text!r}") from exc
+
+    class _Check(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if not isinstance(node, _SAFE_EXPR_NODES) and not isinstance(
+                node, (cst.SimpleWhitespace, cst.ParenthesizedWhitespace, cst.LeftParen, cst.RightParen, cst.Comma)
+            ):
+                raise ValueError(
+                    f"recipe expression {text!r} may use only names, attributes, subscripts and "
+                    f"integers (found {type(node).__name__})"
+                )
+            return True
+
+    expr.visit(_Check())
+    return expr
+
+
+class Recipe(BaseModel):
+    """Where the decoder loop is and how to read the stream, for one engine model file/class.
+
+    Fields left ``None`` fall back to the generic recognizer."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str = Field(min_length=1)
+    engine: Literal["sglang", "vllm"] | None = None
+    file: str | None = Field(default=None, description="model file relative to the engine package, e.g. srt/models/llama.py; None: any file")
+    class_name: str | None = Field(default=None, description="decoder model class; None: any class")
+    method: str = Field(default="forward", description="method holding the decoder-layer loop")
+    layers_attr: str = Field(default="layers", description="attribute of self holding the decoder layers")
+    index: str | None = Field(default=None, description="global layer index expression inside the loop; None: the loop variable")
+    residual: str | None = Field(default=None, description="expression of the separately carried residual; 'none': the layer returns the sum; None: auto")
+    num_tokens: str | None = Field(default=None, description="expression for begin_step's token count; None: positions.shape[-1] or input_ids.shape[0]")
+    final_norm: list[str] = Field(
+        default_factory=lambda: ["norm", "final_layernorm", "ln_f", "final_norm", "norm_f", "model_norm"],
+        description="attributes of self that are the final norm; the final-norm anchor is the one assignment after the loop that uses one",
+    )
+    refuse: str | None = Field(default=None, description="always refuse, with this reason")
+    notes: str | None = None
+
+    @field_validator("layers_attr", "method")
+    @classmethod
+    def _ident(cls, v: str) -> str:
+        if not _IDENT.fullmatch(v):
+            raise ValueError(f"not an identifier: {v!r}")
+        return v
+
+    @field_validator("final_norm")
+    @classmethod
+    def _idents(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _IDENT.fullmatch(name):
+                raise ValueError(f"not an identifier: {name!r}")
+        return v
+
+    @field_validator("index", "num_tokens")
+    @classmethod
+    def _expr(cls, v: str | None) -> str | None:
+        if v is not None:
+            _safe_expression(v)
+        return v
+
+    @field_validator("residual")
+    @classmethod
+    def _residual(cls, v: str | None) -> str | None:
+        if v is not None and v != "none":
+            _safe_expression(v)
+        return v
+
+    def matches(self, engine: str | None, relpath: str, class_name: str | None) -> bool:
+        if self.engine is not None and engine is not None and self.engine != engine:
+            return False
+        if self.file is not None and not (relpath == self.file or relpath.endswith("/" + self.file)):
+            return False
+        if self.class_name is not None and class_name is not None and self.class_name != class_name:
+            return False
+        return True
+
+
+GENERIC = Recipe(name="generic")
+
+
+def load_recipes(directory: Path | str = PATCHES_DIR) -> list[Recipe]:
+    """Every ``*.yaml`` recipe in ``directory`` (each file: one mapping or a list of mappings)."""
+    recipes: list[Recipe] = []
+    for path in sorted(Path(directory).glob("*.yaml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        items = data if isinstance(data, list) else [data]
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise ValueError(f"{path}: recipe {i} is not a mapping")
+            try:
+                recipes.append(Recipe.model_validate(item))
+            except ValidationError as exc:
+                raise ValueError(f"{path}: recipe {i}: {exc}") from exc
+    return recipes
+
+
+def find_recipe(recipes: Sequence[Recipe], *, engine: str | None, relpath: str,
+                class_name: str | None) -> Recipe:
+    """The most specific matching recipe (file and class named beat file only), else GENERIC."""
+    best: tuple[int, Recipe] | None = None
+    for r in recipes:
+        if not r.matches(engine, relpath, class_name):
+            continue
+        score = (r.file is not None) * 2 + (r.class_name is not None) + (r.engine is not None)
+        if best is None or score > best[0]:
+            best = (score, r)
+    return best[1] if best else GENERIC
+
+
+# ---------------------------------------------------------------------------------------------
+# Result
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RewriteResult:
+    new_bytes: bytes
+    anchors: list[str] = field(default_factory=list)  # "Class.method:what@line" per insertion
+    inserted: int = 0  # statements inserted (the import included)
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis helpers
+# ---------------------------------------------------------------------------------------------
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def _is_self_attr(node: cst.CSTNode, attr: str) -> bool:
+    return m.matches(node, m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
+
+
+def _walk(node: cst.CSTNode, *, into_defs: bool = False):
+    """Pre-order walk, not entering nested function/class definitions or lambdas."""
+    stack = [node]
+    first = True
+    while stack:
+        n = stack.pop()
+        if not first and not into_defs and isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            continue
+        first = False
+        yield n
+        stack.extend(reversed(n.children))
+
+
+def _mentions_self_attr(node: cst.CSTNode, attr: str) -> bool:
+    return any(_is_self_attr(n, attr) for n in _walk(node))
+
+
+def _assigned_names(target: cst.BaseExpression) -> list[str]:
+    if isinstance(target, cst.Name):
+        return [target.value]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        out: list[str] = []
+        for el in target.elements:
+            out += _assigned_names(el.value)
+        return out
+    if isinstance(target, cst.StarredElement):
+        return _assigned_names(target.value)
+    return []
+
+
+def _stmt_assigns(stmt: cst.CSTNode) -> list[tuple[list[str], cst.BaseExpression | None]]:
+    out = []
+    for n in _walk(stmt):
+        if isinstance(n, cst.Assign):
+            for t in n.targets:
+                out.append((_assigned_names(t.target), n.value))
+        elif isinstance(n, cst.AnnAssign):
+            out.append((_assigned_names(n.target), n.value))
+        elif isinstance(n, cst.AugAssign):
+            out.append((_assigned_names(n.target), n.value))
+    return out
+
+
+def _names_in(expr: cst.BaseExpression) -> set[str]:
+    return {n.value for n in _walk(expr) if isinstance(n, cst.Name) and n.value != "self"}
+
+
+@dataclass
+class _Loop:
+    node: cst.For
+    index: cst.BaseExpression | None
+    call_stmt: cst.SimpleStatementLine | None
+    problem: str | None = None
+
+
+class _Rewriter:
+    def __init__(self, source: bytes, relpath: str, class_name: str | None, recipe: Recipe):
+        self.relpath = relpath
+        self.recipe = recipe
+        self.class_name = class_name
+        try:
+            module = cst.parse_module(source)
+        except cst.ParserSyntaxError as exc:
+            raise PatchApplicationError(relpath, "module", f"does not parse: {exc}") from exc
+        self.module = module
+        # Metadata for the whole module costs more than parsing it; positions and parents are
+        # resolved per top-level statement on demand (positions offset by the code before it).
+        self.pos: dict[cst.CSTNode, object] = {}
+        self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
+        self._offsets: dict[cst.CSTNode, int] = {}
+        self._indexed: set[int] = set()
+
+    def index(self, top: cst.CSTNode) -> None:
+        if id(top) in self._indexed:
+            return
+        self._indexed.add(id(top))
+        body = list(self.module.body)
+        i = next(k for k, s in enumerate(body) if s is top)
+        prefix = self.module.with_changes(body=body[:i], footer=[]).code
+        offset = prefix.count("\n") if body[:i] or self.module.header else 0
+        sub = MetadataWrapper(cst.Module(body=[top], default_indent=self.module.default_indent,
+                                         default_newline=self.module.default_newline),
+                              unsafe_skip_copy=True)
+        for node, rng in sub.resolve(PositionProvider).items():
+            self.pos[node] = rng
+            self._offsets[node] = offset
+        for node in _walk(top, into_defs=True):
+            for child in node.children:
+                self.parents[child] = node
+        self.parents[top] = self.module
+
+    def line(self, node: cst.CSTNode) -> int:
+        return self.pos[node].start.line + self._offsets[node]  # type: ignore[attr-defined]
+
+    def end_line(self, node: cst.CSTNode) -> int:
+        return self.pos[node].end.line + self._offsets[node]  # type: ignore[attr-defined]
+
+    def refuse(self, anchor: str, reason: str) -> PatchApplicationError:
+        return PatchApplicationError(self.relpath, anchor, reason)
+
+    # -- locating -------------------------------------------------------------------------
+    def _layers_loops(self, fn: cst.FunctionDef) -> list[_Loop]:
+        attr = self.recipe.layers_attr
+        loops = []
+        for n in _walk(fn.body):
+            if isinstance(n, cst.For) and (_mentions_self_attr(n.iter, attr) or self._loop_calls_layer(n)):
+                lp = self._analyze_loop(n)
+                if lp is not None:
+                    loops.append(lp)
+        return loops
+
+    def _loop_calls_layer(self, loop: cst.For) -> bool:
+        # `for i in range(...)`: body calls/assigns self.layers[i]
+        if not isinstance(loop.target, cst.Name):
+            return False
+        idx = loop.target.value
+        attr = self.recipe.layers_attr
+        for n in _walk(loop.body):
+            if m.matches(n, m.Subscript(value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)),
+                                        slice=[m.SubscriptElement(m.Index(m.Name(idx)))])):
+                return True
+        return False
+
+    def _analyze_loop(self, loop: cst.For) -> _Loop | None:
+        attr = self.recipe.layers_attr
+        layer_sub = m.Subscript(value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
+        index: cst.BaseExpression | None = None
+        callee_names: set[str] = set()
+        direct_index: str | None = None
+        problem = None
+        it, tgt = loop.iter, loop.target
+        if m.matches(it, m.Call(func=m.Name("range"))) and isinstance(tgt, cst.Name):
+            direct_index = tgt.value
+            index = cst.Name(tgt.value)
+            if not self._loop_calls_layer(loop):
+                return None
+        elif m.matches(it, m.Call(func=m.Name("enumerate"))) and m.matches(
+                tgt, m.Tuple(elements=[m.Element(m.Name()), m.Element(m.Name())])):
+            assert isinstance(it, cst.Call) and isinstance(tgt, cst.Tuple)
+            seq = it.args[0].value
+            if not _mentions_self_attr(seq, attr):
+                return None
+            idx_name = tgt.elements[0].value.value  # type: ignore[attr-defined]
+            callee_names.add(tgt.elements[1].value.value)  # type: ignore[attr-defined]
+            start = next((a.value for a in it.args[1:] if a.keyword is None or a.keyword.value == "start"), None)
+            seq_start: cst.BaseExpression | None
+            offset_index: cst.BaseExpression | None = None
+            if _is_self_attr(seq, attr):
+                seq_start = None
+            elif m.matches(seq, m.Call(func=m.Name("islice"))) and len(seq.args) >= 3 and _is_self_attr(seq.args[0].value, attr):  # type: ignore[attr-defined]
+                seq_start = seq.args[1].value  # type: ignore[attr-defined]
+            elif m.matches(seq, layer_sub) and len(seq.slice) == 1 and isinstance(seq.slice[0].slice, cst.Slice):  # type: ignore[attr-defined]
+                seq_start = seq.slice[0].slice.lower  # type: ignore[attr-defined]
+            else:
+                seq_start = cst.Name("?")  # unknown shape
+                problem = f"enumerate over {_code(seq)}: cannot tell whether the index is the global layer index"
+            if problem is None:
+                same = (seq_start is None and start is None) or (
+                    seq_start is not None and start is not None and _code(seq_start) == _code(start)) or (
+                    seq_start is None and start is not None and _code(start) == "0") or (
+                    start is None and seq_start is not None and _code(seq_start) == "0")
+                if not same and start is None and seq_start is not None:
+                    # enumerate counts from 0 over a slice from seq_start: global = seq_start + idx
+                    base = seq_start
+                    if not isinstance(base, (cst.Name, cst.Attribute, cst.Subscript, cst.Integer)):
+                        base = base.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+                    offset_index = cst.BinaryOperation(base, cst.Add(), cst.Name(idx_name))
+                elif not same:
+                    problem = (f"enumerate start {_code(start) if start else '0'} differs from the slice start "
+                               f"{_code(seq_start) if seq_start else '0'}: the loop index is not the global layer index")
+            index = offset_index or cst.Name(idx_name)
+        elif m.matches(it, m.Call(func=m.Name("islice"))) and it.args and m.matches(  # type: ignore[attr-defined]
+                it.args[0].value, m.Call(func=m.Name("enumerate"), args=[m.Arg(m.Attribute(value=m.Name("self"), attr=m.Name(attr)))])  # type: ignore[attr-defined]
+        ) and m.matches(tgt, m.Tuple(elements=[m.Element(m.Name()), m.Element(m.Name())])):
+            # `for idx, layer in islice(enumerate(self.layers), a, b)`: idx counts the full list
+            assert isinstance(tgt, cst.Tuple)
+            index = cst.Name(tgt.elements[0].value.value)  # type: ignore[attr-defined]
+            callee_names.add(tgt.elements[1].value.value)  # type: ignore[attr-defined]
+        elif _mentions_self_attr(it, attr) and isinstance(tgt, cst.Name):
+            callee_names.add(tgt.value)
+            problem = f"`for {tgt.value} in {_code(it)}` has no layer index variable"
+        else:
+            return None
+        if problem is None and index is not None:
+            for n in _walk(loop.body):
+                if isinstance(n, cst.SimpleStatementLine) and any(
+                        _code(index) in names or any(nm in names for nm in _names_in(index))
+                        for names, _ in _stmt_assigns(n)):
+                    problem = (f"the loop body reassigns the layer index (`{_code(n).strip()}`): "
+                               "a recipe must give the global index expression")
+                    break
+        if self.recipe.index is not None:
+            index, problem = _safe_expression(self.recipe.index), None
+        # locals bound to self.layers[i] inside the body
+        if direct_index is not None:
+            for n in _walk(loop.body):
+                for names, value in _stmt_assigns(n) if isinstance(n, cst.SimpleStatementLine) else []:
+                    if value is not None and m.matches(value, m.Subscript(
+                            value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)),
+                            slice=[m.SubscriptElement(m.Index(m.Name(direct_index)))])) and len(names) == 1:
+                        callee_names.add(names[0])
+        calls = []
+        for n in _walk(loop.body):
+            if not isinstance(n, cst.Call):
+                continue
+            f = n.func
+            if isinstance(f, cst.Name) and f.value in callee_names:
+                calls.append(n)
+            elif direct_index is not None and m.matches(f, m.Subscript(
+                    value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)),
+                    slice=[m.SubscriptElement(m.Index(m.Name(direct_index)))])):
+                calls.append(n)
+        call_stmt = None
+        if problem is None:
+            stmts = [self._enclosing_stmt(c) for c in calls]
+            if not calls or (len(calls) > 1 and not self._exclusive(stmts)):
+                problem = (f"{'no' if not calls else len(calls)} decoder-layer calls in the loop body "
+                           "(need exactly one, or one per branch of an if/else)")
+            else:
+                stmt = stmts[0]
+                if not isinstance(stmt, cst.SimpleStatementLine) or not isinstance(self.parents.get(stmt), (cst.IndentedBlock,)):
+                    problem = "the decoder-layer call is not a statement of its own in an indented block"
+                else:
+                    call_stmt = stmt
+        if problem is None:
+            # the capture goes at the end of the iteration: the state entering the next layer
+            # (after anything the body adds to the stream, e.g. Qwen3-VL's deepstack embeds)
+            for n in _walk(loop.body):
+                if isinstance(n, (cst.Continue, cst.Break)) and self._innermost_loop(n) is loop:
+                    problem = (f"the loop body has `{_code(n).strip()}`: an iteration can end "
+                               "before the end-of-iteration capture")
+                    break
+            if not isinstance(loop.body, cst.IndentedBlock):
+                problem = "the loop body is on one line"
+        return _Loop(loop, index, call_stmt, problem)
+
+    def _innermost_loop(self, node: cst.CSTNode) -> cst.CSTNode | None:
+        n = node
+        while n in self.parents:
+            n = self.parents[n]
+            if isinstance(n, (cst.For, cst.While)):
+                return n
+        return None
+
+    def _enclosing_stmt(self, node: cst.CSTNode) -> cst.CSTNode:
+        n = node
+        while not isinstance(n, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            n = self.parents[n]
+        return n
+
+    def _candidates(self) -> list[tuple[cst.ClassDef, cst.FunctionDef, list[_Loop]]]:
+        out = []
+        for cls in self.module.body:
+            if not isinstance(cls, cst.ClassDef):
+                continue
+            if self.class_name is not None and cls.name.value != self.class_name:
+                continue
+            if self.recipe.class_name is not None and cls.name.value != self.recipe.class_name:
+                continue
+            for fn in cls.body.body:
+                if isinstance(fn, cst.FunctionDef) and fn.name.value == self.recipe.method:
+                    self.index(cls)
+                    loops = self._layers_loops(fn)
+                    if loops or self.class_name is not None:
+                        out.append((cls, fn, loops))
+        return out
+
+    # -- planning -------------------------------------------------------------------------
+    def plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression):
+        rc = self.recipe
+        cands = self._candidates()
+        want = self.class_name or rc.class_name
+        anchor0 = f"{want or '<any class>'}.{rc.method}"
+        if not cands:
+            raise self.refuse(anchor0, f"no class{f' {want}' if want else ''} with a `{rc.method}` method "
+                              f"looping over self.{rc.layers_attr}")
+        if len(cands) > 1:
+            names = ", ".join(f"{c.name.value}@{self.line(c)}" for c, _, _ in cands)
+            raise self.refuse(anchor0, f"several classes loop over self.{rc.layers_attr} in `{rc.method}`: {names}; name one")
+        cls, fn, loops = cands[0]
+        owner = f"{cls.name.value}.{fn.name.value}"
+        if rc.refuse:
+            raise self.refuse(owner, f"recipe {rc.name!r} refuses: {rc.refuse}")
+        if not loops:
+            raise self.refuse(f"{owner}:loop", f"no loop over self.{rc.layers_attr}")
+        if len(loops) > 1:
+            raise self.refuse(f"{owner}:loop", "several decoder-layer loops at lines "
+                              + ", ".join(str(self.line(lp.node)) for lp in loops))
+        lp = loops[0]
+        loop_anchor = f"{owner}:loop@{self.line(lp.node)}"
+        if lp.problem:
+            raise self.refuse(loop_anchor, lp.problem)
+        self._check_bypass(fn, lp, owner)
+
+        before: dict[cst.CSTNode, list[cst.BaseStatement]] = {}
+        after: dict[cst.CSTNode, list[cst.BaseStatement]] = {}
+        anchors: list[str] = []
+
+        def call(fname: str, *args: cst.BaseExpression) -> cst.SimpleStatementLine:
+            return cst.SimpleStatementLine([cst.Expr(cst.Call(
+                func=cst.Attribute(value=hooks, attr=cst.Name(fname)),
+                args=[cst.Arg(cst.Name("self"))] + [cst.Arg(a) for a in args],
+            ))])
+
+        # residual
+        residual, residual_before_loop = self._residual(fn, lp, loop_anchor)
+
+        # begin_step
+        num = self._num_tokens(fn, owner)
+        body = fn.body
+        if not isinstance(body, cst.IndentedBlock):
+            raise self.refuse(owner, "method body is on one line")
+        first = 0
+        if body.body and m.matches(body.body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])):
+            first = 1
+        if first >= len(body.body):
+            raise self.refuse(owner, "method has no statements")
+        before.setdefault(body.body[first], []).append(call("begin_step", num))
+        anchors.append(f"{owner}:begin_step@{self.line(body.body[first])}")
+
+        if 0 in positions:
+            if not isinstance(self.parents.get(lp.node), cst.IndentedBlock):
+                raise self.refuse(loop_anchor, "the loop is not a statement of an indented block")
+            res0 = residual if residual_before_loop else cst.Name("None")
+            before.setdefault(lp.node, []).append(
+                call("capture_position", cst.Integer("0"), cst.Name("hidden_states"), res0))
+            anchors.append(f"{owner}:embed@{self.line(lp.node)}")
+        if any(p >= 1 for p in positions):
+            assert lp.call_stmt is not None and lp.index is not None
+            pos_expr = cst.BinaryOperation(lp.index, cst.Add(), cst.Integer("1"))
+            last = lp.node.body.body[-1]  # type: ignore[attr-defined]
+            after.setdefault(last, []).append(
+                call("capture_position", pos_expr, cst.Name("hidden_states"), residual))
+            anchors.append(f"{owner}:layer_out@{self.line(last)}")
+        if capture_final:
+            for stmt, name in self._final_norm(fn, lp, owner):
+                after.setdefault(stmt, []).append(call("capture_final", cst.Name(name)))
+                anchors.append(f"{owner}:final_norm@{self.line(stmt)}")
+        return before, after, anchors
+
+    def _check_bypass(self, fn: cst.FunctionDef, lp: _Loop, owner: str) -> None:
+        attr = self.recipe.layers_attr
+        inside = set(_walk(lp.node))
+        for n in _walk(fn.body):
+            if n in inside:
+                continue
+            bad = None
+            if m.matches(n, m.Subscript(value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))) and any(
+                    isinstance(e.slice, cst.Slice) for e in n.slice):  # type: ignore[attr-defined]
+                bad = "runs a slice of the decoder layers outside the capture loop"
+            elif isinstance(n, cst.Call) and any(_is_self_attr(a.value, attr) for a in n.args) and not m.matches(
+                    n.func, m.Name("len") | m.Name("isinstance") | m.Name("getattr") | m.Name("hasattr")):
+                bad = "hands the decoder layers to another call outside the capture loop"
+            elif isinstance(n, cst.Call) and m.matches(n.func, m.Subscript(
+                    value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))):
+                bad = "calls a decoder layer outside the capture loop"
+            if bad:
+                stmt = self._enclosing_stmt(n)
+                text = _code(stmt).strip().splitlines()[0]
+                raise self.refuse(f"{owner}:bypass@{self.line(n)}",
+                                  f"{bad} (`{text}`): layers run there would not be captured")
+
+    def _residual(self, fn: cst.FunctionDef, lp: _Loop, loop_anchor: str) -> tuple[cst.BaseExpression, bool]:
+        rc = self.recipe
+        if rc.residual == "none":
+            return cst.Name("None"), True
+        if rc.residual is not None:
+            return _safe_expression(rc.residual), True
+        loop_line = self.line(lp.node)
+        assigned_lines = []
+        params = {p.name.value for p in fn.params.params + fn.params.kwonly_params + fn.params.posonly_params}
+        for n in _walk(fn.body):
+            if isinstance(n, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
+                targets = n.targets if isinstance(n, cst.Assign) else [n]
+                for t in targets:
+                    if "residual" in _assigned_names(t.target):
+                        assigned_lines.append(self.line(n))
+        if assigned_lines or "residual" in params:
+            return cst.Name("residual"), ("residual" in params or min(assigned_lines) < loop_line)
+        others = sorted({n.value for n in _walk(fn.body) if isinstance(n, cst.Name) and "residual" in n.value.lower()})
+        if others:
+            raise self.refuse(loop_anchor, f"the residual stream is not a local variable (the method uses "
+                              f"{', '.join(others)}): hidden_states after a layer is not layer_out[k]; "
+                              f"a recipe must say how to read the residual")
+        return cst.Name("None"), True
+
+    def _num_tokens(self, fn: cst.FunctionDef, owner: str) -> cst.BaseExpression:
+        if self.recipe.num_tokens is not None:
+            return _safe_expression(self.recipe.num_tokens)
+        params = [p.name.value for p in fn.params.params + fn.params.kwonly_params + fn.params.posonly_params]
+        if "positions" in params:  # [T] or [3, T] (M-RoPE): the last dim is the token count
+            return cst.parse_expression("positions.shape[-1]")
+        if "input_ids" in params:
+            return cst.parse_expression("input_ids.shape[0]")
+        raise self.refuse(f"{owner}:begin_step", "no `positions` or `input_ids` parameter to count tokens; "
+                          "a recipe must give num_tokens")
+
+    def _final_norm(self, fn: cst.FunctionDef, lp: _Loop, owner: str) -> list[tuple[cst.CSTNode, str]]:
+        end = self.end_line(lp.node)
+        hits = []
+        for n in _walk(fn.body):
+            if not isinstance(n, cst.SimpleStatementLine) or self.line(n) <= end:
+                continue
+            for small in n.body:
+                if not isinstance(small, (cst.Assign, cst.AnnAssign)) or small.value is None:
+                    continue
+                if not any(_mentions_self_attr(small.value, a) for a in self.recipe.final_norm):
+                    continue
+                tgt = small.targets[0].target if isinstance(small, cst.Assign) else small.target
+                names = _assigned_names(tgt)
+                if names and names[0] != "_" and isinstance(self.parents.get(n), cst.IndentedBlock):
+                    hits.append((n, names[0]))
+        anchor = f"{owner}:final_norm"
+        if not hits:
+            raise self.refuse(anchor, "no assignment from self." + "/".join(self.recipe.final_norm) + " after the loop")
+        if len(hits) > 1 and not self._exclusive([h[0] for h in hits]):
+            raise self.refuse(anchor, "several final-norm assignments at lines " + ", ".join(str(self.line(h[0])) for h in hits))
+        return hits
+
+    def _exclusive(self, stmts: list[cst.CSTNode]) -> bool:
+        """All statements sit in different branches of one if/elif/else chain."""
+        def branch_path(s: cst.CSTNode) -> list[tuple[cst.CSTNode, int]]:
+            path, n = [], s
+            while n in self.parents:
+                p = self.parents[n]
+                if isinstance(p, cst.If):
+                    path.append((p, 0 if n is p.body else 1))
+                elif isinstance(p, cst.Else):
+                    path.append((p, 1))
+                n = p
+            return path
+        paths = [branch_path(s) for s in stmts]
+        for i in range(len(stmts)):
+            for j in range(i + 1, len(stmts)):
+                # exclusive when some If is an ancestor of both, via different branches
+                pi = {id(k): b for k, b in paths[i]}
+                if not any(id(k) in pi and pi[id(k)] != b for k, b in paths[j]):
+                    return False
+        return True
+
+
+class _Insert(cst.CSTTransformer):
+    def __init__(self, before, after, import_after: cst.CSTNode | None, import_stmt: cst.BaseStatement):
+        self.before, self.after = before, after
+        self.import_after, self.import_stmt = import_after, import_stmt
+
+    def _splice(self, original_body, updated_body):
+        out = []
+        for o, u in zip(original_body, updated_body):
+            out += self.before.get(o, [])
+            out.append(u)
+            out += self.after.get(o, [])
+            if o is self.import_after:
+                out.append(self.import_stmt)
+        return out
+
+    def leave_IndentedBlock(self, original_node, updated_node):
+        return updated_node.with_changes(body=self._splice(original_node.body, updated_node.body))
+
+    def leave_Module(self, original_node, updated_node):
+        return updated_node.with_changes(body=self._splice(original_node.body, updated_node.body))
+
+
+def _hooks_expr(name: str) -> cst.BaseExpression:
+    parts = name.split(".")
+    expr: cst.BaseExpression = cst.Name(parts[0])
+    for p in parts[1:]:
+        expr = cst.Attribute(value=expr, attr=cst.Name(p))
+    return expr
+
+
+def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positions: set[int],
+            capture_final: bool, hooks_module: str = "_surgeon_hooks",
+            recipe: Recipe | None = None) -> RewriteResult:
+    """Insert capture-hook calls into the decoder model's forward; see the module docstring."""
+    if not _DOTTED.fullmatch(hooks_module) or any(p in ("self", "None", "True", "False") for p in hooks_module.split(".")):
+        raise ValueError(f"hooks_module must be a dotted module name, not {hooks_module!r}")
+    if any(p < 0 for p in positions):
+        raise ValueError(f"positions are >= 0, got {sorted(positions)}")
+    rw = _Rewriter(source_bytes, relpath, class_name, recipe or GENERIC)
+    hooks = _hooks_expr(hooks_module)
+    before, after, anchors = rw.plan(set(positions), capture_final, hooks)
+
+    module = rw.module
+    last_import = None
+    for stmt in module.body:
+        if isinstance(stmt, cst.SimpleStatementLine) and all(isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body):
+            last_import = stmt
+    import_stmt = cst.SimpleStatementLine([cst.Import(names=[cst.ImportAlias(name=_hooks_expr(hooks_module))])])  # type: ignore[arg-type]
+    if last_import is None:
+        raise PatchApplicationError(relpath, "module:import", "no top-level import to place the hooks import after")
+    rw.index(last_import)
+    anchors.insert(0, f"module:import@{rw.line(last_import)}")
+    new_module = module.visit(_Insert(before, after, last_import, import_stmt))
+    new = new_module.code.encode(module.encoding)
+    inserted = 1 + sum(len(v) for v in before.values()) + sum(len(v) for v in after.values())
+    try:
+        compile(new, relpath, "exec")
+    except SyntaxError as exc:  # a bug here, not in the input: never hand back broken code
+        raise PatchApplicationError(relpath, "module", f"rewritten source does not compile: {exc}") from exc
+    return RewriteResult(new_bytes=new, anchors=anchors, inserted=inserted)

