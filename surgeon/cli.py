@@ -430,7 +430,7 @@ def _harness_options(f):
 @_harness_options
 def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], input_ids: str | None, as_json: bool, plot: str | None) -> None:
     """Which physical point each slot of SUBJECT really is, how sure, and what is wrong."""
-    result = _run_match(subject, ref, load_spec(spec) if spec else None, slots, input_ids, as_json, plot)
+    _run_match(subject, ref, load_spec(spec) if spec else None, slots, input_ids, as_json, plot)
     if not as_json and plot:
         out.print(f"heatmap: {escape(plot)}")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-from surgeon.points import EMBED, FINAL_NORM, Point, layer_out
+from surgeon.points import FINAL_NORM, Point, layer_out
 import re
 
 from surgeon.probes.model import Branch, ClassConvention, DefaultTerm, FirstIdEquals, IdRule, MaxIdEquals

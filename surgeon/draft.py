@@ -19,6 +19,7 @@ from surgeon.conventions import EAGLE, InvalidId
 from surgeon.engines import model_class_for, open_engine
 from surgeon.errors import BadInput
 from surgeon.spec import Spec, read_regular_file
+from surgeon.tensorfiles import unreadable
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 MAX_CONFIG_BYTES = 16 << 20
@@ -147,7 +148,7 @@ def fc_weight_shape(draft: Path) -> dict | None:
                         found = {"file": f.name, "tensor": name, "shape": shape}
                         break
         except Exception as e:  # safetensors raises its own error types for bad headers
-            raise BadInput(f"{f}: not a readable safetensors file: {e}") from None
+            raise unreadable(f, e) from None
         if found:
             break
     return found

@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from surgeon.errors import BadInput
+from surgeon.tensorfiles import unreadable
 from surgeon.points import Point, PointError, parse_point
 
 FORMAT = "1"
@@ -133,5 +134,5 @@ def read_dump(path: str | Path, *, load: bool = True) -> Dump:
     except BadInput:
         raise
     except Exception as e:
-        raise BadInput(f"{p}: not a readable safetensors file: {str(e).splitlines()[0][:200]}") from None
+        raise unreadable(p, e) from None
     return Dump(captures, ids, meta, shapes)

@@ -65,15 +65,14 @@ class EngineView:
 def _signature(location: EngineLocation) -> tuple:
     """What the source looks like now (names, sizes, mtimes of the model files): a view is reused
     within a process only while this is unchanged, so an edited engine is probed again."""
-    sig = [location.version]
-    for d in (location.models_dir,):
-        try:
-            for entry in sorted(os.scandir(d), key=lambda e: e.name):
-                if entry.name.endswith(".py"):
-                    st = entry.stat()
-                    sig.append((entry.name, st.st_size, st.st_mtime_ns))
-        except OSError:
-            pass
+    sig: list = [location.version]
+    try:
+        for entry in sorted(os.scandir(location.models_dir), key=lambda e: e.name):
+            if entry.name.endswith(".py"):
+                st = entry.stat()
+                sig.append((entry.name, st.st_size, st.st_mtime_ns))
+    except OSError:
+        pass
     return tuple(sig)
 
 

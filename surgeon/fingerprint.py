@@ -44,6 +44,7 @@ import torch
 
 from surgeon._streams import run_streams
 from surgeon.errors import BadInput
+from surgeon.tensorfiles import read_safetensors, unreadable
 from surgeon.points import Point, PointError, all_points, parse_point
 
 KIND = "fingerprint"
@@ -173,8 +174,7 @@ def fingerprint_file(path: str | os.PathLike, *, dim: int = 64, first_k: int = 5
         try:
             return safe_open(str(path), framework="pt")
         except Exception as e:  # SafetensorError and friends
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise BadInput(f"{path}: not a readable safetensors file ({first_line})") from e
+            raise unreadable(path, e) from None
 
     with opened() as f:
         meta = dict(f.metadata() or {})
@@ -275,18 +275,8 @@ def save_fingerprint(fp: Fingerprint, path: str | os.PathLike) -> None:
 def load_fingerprint(path: str | os.PathLike) -> Fingerprint:
     """Read a file written by :func:`save_fingerprint`; anything malformed raises a one-line
     BadInput."""
-    from safetensors import safe_open
-
     path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise BadInput(f"{path}: not a readable safetensors file ({first_line})") from e
+    tensors, meta = read_safetensors(path)
 
     def bad(why: str) -> BadInput:
         return BadInput(f"{path}: not a surgeon fingerprint: {why}")

@@ -19,7 +19,8 @@ from surgeon.conventions import EAGLE, NotExpressible
 from surgeon.errors import BadInput
 from surgeon.points import Point
 from surgeon.spec import Spec
-from surgeon.subjects import Subject, _safetensors_kind as _kind_of, align, read_subject
+from surgeon.subjects import Subject, align, read_subject
+from surgeon.tensorfiles import safetensors_kind
 
 
 
@@ -47,7 +48,7 @@ def load_reference_arg(ref: str, input_ids: torch.Tensor | None):
     path = Path(ref)
     if not path.is_file():
         raise BadInput(f"--reference {ref}: no such file (use hf:DIR for a model folder)")
-    kind = _kind_of(path)
+    kind = safetensors_kind(path)
     if kind == "reference":
         from surgeon.reference import load_reference
 

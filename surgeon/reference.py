@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import torch
 
 from surgeon.errors import BadInput
+from surgeon.tensorfiles import read_safetensors
 from surgeon.points import EMBED, FINAL_NORM, Point, all_points, layer_out, parse_point
 
 KIND = "reference"
@@ -263,18 +264,8 @@ def save_reference(ref: Reference, path: str | Path) -> None:
 
 def load_reference(path: str | Path) -> Reference:
     """Read a file written by :func:`save_reference`; anything malformed raises BadInput."""
-    from safetensors import safe_open
-
     path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as e:  # safetensors raises its own SafetensorError and others
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise BadInput(f"{path}: not a readable safetensors file ({first})") from e
+    tensors, metadata = read_safetensors(path)
 
     def bad(why: str) -> BadInput:
         return BadInput(f"{path}: not a surgeon reference: {why}")

@@ -104,6 +104,7 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
     lines.append("| consumer | before | after |")
     lines.append("|---|---|---|")
     ids_rows = []
+    origins: set[str] = set()
     for target, label in _TARGETS:
         root = roots.get(target)
         before = _fc_ids(old, target, root)
@@ -111,8 +112,9 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
         conv = (after or before).convention if (after or before) else target
         lines.append(f"| {label} (`{conv}`) | {_ids_text(before) if before else '—'} | {_ids_text(after) if after else '—'} |")
         ids_rows.append({"target": target, "before": before.ids if before else None, "after": after.ids if after else None})
-    origins = sorted({lst.origin for t, _ in _TARGETS[:2] for lst in [_fc_ids(new, t, roots.get(t))] if lst and lst.origin})
-    for o in origins:
+        if target in ("sglang", "vllm") and after is not None and after.origin:
+            origins.add(after.origin)  # where each engine's rule was read: a probe, or the built-in table
+    for o in sorted(origins):
         lines.append(f"<sub>{_md(o)}</sub>")
     lines.append("")
 

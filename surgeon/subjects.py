@@ -24,6 +24,7 @@ import torch
 
 from surgeon.errors import BadInput
 from surgeon.points import Point, PointError, layer_out, parse_point
+from surgeon.tensorfiles import read_safetensors, safetensors_kind
 
 IDS_KEYS = ("input_ids", "token_ids")
 
@@ -83,27 +84,6 @@ def _load_pickle(path: Path) -> Any:
         return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # pickle refusals and corrupt files alike: bad input, one line
         raise BadInput(f"{path}: cannot be read as a tensor file with weights_only=True: {str(e).splitlines()[0][:200]}") from None
-
-
-def _load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            return {k: f.get_tensor(k) for k in f.keys()}, meta
-    except Exception as e:
-        raise BadInput(f"{path}: not a readable safetensors file: {str(e).splitlines()[0][:200]}") from None
-
-
-def _safetensors_kind(path: Path) -> str | None:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("surgeon.kind")
-    except Exception:
-        return None
 
 
 def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
@@ -190,7 +170,7 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
             declared = [None] * len(tensors)
         else:
             raise BadInput(f"{p}: holds a {type(data).__name__}, not tensors")
-    elif _safetensors_kind(p) == "dump":
+    elif safetensors_kind(p) == "dump":
         from surgeon.dumps import read_dump
 
         dump = read_dump(p)
@@ -202,7 +182,7 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
         notes.append(f"surgeon dump of spec {dump.meta.get('spec.name') or '-'} on {dump.meta.get('engine') or '?'} "
                      f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
     else:
-        data, meta = _load_safetensors(p)
+        data, meta = read_safetensors(p)
         kind = meta.get("surgeon.kind")
         ids_key = next((k for k in IDS_KEYS if k in data), None)
         if ids_key:

@@ -7,7 +7,7 @@ probes of the real installed sources.
 """
 
 import pytest
-from hypothesis import assume, given, strategies as st
+from hypothesis import given, strategies as st
 
 from surgeon.conventions import (
     BUILTIN, DUMP_LAYOUTS, EAGLE, HF, EngineConvention, InvalidId, NotExpressible, builtin_convention,

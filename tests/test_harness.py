@@ -4,8 +4,6 @@ on a real (tiny, random) HF DeepSeek-V3-style model."""
 
 import json
 import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 from click.testing import CliRunner
@@ -155,7 +153,7 @@ def test_bad_references(tmp_path, kimi):
 # -- the pytest plugin ----------------------------------------------------------------------------------
 def test_pytest_plugin_in_one_line(pytester, kimi):
     _, ref, ref_file = kimi
-    dump = specforge_dump(pytester.path / "sample.ckpt", ref, [layer_out(2), layer_out(30), layer_out(58)], FINAL_NORM)
+    specforge_dump(pytester.path / "sample.ckpt", ref, [layer_out(2), layer_out(30), layer_out(58)], FINAL_NORM)
     kimi_spec(pytester.path, ["layer_out[2]", "layer_out[30]", "layer_out[58]", "final_norm"], "right.yaml")
     kimi_spec(pytester.path, ["embed", "layer_out[2]", "layer_out[30]", "final_norm"], "wrong.yaml")
     pytester.makepyfile(test_wiring=f"""

@@ -3,7 +3,6 @@ module from a spec, capture through it in a decoder loop that carries the residu
 drain into the asynchronous writer, read the dump back, export it; and the CLI shells."""
 
 import json
-from pathlib import Path
 
 import torch
 from click.testing import CliRunner

@@ -127,7 +127,7 @@ def test_duplicate_points(tmp_path):
 
 @pytest.mark.parametrize("name", ["2low", "low-1", "class", "'lo w'"])
 def test_non_identifier_names(tmp_path, name):
-    bad(tmp_path, GOOD.replace("  low: layer_out[2]", f"  {name}: layer_out[2]").replace("[low, mid", f"[mid"), 5, 3, "not an identifier")
+    bad(tmp_path, GOOD.replace("  low: layer_out[2]", f"  {name}: layer_out[2]").replace("[low, mid", "[mid"), 5, 3, "not an identifier")
 
 
 def test_fc_width(tmp_path):
