@@ -21,7 +21,7 @@ from surgeon.engines import EngineView, model_class_for, open_engine
 from surgeon.errors import BadInput
 from surgeon.spec import Issue, Spec, load_spec
 
-def _slot_diffs(spec: Spec, captured: list, engine: str, who: str) -> list[str]:
+def _slot_diffs(spec: Spec, captured: list) -> list[str]:
     out = []
     expected = spec.fc_points
     for i, name in enumerate(spec.fc_names):
@@ -56,7 +56,7 @@ def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple
         family = builtin_convention(engine, cls)
         conv = EngineConvention(replace(family, id_rule=pinned_rule), "pins")
         captured = conv.decode(pin.ids, spec.num_layers)
-        diffs = _slot_diffs(spec, captured, engine, "pins")
+        diffs = _slot_diffs(spec, captured)
         if diffs:
             issues.append(spec.issue(base + ("ids",), f"pinned ids {pin.ids} with offset '{pin.offset}' do not capture the spec's fc input: " + "; ".join(diffs)))
         else:
@@ -90,7 +90,7 @@ def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple
     if pin.ids is not None and spec.model.draft is not None:
         conv = EngineConvention(cc, view.origin)
         captured = conv.decode(pin.ids, spec.num_layers)
-        diffs = _slot_diffs(spec, captured, engine, where)
+        diffs = _slot_diffs(spec, captured)
         if diffs:
             issues.append(spec.issue(base + ("ids",), f"{where} {cls}: pinned ids {pin.ids} no longer capture the spec's fc input: " + "; ".join(diffs)))
         else:
