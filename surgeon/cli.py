@@ -544,3 +544,205 @@ def check_hooks(files: tuple[str, ...], as_json: bool) -> None:
             click.echo(f"{len(files)} file(s): no graph-unsafe operations")
     if findings:
         sys.exit(3)
+
+
+# --------------------------------------------------------------------------------------------- patches
+def _engines_with_patches(engine: str | None, engine_root: str | None) -> list[tuple[str, Any]]:
+    """(engine, PatchManager) for --engine, else for every installed engine."""
+    from surgeon.patching import manager_for
+
+    if engine_root and not engine:
+        raise BadInput("--engine-root needs --engine")
+    if engine:
+        return [(engine, manager_for(engine, engine_root))]
+    found = []
+    for e in ("sglang", "vllm"):
+        try:
+            found.append((e, manager_for(e)))
+        except BadInput:
+            continue  # not installed here
+    if not found:
+        raise BadInput("neither sglang nor vllm is installed here; pass --engine and --engine-root")
+    return found
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--engine", required=True, type=ENGINE_CHOICE)
+@click.option("--engine-root", type=click.Path(), help="Engine package directory (default: the installed package, found without importing it).")
+@click.option("--mode", default="dump", show_default=True, type=click.Choice(["dump", "aux"]), help="What the generated hooks do with the captures.")
+@click.option("--max-tokens", default=8192, show_default=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per forward step (capture buffer rows).")
+@click.option("--model-file", help="Model file to patch, relative to the engine root (default: the spec's pin, else the probe's file for the model class).")
+@click.option("--loop-class", help="The class whose forward holds the decoder-layer loop (default: the probe's, else the file's only one).")
+@click.option("--name", help="Patch name (default: the spec's name).")
+@click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
+@click.option("--diff", "show_diff", is_flag=True, help="Print the unified diff of the change.")
+@click.option("--replace", is_flag=True, help="Revert a patch already on these files first (in the same transaction).")
+@click.option("--json", "as_json", is_flag=True)
+def apply(spec: str, engine: str, engine_root: str | None, mode: str, max_tokens: int, model_file: str | None,
+          loop_class: str | None, name: str | None, dry_run: bool, show_diff: bool, replace: bool, as_json: bool) -> None:
+    """Put SPEC's captures into the engine's real model file, with a generated hooks module next to it.
+
+    One journaled transaction: each file ends either original or fully patched; `surgeon revert`
+    gives back the exact original bytes.
+    """
+    from surgeon.patching import apply_spec
+
+    s = load_spec(spec)
+    if not (model_file or (s.pin(engine) and s.pin(engine).model_file)):
+        _open_with_progress(engine, engine_root)  # the probe finds the file: show its progress
+    with err.status("rewriting and applying", spinner="dots") if err.is_terminal and not as_json else _null():
+        outcome = apply_spec(s, engine=engine, engine_root=engine_root, mode=mode, max_tokens=max_tokens,
+                             model_file=model_file, loop_class=loop_class, name=name, dry_run=dry_run,
+                             diff=show_diff, replace=replace)
+    if as_json:
+        _emit_json(outcome.to_json())
+        return
+    p = outcome.plan
+    if outcome.diff is not None:
+        click.echo(outcome.diff, nl=False)
+    if outcome.result is not None and outcome.result.recovered:
+        err.print(f"recovered first: {escape(outcome.result.recovered)}")
+    where = f"{p.engine} {p.engine_version} at {p.engine_root}"
+    if dry_run:
+        out.print(f"dry run: patch {escape(p.name)} would change {escape(p.model_file)} "
+                  f"({len(p.anchors)} insertions) and create {escape(p.hooks_file)} in {escape(where)}; nothing written")
+    elif outcome.result is not None and not outcome.result.changed:
+        out.print(f"patch {escape(p.name)} is already applied to {escape(p.model_file)} in {escape(where)}; nothing to do")
+    else:
+        replaced = f" (replaced {', '.join(outcome.result.replaced)})" if outcome.result and outcome.result.replaced else ""
+        out.print(f"applied patch {escape(p.name)}{escape(replaced)}: {escape(p.model_file)} "
+                  f"[{escape(p.loop_class or 'its decoder loop')}, recipe {escape(p.recipe)}] "
+                  f"and {escape(p.hooks_file)} in {escape(where)}")
+    for a in p.anchors:
+        out.print(f"  {escape(a)}")
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("--all", "all_", is_flag=True, help="Revert every patch.")
+@click.option("--force", is_flag=True, help="Drop files changed since apply (drift) from the manifest, leaving them alone.")
+@click.option("--engine", type=ENGINE_CHOICE, help="Default: every installed engine holding patches.")
+@click.option("--engine-root", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def revert(name: str | None, all_: bool, force: bool, engine: str | None, engine_root: str | None, as_json: bool) -> None:
+    """Restore the byte-identical originals of patch NAME (or the only patch, or --all)."""
+    if name and all_:
+        raise BadInput("give a patch NAME or --all, not both")
+    managers = _engines_with_patches(engine, engine_root)
+    applied = {e: [p.name for p in m.status()] for e, m in managers}
+    if name:
+        holders = [(e, m) for e, m in managers if name in applied[e]]
+        if not holders:
+            raise BadInput(f"{name}: no such patch applied ({_applied_summary(applied)})")
+        managers = holders
+    elif not all_:
+        managers = [(e, m) for e, m in managers if applied[e]]
+        if not managers:
+            raise BadInput(f"no surgeon patches applied ({_applied_summary(applied)})")
+        if len(managers) > 1 or len(applied[managers[0][0]]) > 1:
+            raise BadInput(f"several patches applied ({_applied_summary(applied)}); name one or pass --all")
+    report = []
+    for e, m in managers:
+        if all_ and not applied[e]:
+            continue
+        r = m.revert(name, all=all_, force=force)
+        report.append({"engine": e, "engine_root": str(m.root), "reverted": r.reverted, "restored": r.restored,
+                       "warnings": r.warnings, "recovered": r.recovered})
+    if as_json:
+        _emit_json({"reverted": report})
+        return
+    if not report:
+        out.print("no surgeon patches applied; nothing to revert")
+    for r in report:
+        if r["recovered"]:
+            err.print(f"recovered first: {escape(r['recovered'])}")
+        out.print(f"reverted {escape(', '.join(r['reverted']))} in {r['engine']} at {escape(r['engine_root'])}: "
+                  f"{len(r['restored'])} file(s) restored byte-identical")
+        for w in r["warnings"]:
+            err.print(f"warning: {escape(w)}")
+
+
+def _applied_summary(applied: dict[str, list[str]]) -> str:
+    return "; ".join(f"{e}: {', '.join(v) if v else 'none'}" for e, v in applied.items())
+
+
+@main.command()
+@click.option("--engine", type=ENGINE_CHOICE, help="Default: every installed engine.")
+@click.option("--engine-root", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def status(engine: str | None, engine_root: str | None, as_json: bool) -> None:
+    """What surgeon has patched in each engine, and whether every file is still as patched.
+
+    Exit 3 when a patched file drifted (an engine upgrade, a hand edit) or went missing."""
+    rows = []
+    for e, m in _engines_with_patches(engine, engine_root):
+        for p in m.status():
+            rows.append((e, m.root, p))
+    bad = any(p.state != "applied" for _, _, p in rows)
+    if as_json:
+        _emit_json({"ok": not bad, "patches": [
+            {"engine": e, "engine_root": str(root), "name": p.name, "state": p.state,
+             "spec": {"name": p.spec_name, "sha256": p.spec_sha256},
+             "engine_version": p.engine_version, "created": p.created,
+             "files": [{"relpath": f.relpath, "state": f.state, "created": f.sha256_before == "absent",
+                        "sha256_before": f.sha256_before, "sha256_after": f.sha256_after} for f in p.files]}
+            for e, root, p in rows]})
+    elif not rows:
+        out.print("no surgeon patches applied")
+    else:
+        table = Table("engine", "patch", "spec", "state", "file", "file state")
+        for e, root, p in rows:
+            for i, f in enumerate(p.files):
+                style = "" if f.state == "applied" else "bold red"
+                what = f"{f.relpath} (created)" if f.sha256_before == "absent" else f.relpath
+                table.add_row(f"{e} {p.engine_version}" if i == 0 else "", p.name if i == 0 else "",
+                              f"{p.spec_name} {p.spec_sha256[:12]}" if i == 0 else "",
+                              p.state if i == 0 else "", escape(what), f"[{style}]{f.state}[/]" if style else f.state)
+        out.print(table)
+    if bad:
+        sys.exit(3)
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("--engine", type=ENGINE_CHOICE, help="Default: every installed engine.")
+@click.option("--engine-root", type=click.Path())
+def diff(name: str | None, engine: str | None, engine_root: str | None) -> None:
+    """The unified diff (original -> patched) of patch NAME, or of every patch."""
+    texts = []
+    for _e, m in _engines_with_patches(engine, engine_root):
+        names = [p.name for p in m.status()]
+        for n in names:
+            if name is None or n == name:
+                texts.append(m.diff(n))
+    if name is not None and not texts:
+        raise BadInput(f"{name}: no such patch applied")
+    click.echo("".join(texts), nl=False)
+
+
+@main.command()
+@click.option("--engine", required=True, type=ENGINE_CHOICE)
+@click.option("--engine-root", type=click.Path())
+@click.option("--jobs", type=click.IntRange(1, 64), help="Worker processes (default: 2).")
+@click.option("--all", "show_all", is_flag=True, help="List every loop-owning class, not only the ones that cannot be patched.")
+@click.option("--json", "as_json", is_flag=True)
+def coverage(engine: str, engine_root: str | None, jobs: int | None, show_all: bool, as_json: bool) -> None:
+    """For every model file and class with a decoder-layer loop: can surgeon patch it, does the engine
+    capture natively, and why not when it cannot."""
+    from surgeon.coverage import coverage as run_coverage, render_coverage_table
+
+    with err.status(f"reading {engine} model files", spinner="dots") if err.is_terminal and not as_json else _null():
+        report = run_coverage(engine, Path(engine_root) if engine_root else None, jobs=jobs)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        out.print(render_coverage_table(report, show_all=show_all))

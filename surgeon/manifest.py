@@ -12,6 +12,10 @@ State lives inside the engine root, in ``<root>/.surgeon/``::
     originals/<sha256>    original bytes of every patched file (content-addressed)
     patched/<sha256>      patched bytes of every patched file (for diff and roll-forward)
 
+A file a patch creates (the generated hooks module next to a model file) has the original
+``absent`` (:data:`ABSENT` in place of a sha256): reverting it deletes the file, and a file of
+that name that surgeon did not create is never overwritten.
+
 Transaction protocol (apply, revert, apply --replace):
 
 1. store the blobs of both versions of every touched file (fsync'd);
@@ -62,6 +66,8 @@ TMP_SUFFIX = ".surgeon-tmp"
 _ENV_DELAY = "SURGEON_MANIFEST_TEST_DELAY"  # seconds to sleep at every transaction step
 _ENV_CRASH_AT = "SURGEON_MANIFEST_TEST_CRASH_AT"  # os._exit(99) at the Nth step (1-based)
 
+ABSENT = "absent"  # the "sha256" of a file that does not exist (created by a patch, deleted on revert)
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 
 
@@ -75,6 +81,8 @@ class FileChange:
     new_text_bytes: bytes
     # optional guard: sha256 of the pristine bytes the rewriter read; refused if it differs
     base_sha256: str | None = None
+    # the file must not exist yet (a generated module): revert deletes it
+    create: bool = False
 
 
 @dataclass
@@ -134,8 +142,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Write ``data`` to ``path`` atomically: temp in the same dir, fsync, replace, fsync dir."""
+def _atomic_write(path: Path, data: bytes | None, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` atomically: temp in the same dir, fsync, replace, fsync dir.
+
+    ``data=None`` deletes the file (a created file going back to absent)."""
+    if data is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        _fsync_dir(path.parent)
+        return
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -157,6 +172,18 @@ def _file_sha(path: Path) -> str | None:
         return sha256_bytes(path.read_bytes())
     except FileNotFoundError:
         return None
+
+
+def _file_version(path: Path) -> str:
+    """sha256 of the file, or :data:`ABSENT` when there is none (for journal comparisons)."""
+    return _file_sha(path) or ABSENT
+
+
+def _mode(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return 0o644
 
 
 class _Hooks:
@@ -203,7 +230,9 @@ class PatchManager:
         assert kind in ("originals", "patched") and re.fullmatch(r"[0-9a-f]{64}", sha), (kind, sha)
         return self.state / kind / sha
 
-    def _store_blob(self, kind: str, data: bytes) -> str:
+    def _store_blob(self, kind: str, data: bytes | None) -> str:
+        if data is None:
+            return ABSENT
         sha = sha256_bytes(data)
         path = self._blob(kind, sha)
         if not path.exists():
@@ -211,7 +240,9 @@ class PatchManager:
             _atomic_write(path, data, 0o644)
         return sha
 
-    def _read_blob(self, kind: str, sha: str) -> bytes:
+    def _read_blob(self, kind: str, sha: str) -> bytes | None:
+        if sha == ABSENT:
+            return None
         path = self._blob(kind, sha)
         try:
             data = path.read_bytes()
@@ -341,11 +372,10 @@ class PatchManager:
         try:
             for op in ops:
                 path = self._resolve(op["relpath"])
-                current = _file_sha(path)
+                current = _file_version(path)
                 if current != op["from"]:
                     raise PatchError(f"{op['relpath']}: changed on disk during the operation; rolled back")
-                mode = stat.S_IMODE(path.stat().st_mode)
-                _atomic_write(path, blobs[(op["to_kind"], op["to"])], mode)
+                _atomic_write(path, blobs[(op["to_kind"], op["to"])], _mode(path))
                 hooks.step("file")
             self._write_json(self.manifest_path, new_manifest)  # the commit record
         except BaseException as e:
@@ -378,7 +408,7 @@ class PatchManager:
             d = self.state / kind
             if not d.is_dir():
                 continue
-            for blob in d.iterdir():
+            for blob in d.iterdir():  # (ABSENT has no blob: it is never a file name here)
                 if blob.name not in shas:
                     with contextlib.suppress(OSError):
                         blob.unlink()
@@ -407,12 +437,12 @@ class PatchManager:
             path = self._resolve(op["relpath"])
             self._clean_tmp(path.parent, path.name)
             want, other = ("to", "from") if forward else ("from", "to")
-            current = _file_sha(path)
+            current = _file_version(path)
             if current == op[want]:
                 continue
             if current == op[other]:
                 data = self._read_blob(op[f"{want}_kind"], op[want])
-                _atomic_write(path, data, stat.S_IMODE(path.stat().st_mode))
+                _atomic_write(path, data, _mode(path))
                 restored.append(op["relpath"])
             else:
                 warnings.append(f"{op['relpath']} matches neither version; left alone")
@@ -442,6 +472,13 @@ class PatchManager:
             return "missing"
         return "applied" if current == f["sha256_after"] else "drifted"
 
+    def _new_file(self, relpath: str) -> Path:
+        """Where a patch may create ``relpath``: inside the root, in an existing directory."""
+        path = self._resolve(relpath)
+        if not path.parent.is_dir():
+            raise PatchError(f"{relpath}: directory {path.parent.relative_to(self.root_resolved)} does not exist")
+        return path
+
     def apply(self, name: str, changes: list[FileChange], *, spec_name: str, spec_sha256: str, engine: str,
               engine_version: str, replace: bool = False) -> ApplyResult:
         if not isinstance(name, str) or not _NAME_RE.match(name):
@@ -450,7 +487,10 @@ class PatchManager:
             raise PatchError(f"{name}: no file changes")
         seen: set[str] = set()
         for c in changes:
-            self._existing_file(c.relpath)
+            if c.create:
+                self._new_file(c.relpath)
+            else:
+                self._existing_file(c.relpath)
             if c.relpath in seen:
                 raise PatchError(f"{c.relpath}: changed twice in patch {name}")
             seen.add(c.relpath)
@@ -459,19 +499,30 @@ class PatchManager:
             old = self._load_manifest()
             patches = old["patches"]
             owner = {f["relpath"]: p["name"] for p in patches.values() for f in p["files"]}
-            originals: dict[str, bytes] = {}  # relpath -> pristine bytes (what the rewriter must start from)
+            originals: dict[str, bytes | None] = {}  # relpath -> pristine bytes (None: absent)
             for c in changes:
                 if c.relpath in owner:
                     f = next(f for f in patches[owner[c.relpath]]["files"] if f["relpath"] == c.relpath)
                     originals[c.relpath] = self._read_blob("originals", f["sha256_before"])
+                    if (originals[c.relpath] is None) != c.create:
+                        raise PatchError(f"{c.relpath}: patch {owner[c.relpath]} "
+                                         + ("edits it as an engine file; it cannot be created" if c.create
+                                            else "created it; it cannot be edited as an engine file"))
+                elif c.create:
+                    if self._new_file(c.relpath).exists():
+                        raise PatchError(f"{c.relpath}: already exists and no surgeon patch created it; "
+                                         f"refusing to overwrite it")
+                    originals[c.relpath] = None
                 else:
                     originals[c.relpath] = self._existing_file(c.relpath).read_bytes()
-                if c.base_sha256 is not None and sha256_bytes(originals[c.relpath]) != c.base_sha256:
+                base = originals[c.relpath]
+                if c.base_sha256 is not None and (base is None or sha256_bytes(base) != c.base_sha256):
                     raise PatchError(f"{c.relpath}: the original is not the file the rewriter read (sha256 differs)")
             target = {c.relpath: c.new_text_bytes for c in changes if c.new_text_bytes != originals[c.relpath]}
             if not target:
                 raise PatchError(f"{name}: the changes leave every file as it is")
             target_sha = {r: sha256_bytes(b) for r, b in target.items()}
+
 
             if name in patches:
                 mine = patches[name]
@@ -508,7 +559,7 @@ class PatchManager:
                     blobs[("originals", f["sha256_before"])] = self._read_blob("originals", f["sha256_before"])
             files = []
             for relpath in sorted(target):
-                orig_sha = sha256_bytes(originals[relpath])
+                orig_sha = ABSENT if originals[relpath] is None else sha256_bytes(originals[relpath])
                 blobs[("originals", orig_sha)] = originals[relpath]
                 blobs[("patched", target_sha[relpath])] = target[relpath]
                 start = ops.get(relpath, {"from": orig_sha, "from_kind": "originals"})
@@ -557,7 +608,7 @@ class PatchManager:
             ops, blobs, drifted = [], {}, []
             for pname in names:
                 for f in patches[pname]["files"]:
-                    current = _file_sha(self._resolve(f["relpath"]))
+                    current = _file_version(self._resolve(f["relpath"]))
                     if current == f["sha256_after"]:
                         ops.append({"relpath": f["relpath"], "from": f["sha256_after"], "from_kind": "patched",
                                     "to": f["sha256_before"], "to_kind": "originals"})
@@ -566,7 +617,7 @@ class PatchManager:
                     elif current == f["sha256_before"] and force:
                         result.warnings.append(f"{f['relpath']}: already original")
                     else:
-                        state = "missing" if current is None else "drifted"
+                        state = "missing" if current == ABSENT else "drifted"
                         drifted.append(f"{f['relpath']} ({state})")
                         if force:
                             result.warnings.append(
@@ -607,8 +658,8 @@ class PatchManager:
                 self._recover_locked()
                 for p in self._load_manifest()["patches"].values():
                     for f in p["files"]:
-                        if f["relpath"] == relpath:
-                            return self._read_blob("originals", f["sha256_before"])
+                        if f["relpath"] == relpath and f["sha256_before"] != ABSENT:
+                            return self._read_blob("originals", f["sha256_before"])  # type: ignore[return-value]
         return self._existing_file(relpath).read_bytes()
 
     def diff(self, name: str) -> str:
@@ -622,10 +673,13 @@ class PatchManager:
                 raise PatchError(f"{name}: no such patch applied under {self.root}")
             chunks = []
             for f in patches[name]["files"]:
-                a = self._read_blob("originals", f["sha256_before"]).decode("utf-8", "replace")
-                b = self._read_blob("patched", f["sha256_after"]).decode("utf-8", "replace")
+                before = self._read_blob("originals", f["sha256_before"])
+                after = self._read_blob("patched", f["sha256_after"]) or b""
+                a = (before or b"").decode("utf-8", "replace")
+                b = after.decode("utf-8", "replace")
                 chunks.extend(difflib.unified_diff(a.splitlines(keepends=True), b.splitlines(keepends=True),
-                                                   fromfile=f"a/{f['relpath']}", tofile=f"b/{f['relpath']}"))
+                                                   fromfile="/dev/null" if before is None else f"a/{f['relpath']}",
+                                                   tofile=f"b/{f['relpath']}"))
             out = []
             for line in chunks:  # keep the diff parseable when a file lacks a final newline
                 out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
