@@ -84,6 +84,7 @@ def run_vllm(
     aux_ids: Sequence[int] | None = None,
     aux_labels: Sequence[tuple[str, str]] | None = None,
     capture_final: bool = True,
+    final_name: str = "final",
     dtype: str = "float32",
     max_model_len: int = 128,
     timeout: float = 900,
@@ -95,7 +96,8 @@ def run_vllm(
     """Run ``model_dir`` on vLLM in a subprocess, one generated token per prompt; see the module
     docstring for ``mode``. Dumps are written to ``out_dir`` as ``dump_<i>.safetensors``.
     ``aux_labels``: (name, point) per aux tensor in vLLM's return order (native mode);
-    ``capture_final``: native mode also dumps the returned hidden state as ``final_norm``.
+    ``capture_final``: native mode also dumps the returned hidden state as ``final_norm``, named
+    ``final_name``.
     Raises :class:`VllmRunError` (with the child's stderr tail) when vLLM fails."""
     if mode not in ("hooks", "native", "plain"):
         raise ValueError(f"mode must be hooks, native or plain, not {mode!r}")
@@ -119,10 +121,11 @@ def run_vllm(
         "mode": mode, "out_dir": str(Path(out_dir).resolve()) if out_dir is not None else None,
         "aux_ids": list(aux_ids) if aux_ids else None,
         "aux_labels": [list(x) for x in aux_labels] if aux_labels is not None else None,
-        "capture_final": capture_final, "dtype": dtype, "max_model_len": max_model_len,
+        "capture_final": capture_final, "final_name": final_name, "dtype": dtype, "max_model_len": max_model_len,
     }
     env = dict(os.environ)
     env.update(_ENV)
+    env.setdefault("HF_HUB_OFFLINE", "1")  # a local model folder only: never wait on a hub
     env.update(extra_env or {})
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory(prefix="surgeon-vllm-") as tmp:
@@ -311,7 +314,7 @@ def _child(job_file: str) -> int:
             L = num_layers
             caps = [(name, parse_point(point, L), x[:T]) for (name, point), x in zip(labels, aux)]
             if job["capture_final"]:
-                caps.append(("final", parse_point("final_norm", L), got["hidden"][:T]))
+                caps.append((job["final_name"], parse_point("final_norm", L), got["hidden"][:T]))
             spec_id = None
         counts.append(n)
         path = Path(job["out_dir"]) / f"dump_{i}.safetensors"
