@@ -1,0 +1,174 @@
+"""Run every benchmark and write one Markdown table: each figure, its baseline, the ratio, the
+target, and the command that reproduces it.
+
+    .venv/bin/python benchmarks/report.py [--only NAME ...] [--output benchmarks/REPORT.md]
+
+Each benchmark runs in its own process with ``--json`` (so one cannot skew another's memory or
+threads); its raw JSON is kept next to the report (``benchmarks/results/NAME.json``). A benchmark
+that fails is reported as failed in the table, with the tail of its stderr; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+Row = tuple[str, str, str, str, str]  # figure, measured, baseline, ratio, target
+
+
+def _ms(x: float) -> str:
+    return f"{x:.2f} ms"
+
+
+def _s(x: float) -> str:
+    return f"{x:.3f} s" if x < 10 else f"{x:.1f} s"
+
+
+def rows_probe(r: dict) -> list[Row]:
+    out = []
+    for engine, e in r.items():
+        out.append((f"probe {engine} {e['version']} ({e['model_files']} files, {e['lines']} lines)",
+                    _s(e["probe_s"]), f"libcst parse of every model file {_s(e['baseline_parse_all_s'])}",
+                    f"{e['speedup_vs_parse_all']}x faster", "faster than parsing all"))
+        out.append((f"probe {engine}, cached", _s(e["probe_cached_s"]), f"cold probe {_s(e['probe_s'])}",
+                    f"{e['cached_speedup']}x faster", ""))
+    return out
+
+
+def rows_identify(r: dict) -> list[Row]:
+    i, s = r["identify"], r["streaming"]
+    return [
+        ("identify, Kimi-size dump vs fingerprint reference", _s(min(i["fingerprint_s"])),
+         f"exhaustive exact comparison {_s(i['baseline_exhaustive_exact_s_extrapolated'])}",
+         f"{round(i['baseline_exhaustive_exact_s_extrapolated'] / min(i['fingerprint_s']), 1)}x faster",
+         f"< {i['budget_s']} s" + ("" if i["fingerprint_correct"] else " (WRONG ANSWER)")),
+        ("identify, Kimi-size dump vs full memory-mapped reference", _s(i["full_reference_first_s"]),
+         f"exhaustive exact comparison {_s(i['baseline_exhaustive_exact_s_extrapolated'])}",
+         f"{i['speedup_vs_exhaustive']}x faster",
+         f"< {i['budget_s']} s" + ("" if i["full_reference_correct"] else " (WRONG ANSWER)")),
+        ("fingerprint_file streaming rate", f"{s['fingerprint_file_gb_s']} GB/s",
+         f"raw read of the same file {s['raw_read_gb_s']} GB/s", f"{s['ratio_vs_raw_read']}x",
+         f">= {s['target_ratio']}x"),
+    ]
+
+
+def rows_hooks(r: dict) -> list[Row]:
+    return [(f"{r['mode']} hooks, {r['layers']} x hidden {r['hidden']}, {x['tokens']} tokens/step",
+             _ms(x["hooked_ms"]), f"unhooked forward {_ms(x['unhooked_ms'])}", f"{x['overhead'] * 100:+.2f}%",
+             f"<= {r['target_overhead'] * 100:.0f}%") for x in r["results"]]
+
+
+def rows_dumps(r: dict) -> list[Row]:
+    t = r["tokens_per_s"]
+    what = f"dump mode + async writer, {r['layers']} x hidden {r['hidden']}, {r['tokens_per_step']} tokens/step"
+    return [
+        (what, f"{t['dump']:.0f} tok/s", f"sync torch.save in forward {t['sync_torch_save']:.0f} tok/s",
+         f"{r['dump_vs_sync_torch_save']}x", ">= 3x"),
+        (what, f"{t['dump']:.0f} tok/s", f"unhooked {t['unhooked']:.0f} tok/s", f"{r['dump_vs_unhooked']}x", ">= 0.90x"),
+    ]
+
+
+def rows_apply(r: dict) -> list[Row]:
+    out = [(f"apply + revert, {f['engine']} {f['file']} ({f['lines']} lines)", _s(f["apply_revert_s"]),
+            f"libcst parse of the file {_s(f['libcst_parse_s'])}", f"{f['ratio_to_parse']}x", "< 1 s")
+           for f in r["files"]]
+    s = r["sglang_deepseek_v2"]
+    if s.get("refused"):
+        out.append((f"sglang srt/models/deepseek_v2.py ({s['lines']} lines): refused (two-batch-overlap bypass)",
+                    _s(s["time_to_refuse_s"]), "", "", "< 1 s"))
+    return out
+
+
+def rows_generic(r: dict) -> list[Row]:
+    """Benchmarks that report their own rows: {"rows": [{figure, measured, baseline, ratio, target}]}."""
+    return [(x["figure"], str(x["measured"]), str(x.get("baseline", "")), str(x.get("ratio", "")),
+             str(x.get("target", ""))) for x in r.get("rows", [])]
+
+
+# name -> (command, rows); commands run from the repository root with this interpreter
+BENCHMARKS: dict[str, tuple[list[str], Callable[[dict], list[Row]]]] = {
+    "probe": (["benchmarks/probe.py", "--json"], rows_probe),
+    "coverage": (["benchmarks/patch.py", "--json"], rows_generic),
+    "apply": (["benchmarks/apply.py", "--json"], rows_apply),
+    "hooks": (["benchmarks/hooks.py", "--json"], rows_hooks),
+    "dumps": (["benchmarks/dumps.py", "--json"], rows_dumps),
+    "identify": (["benchmarks/identify.py", "--json"], rows_identify),
+    "vllm": (["benchmarks/vllm_aux.py", "--json"], rows_generic),
+}
+
+
+def _md(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS))
+    ap.add_argument("--output", type=Path, default=HERE / "REPORT.md")
+    a = ap.parse_args()
+    results_dir = HERE / "results"
+    results_dir.mkdir(exist_ok=True)
+    names = a.only or list(BENCHMARKS)
+    table: list[tuple[str, Row, str]] = []
+    failures: list[str] = []
+    for name in names:
+        cmd, rows = BENCHMARKS[name]
+        if not (REPO / cmd[0]).exists():
+            failures.append(f"{name}: {cmd[0]} does not exist")
+            continue
+        shown = " ".join([".venv/bin/python", *cmd])
+        print(f"[{name}] {shown}", file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        p = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True)
+        took = time.perf_counter() - t
+        try:
+            if p.returncode != 0:
+                raise RuntimeError(f"exit {p.returncode}")
+            data = json.loads(p.stdout[p.stdout.index("{"):])
+            got = rows(data)
+        except Exception as e:  # one failed benchmark must not hide the others
+            tail = " / ".join(p.stderr.strip().splitlines()[-3:])
+            failures.append(f"{name} ({shown}): {type(e).__name__}: {e}; {tail}")
+            print(f"  failed after {took:.0f} s", file=sys.stderr)
+            continue
+        (results_dir / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+        print(f"  {len(got)} figure(s) in {took:.0f} s", file=sys.stderr)
+        table += [(name, row, shown) for row in got]
+
+    lines = [
+        "# Benchmark report",
+        "",
+        f"Written by `.venv/bin/python benchmarks/report.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{platform.machine()}, {_cpus()} CPU(s), Python {platform.python_version()}. "
+        "Raw JSON of each run: `benchmarks/results/`.",
+        "",
+        "| benchmark | figure | measured | baseline | ratio | target | command |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, (fig, measured, base, ratio, target), cmd in table:
+        lines.append(f"| {name} | {_md(fig)} | {_md(measured)} | {_md(base)} | {_md(ratio)} | {_md(target)} | `{cmd}` |")
+    if failures:
+        lines += ["", "## Not measured in this run", ""] + [f"- {_md(f)}" for f in failures]
+    a.output.write_text("\n".join(lines) + "\n")
+    print(f"wrote {a.output}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
