@@ -768,7 +768,7 @@ def demo(workdir: str | None, engine_root: str | None, as_json: bool) -> None:
     with status:
         def step(title: str) -> None:
             n[0] += 1
-            line = f"[{n[0]}/8] {title}"
+            line = f"[{n[0]}/7] {title}"
             if hasattr(status, "update"):
                 status.update(escape(line))
             err.print(f"[bold]{escape(line)}[/]  [dim]{time.perf_counter() - started:5.1f} s[/]")
