@@ -1155,9 +1155,93 @@ def _stmt_code(module: cst.Module, stmt: cst.CSTNode) -> bytes:
                       default_newline=module.default_newline).code.encode(module.encoding)
 
 
-def _unique(source: bytes, text: bytes) -> int:
-    at = source.find(text)
-    return at if at >= 0 and source.find(text, at + 1) < 0 else -1
+_CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=]")
+_NEWLINE = re.compile(rb"\r\n?|\n")
+
+
+def _line_starts(source: bytes) -> list[int]:
+    """Byte offset of the start of each line (1-based line k starts at [k - 1]), and the end."""
+    out = [0]
+    for line in source.splitlines(keepends=True):
+        out.append(out[-1] + len(line))
+    return out
+
+
+def _first_indent(source: bytes) -> tuple[int, str] | None:
+    """Line and text of the first INDENT token (libcst takes it as the module's default_indent,
+    and stores a block's indent only where it differs); None when there is none or the tokenizer
+    stops."""
+    import io
+    import tokenize
+
+    try:
+        for tok in tokenize.tokenize(io.BytesIO(source).readline):
+            if tok.type == tokenize.INDENT:
+                return tok.start[0], tok.string
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    return None
+
+
+def _reduce(source: bytes, class_name: str | None, recipe: Recipe) -> tuple[bytes, str] | None:
+    """``source`` with every line emptied (its line ending kept) but the top-level imports and
+    the class(es) the rewrite can touch: the same line numbers, far less for libcst to parse, and
+    the same default indent (the first indented block, which libcst reads it from, is kept, or
+    stood in for by ``if 1:`` / ``<indent>pass`` on its two emptied lines). Returns the bytes and
+    that indent; None where that is not exact: a BOM, no class to keep, or the
+    stdlib parser or tokenizer fails (then the whole file is parsed)."""
+    import ast
+    import codecs
+
+    from surgeon.coverage import _loops_over, _span
+
+    if source.startswith(codecs.BOM_UTF8):
+        return None
+    # an encoding cookie (a comment line among the first two) is kept: libcst reads it
+    cookies = [i for i, x in enumerate(source.split(b"\n", 2)[:2], 1) if _CODING.match(x)]
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    spans = [_span(st) for st in tree.body if isinstance(st, (ast.Import, ast.ImportFrom))]
+    kept = 0
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        if class_name is not None:
+            keep = cls.name == class_name
+        else:
+            keep = any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == recipe.method
+                       and _loops_over(f, recipe.layers_attr) for f in cls.body)  # type: ignore[arg-type]
+        if keep:
+            spans.append(_span(cls))
+            kept += 1
+    first = _first_indent(source)
+    if not kept or first is None:
+        return None
+    lines = source.splitlines(keepends=True)
+    keep_line = bytearray(len(lines) + 2)
+    for a, b in spans:
+        keep_line[a:b + 1] = b"\x01" * (b + 1 - a)
+    for i in cookies:
+        keep_line[i] = 1
+    out = [line if keep_line[i] else line[len(line.rstrip(b"\r\n")):] for i, line in enumerate(lines, 1)]
+    at, indent = first
+    if not keep_line[at]:
+        # the block is in an emptied top-level statement (so is the line before it): every kept
+        # line before it is a whole statement without a block
+        if at < 2 or keep_line[at - 1]:
+            return None
+        out[at - 2] = b"if 1:" + out[at - 2]
+        out[at - 1] = indent.encode() + b"pass" + out[at - 1]
+    return b"".join(out), indent
+
+
+def _strip_trailing_blank(text: bytes) -> bytes:
+    lines = text.splitlines(keepends=True)
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return b"".join(lines)
 
 
 def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positions: set[int],
@@ -1170,21 +1254,45 @@ def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positi
     statement instead of refusing: at runtime it raises when a requested ``layer_out[k]`` with
     ``first <= k < last`` would run there (all requested layers when the bounds are not readable).
 
-    Speed: the file is parsed once; positions and parents are resolved for the one method only;
-    the insertions transform that method alone, and only the code of its class and of the hooks
-    import is generated, spliced into the original bytes at the (unique) places those statements
-    occupy (the whole module's code is generated only when a statement's text is not unique:
-    the same bytes either way)."""
+    Speed: libcst parses only the top-level imports and the class(es) concerned (the other lines
+    emptied, line numbers kept; the stdlib ``ast`` finds them); positions and parents are resolved
+    for the one method only; the insertions transform that method alone, and only the code of its
+    class and of the hooks import is generated and spliced into the original bytes at their lines.
+    Where any step of that is not exact, the whole file is parsed and generated: the same bytes."""
     if not _DOTTED.fullmatch(hooks_module) or any(p in ("self", "None", "True", "False") for p in hooks_module.split(".")):
         raise ValueError(f"hooks_module must be a dotted module name, not {hooks_module!r}")
     if any(p < 0 for p in positions):
         raise ValueError(f"positions are >= 0, got {sorted(positions)}")
-    rw = _Rewriter(source_bytes, relpath, class_name, recipe or GENERIC)
+    recipe = recipe or GENERIC
+    reduced = _reduce(source_bytes, class_name, recipe)
+    if reduced is not None:
+        text, indent = reduced
+        try:
+            module = cst.parse_module(text)
+        except cst.ParserSyntaxError:
+            module = None
+        if module is not None and module.default_indent == indent:
+            new = _rewrite(module, text, source_bytes, relpath=relpath, class_name=class_name, positions=positions,
+                           capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
+                           guard_bypass=guard_bypass)
+            if new is not None:
+                return new
+    return _rewrite(parse(source_bytes, relpath), source_bytes, source_bytes, relpath=relpath, class_name=class_name,
+                    positions=positions, capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
+                    guard_bypass=guard_bypass)  # type: ignore[return-value]
+
+
+def _rewrite(module: cst.Module, parsed: bytes, source_bytes: bytes, *, relpath: str, class_name: str | None,
+             positions: set[int], capture_final: bool, hooks_module: str, recipe: Recipe,
+             guard_bypass: bool) -> RewriteResult | None:
+    """The rewrite of ``source_bytes`` from ``module``, the parse of ``parsed`` (the same lines,
+    some emptied, or the same bytes). None when ``parsed`` is reduced and the splice is not exact."""
+    full = parsed is source_bytes
+    rw = _Rewriter(module, relpath, class_name, recipe, parsed)
     hooks = _hooks_expr(hooks_module)
     before, after, anchors = rw.plan(set(positions), capture_final, hooks, guard_bypass=guard_bypass)
     cls, fn, _ = rw._candidates()[0]
 
-    module = rw.module
     last_import = None
     for stmt in module.body:
         if isinstance(stmt, cst.SimpleStatementLine) and all(isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body):
@@ -1200,12 +1308,27 @@ def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positi
     new_cls = cls.with_changes(body=cls.body.with_changes(
         body=tuple(new_fn if s is fn else s for s in cls.body.body)))
     new = None
-    old_cls, old_imp = _stmt_code(module, cls), _stmt_code(module, last_import)
-    at_cls, at_imp = _unique(source_bytes, old_cls), _unique(source_bytes, old_imp)
-    if at_cls >= 0 and at_imp >= 0:
-        end_imp = at_imp + len(old_imp)
-        edits = sorted([(at_cls, at_cls + len(old_cls), _stmt_code(module, new_cls)),
-                        (end_imp, end_imp, _stmt_code(module, import_stmt))])
+    # splice by lines: the class and the last import without their leading lines (emptied where
+    # the parse was reduced), and without the class's trailing blank lines (its footer there)
+    src_lines = _line_starts(source_bytes)
+    edits = []
+    for old_node, new_node, extra in ((cls, new_cls, b""), (last_import, last_import, None)):
+        old = _stmt_code(module, old_node.with_changes(leading_lines=()))
+        core = _strip_trailing_blank(old) if old_node is cls else old
+        first = rw.line(old_node) - 1
+        n = len(core.splitlines())
+        if first + n >= len(src_lines) or source_bytes[src_lines[first]:src_lines[first + n]] != core:
+            break
+        if extra is None:  # the hooks import goes right after the last import
+            edits.append((src_lines[first + n], src_lines[first + n], _stmt_code(module, import_stmt)))
+        else:
+            text = _stmt_code(module, new_node.with_changes(leading_lines=()))
+            tail = old[len(core):]
+            if not text.endswith(tail):
+                break
+            edits.append((src_lines[first], src_lines[first + n], text[:len(text) - len(tail)]))
+    else:
+        edits.sort()
         if edits[0][1] <= edits[1][0]:
             parts, pos = [], 0
             for a, b, text in edits:
@@ -1214,6 +1337,8 @@ def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positi
             parts.append(source_bytes[pos:])
             new = b"".join(parts)
     if new is None:
+        if not full:
+            return None
         body: list[cst.BaseStatement] = []
         for s in module.body:
             body.append(new_cls if s is cls else s)

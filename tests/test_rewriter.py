@@ -683,3 +683,74 @@ def test_sglang_deepseek_v2_guarded_and_the_guard_raises_only_for_layers_in_the_
         hooks.bypass_guard(object(), 3, 61, "x.py:1")
     hooks.bypass_guard(object(), 3, 60, "x.py:1")  # layer 60 not in 3..59
     hooks.bypass_guard(object(), 0, 0, "x.py:1")  # the embedding (position 0) never counts
+
+
+# ---------------------------------------------------------------------------------------------
+# The reduced parse (imports and the class only) gives the whole-file rewrite's bytes
+# ---------------------------------------------------------------------------------------------
+_TRICKY = '''\
+"""Module docstring
+import not_an_import
+"""
+import torch
+
+
+def helper(x):
+  # a two-space first indent: the module's default indent, which new blocks are written with
+  if x:
+    return x
+  return None
+
+
+# a comment before the class (its leading lines)
+@decorator(
+    1,
+)
+class M(Base):
+    """Doc."""
+
+    def other(self):
+        pass
+
+    def forward(self, input_ids, positions):
+        hidden_states = self.embed(input_ids)
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden_states = layer(positions, hidden_states)
+        hidden_states = self.norm(hidden_states)
+        return hidden_states
+        # a comment after the last statement (the method's footer)
+    # the class's footer
+
+
+# a comment before the next statement
+from late import thing  # a later import: the hooks import goes after it
+X = 1
+'''
+
+
+@pytest.mark.parametrize("variant", ["lf", "crlf", "cookie", "tabs-first"])
+def test_reduced_parse_gives_the_whole_file_bytes(variant):
+    from surgeon.rewriter import GENERIC as G, _rewrite, parse
+
+    src = _TRICKY
+    if variant == "cookie":
+        src = "# -*- coding: utf-8 -*-\n" + src
+    if variant == "tabs-first":
+        src = src.replace("  if x:\n    return x\n  return None\n", "\tif x:\n\t\treturn x\n\treturn None\n")
+    data = src.encode()
+    if variant == "crlf":
+        data = data.replace(b"\n", b"\r\n")
+    kw = dict(relpath="snippet.py", class_name="M", positions={0, 2}, capture_final=True,
+              hooks_module="_surgeon_hooks", recipe=G, guard_bypass=False)
+    res = rewrite(data, **kw)
+    full = _rewrite(parse(data, "snippet.py"), data, data, **kw)
+    assert res.new_bytes == full.new_bytes and res.anchors == full.anchors
+    new = res.new_bytes.decode()
+    nl = "\r\n" if variant == "crlf" else "\n"
+    ind = "\t" if variant == "tabs-first" else "  "
+    # the embed capture's `if` block is written with the module's default indent
+    assert f"        if self.start_layer == 0:{nl}        {ind}_surgeon_hooks.capture_position" in new
+    assert f"from late import thing  # a later import: the hooks import goes after it{nl}import _surgeon_hooks{nl}" in new
+    assert new.count("# a comment after the last statement") == 1 and "    # the class's footer" in new
+    _added_lines(data.decode(), new)  # every original line kept
+    rewrite(data, **{**kw, "class_name": None})  # the ast finds the loop owner without a name
