@@ -269,6 +269,8 @@ def _file_task(args) -> list[ClassCoverage]:
             g_reason, _, g_embed, g_final = plans(True)
             if g_reason is None:
                 with_guard, embed_reason, final_reason = True, g_embed, g_final
+            else:  # the guard would not be enough: say so next to the bypass
+                reason = f"{reason}; with --guard-bypass still: {g_reason}"
         out.append(ClassCoverage(relpath, cls, meth, line, decoder, layers, embed_reason is None,
                                  final_reason is None, reason=reason, embed_reason=embed_reason,
                                  final_norm_reason=final_reason, recipe=rname, with_guard=with_guard))
