@@ -6,8 +6,9 @@ baseline "libcst parse of that file alone", in one run, on copies of the install
 
 Files: vLLM's model_executor/models/deepseek_v2.py with specs/kimi-k2.5-eagle3.yaml (the
 Kimi-K2.5 model file), and SGLang's srt/models/deepseek_v2.py (3,595 lines), which surgeon
-refuses for its two-batch-overlap bypass (layers run there would not be captured): for it the
-time to reach that refusal is reported, and a patchable SGLang file is timed instead.
+refuses by default for its two-batch-overlap bypass (layers run there would not be captured): the
+time to reach that refusal is reported, then the file is timed with ``--guard-bypass`` (a runtime
+guard that raises if that path would run a captured layer), and a plain patchable SGLang file too.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def main() -> None:
         if refused is None:
             revert_patch(engine="sglang", engine_root=sroot)
             rows.append(("sglang", srel, KIMI.name, sroot, {}))
+        # the same file with the runtime guard on its two-batch-overlap path (--guard-bypass)
+        rows.append(("sglang", srel, KIMI.name + " --guard-bypass", sroot,
+                     {"guard_bypass": True, "loop_class": "DeepseekV2Model"}))
         # the largest SGLang model file surgeon patches, with the same spec's points
         for cand in ("srt/models/qwen3_moe.py", "srt/models/llama.py"):
             try:

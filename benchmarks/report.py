@@ -79,7 +79,7 @@ def rows_dumps(r: dict) -> list[Row]:
 
 
 def rows_apply(r: dict) -> list[Row]:
-    out = [(f"apply + revert, {f['engine']} {f['file']} ({f['lines']} lines)", _s(f["apply_revert_s"]),
+    out = [(f"apply + revert, {f['engine']} {f['file']} ({f['lines']} lines), spec {f['spec']}", _s(f["apply_revert_s"]),
             f"libcst parse of the file {_s(f['libcst_parse_s'])}", f"{f['ratio_to_parse']}x", "< 1 s")
            for f in r["files"]]
     s = r["sglang_deepseek_v2"]
