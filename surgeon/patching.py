@@ -149,39 +149,30 @@ def _spec_positions(spec: Spec, mode: str) -> tuple[set[int], bool]:
 
 def _target_file(spec: Spec, location: EngineLocation, model_file: str | None,
                  loop_class: str | None) -> tuple[str, str | None]:
-    """(model file relpath, loop-owning class or None) for the spec on this engine."""
+    """(model file relpath, loop-owning class or None) for the spec on this engine.
+
+    The decoder-layer loop may live in another file than the model class (vLLM's Qwen3 runs
+    ``Qwen2Model.forward`` from qwen2.py): the probe's ``loop_owner`` says where, and wins over the
+    pinned ``model_file`` (which names where the class and its setter are)."""
     engine = location.engine
-    pin = spec.pin(engine)
     if model_file is not None:
         return model_file.replace("\\", "/"), loop_class
-    if pin is not None and pin.model_file:
-        return pin.model_file, loop_class or _probed_loop_class(engine, location, pin.model_file,
-                                                                 pin.model_class or spec.model.target.architecture)
+    pin = spec.pin(engine)
     cls = (pin.model_class if pin is not None and pin.model_class else None) or spec.model.target.architecture
     from surgeon.engines import open_engine
 
     view = open_engine(engine, location.root)
     cc = view.probe.get(cls) if view.probe is not None else None
-    if cc is None:
-        raise BadInput(f"{engine} {location.version} has no capture-aware class {cls!r} to find the model file from; "
-                       f"pin engines.{engine}.model_file in the spec or pass --model-file")
-    return cc.path, loop_class or _loop_class_of(cc, cc.path)
-
-
-def _probed_loop_class(engine: str, location: EngineLocation, relpath: str, cls: str) -> str | None:
-    from surgeon.engines import open_engine
-
-    view = open_engine(engine, location.root)
-    cc = view.probe.get(cls) if view.probe is not None else None
-    return _loop_class_of(cc, relpath) if cc is not None else None
-
-
-def _loop_class_of(cc, relpath: str) -> str | None:
-    owner = getattr(cc, "loop_owner", None)  # "path:Class.method"
-    if not owner or ":" not in owner:
-        return None
-    path, qual = owner.split(":", 1)
-    return qual.split(".")[0] if path == relpath else None
+    owner = getattr(cc, "loop_owner", None) if cc is not None else None  # "path:Class.method"
+    if owner and ":" in owner:
+        path, qual = owner.split(":", 1)
+        return path, loop_class or qual.split(".")[0]
+    if pin is not None and pin.model_file:
+        return pin.model_file, loop_class
+    if cc is not None:
+        return cc.path, loop_class
+    raise BadInput(f"{engine} {location.version} has no capture-aware class {cls!r} to find the model file from; "
+                   f"pin engines.{engine}.model_file in the spec or pass --model-file")
 
 
 def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path | None = None,

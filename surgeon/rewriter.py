@@ -9,7 +9,14 @@ method that holds the decoder-layer loop, calls of a generated hooks module::
                                                           after the layer call in the loop body
     capture_final(self, hidden_states)                    after the final-norm assignment
 
-plus one ``import <hooks_module>`` after the last top-level import. Every other byte of the file
+plus one ``import <hooks_module>`` after the last top-level import. The capture before the loop is
+guarded by ``if <first layer of the loop> == 0:`` (a later pipeline rank enters with
+``layer_out[start - 1]``, not the embedding). Index-less loops (``for layer in self.layers[a:b]``)
+get an iteration counter (``_surgeon_layer``, from the slice start). SGLang 0.5.23 layer-boundary
+models keep the residual in ``forward_batch.residual_stream`` (``hidden_states`` after a layer may
+be an OwedOutput handle); there the stream is read as
+``residual_batch.snapshot(hidden_states, forward_batch)`` (residual None), only under
+``if <pos> in {requested}:`` because a snapshot costs kernels and, under TP, a collective. Every other byte of the file
 round-trips (libcst keeps formatting). Inserted code is built from libcst nodes; names and
 expressions from recipes are parsed as expressions and restricted to names, attributes,
 subscripts and integers, never formatted into source text.
@@ -40,7 +47,7 @@ from surgeon.errors import BadInput
 
 __all__ = [
     "PatchApplicationError", "Recipe", "RewriteResult", "GENERIC", "rewrite",
-    "load_recipes", "find_recipe", "PATCHES_DIR",
+    "load_recipes", "find_recipe", "PATCHES_DIR", "parse", "check", "Checker", "COUNTER",
 ]
 
 PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
@@ -203,6 +210,18 @@ def _is_self_attr(node: cst.CSTNode, attr: str) -> bool:
     return m.matches(node, m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
 
 
+# id(node) -> (node, children): filled by _Rewriter.index in one visit (libcst's `children`
+# property visits the node each time it is read); the node is kept to make a reused id harmless
+_CHILDREN: dict[int, tuple[cst.CSTNode, list[cst.CSTNode]]] = {}
+
+
+def _kids(n: cst.CSTNode) -> list[cst.CSTNode]:
+    entry = _CHILDREN.get(id(n))
+    if entry is not None and entry[0] is n:
+        return entry[1]
+    return list(n.children)
+
+
 def _walk(node: cst.CSTNode, *, into_defs: bool = False):
     """Pre-order walk, not entering nested function/class definitions or lambdas."""
     stack = [node]
@@ -213,7 +232,26 @@ def _walk(node: cst.CSTNode, *, into_defs: bool = False):
             continue
         first = False
         yield n
-        stack.extend(reversed(n.children))
+        stack.extend(reversed(_kids(n)))
+
+
+class _Family(cst.CSTVisitor):
+    """Parents and children of every node under one top-level statement, in one visit."""
+
+    def __init__(self, parents: dict, children: dict):
+        self.parents, self.children, self.stack = parents, children, []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.stack:
+            parent = self.stack[-1]
+            self.parents[node] = parent
+            self.children[id(parent)][1].append(node)
+        self.children[id(node)] = (node, [])
+        self.stack.append(node)
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.stack.pop()
 
 
 def _mentions_self_attr(node: cst.CSTNode, attr: str) -> bool:
@@ -256,17 +294,32 @@ class _Loop:
     index: cst.BaseExpression | None
     call_stmt: cst.SimpleStatementLine | None
     problem: str | None = None
+    # global index of the first layer the loop runs (None: unknown)
+    start: cst.BaseExpression | None = None
+    # the loop has no index variable: the rewriter counts iterations in COUNTER from `start`
+    counter: bool = False
+
+
+COUNTER = "_surgeon_layer"  # the iteration counter inserted into index-less loops
+_ZERO = cst.Integer("0")
+
+
+def _is_zero(expr: cst.BaseExpression | None) -> bool:
+    return isinstance(expr, cst.Integer) and expr.value == "0"
 
 
 class _Rewriter:
-    def __init__(self, source: bytes, relpath: str, class_name: str | None, recipe: Recipe):
+    def __init__(self, source: bytes | cst.Module, relpath: str, class_name: str | None, recipe: Recipe,
+                 source_bytes: bytes | None = None):
         self.relpath = relpath
         self.recipe = recipe
         self.class_name = class_name
-        try:
-            module = cst.parse_module(source)
-        except cst.ParserSyntaxError as exc:
-            raise PatchApplicationError(relpath, "module", f"does not parse: {exc}") from exc
+        if isinstance(source, cst.Module):
+            module = source
+            self.source = source_bytes
+        else:
+            module = parse(source, relpath)
+            self.source = source
         self.module = module
         # Metadata for the whole module costs more than parsing it; positions and parents are
         # resolved per top-level statement on demand (positions offset by the code before it).
@@ -274,6 +327,9 @@ class _Rewriter:
         self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
         self._offsets: dict[cst.CSTNode, int] = {}
         self._indexed: set[int] = set()
+        self.children: dict[int, tuple[cst.CSTNode, list[cst.CSTNode]]] = {}
+        self._lines: dict[int, int] | None = None
+        self._cands: list | None = None
 
     def index(self, top: cst.CSTNode) -> None:
         if id(top) in self._indexed:
@@ -281,20 +337,85 @@ class _Rewriter:
         self._indexed.add(id(top))
         body = list(self.module.body)
         i = next(k for k, s in enumerate(body) if s is top)
-        prefix = self.module.with_changes(body=body[:i], footer=[]).code
-        offset = prefix.count("\n") if body[:i] or self.module.header else 0
-        sub = MetadataWrapper(cst.Module(body=[top], default_indent=self.module.default_indent,
-                                         default_newline=self.module.default_newline),
-                              unsafe_skip_copy=True)
+        submodule = cst.Module(body=[top], default_indent=self.module.default_indent,
+                               default_newline=self.module.default_newline)
+        offset = None
+        if self.source is not None and i > 0:
+            # the statement's own text is (nearly always) unique in the file: count the lines
+            # before it there instead of generating the code of everything above it
+            text = submodule.code.encode(self.module.encoding)
+            at = self.source.find(text)
+            if at >= 0 and self.source.find(text, at + 1) < 0:
+                offset = self.source.count(b"\n", 0, at)
+        if offset is None:
+            prefix = self.module.with_changes(body=body[:i], footer=[]).code
+            offset = prefix.count("\n") if body[:i] or self.module.header else 0
+        sub = MetadataWrapper(submodule, unsafe_skip_copy=True)
         for node, rng in sub.resolve(PositionProvider).items():
             self.pos[node] = rng
             self._offsets[node] = offset
-        for node in _walk(top, into_defs=True):
-            for child in node.children:
-                self.parents[child] = node
+        top.visit(_Family(self.parents, self.children))
+        _CHILDREN.update(self.children)
         self.parents[top] = self.module
 
+    def _ast_lines(self) -> dict[int, int]:
+        """id(libcst node) -> first line (decorators included) of every top-level class and of its
+        methods, from the stdlib parser (top-level classes and class-body defs correspond one to
+        one in both trees); {} when the source is not at hand or the trees disagree."""
+        if self._lines is not None:
+            return self._lines
+        self._lines = {}
+        if self.source is None:
+            return self._lines
+        import ast
+
+        def first(node) -> int:
+            return min([node.lineno] + [d.lineno for d in node.decorator_list])
+        try:
+            tree = ast.parse(self.source)
+        except (SyntaxError, ValueError):
+            return self._lines
+        ccls = [c for c in self.module.body if isinstance(c, cst.ClassDef)]
+        acls = [c for c in tree.body if isinstance(c, ast.ClassDef)]
+        if [c.name.value for c in ccls] != [c.name for c in acls]:
+            return self._lines
+        lines = {}
+        for c, a in zip(ccls, acls):
+            lines[id(c)] = first(a)
+            if not isinstance(c.body, cst.IndentedBlock):
+                continue
+            cf = [f for f in c.body.body if isinstance(f, cst.FunctionDef)]
+            af = [f for f in a.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if [f.name.value for f in cf] != [f.name for f in af]:
+                return self._lines
+            lines.update((id(f), first(g)) for f, g in zip(cf, af))
+        self._lines = lines
+        return lines
+
+    def index_method(self, cls: cst.ClassDef, fn: cst.FunctionDef) -> None:
+        """Positions and parents of one method only (far less than its class), placed by the
+        stdlib parser's line of the method; the whole class where that is not at hand."""
+        if id(fn) in self._indexed or id(cls) in self._indexed:
+            return
+        start = self._ast_lines().get(id(fn))
+        if start is None:
+            self.index(cls)
+            return
+        self._indexed.add(id(fn))
+        sub = MetadataWrapper(cst.Module(body=[fn], default_indent=self.module.default_indent,
+                                         default_newline=self.module.default_newline), unsafe_skip_copy=True)
+        positions = sub.resolve(PositionProvider)
+        offset = start - positions[fn].start.line  # type: ignore[attr-defined]
+        for node, rng in positions.items():
+            self.pos[node] = rng
+            self._offsets[node] = offset
+        fn.visit(_Family(self.parents, self.children))
+        _CHILDREN.update(self.children)
+        self.parents[fn] = cls.body
+
     def line(self, node: cst.CSTNode) -> int:
+        if node not in self.pos and isinstance(node, cst.ClassDef) and id(node) in self._ast_lines():
+            return self._ast_lines()[id(node)]
         return self.pos[node].start.line + self._offsets[node]  # type: ignore[attr-defined]
 
     def end_line(self, node: cst.CSTNode) -> int:
@@ -330,6 +451,8 @@ class _Rewriter:
         attr = self.recipe.layers_attr
         layer_sub = m.Subscript(value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
         index: cst.BaseExpression | None = None
+        start: cst.BaseExpression | None = None
+        counter = False
         callee_names: set[str] = set()
         direct_index: str | None = None
         problem = None
@@ -339,6 +462,11 @@ class _Rewriter:
             index = cst.Name(tgt.value)
             if not self._loop_calls_layer(loop):
                 return None
+            rargs = it.args  # type: ignore[attr-defined]
+            if len(rargs) == 1 and rargs[0].keyword is None and rargs[0].star == "":
+                start = _ZERO
+            elif len(rargs) == 2 and all(a.keyword is None and a.star == "" for a in rargs):
+                start = rargs[0].value
         elif m.matches(it, m.Call(func=m.Name("enumerate"))) and m.matches(
                 tgt, m.Tuple(elements=[m.Element(m.Name()), m.Element(m.Name())])):
             assert isinstance(it, cst.Call) and isinstance(tgt, cst.Tuple)
@@ -370,6 +498,9 @@ class _Rewriter:
                     if not isinstance(base, (cst.Name, cst.Attribute, cst.Subscript, cst.Integer)):
                         base = base.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
                     offset_index = cst.BinaryOperation(base, cst.Add(), cst.Name(idx_name))
+                    start = seq_start
+                elif same:
+                    start = start or seq_start or _ZERO
                 elif not same:
                     problem = (f"enumerate start {_code(start) if start else '0'} differs from the slice start "
                                f"{_code(seq_start) if seq_start else '0'}: the loop index is not the global layer index")
@@ -381,12 +512,23 @@ class _Rewriter:
             assert isinstance(tgt, cst.Tuple)
             index = cst.Name(tgt.elements[0].value.value)  # type: ignore[attr-defined]
             callee_names.add(tgt.elements[1].value.value)  # type: ignore[attr-defined]
+            if len(it.args) == 3 and all(a.keyword is None and a.star == "" for a in it.args):  # type: ignore[attr-defined]
+                start = it.args[1].value  # type: ignore[attr-defined]
         elif _mentions_self_attr(it, attr) and isinstance(tgt, cst.Name):
+            # `for layer in self.layers` / `self.layers[a:b]` / `islice(self.layers, a, b)`: no index
+            # variable, but the iteration count from the slice start is the global index (the
+            # rewriter counts iterations itself; `continue`/`break` are refused below)
             callee_names.add(tgt.value)
-            problem = f"`for {tgt.value} in {_code(it)}` has no layer index variable"
+            start = self._sequence_start(it)
+            if start is None:
+                problem = (f"`for {tgt.value} in {_code(it)}` has no layer index variable and the "
+                           "sequence is not self.{attr}, a slice of it or an islice of it")
+            else:
+                counter = True
+                index = cst.Name(COUNTER)
         else:
             return None
-        if problem is None and index is not None:
+        if problem is None and index is not None and not counter:
             for n in _walk(loop.body):
                 if isinstance(n, cst.SimpleStatementLine) and any(
                         _code(index) in names or any(nm in names for nm in _names_in(index))
@@ -395,7 +537,7 @@ class _Rewriter:
                                "a recipe must give the global index expression")
                     break
         if self.recipe.index is not None:
-            index, problem = _safe_expression(self.recipe.index), None
+            index, problem, counter = _safe_expression(self.recipe.index), None, False
         # locals bound to self.layers[i] inside the body
         if direct_index is not None:
             for n in _walk(loop.body):
@@ -409,6 +551,8 @@ class _Rewriter:
             if not isinstance(n, cst.Call):
                 continue
             f = n.func
+            if m.matches(f, m.Attribute(attr=m.Name("forward"))):  # `layer.forward(...)`
+                f = f.value  # type: ignore[attr-defined]
             if isinstance(f, cst.Name) and f.value in callee_names:
                 calls.append(n)
             elif direct_index is not None and m.matches(f, m.Subscript(
@@ -427,6 +571,15 @@ class _Rewriter:
                     problem = "the decoder-layer call is not a statement of its own in an indented block"
                 else:
                     call_stmt = stmt
+        if problem is None and call_stmt is not None:
+            # what is captured is `hidden_states`: the layer's output must be (re)bound to it
+            call_line = self.line(call_stmt)
+            if not any("hidden_states" in names and self.line(n) >= call_line
+                       for n in _walk(loop.body) if isinstance(n, cst.SimpleStatementLine)
+                       for names, _ in _stmt_assigns(n)):
+                problem = ("the decoder-layer output is not assigned to `hidden_states` "
+                           f"(`{_code(call_stmt).strip().splitlines()[0]}`): the stream is carried "
+                           "in another variable")
         if problem is None:
             # the capture goes at the end of the iteration: the state entering the next layer
             # (after anything the body adds to the stream, e.g. Qwen3-VL's deepstack embeds)
@@ -437,7 +590,25 @@ class _Rewriter:
                     break
             if not isinstance(loop.body, cst.IndentedBlock):
                 problem = "the loop body is on one line"
-        return _Loop(loop, index, call_stmt, problem)
+        return _Loop(loop, index, call_stmt, problem, start, counter)
+
+    def _sequence_start(self, seq: cst.BaseExpression) -> cst.BaseExpression | None:
+        """Global index of the first element of ``seq`` when it is self.<layers>, a step-less
+        slice of it, or ``islice(self.<layers>, [a,] b)``; else None."""
+        attr = self.recipe.layers_attr
+        if _is_self_attr(seq, attr):
+            return _ZERO
+        if (isinstance(seq, cst.Subscript) and _is_self_attr(seq.value, attr) and len(seq.slice) == 1
+                and isinstance(seq.slice[0].slice, cst.Slice) and seq.slice[0].slice.step is None):
+            return seq.slice[0].slice.lower or _ZERO
+        if (m.matches(seq, m.Call(func=m.Name("islice"))) and seq.args  # type: ignore[attr-defined]
+                and _is_self_attr(seq.args[0].value, attr)  # type: ignore[attr-defined]
+                and all(a.keyword is None and a.star == "" for a in seq.args)):  # type: ignore[attr-defined]
+            if len(seq.args) == 2:  # type: ignore[attr-defined]
+                return _ZERO
+            if len(seq.args) == 3:  # type: ignore[attr-defined]
+                return seq.args[1].value  # type: ignore[attr-defined]
+        return None
 
     def _innermost_loop(self, node: cst.CSTNode) -> cst.CSTNode | None:
         n = node
@@ -454,6 +625,11 @@ class _Rewriter:
         return n
 
     def _candidates(self) -> list[tuple[cst.ClassDef, cst.FunctionDef, list[_Loop]]]:
+        if self._cands is None:
+            self._cands = self._find_candidates()
+        return self._cands
+
+    def _find_candidates(self) -> list[tuple[cst.ClassDef, cst.FunctionDef, list[_Loop]]]:
         out = []
         for cls in self.module.body:
             if not isinstance(cls, cst.ClassDef):
@@ -464,7 +640,7 @@ class _Rewriter:
                 continue
             for fn in cls.body.body:
                 if isinstance(fn, cst.FunctionDef) and fn.name.value == self.recipe.method:
-                    self.index(cls)
+                    self.index_method(cls, fn)
                     loops = self._layers_loops(fn)
                     if loops or self.class_name is not None:
                         out.append((cls, fn, loops))
@@ -472,6 +648,13 @@ class _Rewriter:
 
     # -- planning -------------------------------------------------------------------------
     def plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression):
+        _CHILDREN.update(self.children)
+        try:
+            return self._plan(positions, capture_final, hooks)
+        finally:
+            _CHILDREN.clear()  # it holds the nodes: keep no module alive
+
+    def _plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression):
         rc = self.recipe
         cands = self._candidates()
         want = self.class_name or rc.class_name
@@ -507,8 +690,8 @@ class _Rewriter:
                 args=[cst.Arg(cst.Name("self"))] + [cst.Arg(a) for a in args],
             ))])
 
-        # residual
-        residual, residual_before_loop = self._residual(fn, lp, loop_anchor)
+        # how to read the residual stream at a layer boundary
+        reader = self._reader(fn, lp, loop_anchor)
 
         # begin_step
         num = self._num_tokens(fn, owner)
@@ -523,19 +706,40 @@ class _Rewriter:
         before.setdefault(body.body[first], []).append(call("begin_step", num))
         anchors.append(f"{owner}:begin_step@{self.line(body.body[first])}")
 
+        if (0 in positions or lp.counter) and not isinstance(self.parents.get(lp.node), cst.IndentedBlock):
+            raise self.refuse(loop_anchor, "the loop is not a statement of an indented block")
         if 0 in positions:
-            if not isinstance(self.parents.get(lp.node), cst.IndentedBlock):
-                raise self.refuse(loop_anchor, "the loop is not a statement of an indented block")
-            res0 = residual if residual_before_loop else cst.Name("None")
-            before.setdefault(lp.node, []).append(
-                call("capture_position", cst.Integer("0"), cst.Name("hidden_states"), res0))
+            # the stream before the loop is the embedding only where the loop starts at layer 0
+            # (a later pipeline rank enters with layer_out[start - 1])
+            if lp.start is None:
+                raise self.refuse(loop_anchor, "cannot tell the first layer the loop runs: the state "
+                                  "before the loop is the embedding only when it is layer 0")
+            stmt = call("capture_position", cst.Integer("0"), *reader.args(before_loop=True))
+            if not _is_zero(lp.start):
+                stmt = _if(cst.Comparison(lp.start, [cst.ComparisonTarget(cst.Equal(), cst.Integer("0"))]), stmt)
+            before.setdefault(lp.node, []).append(stmt)
             anchors.append(f"{owner}:embed@{self.line(lp.node)}")
-        if any(p >= 1 for p in positions):
+        later = sorted(p for p in positions if p >= 1)
+        if later:
             assert lp.call_stmt is not None and lp.index is not None
-            pos_expr = cst.BinaryOperation(lp.index, cst.Add(), cst.Integer("1"))
             last = lp.node.body.body[-1]  # type: ignore[attr-defined]
-            after.setdefault(last, []).append(
-                call("capture_position", pos_expr, cst.Name("hidden_states"), residual))
+            if lp.counter:
+                assert lp.start is not None
+                # COUNTER is the index of the layer the iteration runs until its end, then one more
+                before.setdefault(lp.node, []).append(cst.SimpleStatementLine([cst.Assign(
+                    [cst.AssignTarget(cst.Name(COUNTER))], lp.start)]))
+                after.setdefault(last, []).append(cst.SimpleStatementLine([cst.AugAssign(
+                    cst.Name(COUNTER), cst.AddAssign(), cst.Integer("1"))]))
+                pos_expr: cst.BaseExpression = cst.Name(COUNTER)
+                anchors.append(f"{owner}:counter@{self.line(lp.node)}")
+            else:
+                pos_expr = cst.BinaryOperation(lp.index, cst.Add(), cst.Integer("1"))
+            stmt = call("capture_position", pos_expr, *reader.args(before_loop=False))
+            if reader.costly:
+                # reading the stream costs kernels (and a collective under TP): only where asked
+                stmt = _if(cst.Comparison(pos_expr, [cst.ComparisonTarget(cst.In(), cst.Set(
+                    [cst.Element(cst.Integer(str(p))) for p in later]))]), stmt)
+            after.setdefault(last, []).append(stmt)
             anchors.append(f"{owner}:layer_out@{self.line(last)}")
         if capture_final:
             for stmt, name in self._final_norm(fn, lp, owner):
@@ -565,12 +769,94 @@ class _Rewriter:
                 raise self.refuse(f"{owner}:bypass@{self.line(n)}",
                                   f"{bad} (`{text}`): layers run there would not be captured")
 
-    def _residual(self, fn: cst.FunctionDef, lp: _Loop, loop_anchor: str) -> tuple[cst.BaseExpression, bool]:
+    def _reader(self, fn: cst.FunctionDef, lp: _Loop, loop_anchor: str) -> "_Reader":
         rc = self.recipe
         if rc.residual == "none":
-            return cst.Name("None"), True
+            return _Reader(cst.Name("None"), True)
         if rc.residual is not None:
-            return _safe_expression(rc.residual), True
+            return _Reader(_safe_expression(rc.residual), True)
+        stream = self._stream_reader(fn, lp, loop_anchor)
+        if stream is not None:
+            return stream
+        residual, before = self._residual(fn, lp, loop_anchor)
+        return _Reader(residual, before)
+
+    def _batch_alias(self) -> str | None:
+        """The name this module binds to sglang's per-batch residual-stream accessors
+        (``from sglang.srt.layers.layer_boundary.residual import batch as residual_batch``)."""
+        for stmt in self.module.body:
+            if not isinstance(stmt, cst.SimpleStatementLine):
+                continue
+            for imp in stmt.body:
+                if (isinstance(imp, cst.ImportFrom) and imp.module is not None and not imp.relative
+                        and _code(imp.module) == _SGLANG_RESIDUAL_PKG and not isinstance(imp.names, cst.ImportStar)):
+                    for alias in imp.names:
+                        if m.matches(alias.name, m.Name("batch")):
+                            return alias.asname.name.value if alias.asname else "batch"  # type: ignore[union-attr]
+        return None
+
+    def _stream_reader(self, fn: cst.FunctionDef, lp: _Loop, loop_anchor: str) -> "_Reader | None":
+        """SGLang (0.5.23) layer-boundary models keep the residual in ``forward_batch.residual_stream``
+        (a ResidualStream: the written residual plus the last layer's pending contribution, which
+        may still owe its all-reduce; ``hidden_states`` is then an opaque OwedOutput handle). The
+        stream value at a boundary is ``residual_batch.snapshot(hidden_states, forward_batch)``:
+        the completed contribution plus the residual, on a copy, leaving the engine's own
+        completion and fusions as they are (the engine reads its own end-of-stack capture so,
+        e.g. nemotron_h.py NemotronHModel.forward)."""
+        alias = self._batch_alias()
+        if alias is None:
+            return None
+        uses = any(isinstance(n, cst.Name) and n.value == alias for n in _walk(fn.body))
+        params = {p.name.value: p for p in fn.params.params + fn.params.kwonly_params + fn.params.posonly_params}
+        if not uses:
+            if self._local_residual(fn):
+                return None  # the method carries its own residual (a tower that does not use the stream)
+            if any(isinstance(n, cst.Name) and n.value == "forward_batch" for n in _walk(lp.node)):
+                raise self.refuse(loop_anchor, f"the module uses sglang's layer-boundary residual stream "
+                                  f"({alias}) and the layers get forward_batch, but this method never touches "
+                                  "the stream: cannot tell whether hidden_states after a layer is the full stream")
+            return None
+        if "forward_batch" not in params:
+            raise self.refuse(loop_anchor, f"the method uses {alias} but has no `forward_batch` parameter "
+                              "owning the residual stream")
+        if self._local_residual(fn):
+            raise self.refuse(loop_anchor, f"the method uses both a local `residual` and {alias}: "
+                              "cannot tell which carries the stream")
+        for n in _walk(lp.node.body):
+            if isinstance(n, cst.Arg) and m.matches(n.keyword, m.Name("post_residual_addition")) and not m.matches(
+                    n.value, m.Name("None")):
+                raise self.refuse(loop_anchor, "a layer call passes post_residual_addition "
+                                  f"(`{_code(self._enclosing_stmt(n)).strip().splitlines()[0]}`): the next layer "
+                                  "adds it to the stream after the end-of-iteration capture, so the stream "
+                                  "there is not layer_out[k]")
+        for mod in _MULTI_STREAM_MODULES:
+            if mod in self._imported_modules():
+                raise self.refuse(loop_anchor, f"the module imports {mod}: its residual stream is not one "
+                                  "hidden state that HF output_hidden_states holds")
+        return _Reader(None, True, alias=alias)
+
+    def _imported_modules(self) -> set[str]:
+        out = set()
+        for stmt in self.module.body:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for imp in stmt.body:
+                    if isinstance(imp, cst.ImportFrom) and imp.module is not None:
+                        base = _code(imp.module)
+                        out.add(base)
+                        if not isinstance(imp.names, cst.ImportStar):
+                            out.update(f"{base}.{_code(a.name)}" for a in imp.names)
+                    elif isinstance(imp, cst.Import):
+                        out.update(_code(a.name) for a in imp.names)
+        return out
+
+    def _local_residual(self, fn: cst.FunctionDef) -> bool:
+        params = {p.name.value for p in fn.params.params + fn.params.kwonly_params + fn.params.posonly_params}
+        if "residual" in params:
+            return True
+        return any(names and "residual" in names for n in _walk(fn.body)
+                   if isinstance(n, cst.SimpleStatementLine) for names, _ in _stmt_assigns(n))
+
+    def _residual(self, fn: cst.FunctionDef, lp: _Loop, loop_anchor: str) -> tuple[cst.BaseExpression, bool]:
         loop_line = self.line(lp.node)
         assigned_lines = []
         params = {p.name.value for p in fn.params.params + fn.params.kwonly_params + fn.params.posonly_params}
@@ -582,7 +868,10 @@ class _Rewriter:
                         assigned_lines.append(self.line(n))
         if assigned_lines or "residual" in params:
             return cst.Name("residual"), ("residual" in params or min(assigned_lines) < loop_line)
-        others = sorted({n.value for n in _walk(fn.body) if isinstance(n, cst.Name) and "residual" in n.value.lower()})
+        skip = {id(n.keyword) for n in _walk(fn.body) if isinstance(n, cst.Arg) and n.keyword is not None}
+        skip |= {id(n.attr) for n in _walk(fn.body) if isinstance(n, cst.Attribute)}
+        others = sorted({n.value for n in _walk(fn.body) if isinstance(n, cst.Name) and id(n) not in skip
+                         and "residual" in n.value.lower()})
         if others:
             raise self.refuse(loop_anchor, f"the residual stream is not a local variable (the method uses "
                               f"{', '.join(others)}): hidden_states after a layer is not layer_out[k]; "
@@ -644,6 +933,37 @@ class _Rewriter:
         return True
 
 
+_SGLANG_RESIDUAL_PKG = "sglang.srt.layers.layer_boundary.residual"
+# residual representations whose stream is not the one hidden state HF reports
+_MULTI_STREAM_MODULES = tuple(f"{_SGLANG_RESIDUAL_PKG}.{m_}" for m_ in ("attn_bank", "mhc", "ihc"))
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """How capture_position reads the stream: ``hidden_states`` plus ``residual`` (a local, or
+    None), or, with ``alias``, sglang's ``<alias>.snapshot(hidden_states, forward_batch)``."""
+
+    residual: cst.BaseExpression | None
+    before_loop: bool  # the residual expression is bound before the loop
+    alias: str | None = None
+
+    @property
+    def costly(self) -> bool:
+        return self.alias is not None
+
+    def args(self, *, before_loop: bool) -> tuple[cst.BaseExpression, cst.BaseExpression]:
+        if self.alias is not None:
+            snap = cst.Call(func=cst.Attribute(cst.Name(self.alias), cst.Name("snapshot")),
+                            args=[cst.Arg(cst.Name("hidden_states")), cst.Arg(cst.Name("forward_batch"))])
+            return snap, cst.Name("None")
+        res = self.residual if self.residual is not None and (self.before_loop or not before_loop) else cst.Name("None")
+        return cst.Name("hidden_states"), res
+
+
+def _if(test: cst.BaseExpression, stmt: cst.BaseStatement) -> cst.If:
+    return cst.If(test=test, body=cst.IndentedBlock([stmt]))
+
+
 class _Insert(cst.CSTTransformer):
     def __init__(self, before, after, import_after: cst.CSTNode | None, import_stmt: cst.BaseStatement):
         self.before, self.after = before, after
@@ -672,6 +992,36 @@ def _hooks_expr(name: str) -> cst.BaseExpression:
     for p in parts[1:]:
         expr = cst.Attribute(value=expr, attr=cst.Name(p))
     return expr
+
+
+def parse(source_bytes: bytes, relpath: str) -> cst.Module:
+    """libcst module of ``source_bytes`` (PatchApplicationError when it does not parse)."""
+    try:
+        return cst.parse_module(source_bytes)
+    except cst.ParserSyntaxError as exc:
+        raise PatchApplicationError(relpath, "module", f"does not parse: {exc}") from exc
+
+
+class Checker:
+    """What :func:`rewrite` would insert for one class of an already parsed module, for several
+    position sets, without generating code (the class is indexed once).
+    :meth:`check` returns the anchors (the import excluded) or raises rewrite's PatchApplicationError."""
+
+    def __init__(self, module: cst.Module, *, relpath: str, class_name: str | None,
+                 recipe: Recipe | None = None, source_bytes: bytes | None = None):
+        self._rw = _Rewriter(module, relpath, class_name, recipe or GENERIC, source_bytes)
+
+    def check(self, positions: set[int], capture_final: bool) -> list[str]:
+        if any(p < 0 for p in positions):
+            raise ValueError(f"positions are >= 0, got {sorted(positions)}")
+        return self._rw.plan(set(positions), capture_final, _hooks_expr("_surgeon_hooks"))[2]
+
+
+def check(module: cst.Module, *, relpath: str, class_name: str | None, positions: set[int],
+          capture_final: bool, recipe: Recipe | None = None, source_bytes: bytes | None = None) -> list[str]:
+    """One :class:`Checker` check."""
+    return Checker(module, relpath=relpath, class_name=class_name, recipe=recipe,
+                   source_bytes=source_bytes).check(positions, capture_final)
 
 
 def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positions: set[int],

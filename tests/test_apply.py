@@ -229,3 +229,11 @@ def test_concurrent_applies_one_wins_the_other_waits_or_is_told(vroot: Path):
     st = _surgeon("status", "--engine", "vllm", "--engine-root", vroot, "--json")
     assert st.returncode == 0 and len(json.loads(st.stdout)["patches"]) == 1
 
+
+
+def test_the_loop_is_patched_where_the_probe_found_it_not_where_the_class_is(vroot: Path):
+    """vLLM's Qwen3ForCausalLM lives in qwen3.py, but its decoder loop is Qwen2Model.forward in qwen2.py."""
+    r = cli("apply", REPO / "specs/qwen3-8b-eagle3.yaml", "--engine", "vllm", "--engine-root", vroot, "--dry-run", "--json")
+    plan = json.loads(r.stdout)
+    assert (plan["model_file"], plan["loop_class"]) == ("model_executor/models/qwen2.py", "Qwen2Model")
+    assert plan["hooks_file"] == "model_executor/models/_surgeon_hooks_qwen3_8b_eagle3.py"
