@@ -109,11 +109,10 @@ def verify_ok(spec: Path, dump: Path, model: Path) -> dict:
 FAMILIES = {
     # family: (architecture, layers, dtype, apply args)
     "llama": ("LlamaForCausalLM", 6, "float32", ()),
-    # Qwen3ForCausalLM's decoder loop is Qwen2Model.forward in qwen2.py, which apply does not find
-    # from the probe (it picks qwen3.py): name the file and class.
-    "qwen3": ("Qwen3ForCausalLM", 6, "float32",
-              ("--model-file", "model_executor/models/qwen2.py", "--loop-class", "Qwen2Model")),
+    # Qwen3ForCausalLM's decoder loop is Qwen2Model.forward in qwen2.py: apply finds it from the probe
+    "qwen3": ("Qwen3ForCausalLM", 6, "float32", ()),
 }
+LOOP_FILES = {"llama": "model_executor/models/llama.py", "qwen3": "model_executor/models/qwen2.py"}
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +128,7 @@ def test_patched_vllm_dumps_verify_and_revert(tmp_path, vllm_root, models, famil
     spec = write_spec(tmp_path / "spec.yaml", f"e2e-{family}", arch, L,
                       {"emb": "embed", "low": "layer_out[1]", "high": f"layer_out[{L - 2}]", "last": "final_norm"})
     out = patched_run(tmp_path, vllm_root, models[family], spec, dtype=dtype, apply_args=apply_args)
+    assert out["plan"]["model_file"] == LOOP_FILES[family]
     for dump, prompt in zip(out["run"].dumps, PROMPTS):
         d = read_dump(dump)
         assert d.input_ids.tolist() == prompt and d.meta["engine"] == "vllm" and d.meta["spec.name"] == f"e2e-{family}"
