@@ -266,6 +266,15 @@ def _child(job_file: str) -> int:
     timings["start"] = time.perf_counter() - t
     _say(f"engine started in {timings['start']:.1f} s")
     mode = job["mode"]
+    if mode == "hooks":
+        # vLLM's start-up profile run is a step of max_num_batched_tokens tokens; a hooks buffer with
+        # fewer rows is silently overrun there (torch.add(out=) resizes the slot view into the next slot)
+        small = [(m.__name__, m.MAX_TOKENS) for m in _hooks_modules() if m.MAX_TOKENS < mml]
+        if small:
+            name, rows = small[0]
+            _say(f"error: hooks {name.rsplit('.', 1)[-1]} hold max_tokens={rows} rows but a vLLM step here has up "
+                 f"to {mml} tokens (max_num_batched_tokens): re-apply with --max-tokens {mml} or more")
+            return 3
     if mode == "native":
         err = llm.apply_model(_install_native(job["aux_ids"]))[0]
         if err:

@@ -138,6 +138,17 @@ def test_patched_vllm_dumps_verify_and_revert(tmp_path, vllm_root, models, famil
         assert max(s["rel_err"] for s in r["slots"]) < 1e-4  # float32 engine vs float32 HF
 
 
+def test_hooks_smaller_than_a_vllm_step_are_refused(tmp_path, vllm_root, models):
+    spec = write_spec(tmp_path / "spec.yaml", "e2e-small", "LlamaForCausalLM", 6, {"low": "layer_out[1]"})
+    cli("apply", spec, "--engine", "vllm", "--max-tokens", 64)
+    try:
+        with pytest.raises(VllmRunError) as e:
+            run_vllm(models["llama"], PROMPTS[:1], mode="hooks", out_dir=tmp_path / "dumps")
+    finally:
+        cli("revert", "--all", "--engine", "vllm")
+    assert "max_tokens=64" in e.value.message and "--max-tokens 128" in e.value.message
+
+
 # -- vLLM's own aux capture, fed surgeon's ids --------------------------------------------------------
 def test_native_aux_ids_from_render_capture_the_spec(tmp_path, models):
     spec = write_spec(tmp_path / "native.yaml", "e2e-native", "LlamaForCausalLM", 6,
