@@ -578,9 +578,11 @@ def _engines_with_patches(engine: str | None, engine_root: str | None) -> list[t
 @click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
 @click.option("--diff", "show_diff", is_flag=True, help="Print the unified diff of the change.")
 @click.option("--replace", is_flag=True, help="Revert a patch already on these files first (in the same transaction).")
+@click.option("--guard-bypass", is_flag=True, help="Where decoder layers can run outside the capture loop (SGLang two-batch overlap), insert a runtime guard that raises if a captured layer would run there, instead of refusing.")
 @click.option("--json", "as_json", is_flag=True)
 def apply(spec: str, engine: str, engine_root: str | None, mode: str, max_tokens: int, model_file: str | None,
-          loop_class: str | None, name: str | None, dry_run: bool, show_diff: bool, replace: bool, as_json: bool) -> None:
+          loop_class: str | None, name: str | None, dry_run: bool, show_diff: bool, replace: bool,
+          guard_bypass: bool, as_json: bool) -> None:
     """Put SPEC's captures into the engine's real model file, with a generated hooks module next to it.
 
     One journaled transaction: each file ends either original or fully patched; `surgeon revert`
@@ -594,7 +596,7 @@ def apply(spec: str, engine: str, engine_root: str | None, mode: str, max_tokens
     with err.status("rewriting and applying", spinner="dots") if err.is_terminal and not as_json else _null():
         outcome = apply_spec(s, engine=engine, engine_root=engine_root, mode=mode, max_tokens=max_tokens,
                              model_file=model_file, loop_class=loop_class, name=name, dry_run=dry_run,
-                             diff=show_diff, replace=replace)
+                             diff=show_diff, replace=replace, guard_bypass=guard_bypass)
     if as_json:
         _emit_json(outcome.to_json())
         return

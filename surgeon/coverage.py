@@ -17,6 +17,12 @@ A class is a *decoder* when the loop method takes the engine's token-level input
 the others are encoder towers (vision, audio) fed with features, whose layers are not the
 residual stream a draft reads. Both are reported; :attr:`EngineCoverage.fraction` is over
 decoder classes, :attr:`EngineCoverage.fraction_all` over all of them.
+
+A class refused only because its method runs decoder layers outside the capture loop (SGLang's
+two-batch-overlap ``model_forward_stages``) is reported as patchable *with the bypass guard*
+(:attr:`ClassCoverage.with_guard`, what ``surgeon apply --guard-bypass`` does: a runtime check that
+raises when that path would run a captured layer); :attr:`EngineCoverage.fraction_guarded` counts
+those too, :attr:`EngineCoverage.fraction` does not.
 """
 
 from __future__ import annotations
@@ -52,15 +58,23 @@ class ClassCoverage:
     final_norm_reason: str | None = None
     recipe: str | None = None  # the patches/*.yaml recipe used, None: generic
     native: tuple[str, ...] = ()  # classes the engine's own capture covers through this loop
+    # refused for a decoder-layer bypass only: patchable with the runtime bypass guard
+    # (embed / final_norm then say what the guarded patch inserts)
+    with_guard: bool = False
 
     @property
     def patchable(self) -> bool:
         return self.layers
 
+    @property
+    def patchable_with_guard(self) -> bool:
+        return self.layers or self.with_guard
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["native"] = list(self.native)
         data["patchable"] = self.patchable
+        data["patchable_with_guard"] = self.patchable_with_guard
         return data
 
 
@@ -75,9 +89,9 @@ class EngineCoverage:
     seconds: float = 0.0
     probe_error: str | None = None
 
-    def _count(self, decoder_only: bool) -> tuple[int, int]:
+    def _count(self, decoder_only: bool, guarded: bool = False) -> tuple[int, int]:
         cs = [c for c in self.classes if c.decoder or not decoder_only]
-        return sum(c.patchable for c in cs), len(cs)
+        return sum(c.patchable_with_guard if guarded else c.patchable for c in cs), len(cs)
 
     @property
     def fraction(self) -> float:
@@ -89,15 +103,26 @@ class EngineCoverage:
         ok, n = self._count(False)
         return ok / n if n else 1.0
 
+    @property
+    def fraction_guarded(self) -> float:
+        """Decoder classes patchable, counting those patchable with the bypass guard."""
+        ok, n = self._count(True, guarded=True)
+        return ok / n if n else 1.0
+
     def to_json(self) -> dict:
         ok, n = self._count(True)
         ok_all, n_all = self._count(False)
+        ok_g, _ = self._count(True, guarded=True)
+        ok_ga, _ = self._count(False, guarded=True)
         return {
             "engine": self.engine, "version": self.version, "root": self.root,
             "files": self.files, "files_parsed": self.files_parsed, "seconds": round(self.seconds, 3),
             "probe_error": self.probe_error,
-            "decoder": {"patchable": ok, "total": n, "fraction": round(self.fraction, 4)},
-            "all": {"patchable": ok_all, "total": n_all, "fraction": round(self.fraction_all, 4)},
+            "decoder": {"patchable": ok, "total": n, "fraction": round(self.fraction, 4),
+                        "patchable_with_guard": ok_g, "fraction_with_guard": round(self.fraction_guarded, 4)},
+            "all": {"patchable": ok_all, "total": n_all, "fraction": round(self.fraction_all, 4),
+                    "patchable_with_guard": ok_ga,
+                    "fraction_with_guard": round(ok_ga / n_all if n_all else 1.0, 4)},
             "native": sum(bool(c.native) for c in self.classes),
             "final_norm": sum(c.final_norm for c in self.classes),
             "classes": [c.to_json() for c in self.classes],
@@ -223,24 +248,30 @@ def _file_task(args) -> list[ClassCoverage]:
 
         checker = Checker(module, relpath=relpath, class_name=cls, recipe=recipe, source_bytes=source)
 
-        def attempt(positions: set[int], final: bool) -> str | None:
+        def attempt(positions: set[int], final: bool, guard: bool = False) -> tuple[str | None, bool]:
+            """(refusal or None, whether the refusal is a decoder-layer bypass)"""
             try:
-                checker.check(positions, final)
-                return None
+                checker.check(positions, final, guard_bypass=guard)
+                return None, False
             except PatchApplicationError as exc:
-                return f"{exc.anchor}: {exc.reason}"
+                return f"{exc.anchor}: {exc.reason}", ":bypass@" in exc.anchor
 
-        if attempt(set(PROBE_POSITIONS) | {0}, True) is None:  # the usual case: one plan
-            reason = embed_reason = final_reason = None
-            layers = True
-        else:
-            reason = attempt(set(PROBE_POSITIONS), False)
-            layers = reason is None
-            embed_reason = attempt({0}, False) if layers else reason
-            final_reason = attempt(set(), True)
+        def plans(guard: bool) -> tuple[str | None, bool, str | None, str | None]:
+            if attempt(set(PROBE_POSITIONS) | {0}, True, guard)[0] is None:  # the usual case: one plan
+                return None, False, None, None
+            reason, bypass = attempt(set(PROBE_POSITIONS), False, guard)
+            embed_reason = attempt({0}, False, guard)[0] if reason is None else reason
+            return reason, bypass, embed_reason, attempt(set(), True, guard)[0]
+
+        reason, bypass, embed_reason, final_reason = plans(False)
+        layers, with_guard = reason is None, False
+        if bypass:
+            g_reason, _, g_embed, g_final = plans(True)
+            if g_reason is None:
+                with_guard, embed_reason, final_reason = True, g_embed, g_final
         out.append(ClassCoverage(relpath, cls, meth, line, decoder, layers, embed_reason is None,
                                  final_reason is None, reason=reason, embed_reason=embed_reason,
-                                 final_norm_reason=final_reason, recipe=rname))
+                                 final_norm_reason=final_reason, recipe=rname, with_guard=with_guard))
     return out
 
 
@@ -358,7 +389,8 @@ def render_coverage_lines(report: CoverageReport, *, all_classes: bool = True) -
     for ec in report.engines:
         d = ec.to_json()
         lines.append(f"{ec.engine} {ec.version}: {d['decoder']['patchable']}/{d['decoder']['total']} decoder "
-                     f"classes patchable ({ec.fraction:.0%}); {d['all']['patchable']}/{d['all']['total']} "
+                     f"classes patchable ({ec.fraction:.1%}), {d['decoder']['patchable_with_guard']} with the "
+                     f"bypass guard ({ec.fraction_guarded:.1%}); {d['all']['patchable']}/{d['all']['total']} "
                      f"with encoder towers; {ec.files_parsed} of {ec.files} files parsed with libcst")
         if ec.probe_error:
             lines.append(f"  native capture unknown: {ec.probe_error}")
@@ -366,7 +398,7 @@ def render_coverage_lines(report: CoverageReport, *, all_classes: bool = True) -
             if not all_classes and c.patchable:
                 continue
             what = ",".join(k for k, v in (("layers", c.layers), ("embed", c.embed), ("final_norm", c.final_norm)) if v)
-            tag = "ok " if c.patchable else "NO "
+            tag = "ok " if c.patchable else "GRD" if c.with_guard else "NO "
             kind = "" if c.decoder else " [encoder]"
             nat = f" native: {', '.join(c.native)}" if c.native else ""
             lines.append(f"  {tag}{c.path}:{c.line} {c.class_name}.{c.method}{kind} [{what or '-'}]{nat}")
@@ -382,13 +414,15 @@ def render_coverage_table(report: CoverageReport):
     from rich.table import Table
 
     table = Table(title="patch coverage", show_lines=False)
-    for col in ("engine", "file", "class", "kind", "layers", "embed", "final_norm", "native", "reason"):
+    for col in ("engine", "file", "class", "kind", "layers", "with guard", "embed", "final_norm", "native", "reason"):
         table.add_column(col, overflow="fold")
     for ec in report.engines:
         for c in ec.classes:
             yes = lambda v: "yes" if v else "no"  # noqa: E731
             table.add_row(ec.engine, f"{c.path}:{c.line}", c.class_name, "decoder" if c.decoder else "encoder",
-                          yes(c.layers), yes(c.embed), yes(c.final_norm), ", ".join(c.native),
+                          yes(c.layers), yes(c.patchable_with_guard), yes(c.embed), yes(c.final_norm),
+                          ", ".join(c.native),
                           c.reason or (c.final_norm_reason and f"final_norm: {c.final_norm_reason}") or "")
-    table.caption = "; ".join(f"{ec.engine}: {ec.fraction:.0%} of decoder classes patchable" for ec in report.engines)
+    table.caption = "; ".join(f"{ec.engine}: {ec.fraction:.0%} of decoder classes patchable, {ec.fraction_guarded:.0%} "
+                              "with the bypass guard" for ec in report.engines)
     return table

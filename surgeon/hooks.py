@@ -114,6 +114,17 @@ def capture_final(module, hidden_states):
     _write(module, FINAL_SLOTS, hidden_states, None)
 
 
+def bypass_guard(module, first: int, last: int, where: str):
+    hit = [p - 1 for p in POSITION_SLOTS if p >= 1 and first + 1 <= p <= last]
+    if hit:
+        raise RuntimeError(
+            f"surgeon: decoder layers {first}..{last - 1} are about to run at {where} through a path "
+            f"without captures (e.g. SGLang two-batch overlap), but this patch captures layer_out{sorted(hit)} "
+            "there; disable that path while capturing (SGLang: without --enable-two-batch-overlap) "
+            "or capture other layers"
+        )
+
+
 def drain(module, num_tokens=None, *, writer_rank: int = 0, group=None):
     state = getattr(module, _ATTR, None)
     if state is None or state.buf is None:

@@ -178,7 +178,7 @@ def _target_file(spec: Spec, location: EngineLocation, model_file: str | None,
 def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path | None = None,
                mode: Literal["dump", "aux"] = "dump", max_tokens: int = DEFAULT_MAX_TOKENS,
                model_file: str | None = None, loop_class: str | None = None, name: str | None = None,
-               recipes_dir: str | Path | None = None) -> PatchPlan:
+               recipes_dir: str | Path | None = None, guard_bypass: bool = False) -> PatchPlan:
     """Everything an apply would write, computed from the pristine engine files; writes nothing."""
     from surgeon.graphsafe import check_source
     from surgeon.hooks import generate_hooks_module
@@ -212,7 +212,7 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
         raise BadInput(f"recipes: {e}") from None
     recipe = find_recipe(recipes, engine=engine, relpath=relpath, class_name=cls)
     result = rewrite(original, relpath=relpath, class_name=cls, positions=positions, capture_final=final,
-                     hooks_module=hooks_module, recipe=recipe)
+                     hooks_module=hooks_module, recipe=recipe, guard_bypass=guard_bypass)
     try:
         source = generate_hooks_module(spec, mode=mode, max_tokens=max_tokens)
     except ValueError as e:
@@ -234,14 +234,15 @@ def apply_spec(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
                mode: Literal["dump", "aux"] = "dump", max_tokens: int = DEFAULT_MAX_TOKENS,
                model_file: str | None = None, loop_class: str | None = None, name: str | None = None,
                dry_run: bool = False, diff: bool = False, replace: bool = False,
-               recipes_dir: str | Path | None = None) -> ApplyOutcome:
+               recipes_dir: str | Path | None = None, guard_bypass: bool = False) -> ApplyOutcome:
     """Rewrite the engine's model file for ``spec`` and create its hooks module, as one transaction.
 
     Idempotent (the same spec again is a no-op); a different patch on the same file is refused
     unless ``replace``; ``dry_run`` computes and diffs without writing anything.
     """
     plan = plan_patch(spec, engine=engine, engine_root=engine_root, mode=mode, max_tokens=max_tokens,
-                      model_file=model_file, loop_class=loop_class, name=name, recipes_dir=recipes_dir)
+                      model_file=model_file, loop_class=loop_class, name=name, recipes_dir=recipes_dir,
+                      guard_bypass=guard_bypass)
     manager = PatchManager(plan.engine_root)
     text = plan.diff(manager) if (diff or dry_run) else None
     if dry_run:

@@ -24,7 +24,14 @@ subscripts and integers, never formatted into source text.
 It refuses (:class:`PatchApplicationError`, naming the file and the anchor) when an anchor
 matches zero or several places, when the loop variable is not the global layer index, when the
 residual stream cannot be read as a local, or when the method runs decoder layers through a
-second path (a ``self.layers[a:b]`` slice handed to something else) that would skip captures.
+second path (a ``self.layers[a:b]`` slice handed to something else, the list handed to another
+call, a layer called outside the loop) that would skip captures, unless ``guard_bypass``: then a
+``bypass_guard(self, first, last, "file:line")`` call goes right before each such statement, in its
+block; at runtime it raises when a requested ``layer_out[k]`` with ``first <= k < last`` would run
+there (SGLang two-batch overlap: ``self.layers[normal_end_layer : self.end_layer]`` gives
+``normal_end_layer, self.end_layer``; the whole list ``0, len(self.layers)``; unreadable bounds
+``0, <hooks>.NUM_LAYERS``). Bounds are re-read only when they are names, attributes, subscripts,
+non-negative integers, sums or ``len(...)``; the check is on host ints (graph safe).
 
 Recipes (``patches/*.yaml``) are data: per engine and model file/class they override what the
 generic recognizer would pick. Without a recipe the generic one (:data:`GENERIC`) applies.
@@ -310,7 +317,7 @@ def _is_zero(expr: cst.BaseExpression | None) -> bool:
 
 class _Rewriter:
     def __init__(self, source: bytes | cst.Module, relpath: str, class_name: str | None, recipe: Recipe,
-                 source_bytes: bytes | None = None):
+                 source_bytes: bytes | None = None, *, prefilter: bool = True):
         self.relpath = relpath
         self.recipe = recipe
         self.class_name = class_name
@@ -329,6 +336,10 @@ class _Rewriter:
         self._indexed: set[int] = set()
         self.children: dict[int, tuple[cst.CSTNode, list[cst.CSTNode]]] = {}
         self._lines: dict[int, int] | None = None
+        self._ast_fns: dict[int, object] = {}  # id(libcst method) -> its stdlib ast node
+        # without a class name, methods whose stdlib ast shows no loop over self.<layers> are not
+        # indexed at all (coverage._loops_over is a superset of the loops recognised here)
+        self.prefilter = prefilter
         self._cands: list | None = None
 
     def index(self, top: cst.CSTNode) -> None:
@@ -389,6 +400,7 @@ class _Rewriter:
             if [f.name.value for f in cf] != [f.name for f in af]:
                 return self._lines
             lines.update((id(f), first(g)) for f, g in zip(cf, af))
+            self._ast_fns.update((id(f), g) for f, g in zip(cf, af))
         self._lines = lines
         return lines
 
@@ -640,6 +652,12 @@ class _Rewriter:
                 continue
             for fn in cls.body.body:
                 if isinstance(fn, cst.FunctionDef) and fn.name.value == self.recipe.method:
+                    if self.class_name is None and self.prefilter and self._ast_lines():
+                        from surgeon.coverage import _loops_over
+
+                        tree = self._ast_fns.get(id(fn))
+                        if tree is not None and not _loops_over(tree, self.recipe.layers_attr):  # type: ignore[arg-type]
+                            continue
                     self.index_method(cls, fn)
                     loops = self._layers_loops(fn)
                     if loops or self.class_name is not None:
@@ -647,14 +665,16 @@ class _Rewriter:
         return out
 
     # -- planning -------------------------------------------------------------------------
-    def plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression):
+    def plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression, *,
+             guard_bypass: bool = False):
         _CHILDREN.update(self.children)
         try:
-            return self._plan(positions, capture_final, hooks)
+            return self._plan(positions, capture_final, hooks, guard_bypass)
         finally:
             _CHILDREN.clear()  # it holds the nodes: keep no module alive
 
-    def _plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression):
+    def _plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression,
+              guard_bypass: bool = False):
         rc = self.recipe
         cands = self._candidates()
         want = self.class_name or rc.class_name
@@ -678,7 +698,13 @@ class _Rewriter:
         loop_anchor = f"{owner}:loop@{self.line(lp.node)}"
         if lp.problem:
             raise self.refuse(loop_anchor, lp.problem)
-        self._check_bypass(fn, lp, owner)
+        bypasses = self._bypasses(fn, lp, owner)
+        if bypasses and not guard_bypass:
+            b = bypasses[0]
+            raise self.refuse(f"{owner}:bypass@{b.line}",
+                              f"{b.what} (`{b.text}`): layers run there would not be captured "
+                              "(`surgeon apply --guard-bypass` patches it with a runtime guard that raises "
+                              "when that path would run a captured layer)")
 
         before: dict[cst.CSTNode, list[cst.BaseStatement]] = {}
         after: dict[cst.CSTNode, list[cst.BaseStatement]] = {}
@@ -745,29 +771,83 @@ class _Rewriter:
             for stmt, name in self._final_norm(fn, lp, owner):
                 after.setdefault(stmt, []).append(call("capture_final", cst.Name(name)))
                 anchors.append(f"{owner}:final_norm@{self.line(stmt)}")
+        for b in bypasses:
+            # bypass_guard(self, first, last, where): raises when a requested layer_out[k] with
+            # first <= k < last would run through this path (host ints only: graph safe)
+            if b.first is None:
+                first, last = cst.Integer("0"), cst.Attribute(value=hooks, attr=cst.Name("NUM_LAYERS"))
+            else:
+                first, last = b.first, b.last
+            where = re.sub(r"[^A-Za-z0-9_./:+-]", "_", f"{self.relpath}:{b.line}")
+            before.setdefault(b.stmt, []).append(call("bypass_guard", first, last, cst.SimpleString(repr(where))))
+            anchors.append(f"{owner}:bypass_guard@{b.line}")
+
         return before, after, anchors
 
-    def _check_bypass(self, fn: cst.FunctionDef, lp: _Loop, owner: str) -> None:
+    def _bypasses(self, fn: cst.FunctionDef, lp: _Loop, owner: str) -> list["_Bypass"]:
+        """Places outside the capture loop that run decoder layers: a slice of self.<layers>, the
+        layers handed to another call, a layer called directly or through a local bound to
+        ``self.<layers>[i]`` (e.g. sglang's two-batch-overlap ``model_forward_stages``)."""
         attr = self.recipe.layers_attr
+        layer_sub = m.Subscript(value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
         inside = set(_walk(lp.node))
-        for n in _walk(fn.body):
-            if n in inside:
-                continue
-            bad = None
-            if m.matches(n, m.Subscript(value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))) and any(
-                    isinstance(e.slice, cst.Slice) for e in n.slice):  # type: ignore[attr-defined]
-                bad = "runs a slice of the decoder layers outside the capture loop"
+        outside = [n for n in _walk(fn.body) if n not in inside]
+        # locals bound to one layer outside the loop: `layer = self.layers[0]`
+        single: dict[str, cst.BaseExpression] = {}
+        for n in outside:
+            if isinstance(n, cst.Assign) and len(n.targets) == 1 and isinstance(n.targets[0].target, cst.Name) \
+                    and m.matches(n.value, layer_sub) and len(n.value.slice) == 1 \
+                    and isinstance(n.value.slice[0].slice, cst.Index):  # type: ignore[attr-defined]
+                single[n.targets[0].target.value] = n.value.slice[0].slice.value  # type: ignore[attr-defined]
+        found: list[_Bypass] = []
+        for n in outside:
+            what = None
+            first: cst.BaseExpression | None = None
+            last: cst.BaseExpression | None = None
+            if m.matches(n, layer_sub) and any(isinstance(e.slice, cst.Slice) for e in n.slice):  # type: ignore[attr-defined]
+                what = "runs a slice of the decoder layers outside the capture loop"
+                sl = n.slice[0].slice if len(n.slice) == 1 else None  # type: ignore[attr-defined]
+                if isinstance(sl, cst.Slice) and sl.step is None:
+                    first = sl.lower or cst.Integer("0")
+                    last = sl.upper or _len_of(attr)
             elif isinstance(n, cst.Call) and any(_is_self_attr(a.value, attr) for a in n.args) and not m.matches(
                     n.func, m.Name("len") | m.Name("isinstance") | m.Name("getattr") | m.Name("hasattr")):
-                bad = "hands the decoder layers to another call outside the capture loop"
-            elif isinstance(n, cst.Call) and m.matches(n.func, m.Subscript(
-                    value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))):
-                bad = "calls a decoder layer outside the capture loop"
-            if bad:
-                stmt = self._enclosing_stmt(n)
-                text = _code(stmt).strip().splitlines()[0]
+                what = "hands the decoder layers to another call outside the capture loop"
+                first, last = cst.Integer("0"), _len_of(attr)
+            elif isinstance(n, cst.Call) and m.matches(n.func, layer_sub):
+                what = "calls a decoder layer outside the capture loop"
+                sl = n.func.slice[0].slice if len(n.func.slice) == 1 else None  # type: ignore[attr-defined]
+                if isinstance(sl, cst.Index):
+                    first, last = sl.value, _plus_one(sl.value)
+            elif isinstance(n, cst.Call) and (
+                    (isinstance(n.func, cst.Name) and n.func.value in single)
+                    or (m.matches(n.func, m.Attribute(value=m.Name(), attr=m.Name("forward")))
+                        and n.func.value.value in single)):  # type: ignore[attr-defined]
+                what = "calls a decoder layer outside the capture loop"
+                idx = single[n.func.value if isinstance(n.func, cst.Name) else n.func.value.value]  # type: ignore[attr-defined]
+                if isinstance(idx, cst.Integer) or m.matches(idx, m.Attribute(value=m.Name("self"), attr=m.Name())):
+                    # a constant or an attribute of self: the same value where the layer is called
+                    first, last = idx, _plus_one(idx)
+            if what is None:
+                continue
+            stmt = self._enclosing_stmt(n)
+            if first is not None and not (_bound_ok(first) and _bound_ok(last) and not self._in_comprehension(n, stmt)):
+                first = last = None
+            text = _code(stmt).strip().splitlines()[0]
+            found.append(_Bypass(n, stmt, self.line(n), what, text, first, last))
+            if not isinstance(self.parents.get(stmt), cst.IndentedBlock):
                 raise self.refuse(f"{owner}:bypass@{self.line(n)}",
-                                  f"{bad} (`{text}`): layers run there would not be captured")
+                                  f"{what} (`{text}`): layers run there would not be captured, and the "
+                                  "statement is not in an indented block to put a guard before it")
+        return found
+
+    def _in_comprehension(self, node: cst.CSTNode, stmt: cst.CSTNode) -> bool:
+        n = node
+        while n is not stmt and n in self.parents:
+            if isinstance(n, (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)):
+                return True
+            n = self.parents[n]
+        return False
 
     def _reader(self, fn: cst.FunctionDef, lp: _Loop, loop_anchor: str) -> "_Reader":
         rc = self.recipe
@@ -960,6 +1040,49 @@ class _Reader:
         return cst.Name("hidden_states"), res
 
 
+@dataclass(frozen=True)
+class _Bypass:
+    """A path outside the capture loop that runs decoder layers ``first`` to ``last - 1``
+    (expressions evaluated where the guard is placed; None: not readable)."""
+
+    node: cst.CSTNode
+    stmt: cst.CSTNode  # the statement the guard goes before
+    line: int
+    what: str
+    text: str
+    first: cst.BaseExpression | None
+    last: cst.BaseExpression | None
+
+
+_BOUND_NODES = (cst.Name, cst.Attribute, cst.Subscript, cst.SubscriptElement, cst.Index, cst.Integer, cst.Call,
+                cst.Arg, cst.BinaryOperation, cst.Add, cst.Dot, cst.LeftSquareBracket, cst.RightSquareBracket,
+                cst.SimpleWhitespace, cst.ParenthesizedWhitespace, cst.LeftParen, cst.RightParen, cst.Comma,
+                cst.TrailingWhitespace, cst.Newline, cst.EmptyLine)
+
+
+def _plus_one(expr: cst.BaseExpression) -> cst.BaseExpression:
+    if isinstance(expr, cst.Integer):
+        return cst.Integer(str(int(expr.evaluated_value) + 1))
+    return cst.BinaryOperation(expr, cst.Add(), cst.Integer("1"))
+
+
+def _len_of(attr: str) -> cst.Call:
+    return cst.Call(func=cst.Name("len"), args=[cst.Arg(cst.Attribute(value=cst.Name("self"), attr=cst.Name(attr)))])
+
+
+def _bound_ok(expr: cst.BaseExpression | None) -> bool:
+    """A slice bound read again by the guard: names, attributes, subscripts, non-negative
+    integers, sums and ``len(...)`` only (no side effects, no negative index)."""
+    if expr is None:
+        return False
+    for n in _walk(expr):
+        if not isinstance(n, _BOUND_NODES):
+            return False
+        if isinstance(n, cst.Call) and not (m.matches(n.func, m.Name("len")) and len(n.args) == 1):
+            return False
+    return True
+
+
 def _if(test: cst.BaseExpression, stmt: cst.BaseStatement) -> cst.If:
     return cst.If(test=test, body=cst.IndentedBlock([stmt]))
 
@@ -1011,32 +1134,165 @@ class Checker:
                  recipe: Recipe | None = None, source_bytes: bytes | None = None):
         self._rw = _Rewriter(module, relpath, class_name, recipe or GENERIC, source_bytes)
 
-    def check(self, positions: set[int], capture_final: bool) -> list[str]:
+    def check(self, positions: set[int], capture_final: bool, *, guard_bypass: bool = False) -> list[str]:
         if any(p < 0 for p in positions):
             raise ValueError(f"positions are >= 0, got {sorted(positions)}")
-        return self._rw.plan(set(positions), capture_final, _hooks_expr("_surgeon_hooks"))[2]
+        return self._rw.plan(set(positions), capture_final, _hooks_expr("_surgeon_hooks"),
+                             guard_bypass=guard_bypass)[2]
 
 
 def check(module: cst.Module, *, relpath: str, class_name: str | None, positions: set[int],
-          capture_final: bool, recipe: Recipe | None = None, source_bytes: bytes | None = None) -> list[str]:
+          capture_final: bool, recipe: Recipe | None = None, source_bytes: bytes | None = None,
+          guard_bypass: bool = False) -> list[str]:
     """One :class:`Checker` check."""
     return Checker(module, relpath=relpath, class_name=class_name, recipe=recipe,
-                   source_bytes=source_bytes).check(positions, capture_final)
+                   source_bytes=source_bytes).check(positions, capture_final, guard_bypass=guard_bypass)
+
+
+def _stmt_code(module: cst.Module, stmt: cst.CSTNode) -> bytes:
+    """The bytes a top-level statement occupies in ``module``'s code (its leading lines included)."""
+    return cst.Module(body=[stmt], default_indent=module.default_indent,
+                      default_newline=module.default_newline).code.encode(module.encoding)
+
+
+_CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=]")
+_NEWLINE = re.compile(rb"\r\n?|\n")
+
+
+def _line_starts(source: bytes) -> list[int]:
+    """Byte offset of the start of each line (1-based line k starts at [k - 1]), and the end."""
+    out = [0]
+    for line in source.splitlines(keepends=True):
+        out.append(out[-1] + len(line))
+    return out
+
+
+def _first_indent(source: bytes) -> tuple[int, str] | None:
+    """Line and text of the first INDENT token (libcst takes it as the module's default_indent,
+    and stores a block's indent only where it differs); None when there is none or the tokenizer
+    stops."""
+    import io
+    import tokenize
+
+    try:
+        for tok in tokenize.tokenize(io.BytesIO(source).readline):
+            if tok.type == tokenize.INDENT:
+                return tok.start[0], tok.string
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    return None
+
+
+def _reduce(source: bytes, class_name: str | None, recipe: Recipe) -> tuple[bytes, str] | None:
+    """``source`` with every line emptied (its line ending kept) but the top-level imports and
+    the class(es) the rewrite can touch: the same line numbers, far less for libcst to parse, and
+    the same default indent (the first indented block, which libcst reads it from, is kept, or
+    stood in for by ``if 1:`` / ``<indent>pass`` on its two emptied lines). Returns the bytes and
+    that indent; None where that is not exact: a BOM, no class to keep, or the
+    stdlib parser or tokenizer fails (then the whole file is parsed)."""
+    import ast
+    import codecs
+
+    from surgeon.coverage import _loops_over, _span
+
+    if source.startswith(codecs.BOM_UTF8):
+        return None
+    # an encoding cookie (a comment line among the first two) is kept: libcst reads it
+    cookies = [i for i, x in enumerate(source.split(b"\n", 2)[:2], 1) if _CODING.match(x)]
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    spans = [_span(st) for st in tree.body if isinstance(st, (ast.Import, ast.ImportFrom))]
+    kept = 0
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        if class_name is not None:
+            keep = cls.name == class_name
+        else:
+            keep = any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == recipe.method
+                       and _loops_over(f, recipe.layers_attr) for f in cls.body)  # type: ignore[arg-type]
+        if keep:
+            spans.append(_span(cls))
+            kept += 1
+    first = _first_indent(source)
+    if not kept or first is None:
+        return None
+    lines = source.splitlines(keepends=True)
+    keep_line = bytearray(len(lines) + 2)
+    for a, b in spans:
+        keep_line[a:b + 1] = b"\x01" * (b + 1 - a)
+    for i in cookies:
+        keep_line[i] = 1
+    out = [line if keep_line[i] else line[len(line.rstrip(b"\r\n")):] for i, line in enumerate(lines, 1)]
+    at, indent = first
+    if not keep_line[at]:
+        # the block is in an emptied top-level statement (so is the line before it): every kept
+        # line before it is a whole statement without a block
+        if at < 2 or keep_line[at - 1]:
+            return None
+        out[at - 2] = b"if 1:" + out[at - 2]
+        out[at - 1] = indent.encode() + b"pass" + out[at - 1]
+    return b"".join(out), indent
+
+
+def _strip_trailing_blank(text: bytes) -> bytes:
+    lines = text.splitlines(keepends=True)
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return b"".join(lines)
 
 
 def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positions: set[int],
             capture_final: bool, hooks_module: str = "_surgeon_hooks",
-            recipe: Recipe | None = None) -> RewriteResult:
-    """Insert capture-hook calls into the decoder model's forward; see the module docstring."""
+            recipe: Recipe | None = None, guard_bypass: bool = False) -> RewriteResult:
+    """Insert capture-hook calls into the decoder model's forward; see the module docstring.
+
+    ``guard_bypass``: where the method runs decoder layers outside the capture loop (SGLang's
+    two-batch overlap), insert ``bypass_guard(self, first, last, "file:line")`` before that
+    statement instead of refusing: at runtime it raises when a requested ``layer_out[k]`` with
+    ``first <= k < last`` would run there (all requested layers when the bounds are not readable).
+
+    Speed: libcst parses only the top-level imports and the class(es) concerned (the other lines
+    emptied, line numbers kept; the stdlib ``ast`` finds them); positions and parents are resolved
+    for the one method only; the insertions transform that method alone, and only the code of its
+    class and of the hooks import is generated and spliced into the original bytes at their lines.
+    Where any step of that is not exact, the whole file is parsed and generated: the same bytes."""
     if not _DOTTED.fullmatch(hooks_module) or any(p in ("self", "None", "True", "False") for p in hooks_module.split(".")):
         raise ValueError(f"hooks_module must be a dotted module name, not {hooks_module!r}")
     if any(p < 0 for p in positions):
         raise ValueError(f"positions are >= 0, got {sorted(positions)}")
-    rw = _Rewriter(source_bytes, relpath, class_name, recipe or GENERIC)
-    hooks = _hooks_expr(hooks_module)
-    before, after, anchors = rw.plan(set(positions), capture_final, hooks)
+    recipe = recipe or GENERIC
+    reduced = _reduce(source_bytes, class_name, recipe)
+    if reduced is not None:
+        text, indent = reduced
+        try:
+            module = cst.parse_module(text)
+        except cst.ParserSyntaxError:
+            module = None
+        if module is not None and module.default_indent == indent:
+            new = _rewrite(module, text, source_bytes, relpath=relpath, class_name=class_name, positions=positions,
+                           capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
+                           guard_bypass=guard_bypass)
+            if new is not None:
+                return new
+    return _rewrite(parse(source_bytes, relpath), source_bytes, source_bytes, relpath=relpath, class_name=class_name,
+                    positions=positions, capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
+                    guard_bypass=guard_bypass)  # type: ignore[return-value]
 
-    module = rw.module
+
+def _rewrite(module: cst.Module, parsed: bytes, source_bytes: bytes, *, relpath: str, class_name: str | None,
+             positions: set[int], capture_final: bool, hooks_module: str, recipe: Recipe,
+             guard_bypass: bool) -> RewriteResult | None:
+    """The rewrite of ``source_bytes`` from ``module``, the parse of ``parsed`` (the same lines,
+    some emptied, or the same bytes). None when ``parsed`` is reduced and the splice is not exact."""
+    full = parsed is source_bytes
+    rw = _Rewriter(module, relpath, class_name, recipe, parsed)
+    hooks = _hooks_expr(hooks_module)
+    before, after, anchors = rw.plan(set(positions), capture_final, hooks, guard_bypass=guard_bypass)
+    cls, fn, _ = rw._candidates()[0]
+
     last_import = None
     for stmt in module.body:
         if isinstance(stmt, cst.SimpleStatementLine) and all(isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body):
@@ -1046,8 +1302,49 @@ def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positi
         raise PatchApplicationError(relpath, "module:import", "no top-level import to place the hooks import after")
     rw.index(last_import)
     anchors.insert(0, f"module:import@{rw.line(last_import)}")
-    new_module = module.visit(_Insert(before, after, last_import, import_stmt))
-    new = new_module.code.encode(module.encoding)
+    # every insertion is inside the method: transform it alone, then its class
+    new_fn = fn.visit(_Insert(before, after, None, import_stmt))
+    assert isinstance(cls.body, cst.IndentedBlock)
+    new_cls = cls.with_changes(body=cls.body.with_changes(
+        body=tuple(new_fn if s is fn else s for s in cls.body.body)))
+    new = None
+    # splice by lines: the class and the last import without their leading lines (emptied where
+    # the parse was reduced), and without the class's trailing blank lines (its footer there)
+    src_lines = _line_starts(source_bytes)
+    edits = []
+    for old_node, new_node, extra in ((cls, new_cls, b""), (last_import, last_import, None)):
+        old = _stmt_code(module, old_node.with_changes(leading_lines=()))
+        core = _strip_trailing_blank(old) if old_node is cls else old
+        first = rw.line(old_node) - 1
+        n = len(core.splitlines())
+        if first + n >= len(src_lines) or source_bytes[src_lines[first]:src_lines[first + n]] != core:
+            break
+        if extra is None:  # the hooks import goes right after the last import
+            edits.append((src_lines[first + n], src_lines[first + n], _stmt_code(module, import_stmt)))
+        else:
+            text = _stmt_code(module, new_node.with_changes(leading_lines=()))
+            tail = old[len(core):]
+            if not text.endswith(tail):
+                break
+            edits.append((src_lines[first], src_lines[first + n], text[:len(text) - len(tail)]))
+    else:
+        edits.sort()
+        if edits[0][1] <= edits[1][0]:
+            parts, pos = [], 0
+            for a, b, text in edits:
+                parts += [source_bytes[pos:a], text]
+                pos = b
+            parts.append(source_bytes[pos:])
+            new = b"".join(parts)
+    if new is None:
+        if not full:
+            return None
+        body: list[cst.BaseStatement] = []
+        for s in module.body:
+            body.append(new_cls if s is cls else s)
+            if s is last_import:
+                body.append(import_stmt)
+        new = module.with_changes(body=body).code.encode(module.encoding)
     inserted = 1 + sum(len(v) for v in before.values()) + sum(len(v) for v in after.values())
     try:
         compile(new, relpath, "exec")

@@ -237,3 +237,64 @@ def test_the_loop_is_patched_where_the_probe_found_it_not_where_the_class_is(vro
     plan = json.loads(r.stdout)
     assert (plan["model_file"], plan["loop_class"]) == ("model_executor/models/qwen2.py", "Qwen2Model")
     assert plan["hooks_file"] == "model_executor/models/_surgeon_hooks_qwen3_8b_eagle3.py"
+
+
+# ----------------------------------------------------------------------------- every patchable class
+def _spec_text(name: str, embed: bool, final: bool) -> str:
+    caps = {"l0": "layer_out[0]", "l1": "layer_out[1]"}
+    if embed:
+        caps = {"emb": "embed", **caps}
+    if final:
+        caps["fin"] = "final_norm"
+    body = ", ".join(f"{k}: '{v}'" for k, v in caps.items())
+    return f"spec: 1\nname: {name}\ntarget: {{architecture: AnyForCausalLM, num_layers: 4, hidden_size: 64}}\ncaptures: {{{body}}}\n"
+
+
+def _round_trip_classes(args):
+    """apply -> compile -> status -> revert -> byte-identical, through the patch manager, for each
+    class of one engine (run in a worker process on its own engine copy)."""
+    engine, classes, tmp = args
+    from surgeon.patching import apply_spec, patch_status, revert_patch
+    from surgeon.spec import load_spec
+
+    root = engine_copy(Path(tmp), engine)
+    before = tree_digest(root)
+    failures = []
+    for i, (path, cls, embed, final, guard) in enumerate(classes):
+        spec_file = Path(tmp) / f"s{i}.yaml"
+        spec_file.write_text(_spec_text(f"cls{i}", embed, final))
+        try:
+            out = apply_spec(load_spec(spec_file), engine=engine, engine_root=root, model_file=path,
+                             loop_class=cls, max_tokens=16, guard_bypass=guard)
+            compile((root / path).read_bytes(), path, "exec")
+            compile((root / out.plan.hooks_file).read_bytes(), out.plan.hooks_file, "exec")
+            [st] = patch_status(engine=engine, engine_root=root)
+            assert st.state == "applied" and {f.relpath for f in st.files} == {path, out.plan.hooks_file}
+            revert_patch(engine=engine, engine_root=root)
+            assert tree_digest(root) == before, "not byte-identical after revert"
+        except Exception as e:  # collect, so one run names every failing class
+            failures.append(f"{engine} {path}:{cls}: {type(e).__name__}: {e}")
+            revert_patch(engine=engine, engine_root=root, all=True, force=True) if patch_status(engine=engine, engine_root=root) else None
+    return len(classes), failures
+
+
+def test_every_patchable_class_applies_compiles_and_reverts_byte_identically(tmp_path: Path):
+    from concurrent.futures import ProcessPoolExecutor
+
+    from surgeon.coverage import coverage
+
+    report = coverage("all", jobs=2)
+    jobs = []
+    counts = {}
+    for ec in report.engines:
+        classes = [(c.path, c.class_name, c.embed, c.final_norm, not c.patchable)
+                   for c in ec.classes if c.patchable or c.patchable_with_guard]
+        counts[ec.engine] = len(classes)
+        half = len(classes) // 2
+        for j, part in enumerate((classes[:half], classes[half:])):
+            jobs.append((ec.engine, part, str(tmp_path / f"{ec.engine}{j}")))
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_round_trip_classes, jobs))
+    failures = [f for _, fs in results for f in fs]
+    assert sum(n for n, _ in results) == sum(counts.values()) and min(counts.values()) > 50, counts
+    assert not failures, "\n".join(failures)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 from concurrent.futures import ProcessPoolExecutor
@@ -12,7 +11,9 @@ import pytest
 
 from surgeon.coverage import coverage, loop_owners_ast, render_coverage_lines, render_coverage_table
 from surgeon.probes.locate import ProbeError, layout_of, locate_engine
-from surgeon.rewriter import GENERIC, _Rewriter, find_recipe, load_recipes, parse, rewrite
+import libcst as cst
+
+from surgeon.rewriter import GENERIC, _mentions_self_attr, _Rewriter, _walk, find_recipe, load_recipes, parse, rewrite
 
 
 def _installed() -> bool:
@@ -38,18 +39,22 @@ def test_patchable_fraction_per_engine():
     print()
     for ec in rep.engines:
         d = ec.to_json()
-        print(f"{ec.engine}: decoder {d['decoder']['patchable']}/{d['decoder']['total']} = {ec.fraction:.1%}; "
-              f"all {d['all']['patchable']}/{d['all']['total']} = {ec.fraction_all:.1%}; {rep.seconds:.1f} s")
+        print(f"{ec.engine}: decoder {d['decoder']['patchable']}/{d['decoder']['total']} = {ec.fraction:.1%} "
+              f"without the bypass guard, {d['decoder']['patchable_with_guard']}/{d['decoder']['total']} = "
+              f"{ec.fraction_guarded:.1%} with it; all {d['all']['patchable']}/{d['all']['total']} = "
+              f"{ec.fraction_all:.1%}; {rep.seconds:.1f} s")
         for c in ec.classes:
             if c.decoder and not c.patchable:
-                print(f"  refused {c.path}:{c.line} {c.class_name}: {c.reason}")
-    fractions = {ec.engine: ec.fraction for ec in rep.engines}
+                print(f"  {'guarded' if c.with_guard else 'refused'} {c.path}:{c.line} {c.class_name}: {c.reason}")
+        assert d["decoder"]["patchable"] <= d["decoder"]["patchable_with_guard"] <= d["decoder"]["total"]
     json.dumps(rep.to_json())  # serialisable
-    assert set(fractions) == {"sglang", "vllm"}
-    # measured, not assumed: the floor is the issue's acceptance bar
-    failing = {e: f for e, f in fractions.items() if f < FLOOR}
-    if failing:
-        pytest.xfail(f"below the {FLOOR:.0%} acceptance floor: {failing} (see the refusals printed above)")
+    guarded = {ec.engine: ec.fraction_guarded for ec in rep.engines}
+    assert set(guarded) == {"sglang", "vllm"}
+    # measured, not assumed: the floor is the issue's acceptance bar, met with the bypass guard
+    # (`surgeon apply --guard-bypass`); the unguarded fractions are printed above
+    assert all(f >= FLOOR for f in guarded.values()), guarded
+    sg = rep.engines[0]
+    assert sg.engine == "sglang" and sg.fraction < sg.fraction_guarded  # the guard is what reaches it there
 
 
 def test_refusals_carry_reasons_and_native_classes_are_flagged():
@@ -65,15 +70,32 @@ def test_refusals_carry_reasons_and_native_classes_are_flagged():
     assert sg["LlamaModel"].patchable and "LlamaForCausalLM" in sg["LlamaModel"].native
     ds = next(c for c in rep.engines[0].classes if c.class_name == "DeepseekV2Model")
     assert not ds.patchable and "bypass" in ds.reason and "model_forward_stages" in ds.reason
+    assert "--guard-bypass" in ds.reason and ds.with_guard and ds.patchable_with_guard
+    assert ds.to_json()["patchable_with_guard"] and not ds.to_json()["patchable"]
+    for ec in rep.engines:  # only bypass refusals are guarded
+        for c in ec.classes:
+            assert not c.with_guard or (not c.layers and ":bypass@" in c.reason), c
     lines = render_coverage_lines(rep, all_classes=False)
     assert lines[0].startswith("sglang") and any("DeepseekV2Model" in x for x in lines)
     assert render_coverage_table(rep).row_count == sum(len(ec.classes) for ec in rep.engines)
 
 
 def _libcst_owners(path: str) -> set[str]:
+    """Classes whose forward has a ``for`` the libcst recogniser would analyse (the test that
+    _layers_loops applies before _analyze_loop, so a superset of its loop owners), on the full
+    parse of the file, without the rewriter's own ast prefilter."""
     src = Path(path).read_bytes()
-    rw = _Rewriter(parse(src, path), path, None, GENERIC, src)
-    return {cls.name.value for cls, _, loops in rw._candidates() if loops}
+    rw = _Rewriter(parse(src, path), path, None, GENERIC, src, prefilter=False)
+    out = set()
+    for cls in rw.module.body:
+        if not isinstance(cls, cst.ClassDef) or not isinstance(cls.body, cst.IndentedBlock):
+            continue
+        for fn in cls.body.body:
+            if isinstance(fn, cst.FunctionDef) and fn.name.value == GENERIC.method and any(
+                    isinstance(n, cst.For) and (_mentions_self_attr(n.iter, GENERIC.layers_attr) or rw._loop_calls_layer(n))
+                    for n in _walk(fn.body)):
+                out.add(cls.name.value)
+    return out
 
 
 def test_ast_prefilter_never_misses_a_libcst_loop_owner():
@@ -91,30 +113,38 @@ def test_ast_prefilter_never_misses_a_libcst_loop_owner():
     assert n > 5  # the sample holds loop owners
 
 
+@functools.lru_cache(maxsize=1)
+def _recipes():
+    return load_recipes()
+
+
 def _round_trip(args) -> str | None:
-    engine, root, path, cls = args
-    recipe = find_recipe(load_recipes(), engine=engine, relpath=path, class_name=cls)
+    engine, root, path, cls, guard = args
+    recipe = find_recipe(_recipes(), engine=engine, relpath=path, class_name=cls)
     src = (Path(root) / path).read_bytes()
-    res = rewrite(src, relpath=path, class_name=cls, positions={0, 1, 2}, capture_final=False, recipe=recipe)
-    compile(res.new_bytes, path, "exec")
+    # rewrite() compiles what it returns (a PatchApplicationError, not bytes, when that fails)
+    res = rewrite(src, relpath=path, class_name=cls, positions={0, 1, 2}, capture_final=False, recipe=recipe,
+                  guard_bypass=guard)
     old, new = src.decode().splitlines(True), res.new_bytes.decode().splitlines(True)
-    for tag, i1, i2, _, _ in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
-        if tag not in ("equal", "insert"):
-            return f"{path} {cls}: original lines {i1 + 1}-{i2} changed"
-    if len(new) - len(old) != res.inserted + sum(
-            1 for a in res.anchors if ":embed@" in a or ":layer_out@" in a) - _unguarded(res):
-        pass  # guards add lines; the diff check above is the contract
+    # every original line kept, in order, unchanged: the original is a subsequence of the result
+    # (greedy matching decides that exactly, in one pass); the rest are the inserted statements
+    i = 0
+    for line in new:
+        if i < len(old) and line == old[i]:
+            i += 1
+    if i != len(old):
+        return f"{path} {cls}: original line {i + 1} changed or removed"
+    if guard and not any(":bypass_guard@" in a for a in res.anchors):
+        return f"{path} {cls}: patched with the bypass guard but no guard inserted"
     return None
-
-
-def _unguarded(res) -> int:
-    return 0
 
 
 def test_every_patchable_class_rewrites_compiles_and_round_trips():
     rep = _report()
-    jobs = [(ec.engine, ec.root, c.path, c.class_name) for ec in rep.engines for c in ec.classes if c.patchable]
-    assert len(jobs) > 100
+    jobs = [(ec.engine, ec.root, c.path, c.class_name, not c.patchable)
+            for ec in rep.engines for c in ec.classes if c.patchable_with_guard]
+    assert len(jobs) > 100 and sum(j[-1] for j in jobs) >= 9
+    jobs.sort(key=lambda j: -(Path(j[1]) / j[2]).stat().st_size)  # biggest first: the two workers stay even
     with ProcessPoolExecutor(2) as pool:
-        problems = [p for p in pool.map(_round_trip, jobs, chunksize=4) if p]
+        problems = [p for p in pool.map(_round_trip, jobs) if p]
     assert not problems, problems

@@ -535,3 +535,222 @@ def test_sweep(engine, floor):
     for reason, n in refused.most_common():
         print(f"  {n:3d}  {reason}")
     assert ok >= floor
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder-layer bypass paths (SGLang two-batch overlap): refused by default, guarded on request
+# ---------------------------------------------------------------------------------------------
+_TBO_SLICE = """\
+        for i in range(normal_start_layer, normal_end_layer):
+            layer = self.layers[i]
+            hidden_states = layer(positions, hidden_states, forward_batch)
+
+        if normal_end_layer != self.end_layer:
+            hidden_states = model_forward_stages(
+                layers=self.layers[normal_end_layer : self.end_layer],
+                enable_tbo=True,
+                positions=positions,
+                forward_batch=forward_batch,
+                hidden_states=hidden_states,
+            )
+        """
+
+
+def test_snippet_tbo_slice_refused_by_default_naming_the_flag():
+    # sglang/srt/models/glm4_moe.py:961 (sglang 0.5.23)
+    src = _wrap(_TBO_SLICE, "self, input_ids, positions, forward_batch")
+    with pytest.raises(PatchApplicationError) as ei:
+        rewrite(src.encode(), relpath="snippet.py", class_name=None, positions={1}, capture_final=False)
+    assert ei.value.anchor == "M.forward:bypass@12"
+    assert "--guard-bypass" in ei.value.reason and "would not be captured" in ei.value.reason
+
+
+def test_snippet_tbo_slice_guarded_with_its_bounds():
+    after = _TBO_SLICE.replace(
+        "            hidden_states = layer(positions, hidden_states, forward_batch)\n",
+        "            hidden_states = layer(positions, hidden_states, forward_batch)\n"
+        "            _surgeon_hooks.capture_position(self, i + 1, hidden_states, None)\n").replace(
+        "        if normal_end_layer != self.end_layer:\n",
+        "        if normal_end_layer != self.end_layer:\n"
+        "            _surgeon_hooks.bypass_guard(self, normal_end_layer, self.end_layer, 'snippet.py:12')\n")
+    params = "self, input_ids, positions, forward_batch"
+    assert_rewrites(_wrap(_TBO_SLICE, params),
+                    _wrap("_surgeon_hooks.begin_step(self, positions.shape[-1])\n" + textwrap.dedent(after), params)
+                    .replace("import torch\n", "import torch\nimport _surgeon_hooks\n"),
+                    positions={1}, guard_bypass=True)
+
+
+@pytest.mark.parametrize("branch,guard", [
+    # sglang/srt/models/qwen2_moe.py:1180: the whole list handed over
+    ("hidden_states = model_forward_stages(layers=self.layers, hidden_states=hidden_states)",
+     "bypass_guard(self, 0, len(self.layers), 'snippet.py:8')"),
+    # a layer called directly: one layer
+    ("hidden_states = self.layers[self.start_layer](positions, hidden_states)",
+     "bypass_guard(self, self.start_layer, self.start_layer + 1, 'snippet.py:8')"),
+    # a stepped slice: bounds not readable, every requested layer counts
+    ("hidden_states = run(self.layers[::2], hidden_states)",
+     "bypass_guard(self, 0, _surgeon_hooks.NUM_LAYERS, 'snippet.py:8')"),
+    # bounds with a call: not re-evaluated by the guard
+    ("hidden_states = run(self.layers[f():], hidden_states)",
+     "bypass_guard(self, 0, _surgeon_hooks.NUM_LAYERS, 'snippet.py:8')"),
+])
+def test_snippet_bypass_guard_bounds(branch, guard):
+    body = f"""\
+        hidden_states = self.embed(input_ids)
+        if tbo:
+            {branch}
+        else:
+            for i in range(self.start_layer, self.end_layer):
+                hidden_states = self.layers[i](positions, hidden_states)
+        return hidden_states
+        """
+    src = _wrap(body)
+    with pytest.raises(PatchApplicationError, match="bypass"):
+        rewrite(src.encode(), relpath="snippet.py", class_name=None, positions={1}, capture_final=False)
+    res = rewrite(src.encode(), relpath="snippet.py", class_name=None, positions={1}, capture_final=False,
+                  guard_bypass=True)
+    added = [a.strip() for a in _added_lines(src, res.new_bytes.decode())]
+    assert f"_surgeon_hooks.{guard}" in added
+    assert "M.forward:bypass_guard@8" in res.anchors
+    # the guard sits right before the bypass statement, in its block
+    lines = res.new_bytes.decode().splitlines()
+    at = next(i for i, x in enumerate(lines) if "bypass_guard" in x)
+    assert lines[at + 1].strip() == branch and lines[at].startswith("            _surgeon")
+
+
+def test_snippet_layer_local_called_outside_the_loop_is_a_bypass():
+    # sglang/srt/models/mimo_v2.py:1161: layer 0 runs before the TBO stages
+    body = """\
+        if tbo:
+            layer = self.layers[0]
+            hidden_states = layer(positions, hidden_states)
+            hidden_states = stages(self.layers[1:self.end_layer], hidden_states)
+        else:
+            for i in range(self.start_layer, self.end_layer):
+                hidden_states = self.layers[i](positions, hidden_states)
+        return hidden_states
+        """
+    src = _wrap(body)
+    with pytest.raises(PatchApplicationError) as ei:
+        rewrite(src.encode(), relpath="snippet.py", class_name=None, positions={1}, capture_final=False)
+    assert ei.value.anchor == "M.forward:bypass@8" and "calls a decoder layer" in ei.value.reason
+    res = rewrite(src.encode(), relpath="snippet.py", class_name=None, positions={1}, capture_final=False,
+                  guard_bypass=True)
+    added = [a.strip() for a in _added_lines(src, res.new_bytes.decode())]
+    assert "_surgeon_hooks.bypass_guard(self, 0, 1, 'snippet.py:8')" in added
+    assert "_surgeon_hooks.bypass_guard(self, 1, self.end_layer, 'snippet.py:9')" in added
+
+
+def _guard_hooks(points: list[str], name: str):
+    from surgeon.graphsafe import check_source
+    from surgeon.hooks import generate_hooks_module, load_hooks_module
+    from surgeon.spec import load_spec
+
+    caps = "".join(f"  c{i}: {p}\n" for i, p in enumerate(points))
+    text = (f"spec: 1\nname: guard-test\ntarget: {{architecture: DeepseekV3ForCausalLM, num_layers: 61, "
+            f"hidden_size: 16}}\ncaptures:\n{caps}")
+    spec = load_spec("guard-test.yaml", text=text)
+    source = generate_hooks_module(spec, mode="dump", max_tokens=8)
+    assert not check_source(source, "<hooks>")  # the guard is graph safe: host ints only
+    return load_hooks_module(source, name)
+
+
+@needs_engines
+def test_sglang_deepseek_v2_guarded_and_the_guard_raises_only_for_layers_in_the_slice():
+    rel = "sglang/srt/models/deepseek_v2.py"
+    with pytest.raises(PatchApplicationError, match="--guard-bypass"):
+        rewrite(_src(rel), relpath=rel, class_name="DeepseekV2Model", positions={3}, capture_final=False)
+    res = rewrite(_src(rel), relpath=rel, class_name="DeepseekV2Model", positions={0, 3}, capture_final=True,
+                  guard_bypass=True)
+    added = [a.strip() for a in _added_lines(_src(rel).decode(), res.new_bytes.decode())]
+    guard = f"{H}.bypass_guard(self, normal_end_layer, self.end_layer, '{rel}:3204')"
+    assert guard in added
+    new = res.new_bytes.decode().splitlines()
+    at = next(i for i, x in enumerate(new) if "bypass_guard" in x)
+    assert new[at - 1].strip() == "if normal_end_layer != self.end_layer:"
+    assert new[at + 1].strip() == "hidden_states = model_forward_stages("
+    assert any(a.startswith("DeepseekV2Model.forward:bypass_guard@3204") for a in res.anchors)
+    compile(res.new_bytes, rel, "exec")
+
+    # the guard, executed: layers 3..60 run through model_forward_stages (first_k_dense_replace 3)
+    hooks = _guard_hooks(["layer_out[1]", "final_norm"], "_surgeon_hooks_guard_a")
+    hooks.bypass_guard(object(), 3, 61, "x.py:1")  # layer_out[1] is before the slice
+    hooks.bypass_guard(object(), 0, 1, "x.py:1")  # layer 0 only
+    with pytest.raises(RuntimeError, match=r"x.py:1.*two-batch overlap.*layer_out\[1\].*disable"):
+        hooks.bypass_guard(object(), 1, 61, "x.py:1")
+    hooks = _guard_hooks(["embed", "layer_out[60]"], "_surgeon_hooks_guard_b")
+    with pytest.raises(RuntimeError, match=r"layer_out\[60\]"):
+        hooks.bypass_guard(object(), 3, 61, "x.py:1")
+    hooks.bypass_guard(object(), 3, 60, "x.py:1")  # layer 60 not in 3..59
+    hooks.bypass_guard(object(), 0, 0, "x.py:1")  # the embedding (position 0) never counts
+
+
+# ---------------------------------------------------------------------------------------------
+# The reduced parse (imports and the class only) gives the whole-file rewrite's bytes
+# ---------------------------------------------------------------------------------------------
+_TRICKY = '''\
+"""Module docstring
+import not_an_import
+"""
+import torch
+
+
+def helper(x):
+  # a two-space first indent: the module's default indent, which new blocks are written with
+  if x:
+    return x
+  return None
+
+
+# a comment before the class (its leading lines)
+@decorator(
+    1,
+)
+class M(Base):
+    """Doc."""
+
+    def other(self):
+        pass
+
+    def forward(self, input_ids, positions):
+        hidden_states = self.embed(input_ids)
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden_states = layer(positions, hidden_states)
+        hidden_states = self.norm(hidden_states)
+        return hidden_states
+        # a comment after the last statement (the method's footer)
+    # the class's footer
+
+
+# a comment before the next statement
+from late import thing  # a later import: the hooks import goes after it
+X = 1
+'''
+
+
+@pytest.mark.parametrize("variant", ["lf", "crlf", "cookie", "tabs-first"])
+def test_reduced_parse_gives_the_whole_file_bytes(variant):
+    from surgeon.rewriter import GENERIC as G, _rewrite, parse
+
+    src = _TRICKY
+    if variant == "cookie":
+        src = "# -*- coding: utf-8 -*-\n" + src
+    if variant == "tabs-first":
+        src = src.replace("  if x:\n    return x\n  return None\n", "\tif x:\n\t\treturn x\n\treturn None\n")
+    data = src.encode()
+    if variant == "crlf":
+        data = data.replace(b"\n", b"\r\n")
+    kw = dict(relpath="snippet.py", class_name="M", positions={0, 2}, capture_final=True,
+              hooks_module="_surgeon_hooks", recipe=G, guard_bypass=False)
+    res = rewrite(data, **kw)
+    full = _rewrite(parse(data, "snippet.py"), data, data, **kw)
+    assert res.new_bytes == full.new_bytes and res.anchors == full.anchors
+    new = res.new_bytes.decode()
+    nl = "\r\n" if variant == "crlf" else "\n"
+    ind = "\t" if variant == "tabs-first" else "  "
+    # the embed capture's `if` block is written with the module's default indent
+    assert f"        if self.start_layer == 0:{nl}        {ind}_surgeon_hooks.capture_position" in new
+    assert f"from late import thing  # a later import: the hooks import goes after it{nl}import _surgeon_hooks{nl}" in new
+    assert new.count("# a comment after the last statement") == 1 and "    # the class's footer" in new
+    _added_lines(data.decode(), new)  # every original line kept
+    rewrite(data, **{**kw, "class_name": None})  # the ast finds the loop owner without a name
