@@ -55,11 +55,13 @@ def make_model(out: Path, hidden: int, layers: int, intermediate: int) -> Path:
     cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=64,
                       max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    with torch.random.fork_rng(devices=[]):
+    from surgeon.tinymodels import _quiet_transformers
+
+    with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).eval()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
     return out
 
 

