@@ -571,7 +571,7 @@ def _engines_with_patches(engine: str | None, engine_root: str | None) -> list[t
 @click.option("--engine", required=True, type=ENGINE_CHOICE)
 @click.option("--engine-root", type=click.Path(), help="Engine package directory (default: the installed package, found without importing it).")
 @click.option("--mode", default="dump", show_default=True, type=click.Choice(["dump", "aux"]), help="What the generated hooks do with the captures.")
-@click.option("--max-tokens", default=8192, show_default=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per forward step (capture buffer rows).")
+@click.option("--max-tokens", default=16384, show_default=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per forward step (capture buffer rows).")
 @click.option("--model-file", help="Model file to patch, relative to the engine root (default: the spec's pin, else the probe's file for the model class).")
 @click.option("--loop-class", help="The class whose forward holds the decoder-layer loop (default: the probe's, else the file's only one).")
 @click.option("--name", help="Patch name (default: the spec's name).")

@@ -90,6 +90,9 @@ def _write(module, slots, hidden_states, residual):
         _alloc(state, hidden_states)
     hs = hidden_states.reshape(-1, HIDDEN_SIZE)
     n = hs.shape[0]
+    if n > MAX_TOKENS:  # a shape (host int), never a tensor value: graph-safe
+        raise RuntimeError("surgeon hooks: a step of more tokens than MAX_TOKENS; "
+                           "re-apply with --max-tokens at least the engine's max_num_batched_tokens")
     first = state.views[slots[0]][:n]
     if residual is None:
         first.copy_(hs)

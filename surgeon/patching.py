@@ -36,9 +36,10 @@ __all__ = [
     "manager_for", "DEFAULT_MAX_TOKENS", "hooks_module_relpath",
 ]
 
-# vLLM's and SGLang's default cap on tokens per forward step (max_num_batched_tokens /
-# chunked_prefill_size are at most this by default); buffers are max_tokens x hidden per slot.
-DEFAULT_MAX_TOKENS = 8192
+# The largest default cap on tokens per forward step (vLLM's max_num_batched_tokens for the LLM
+# class on GPUs with >= 70 GiB, vllm/engine/arg_utils.py get_batch_defaults; SGLang's chunked
+# prefill is smaller); buffers are max_tokens x hidden per slot, and a larger step raises.
+DEFAULT_MAX_TOKENS = 16384
 
 _PATCH_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 

@@ -385,3 +385,14 @@ def test_cuda_graph_capture_and_replay_on_new_inputs_match_eager(mode):
             if mode == "aux":
                 want = torch.cat([states[3], states[0], states[1]], 1)
                 assert torch.allclose(replayed_aux, want, atol=1e-5)
+
+
+def test_a_step_larger_than_the_buffers_raises_instead_of_spilling_into_the_next_slot():
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs/demo-tiny-llama-eagle3.yaml")
+    hooks = load_hooks_module(generate_hooks_module(spec, mode="dump", max_tokens=4), "_surgeon_hooks_overflow")
+    owner = torch.nn.Module()
+    hooks.begin_step(owner, 4)
+    hooks.capture_position(owner, 2, torch.ones(4, 128))
+    hooks.begin_step(owner, 5)
+    with pytest.raises(RuntimeError, match="MAX_TOKENS"):
+        hooks.capture_position(owner, 2, torch.ones(5, 128))
