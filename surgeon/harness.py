@@ -122,11 +122,16 @@ def _declare_from_spec(subject: Subject, spec: Spec, explicit_slots: bool) -> li
             raise BadInput(f"{subject.source} holds {len(names)} slots, the spec's dump slots are {len(order)} "
                            f"({', '.join(order)}): pass --slots")
     slots = []
+    differ = []
     for (old, declared, t), name in zip(subject.slots, names):
         if name in spec.captures:
+            if declared is not None and declared != spec.captures[name]:
+                differ.append(f"{old}: {declared} -> {name}: {spec.captures[name]}")
             declared = spec.captures[name]
         slots.append((name, declared, t))
     subject.slots = slots
+    if differ:  # a self-describing dump labelled otherwise by this spec: say so, the spec is what is checked
+        notes.append("the spec's labels replace the subject's own: " + "; ".join(differ))
     return notes
 
 

@@ -38,3 +38,30 @@ def test_demo_refuses_a_folder_that_is_not_empty(tmp_path: Path):
     p = subprocess.run([sys.executable, "-m", "surgeon", "demo", "--workdir", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "not empty" in p.stderr and (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_relabelling_a_self_describing_dump_is_said_in_the_notes(tmp_path: Path):
+    """The mis-wired spec checked against a surgeon dump made under the right one: verify checks the
+    spec's labels (that is its job) and says they replace the dump's own."""
+    import torch
+
+    from surgeon.demo import DEMO_SPEC, _wrong_spec_text
+    from surgeon.dumps import write_dump
+    from surgeon.harness import match
+    from surgeon.reference import capture_reference, save_reference
+    from surgeon.spec import load_spec
+    from surgeon.tinymodels import GAP_SCALES, make_tiny_model
+
+    right = load_spec(DEMO_SPEC)
+    model = make_tiny_model("llama", tmp_path / "m", num_layers=8, hidden_size=128, residual_scale=GAP_SCALES["llama"])
+    ids = torch.arange(1, 17)
+    ref = capture_reference(model, ids)
+    save_reference(ref, tmp_path / "ref.safetensors")
+    dump = write_dump(tmp_path / "d.safetensors", [(n, right.captures[n], ref.states[right.captures[n]])
+                                                    for n in right.dump_slots],
+                      input_ids=ids, num_layers=8, spec=right, engine="test", model="tiny")
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(_wrong_spec_text(DEMO_SPEC.read_text()))
+    r = match(dump, str(tmp_path / "ref.safetensors"), spec=load_spec(wrong))
+    assert not r.ok
+    assert any("replace the subject's own: low: layer_out[1] -> low: embed" in n for n in r.notes), r.notes
