@@ -595,10 +595,13 @@ class _Rewriter:
         if problem is None:
             # the capture goes at the end of the iteration: the state entering the next layer
             # (after anything the body adds to the stream, e.g. Qwen3-VL's deepstack embeds)
+            # `continue`/`break` whose innermost loop is this one; `return`/`yield` anywhere in the
+            # body, nested loops included (`_walk` skips nested defs and lambdas, whose own are fine)
             for n in _walk(loop.body):
-                if isinstance(n, (cst.Continue, cst.Break)) and self._innermost_loop(n) is loop:
-                    problem = (f"the loop body has `{_code(n).strip()}`: an iteration can end "
-                               "before the end-of-iteration capture")
+                if (isinstance(n, (cst.Continue, cst.Break)) and self._innermost_loop(n) is loop
+                        or isinstance(n, (cst.Return, cst.Yield))):
+                    problem = (f"the loop body has `{_code(n).strip().splitlines()[0]}`: an iteration "
+                               "can end before the end-of-iteration capture")
                     break
             if not isinstance(loop.body, cst.IndentedBlock):
                 problem = "the loop body is on one line"

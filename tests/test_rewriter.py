@@ -362,6 +362,66 @@ def test_snippet_continue_in_loop_is_refused():
         rewrite(_wrap(loop).encode(), relpath="s.py", class_name=None, positions={1}, capture_final=False)
 
 
+@pytest.mark.parametrize("exit_stmt", [
+    "return hidden_states",
+    "yield hidden_states",
+    "hidden_states = yield hidden_states",
+])
+def test_snippet_return_or_yield_in_loop_is_refused(exit_stmt):
+    # an early exit from the layer loop's body skips that layer's end-of-iteration capture,
+    # like `continue`; also from inside a nested loop (it leaves both)
+    for body in (f"""\
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states)
+            if self.exit_at[i]:
+                {exit_stmt}
+        """, f"""\
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states)
+            for j in range(2):
+                if self.exit_at[i]:
+                    {exit_stmt}
+        """):
+        with pytest.raises(PatchApplicationError, match="the loop body has `(return|yield|hidden_states = yield)"):
+            rewrite(_wrap(body).encode(), relpath="s.py", class_name=None, positions={1}, capture_final=False)
+
+
+def test_snippet_return_in_nested_def_or_after_loop_is_patched():
+    # a `return` in a def nested in the loop body, a `continue` of a nested loop, or a `return`
+    # after the loop do not end a layer iteration early
+    before = _wrap("""\
+        for i in range(self.start_layer, self.end_layer):
+            def _scale(x):
+                return x * 2
+            hidden_states = self.layers[i](positions, _scale(hidden_states))
+            for j in range(2):
+                if self.skip[j]:
+                    continue
+        if self.early:
+            return hidden_states
+        """)
+    after = f"""\
+import torch
+import {H}
+
+
+class M:
+    def forward(self, input_ids, positions):
+        {H}.begin_step(self, positions.shape[-1])
+        for i in range(self.start_layer, self.end_layer):
+            def _scale(x):
+                return x * 2
+            hidden_states = self.layers[i](positions, _scale(hidden_states))
+            for j in range(2):
+                if self.skip[j]:
+                    continue
+            {H}.capture_position(self, i + 1, hidden_states, None)
+        if self.early:
+            return hidden_states
+"""
+    assert_rewrites(before, after, positions={1})
+
+
 def test_snippet_residual_assigned_only_in_loop_gives_none_at_embed():
     loop = """\
         for i in range(self.start_layer, self.end_layer):
