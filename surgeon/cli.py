@@ -21,6 +21,8 @@ from rich.table import Table
 
 from surgeon import __version__
 from surgeon.errors import BadInput, Mismatch
+from surgeon.manifest import ABSENT
+from surgeon.patching import DEFAULT_MAX_TOKENS
 from surgeon.spec import SpecError, load_spec
 
 out = Console(highlight=False, soft_wrap=True)
@@ -571,8 +573,8 @@ def _engines_with_patches(engine: str | None, engine_root: str | None) -> list[t
 @click.option("--engine", required=True, type=ENGINE_CHOICE)
 @click.option("--engine-root", type=click.Path(), help="Engine package directory (default: the installed package, found without importing it).")
 @click.option("--mode", default="dump", show_default=True, type=click.Choice(["dump", "aux"]), help="What the generated hooks do with the captures.")
-@click.option("--max-tokens", default=16384, show_default=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per forward step (capture buffer rows).")
-@click.option("--model-file", help="Model file to patch, relative to the engine root (default: the spec's pin, else the probe's file for the model class).")
+@click.option("--max-tokens", default=DEFAULT_MAX_TOKENS, show_default=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per forward step (capture buffer rows).")
+@click.option("--model-file", help="Model file to patch, relative to the engine root (default: where the probe finds the model class's decoder loop, else the spec's pinned model_file).")
 @click.option("--loop-class", help="The class whose forward holds the decoder-layer loop (default: the probe's, else the file's only one).")
 @click.option("--name", help="Patch name (default: the spec's name).")
 @click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
@@ -591,8 +593,8 @@ def apply(spec: str, engine: str, engine_root: str | None, mode: str, max_tokens
     from surgeon.patching import apply_spec
 
     s = load_spec(spec)
-    if not (model_file or (s.pin(engine) and s.pin(engine).model_file)):
-        _open_with_progress(engine, engine_root)  # the probe finds the file: show its progress
+    if not model_file:
+        _open_with_progress(engine, engine_root)  # the probe finds the loop's file: show its progress
     with err.status("rewriting and applying", spinner="dots") if err.is_terminal and not as_json else _null():
         outcome = apply_spec(s, engine=engine, engine_root=engine_root, mode=mode, max_tokens=max_tokens,
                              model_file=model_file, loop_class=loop_class, name=name, dry_run=dry_run,
@@ -695,7 +697,7 @@ def status(engine: str | None, engine_root: str | None, as_json: bool) -> None:
             {"engine": e, "engine_root": str(root), "name": p.name, "state": p.state,
              "spec": {"name": p.spec_name, "sha256": p.spec_sha256},
              "engine_version": p.engine_version, "created": p.created,
-             "files": [{"relpath": f.relpath, "state": f.state, "created": f.sha256_before == "absent",
+             "files": [{"relpath": f.relpath, "state": f.state, "created": f.sha256_before == ABSENT,
                         "sha256_before": f.sha256_before, "sha256_after": f.sha256_after} for f in p.files]}
             for e, root, p in rows]})
     elif not rows:
@@ -705,7 +707,7 @@ def status(engine: str | None, engine_root: str | None, as_json: bool) -> None:
         for e, root, p in rows:
             for i, f in enumerate(p.files):
                 style = "" if f.state == "applied" else "bold red"
-                what = f"{f.relpath} (created)" if f.sha256_before == "absent" else f.relpath
+                what = f"{f.relpath} (created)" if f.sha256_before == ABSENT else f.relpath
                 table.add_row(f"{e} {p.engine_version}" if i == 0 else "", p.name if i == 0 else "",
                               f"{p.spec_name} {p.spec_sha256[:12]}" if i == 0 else "",
                               p.state if i == 0 else "", escape(what), f"[{style}]{f.state}[/]" if style else f.state)
@@ -718,17 +720,24 @@ def status(engine: str | None, engine_root: str | None, as_json: bool) -> None:
 @click.argument("name", required=False)
 @click.option("--engine", type=ENGINE_CHOICE, help="Default: every installed engine.")
 @click.option("--engine-root", type=click.Path())
-def diff(name: str | None, engine: str | None, engine_root: str | None) -> None:
-    """The unified diff (original -> patched) of patch NAME, or of every patch."""
-    texts = []
-    for _e, m in _engines_with_patches(engine, engine_root):
-        names = [p.name for p in m.status()]
-        for n in names:
-            if name is None or n == name:
-                texts.append(m.diff(n))
-    if name is not None and not texts:
-        raise BadInput(f"{name}: no such patch applied")
-    click.echo("".join(texts), nl=False)
+@click.option("--json", "as_json", is_flag=True)
+def diff(name: str | None, engine: str | None, engine_root: str | None, as_json: bool) -> None:
+    """The unified diff (original -> patched) of patch NAME, or of every patch, from the stored
+    originals and patched bytes (exit 2 when there is no such patch)."""
+    found = []
+    for e, m in _engines_with_patches(engine, engine_root):
+        for p in m.status():
+            if name is None or p.name == name:
+                found.append((e, p, m.diff(p.name)))
+    if not found:
+        raise BadInput(f"{name}: no such patch applied" if name else "no surgeon patches applied")
+    if as_json:
+        _emit_json({"patches": [{"engine": e, "name": p.name, "state": p.state,
+                                 "files": [{"relpath": f.relpath, "created": f.sha256_before == ABSENT,
+                                            "state": f.state} for f in p.files], "diff": text}
+                                for e, p, text in found]})
+        return
+    click.echo("".join(text for _, _, text in found), nl=False)
 
 
 @main.command()
@@ -797,8 +806,10 @@ def demo(workdir: str | None, engine_root: str | None, as_json: bool) -> None:
         out.print(table)
         out.print(f"model file reverted byte-identical: {result.reverted_identical}; "
                   f"total {time.perf_counter() - started:.0f} s")
-    ok = result.right.ok and not result.wrong.ok and result.reverted_identical
-    if not ok:
-        raise RuntimeError("the demo did not come out as expected (see above)")
+    if not result.reverted_identical:
+        raise RuntimeError(f"{result.engine_root / result.model_file} is not byte-identical after the revert")
+    if not result.right.ok or result.wrong.ok:
+        raise Mismatch("the demo's wiring check did not come out as expected (see above): "
+                       + ("the spec's wiring failed verify" if not result.right.ok else "the mis-wiring was not caught"))
     if not as_json:
         out.print("[green]demo ok[/]: the wiring is proven on the real engine, and the mis-wiring is named slot by slot")

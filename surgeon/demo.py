@@ -122,10 +122,13 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     manager = manager_for("vllm", engine_root)
     step(f"applying {spec.name} to vLLM at {manager.root}")
     t0 = time.perf_counter()
-    outcome = apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128)
-    plan = outcome.plan
+    plan = apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128, dry_run=True).plan
     model_file = manager.root / plan.model_file
-    original_sha = hashlib.sha256(manager.original_bytes(plan.model_file)).hexdigest()
+    if manager.owners().get(plan.model_file):
+        raise BadInput(f"{model_file} is already patched by {manager.owners()[plan.model_file]}: "
+                       f"`surgeon revert` it first; the demo starts from the engine as shipped")
+    original_sha = hashlib.sha256(model_file.read_bytes()).hexdigest()  # the file as it is before the demo
+    apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128)
     t["apply"] = time.perf_counter() - t0
     note(f"patched {plan.model_file} ({plan.loop_class}): " + ", ".join(a.split(":")[-1] for a in plan.anchors))
     note(f"created {plan.hooks_file}")
@@ -137,8 +140,7 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     finally:
         step("reverting the patch")
         t0 = time.perf_counter()
-        if outcome.result is not None and outcome.result.changed:
-            revert_patch(plan.name, engine="vllm", engine_root=engine_root)
+        revert_patch(plan.name, engine="vllm", engine_root=engine_root)
         t["revert"] = time.perf_counter() - t0
     identical = hashlib.sha256(model_file.read_bytes()).hexdigest() == original_sha and not (manager.root / plan.hooks_file).exists()
     note(f"{plan.model_file} is byte-identical to before: {identical}")

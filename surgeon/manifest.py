@@ -509,9 +509,12 @@ class PatchManager:
                                          + ("edits it as an engine file; it cannot be created" if c.create
                                             else "created it; it cannot be edited as an engine file"))
                 elif c.create:
-                    if self._new_file(c.relpath).exists():
-                        raise PatchError(f"{c.relpath}: already exists and no surgeon patch created it; "
-                                         f"refusing to overwrite it")
+                    path = self._new_file(c.relpath)
+                    if path.exists():
+                        left = path.is_file() and path.read_bytes()[:64] == c.new_text_bytes[:64]
+                        raise PatchError(f"{c.relpath}: already exists and no applied surgeon patch created it"
+                                         + ("; it looks like one a forced revert kept: delete it if nothing imports it"
+                                            if left else "") + "; refusing to overwrite it")
                     originals[c.relpath] = None
                 else:
                     originals[c.relpath] = self._existing_file(c.relpath).read_bytes()
@@ -532,7 +535,7 @@ class PatchManager:
                 if same:
                     bad = [f"{f['relpath']} ({s})" for f in mine["files"] if (s := self._file_state(f)) != "applied"]
                     if bad:
-                        raise PatchError(f"{name}: already applied but drifted: {', '.join(bad)}; revert --force first")
+                        raise PatchError(f"{name}: already applied but drifted: {', '.join(bad)}; `surgeon revert --force` it first")
                     return ApplyResult(name, False, [], [], recovered)
             to_revert = sorted({owner[r] for r in target if r in owner} | ({name} if name in patches else set()))
             if to_revert and not replace:
@@ -543,11 +546,11 @@ class PatchManager:
                 if clash:
                     what.append(f"{', '.join(clash)} already patched by {', '.join(sorted({owner[r] for r in clash}))}")
                 what = "; ".join(what)
-                raise PatchError(f"{name}: {what}; pass replace to revert it first")
+                raise PatchError(f"{name}: {what}; pass --replace to revert it first")
             for pname in to_revert:
                 bad = [f"{f['relpath']} ({s})" for f in patches[pname]["files"] if (s := self._file_state(f)) != "applied"]
                 if bad:
-                    raise PatchError(f"cannot replace {pname}: drifted files {', '.join(bad)}; revert --force it first")
+                    raise PatchError(f"cannot replace {pname}: drifted files {', '.join(bad)}; `surgeon revert --force` it first")
 
             ops: dict[str, dict[str, Any]] = {}
             blobs: dict[tuple[str, str], bytes] = {}
@@ -603,12 +606,21 @@ class PatchManager:
             elif not patches:
                 raise PatchError(f"{self.root}: no surgeon patches applied here")
             else:
-                raise PatchError(f"several patches applied ({', '.join(sorted(patches))}); name one or pass all")
+                raise PatchError(f"several patches applied ({', '.join(sorted(patches))}); name one or pass --all")
             result = RevertResult(recovered=recovered)
             ops, blobs, drifted = [], {}, []
             for pname in names:
-                for f in patches[pname]["files"]:
+                files = patches[pname]["files"]
+                # a file left alone (drifted, with force) may still import what the patch created:
+                # then the created files stay too, or the engine would no longer import
+                kept = force and any(_file_version(self._resolve(f["relpath"])) not in (f["sha256_after"], f["sha256_before"])
+                                     for f in files if f["sha256_before"] != ABSENT)
+                for f in files:
                     current = _file_version(self._resolve(f["relpath"]))
+                    if kept and f["sha256_before"] == ABSENT and current != ABSENT:
+                        result.warnings.append(f"{f['relpath']}: created by {pname}, kept because a drifted file "
+                                               f"left alone may import it; delete it once nothing does")
+                        continue
                     if current == f["sha256_after"]:
                         ops.append({"relpath": f["relpath"], "from": f["sha256_after"], "from_kind": "patched",
                                     "to": f["sha256_before"], "to_kind": "originals"})
@@ -624,7 +636,7 @@ class PatchManager:
                                 f"{f['relpath']}: {state} (neither original nor as patched); left alone, dropped")
             if drifted and not force:
                 raise PatchError(f"drift in {', '.join(names)}: {', '.join(drifted)}; "
-                                 f"engine upgraded or edited by hand; revert with force to drop them")
+                                 f"engine upgraded or edited by hand; `surgeon revert --force` leaves them alone and drops them")
             new = {"format": MANIFEST_FORMAT, "txid": None,
                    "patches": {k: v for k, v in patches.items() if k not in names}}
             self._run_transaction("revert", ops, blobs, new)
@@ -647,18 +659,33 @@ class PatchManager:
                 ))
             return out
 
-    def original_bytes(self, relpath: str) -> bytes:
+    def owners(self) -> dict[str, str]:
+        """relpath -> name of the patch that owns it, read without recovering or writing anything."""
+        if not self.manifest_path.exists():
+            return {}
+        with self._locked():
+            return {f["relpath"]: p["name"] for p in self._load_manifest()["patches"].values() for f in p["files"]}
+
+    def original_bytes(self, relpath: str, *, recover: bool = True) -> bytes:
         """The pristine bytes of ``relpath`` (from the stored original if a patch changed it).
 
-        This is what a rewriter must start from, e.g. before ``apply(..., replace=True)``.
+        This is what a rewriter must start from, e.g. before ``apply(..., replace=True)``. With
+        ``recover=False`` nothing is written: an interrupted transaction is refused instead of
+        finished or rolled back (for dry runs).
         """
         self._resolve(relpath)
         if self.state.is_dir():
             with self._locked():
-                self._recover_locked()
+                if not recover and self.journal_path.exists():
+                    raise PatchError(f"{self.root}: an interrupted transaction is pending; "
+                                     f"`surgeon status` finishes or rolls it back")
+                if recover:
+                    self._recover_locked()
                 for p in self._load_manifest()["patches"].values():
                     for f in p["files"]:
-                        if f["relpath"] == relpath and f["sha256_before"] != ABSENT:
+                        if f["relpath"] == relpath:
+                            if f["sha256_before"] == ABSENT:
+                                raise PatchError(f"{relpath}: created by patch {p['name']}; it has no original")
                             return self._read_blob("originals", f["sha256_before"])  # type: ignore[return-value]
         return self._existing_file(relpath).read_bytes()
 

@@ -12,9 +12,10 @@ One patch is two files, applied and reverted as one transaction:
 * the generated hooks module it imports, created next to it as ``_surgeon_hooks_<patch>.py``
   (deleted again on revert; a file of that name that surgeon did not create is never touched).
 
-Which file and class: ``model_file`` / ``loop_class`` when given, else the spec's pin for the
-engine (``engines.<e>.model_file``), else the probe of the installed engine (the file and the class
-that owns the decoder-layer loop of the pinned or target model class).
+Which file and class: ``model_file`` / ``loop_class`` when given; else the probe of the installed
+engine, which knows the file and class owning the decoder-layer loop of the pinned (or target)
+model class (it may be another file: vLLM's Qwen3 runs ``Qwen2Model.forward`` from qwen2.py); else
+the spec's pinned ``engines.<e>.model_file``, with the file's only loop-owning class.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from surgeon.probes.locate import EngineLocation
 from surgeon.spec import Spec, load_spec
 
 __all__ = [
-    "ApplyOutcome", "PatchPlan", "plan_patch", "apply_spec", "revert_patch", "patch_status", "patch_diff",
+    "ApplyOutcome", "PatchPlan", "plan_patch", "apply_spec", "revert_patch", "patch_status",
     "manager_for", "DEFAULT_MAX_TOKENS", "hooks_module_relpath",
 ]
 
@@ -202,10 +203,14 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
     relpath, cls = _target_file(spec, location, model_file, loop_class)
     positions, final = _spec_positions(spec, mode)
     try:
-        original = manager.original_bytes(relpath)
+        original = manager.original_bytes(relpath, recover=False)  # a plan (a dry run) writes nothing
     except PatchError as e:
         raise BadInput(f"{engine} {location.version}: {e}") from None
     hooks_file = hooks_module_relpath(relpath, name)
+    owner = manager.owners().get(hooks_file)
+    if owner is not None and owner != name:
+        raise BadInput(f"patch names {owner!r} and {name!r} give the same hooks module {hooks_file}; "
+                       f"choose another --name")
     hooks_module = _import_name(location.layout.package, hooks_file)
     try:
         recipes = load_recipes(recipes_dir or PATCHES_DIR)
@@ -241,6 +246,8 @@ def apply_spec(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
     Idempotent (the same spec again is a no-op); a different patch on the same file is refused
     unless ``replace``; ``dry_run`` computes and diffs without writing anything.
     """
+    if not dry_run:  # finish or roll back an interrupted transaction before reading the originals
+        manager_for(engine, engine_root).recover()
     plan = plan_patch(spec, engine=engine, engine_root=engine_root, mode=mode, max_tokens=max_tokens,
                       model_file=model_file, loop_class=loop_class, name=name, recipes_dir=recipes_dir,
                       guard_bypass=guard_bypass)
@@ -260,14 +267,3 @@ def revert_patch(name: str | None = None, *, engine: str, engine_root: str | Pat
 
 def patch_status(*, engine: str, engine_root: str | Path | None = None) -> list[PatchStatus]:
     return manager_for(engine, engine_root).status()
-
-
-def patch_diff(name: str | None = None, *, engine: str, engine_root: str | Path | None = None) -> str:
-    manager = manager_for(engine, engine_root)
-    if name is None:
-        names = [p.name for p in manager.status()]
-        if not names:
-            raise PatchError(f"{manager.root}: no surgeon patches applied here")
-        return "".join(manager.diff(n) for n in names)
-    return manager.diff(name)
-

@@ -129,16 +129,23 @@ def test_drift_is_reported_and_left_alone_unless_forced(vroot: Path):
     assert (vroot / LLAMA).read_bytes() == edited
     r = cli("revert", "--engine", "vllm", "--engine-root", vroot, "--force")
     assert (vroot / LLAMA).read_bytes() == edited  # the hand edit is kept
-    assert not (vroot / HOOKS).exists()  # what surgeon created is gone
-    assert "left alone" in r.stderr
-    assert original != edited
+    assert (vroot / HOOKS).is_file()  # and the module it still imports, or the engine would not import
+    assert "left alone" in r.stderr and "kept because a drifted file" in r.stderr
+    assert "no surgeon patches applied" in cli("status", "--engine", "vllm", "--engine-root", vroot).stdout
+    (vroot / LLAMA).write_bytes(original)
+    r = cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot, code=2)
+    assert "a forced revert kept" in r.stderr
+    (vroot / HOOKS).unlink()
+    cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot)
+    cli("revert", "--engine", "vllm", "--engine-root", vroot)
+    assert (vroot / LLAMA).read_bytes() == original and not (vroot / HOOKS).exists()
 
 
 def test_a_hooks_file_surgeon_did_not_create_is_never_overwritten(vroot: Path):
     (vroot / HOOKS).write_text("# someone else's\n")
     before = tree_digest(vroot)
     r = cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot, code=2)
-    assert "already exists and no surgeon patch created it" in r.stderr
+    assert "already exists and no applied surgeon patch created it" in r.stderr and "forced revert" not in r.stderr
     assert tree_digest(vroot) == before
 
 
@@ -161,6 +168,7 @@ def test_crlf_file_reverts_byte_identical(vroot: Path):
     (["apply", LLAMA_SPEC, "--engine", "vllm", "--mode", "aux"], "--mode aux is not supported"),
     (["revert", "nope", "--engine", "vllm"], "no such patch"),
     (["diff", "nope", "--engine", "vllm"], "no such patch"),
+    (["diff", "--engine", "vllm"], "no surgeon patches applied"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(vroot: Path, argv, message):
     before = tree_digest(vroot)
@@ -298,3 +306,34 @@ def test_every_patchable_class_applies_compiles_and_reverts_byte_identically(tmp
     failures = [f for _, fs in results for f in fs]
     assert sum(n for n, _ in results) == sum(counts.values()) and min(counts.values()) > 50, counts
     assert not failures, "\n".join(failures)
+
+
+def test_a_dry_run_with_an_interrupted_transaction_pending_writes_nothing(vroot: Path):
+    cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot)
+    r = _surgeon("revert", "--engine", "vllm", "--engine-root", vroot, env={"SURGEON_MANIFEST_TEST_CRASH_AT": "3"})
+    assert r.returncode == 99
+    state = tree_digest(vroot)
+    journal = (vroot / ".surgeon/journal.json").read_bytes()
+    r = cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot, "--dry-run", code=2)
+    assert "interrupted transaction" in r.stderr
+    assert tree_digest(vroot) == state and (vroot / ".surgeon/journal.json").read_bytes() == journal
+    cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot)  # a real apply recovers first
+    assert not (vroot / ".surgeon/journal.json").exists()
+    cli("revert", "--engine", "vllm", "--engine-root", vroot)
+
+
+def test_two_patch_names_that_give_one_hooks_module_are_refused(vroot: Path, tmp_path: Path):
+    cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot, "--name", "a.b")
+    r = cli("apply", REPO / "specs/qwen3-8b-eagle3.yaml", "--engine", "vllm", "--engine-root", vroot,
+            "--name", "a-b", code=2)
+    assert "give the same hooks module" in r.stderr
+    cli("revert", "--all", "--engine", "vllm", "--engine-root", vroot)
+
+
+def test_diff_json_names_each_file(vroot: Path):
+    cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot)
+    d = json.loads(cli("diff", "--engine", "vllm", "--engine-root", vroot, "--json").stdout)
+    [p] = d["patches"]
+    assert {f["relpath"]: f["created"] for f in p["files"]} == {LLAMA: False, HOOKS: True}
+    assert f"+++ b/{HOOKS}" in p["diff"]
+    cli("revert", "--engine", "vllm", "--engine-root", vroot)
