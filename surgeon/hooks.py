@@ -9,7 +9,8 @@ text in it) plus constant assignments whose values are built as ``SimpleString``
 Contract of the generated module (``mode`` is ``"aux"`` or ``"dump"``):
 
 * ``begin_step(module, num_tokens)`` at forward start: records the step's token count (a host
-  int; host-side bookkeeping only).
+  int) and forgets which slots were written (host-side bookkeeping only), so that ``drain``
+  returns only the slots written since.
 * ``capture_position(module, position, hidden_states, residual)`` after the embedding
   (position 0) and after decoder layer ``k`` (position ``k + 1``): positions the spec does not
   capture return at once (a check of a Python int against a constant dict); otherwise the sum
@@ -29,8 +30,9 @@ Contract of the generated module (``mode`` is ``"aux"`` or ``"dump"``):
   EAGLE-3 fc consumes), with no ``torch.cat``.
 * dump mode: the slots are the spec's dump slots; ``drain(module, num_tokens=None, *,
   writer_rank=0, group=None)``, called after the step and outside graph capture, returns
-  ``[(name, point_text, view[:n])]`` for the slots this rank wrote (pipeline parallel: a rank
-  only sees the positions of its own layers), and ``[]`` on tensor-parallel ranks other than
+  ``[(name, point_text, view[:n])]`` for the slots this rank wrote since the last
+  ``begin_step`` (pipeline parallel: a rank only sees the positions of its own layers; a slot
+  an earlier step wrote, e.g. an engine's profile run, is not drained again), and ``[]`` on tensor-parallel ranks other than
   ``writer_rank`` (when ``torch.distributed`` is initialised). The views alias the static buffer:
   the host-side writer must copy them out before the next step. Under raw CUDA-graph replay the
   Python of the forward does not run, so pass the true ``num_tokens`` to ``drain``.
@@ -81,7 +83,9 @@ def _state(module):
 
 
 def begin_step(module, num_tokens: int):
-    _state(module).n = num_tokens
+    state = _state(module)
+    state.n = num_tokens
+    state.written = [False] * NUM_SLOTS  # host-side: a slot an earlier step wrote is not this step's
 
 
 def _write(module, slots, hidden_states, residual):

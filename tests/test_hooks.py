@@ -273,6 +273,26 @@ def test_pipeline_stage_drains_only_the_positions_it_saw_and_tp_ranks_other_than
     assert len(hooks.drain(stage, writer_rank=1)) == 3
 
 
+def test_a_slot_written_in_an_earlier_step_but_not_this_one_is_not_drained():
+    # e.g. vLLM's profile run writes every slot; a later pipeline rank's real steps do not
+    # capture embed, a non-last rank's do not capture the final norm
+    spec = tiny_spec()
+    hooks = hooks_for(spec, "dump")
+    owner = torch.nn.Module()
+    hooks.begin_step(owner, 3)
+    hooks.capture_position(owner, 0, torch.ones(3, 64))
+    hooks.capture_position(owner, 3, torch.ones(3, 64))
+    hooks.capture_final(owner, torch.ones(3, 64))
+    assert [n for n, _, _ in hooks.drain(owner)] == ["emb", "high", "last"]
+    hooks.begin_step(owner, 2)
+    hooks.capture_position(owner, 3, torch.full((2, 64), 2.0))
+    got = hooks.drain(owner)
+    assert [n for n, _, _ in got] == ["high"]
+    assert torch.equal(got[0][2], torch.full((2, 64), 2.0))
+    hooks.begin_step(owner, 2)
+    assert hooks.drain(owner) == []
+
+
 def test_more_tokens_than_max_tokens_fail_loudly_and_width_is_checked():
     hooks = hooks_for(tiny_spec(), "aux", max_tokens=4)
     stack = _Stack(hooks, 4, 64)
