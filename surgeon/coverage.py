@@ -34,7 +34,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from surgeon.probes.locate import layout_of, locate_engine
+from surgeon.errors import BadInput
+from surgeon.probes.locate import ProbeError, layout_of, locate_engine
 
 __all__ = ["ClassCoverage", "EngineCoverage", "CoverageReport", "coverage", "loop_owners_ast",
            "render_coverage_table", "render_coverage_lines", "PROBE_POSITIONS"]
@@ -88,6 +89,7 @@ class EngineCoverage:
     classes: list[ClassCoverage] = field(default_factory=list)
     seconds: float = 0.0
     probe_error: str | None = None
+    unparsed: list[tuple[str, str]] = field(default_factory=list)  # (model file, why it does not parse)
 
     def _count(self, decoder_only: bool, guarded: bool = False) -> tuple[int, int]:
         cs = [c for c in self.classes if c.decoder or not decoder_only]
@@ -118,6 +120,7 @@ class EngineCoverage:
             "engine": self.engine, "version": self.version, "root": self.root,
             "files": self.files, "files_parsed": self.files_parsed, "seconds": round(self.seconds, 3),
             "probe_error": self.probe_error,
+            "unparsed": [{"path": p, "reason": r} for p, r in self.unparsed],
             "decoder": {"patchable": ok, "total": n, "fraction": round(self.fraction, 4),
                         "patchable_with_guard": ok_g, "fraction_with_guard": round(self.fraction_guarded, 4)},
             "all": {"patchable": ok_all, "total": n_all, "fraction": round(self.fraction_all, 4),
@@ -307,9 +310,12 @@ def _native(engine: str, root: Path) -> tuple[dict[tuple[str, str], list[str]], 
 # ---------------------------------------------------------------------------------------------
 # The entry point
 # ---------------------------------------------------------------------------------------------
-def _prefilter(engine: str, root: Path, models_dir: Path, recipes, reduce: bool = True) -> tuple[int, list]:
+def _prefilter(engine: str, root: Path, models_dir: Path, recipes,
+               reduce: bool = True) -> tuple[int, list, list[tuple[str, str]]]:
+    """(model files, libcst tasks, (file, why) for the files that cannot be read or parsed)"""
     pairs_default = {("forward", "layers")}
     tasks = []
+    unparsed = []
     files = sorted(models_dir.rglob("*.py"))
     for f in files:
         relpath = f.relative_to(root).as_posix()
@@ -317,14 +323,22 @@ def _prefilter(engine: str, root: Path, models_dir: Path, recipes, reduce: bool 
         for r in recipes:
             if r.engine in (None, engine) and r.file is not None and (relpath == r.file or relpath.endswith("/" + r.file)):
                 pairs.add((r.method, r.layers_attr))
-        src = f.read_bytes()
         try:
-            owners, spans = _scan(src, pairs)
-        except SyntaxError:
-            owners, spans = [], []
+            owners, spans = _scan(f.read_bytes(), pairs)
+        except (SyntaxError, ValueError, OSError) as exc:  # ValueError: null bytes, bad encoding
+            unparsed.append((relpath, _why(exc)))
+            continue
         if owners:
             tasks.append((engine, str(f), relpath, owners, spans if reduce else None))
-    return len(files), tasks
+    return len(files), tasks, unparsed
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"line {exc.lineno}: {exc.msg}"
+    if isinstance(exc, OSError):
+        return f"cannot be read: {exc.strerror or exc}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = None,
@@ -339,12 +353,16 @@ def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = 
     jobs = 2 if jobs is None else max(1, jobs)
     plans = []
     for e in engines:
-        layout_of(e)
-        loc = locate_engine(e, root)
-        nfiles, tasks = _prefilter(e, loc.root, loc.root / layout_of(e).models_dir, recipes)
-        plans.append((e, loc, nfiles, tasks))
+        try:
+            layout = layout_of(e)
+            loc = locate_engine(e, root)
+        except ProbeError as exc:  # a wrong engine or --engine-root: the user's input
+            where = f"--engine-root {root}" if root is not None else e
+            raise BadInput(f"{where}: {exc}") from None
+        nfiles, tasks, unparsed = _prefilter(e, loc.root, loc.root / layout.models_dir, recipes)
+        plans.append((e, loc, nfiles, tasks, unparsed))
     # biggest files first keeps the two workers even
-    all_tasks = [(i, t) for i, (_, _, _, tasks) in enumerate(plans) for t in tasks]
+    all_tasks = [(i, t) for i, (_, _, _, tasks, _) in enumerate(plans) for t in tasks]
     all_tasks.sort(key=lambda it: -os.path.getsize(it[1][1]))
     results: dict[int, list[ClassCoverage]] = {i: [] for i in range(len(plans))}
     natives: dict[int, tuple[dict, str | None]] = {}
@@ -352,22 +370,23 @@ def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = 
         for i, t in all_tasks:
             results[i] += _file_task(t)
         if native:
-            for i, (e, loc, _, _) in enumerate(plans):
+            for i, (e, loc, _, _, _) in enumerate(plans):
                 natives[i] = _native(e, loc.root)
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            nat_futs = {i: pool.submit(_native, e, loc.root) for i, (e, loc, _, _) in enumerate(plans)} if native else {}
+            nat_futs = ({i: pool.submit(_native, e, loc.root) for i, (e, loc, _, _, _) in enumerate(plans)}
+                        if native else {})
             futs = [(i, pool.submit(_file_task, t)) for i, t in all_tasks]
             for i, fut in futs:
                 results[i] += fut.result()
             natives = {i: f.result() for i, f in nat_futs.items()}
     report = CoverageReport([])
-    for i, (e, loc, nfiles, tasks) in enumerate(plans):
+    for i, (e, loc, nfiles, tasks, unparsed) in enumerate(plans):
         nat, err = natives.get(i, ({}, None))
         classes = sorted(results[i], key=lambda c: (c.path, c.line))
         classes = [_with_native(c, nat) for c in classes]
         report.engines.append(EngineCoverage(e, loc.version, str(loc.root), nfiles, len(tasks), classes,
-                                             probe_error=err))
+                                             probe_error=err, unparsed=unparsed))
     report.seconds = time.perf_counter() - t0
     for ec in report.engines:
         ec.seconds = report.seconds
@@ -396,6 +415,8 @@ def render_coverage_lines(report: CoverageReport, *, all_classes: bool = True) -
                      f"with encoder towers; {ec.files_parsed} of {ec.files} files parsed with libcst")
         if ec.probe_error:
             lines.append(f"  native capture unknown: {ec.probe_error}")
+        for path, why in ec.unparsed:
+            lines.append(f"  ERR {path}: does not parse ({why}): its classes are not counted")
         for c in ec.classes:
             if not all_classes and c.patchable:
                 continue

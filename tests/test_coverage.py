@@ -148,3 +148,43 @@ def test_every_patchable_class_rewrites_compiles_and_round_trips():
     with ProcessPoolExecutor(2) as pool:
         problems = [p for p in pool.map(_round_trip, jobs) if p]
     assert not problems, problems
+
+
+# -- bad input through the CLI ------------------------------------------------------------------
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from surgeon.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_cli_bad_engine_root_is_bad_input_not_an_internal_error(tmp_path):
+    res = _cli("coverage", "--engine", "vllm", "--engine-root", tmp_path / "nonexistent")
+    assert res.exit_code == 2, res.output
+    assert "internal error" not in res.output and "does not exist" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_cli_model_files_that_do_not_parse_are_reported_not_a_crash(tmp_path):
+    models = tmp_path / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    (models / "good.py").write_text(
+        "class M:\n"
+        "    def forward(self, input_ids, positions):\n"
+        "        hidden_states = self.embed(input_ids)\n"
+        "        for layer in self.layers:\n"
+        "            hidden_states = layer(positions, hidden_states)\n"
+        "        return hidden_states\n")
+    (models / "nul.py").write_bytes(b"class N:\n    x = self.layers\x00\n")  # ast: ValueError on 3.11
+    (models / "syntax.py").write_text("class S:\n    def forward(self:\n        self.layers\n")
+    res = _cli("coverage", "--engine", "vllm", "--engine-root", tmp_path, "--jobs", "1", "--all")
+    assert res.exit_code == 0, res.output
+    assert "1/1 decoder classes patchable" in res.output
+    err = [ln for ln in res.output.splitlines() if ln.lstrip().startswith("ERR ")]
+    assert len(err) == 2 and "model_executor/models/nul.py: does not parse" in err[0], err
+    assert "model_executor/models/syntax.py: does not parse (line 2" in err[1], err
+    js = json.loads(_cli("coverage", "--engine", "vllm", "--engine-root", tmp_path, "--jobs", "1", "--json").output)
+    assert [u["path"] for u in js["engines"][0]["unparsed"]] == ["model_executor/models/nul.py",
+                                                                  "model_executor/models/syntax.py"]
