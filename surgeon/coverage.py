@@ -212,39 +212,29 @@ def _scan(source: str | bytes, pairs: set[tuple[str, str]] | None = None):
     return out, spans
 
 
-def _reduced(source: bytes, spans: list[tuple[int, int]]) -> bytes:
-    """``source`` with every line outside ``spans`` emptied: the same line numbers, far less for
-    libcst to parse (what the rewriter's plan reads is kept byte for byte)."""
-    keep = bytearray(len(source.splitlines()) + 2)
-    for a, b in spans:
-        keep[a:b + 1] = b"\x01" * (b + 1 - a)
-    lines = source.splitlines(keepends=True)
-    out = []
-    for i, line in enumerate(lines, 1):
-        if keep[i]:
-            out.append(line)
-        else:
-            out.append(b"\r\n" if line.endswith(b"\r\n") else b"\n")
-    return b"".join(out)
-
-
 # ---------------------------------------------------------------------------------------------
 # One file (in a worker)
 # ---------------------------------------------------------------------------------------------
 def _file_task(args) -> list[ClassCoverage]:
-    from surgeon.rewriter import Checker, PatchApplicationError, find_recipe, load_recipes, parse
+    from surgeon.rewriter import (
+        Checker, PatchApplicationError, find_recipe, load_recipes, parse, parse_reduced,
+    )
 
     engine, path, relpath, owners, spans = args
     recipes = _recipes_cached(load_recipes)
     source = Path(path).read_bytes()
-    if spans is not None:
-        source = _reduced(source, spans)
     out: list[ClassCoverage] = []
-    try:
-        module = parse(source, relpath)
-    except PatchApplicationError as exc:
-        return [ClassCoverage(relpath, c, meth, line, dec, False, False, False, reason=exc.reason)
-                for c, meth, line, dec in owners]
+    # the rewriter's own reduction (same line numbers; encoding cookie, BOM and default indent
+    # kept exact, else the whole file), so that coverage reads what `surgeon apply` reads
+    reduced = parse_reduced(source, spans)
+    if reduced is not None:
+        module, source = reduced
+    else:
+        try:
+            module = parse(source, relpath)
+        except PatchApplicationError as exc:
+            return [ClassCoverage(relpath, c, meth, line, dec, False, False, False, reason=exc.reason)
+                    for c, meth, line, dec in owners]
     for cls, meth, line, decoder in owners:
         recipe = find_recipe(recipes, engine=engine, relpath=relpath, class_name=cls)
         rname = None if recipe.name == "generic" else recipe.name

@@ -1186,22 +1186,14 @@ def _first_indent(source: bytes) -> tuple[int, str] | None:
     return None
 
 
-def _reduce(source: bytes, class_name: str | None, recipe: Recipe) -> tuple[bytes, str] | None:
-    """``source`` with every line emptied (its line ending kept) but the top-level imports and
-    the class(es) the rewrite can touch: the same line numbers, far less for libcst to parse, and
-    the same default indent (the first indented block, which libcst reads it from, is kept, or
-    stood in for by ``if 1:`` / ``<indent>pass`` on its two emptied lines). Returns the bytes and
-    that indent; None where that is not exact: a BOM, no class to keep, or the
-    stdlib parser or tokenizer fails (then the whole file is parsed)."""
+def _class_spans(source: bytes, class_name: str | None, recipe: Recipe) -> list[tuple[int, int]] | None:
+    """Line spans of the top-level imports and the class(es) the rewrite can touch (what
+    :func:`reduce_to_spans` keeps); None where there is no class to keep or the stdlib parser
+    fails (then the whole file is parsed)."""
     import ast
-    import codecs
 
     from surgeon.coverage import _loops_over, _span
 
-    if source.startswith(codecs.BOM_UTF8):
-        return None
-    # an encoding cookie (a comment line among the first two) is kept: libcst reads it
-    cookies = [i for i, x in enumerate(source.split(b"\n", 2)[:2], 1) if _CODING.match(x)]
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -1219,8 +1211,24 @@ def _reduce(source: bytes, class_name: str | None, recipe: Recipe) -> tuple[byte
         if keep:
             spans.append(_span(cls))
             kept += 1
+    return spans if kept else None
+
+
+def reduce_to_spans(source: bytes, spans: list[tuple[int, int]]) -> tuple[bytes, str] | None:
+    """``source`` with every line outside ``spans`` (1-based, inclusive line ranges) emptied, its
+    line ending kept: the same line numbers, far less for libcst to parse, and the same default
+    indent (the first indented block, which libcst reads it from, is kept, or stood in for by
+    ``if 1:`` / ``<indent>pass`` on its two emptied lines); an encoding cookie is kept. Returns the
+    bytes and that indent; None where that is not exact: a BOM, or the tokenizer fails (then
+    the whole file is to be parsed). Shared by :func:`rewrite` and ``surgeon coverage``."""
+    import codecs
+
+    if source.startswith(codecs.BOM_UTF8):
+        return None
+    # an encoding cookie (a comment line among the first two) is kept: libcst reads it
+    cookies = [i for i, x in enumerate(source.split(b"\n", 2)[:2], 1) if _CODING.match(x)]
     first = _first_indent(source)
-    if not kept or first is None:
+    if first is None:
         return None
     lines = source.splitlines(keepends=True)
     keep_line = bytearray(len(lines) + 2)
@@ -1238,6 +1246,20 @@ def _reduce(source: bytes, class_name: str | None, recipe: Recipe) -> tuple[byte
         out[at - 2] = b"if 1:" + out[at - 2]
         out[at - 1] = indent.encode() + b"pass" + out[at - 1]
     return b"".join(out), indent
+
+
+def parse_reduced(source: bytes, spans: list[tuple[int, int]] | None) -> tuple[cst.Module, bytes] | None:
+    """libcst module of ``source`` reduced to ``spans`` and the reduced bytes, or None where the
+    reduction is not exact or does not parse as the whole file would (then parse the whole)."""
+    reduced = reduce_to_spans(source, spans) if spans is not None else None
+    if reduced is None:
+        return None
+    text, indent = reduced
+    try:
+        module = cst.parse_module(text)
+    except cst.ParserSyntaxError:
+        return None
+    return (module, text) if module.default_indent == indent else None
 
 
 def _strip_trailing_blank(text: bytes) -> bytes:
@@ -1267,19 +1289,14 @@ def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positi
     if any(p < 0 for p in positions):
         raise ValueError(f"positions are >= 0, got {sorted(positions)}")
     recipe = recipe or GENERIC
-    reduced = _reduce(source_bytes, class_name, recipe)
+    reduced = parse_reduced(source_bytes, _class_spans(source_bytes, class_name, recipe))
     if reduced is not None:
-        text, indent = reduced
-        try:
-            module = cst.parse_module(text)
-        except cst.ParserSyntaxError:
-            module = None
-        if module is not None and module.default_indent == indent:
-            new = _rewrite(module, text, source_bytes, relpath=relpath, class_name=class_name, positions=positions,
-                           capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
-                           guard_bypass=guard_bypass)
-            if new is not None:
-                return new
+        module, text = reduced
+        new = _rewrite(module, text, source_bytes, relpath=relpath, class_name=class_name, positions=positions,
+                       capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
+                       guard_bypass=guard_bypass)
+        if new is not None:
+            return new
     return _rewrite(parse(source_bytes, relpath), source_bytes, source_bytes, relpath=relpath, class_name=class_name,
                     positions=positions, capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
                     guard_bypass=guard_bypass)  # type: ignore[return-value]

@@ -188,3 +188,24 @@ def test_cli_model_files_that_do_not_parse_are_reported_not_a_crash(tmp_path):
     js = json.loads(_cli("coverage", "--engine", "vllm", "--engine-root", tmp_path, "--jobs", "1", "--json").output)
     assert [u["path"] for u in js["engines"][0]["unparsed"]] == ["model_executor/models/nul.py",
                                                                   "model_executor/models/syntax.py"]
+
+
+def test_coverage_reduces_files_as_the_rewriter_does_encoding_cookie_and_bom(tmp_path):
+    # the shared reducer keeps the encoding cookie (a latin-1 byte in the class decodes as libcst
+    # reads it) and leaves a BOM file whole; both classes are patchable, as `surgeon apply` sees them
+    models = tmp_path / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    body = (b"import torch\n\n\ndef helper(x):\n  return x\n\n\n"
+            b"class M:\n"
+            b"    def forward(self, input_ids, positions):\n"
+            b"        hidden_states = self.embed(input_ids)  # \xe9\n"
+            b"        for layer in self.layers:\n"
+            b"            hidden_states = layer(positions, hidden_states)\n"
+            b"        return hidden_states\n")
+    (models / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\n" + body)
+    (models / "bom.py").write_bytes(b"\xef\xbb\xbf" + body.replace(b"\xe9", b"\xc3\xa9"))
+    res = _cli("coverage", "--engine", "vllm", "--engine-root", tmp_path, "--jobs", "1", "--json")
+    assert res.exit_code == 0, res.output
+    classes = json.loads(res.output)["engines"][0]["classes"]
+    assert [(c["path"], c["patchable"], c["reason"]) for c in classes] == [
+        ("model_executor/models/bom.py", True, None), ("model_executor/models/latin.py", True, None)]
