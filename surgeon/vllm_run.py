@@ -28,7 +28,10 @@ prefill (set to ``max_model_len``); prefix caching skips cached prompt blocks (d
 generated token no decode step runs after the prefill. The child still checks the hooks' row count
 against each prompt's length and refuses a mismatch rather than writing a shifted dump. vLLM's
 start-up profile run is a step of ``max_num_batched_tokens`` tokens: the hooks' ``max_tokens`` must be
-at least that (128 here).
+at least that (128 here), or their ``_write`` raises inside that profile run. So the child imports
+the model file the checkpoint's architecture maps to (which imports its hooks) and checks
+``MAX_TOKENS`` before starting the engine, and reports a hooks overflow from the engine start the
+same way: one line naming the hooks and the ``--max-tokens`` to re-apply with.
 """
 
 from __future__ import annotations
@@ -174,6 +177,43 @@ def _hooks_modules() -> list[Any]:
             if n.rsplit(".", 1)[-1].startswith("_surgeon_hooks") and hasattr(m, "drain") and hasattr(m, "NAMES")]
 
 
+def _small_hooks(max_tokens: int) -> str | None:
+    """The error line when a loaded hooks module holds fewer rows than a step of ``max_tokens``."""
+    small = [(m.__name__, m.MAX_TOKENS) for m in _hooks_modules() if m.MAX_TOKENS < max_tokens]
+    if not small:
+        return None
+    name, rows = small[0]
+    return (f"hooks {name.rsplit('.', 1)[-1]} hold max_tokens={rows} rows but a vLLM step here has up "
+            f"to {max_tokens} tokens (max_num_batched_tokens): re-apply with --max-tokens {max_tokens} or more")
+
+
+def _preload_model_module(model_dir: str) -> None:
+    """Import the vLLM model file(s) the checkpoint's ``architectures`` map to, so that their
+    hooks are loaded and checked before the engine's profile run; best effort (the engine start
+    loads them anyway)."""
+    import importlib
+
+    try:
+        archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+        from vllm.model_executor.models.registry import _VLLM_MODELS
+
+        for arch in archs:
+            if arch in _VLLM_MODELS:
+                importlib.import_module(f"vllm.model_executor.models.{_VLLM_MODELS[arch][0]}")
+    except Exception:
+        pass
+
+
+def _is_hooks_overflow(exc: BaseException | None) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if "than MAX_TOKENS" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _drain_fn(model):
     """apply_model callback: the hooks' captures of the last step, as CPU copies."""
     holders = [m for m in model.modules() if getattr(m, "_surgeon_hooks_state", None) is not None]
@@ -260,21 +300,29 @@ def _child(job_file: str) -> int:
     _say(f"starting vLLM {engine_version} on {job['model_name']} ({job['dtype']}, mode {job['mode']})")
     t = time.perf_counter()
     mml = job["max_model_len"]
-    llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype=job["dtype"], enforce_eager=True,
-              max_model_len=mml, max_num_batched_tokens=mml, max_num_seqs=1,
-              enable_prefix_caching=False, seed=0)
+    mode = job["mode"]
+    # vLLM's start-up profile run (inside LLM()) is a step of max_num_batched_tokens (= mml) tokens;
+    # hooks with fewer buffer rows raise there: say why before the engine starts (and if a hooks
+    # module loaded only by the engine start raises, say the same thing, not a profile-run failure)
+    if mode == "hooks":
+        _preload_model_module(job["model"])
+        if (small := _small_hooks(mml)) is not None:
+            _say("error: " + small)
+            return 3
+    try:
+        llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype=job["dtype"], enforce_eager=True,
+                  max_model_len=mml, max_num_batched_tokens=mml, max_num_seqs=1,
+                  enable_prefix_caching=False, seed=0)
+    except Exception as exc:
+        if mode == "hooks" and _is_hooks_overflow(exc) and (small := _small_hooks(mml)) is not None:
+            _say("error: " + small)
+            return 3
+        raise
     timings["start"] = time.perf_counter() - t
     _say(f"engine started in {timings['start']:.1f} s")
-    mode = job["mode"]
-    if mode == "hooks":
-        # vLLM's start-up profile run is a step of max_num_batched_tokens tokens; a hooks buffer with
-        # fewer rows is silently overrun there (torch.add(out=) resizes the slot view into the next slot)
-        small = [(m.__name__, m.MAX_TOKENS) for m in _hooks_modules() if m.MAX_TOKENS < mml]
-        if small:
-            name, rows = small[0]
-            _say(f"error: hooks {name.rsplit('.', 1)[-1]} hold max_tokens={rows} rows but a vLLM step here has up "
-                 f"to {mml} tokens (max_num_batched_tokens): re-apply with --max-tokens {mml} or more")
-            return 3
+    if mode == "hooks" and (small := _small_hooks(mml)) is not None:
+        _say("error: " + small)
+        return 3
     if mode == "native":
         err = llm.apply_model(_install_native(job["aux_ids"]))[0]
         if err:
