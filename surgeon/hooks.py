@@ -20,6 +20,8 @@ Contract of the generated module (``mode`` is ``"aux"`` or ``"dump"``):
   because the slot is a column block of the fc buffer and torch.compile refuses a
   non-contiguous ``out=`` (both in place: no temporary, nothing allocated).
 * ``capture_final(module, hidden_states)`` after the final norm.
+* The per-model state (attribute ``_surgeon_hooks_state``) records in ``owner`` the ``__name__``
+  of the hooks module that made it, so a reader finds the module to ``drain`` it with exactly.
 * Buffers are allocated once per model instance, lazily on the first capture (dtype and device
   of that first tensor): one tensor, ``[max_tokens, num_slots * hidden]`` whose column blocks
   are the slots (aux) or ``[num_slots, max_tokens, hidden]`` (dump). No per-step allocation, no host sync, no control flow on tensor values: every
@@ -65,13 +67,14 @@ _ATTR = "_surgeon_hooks_state"
 
 
 class _State:
-    __slots__ = ("buf", "views", "n", "written")
+    __slots__ = ("buf", "views", "n", "written", "owner")
 
     def __init__(self):
         self.buf = None
         self.views = ()
         self.n = 0
         self.written = [False] * NUM_SLOTS
+        self.owner = __name__  # the hooks module whose drain reads this state
 
 
 def _state(module):

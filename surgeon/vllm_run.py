@@ -8,8 +8,8 @@ against an HF reference. Three modes:
 
 * ``"hooks"``: the installed vLLM model file was patched by surgeon (``surgeon apply``); the child
   finds the submodule holding the generated hooks' state (attribute ``_surgeon_hooks_state``)
-  through ``llm.apply_model`` and drains it (names and points come from the hooks module, which
-  was generated from the spec). Works for hooks generated in ``dump`` and in ``aux`` mode.
+  through ``llm.apply_model`` and drains it with the hooks module that state names (its
+  ``owner``; names and points come from that module, which was generated from the spec). Works for hooks generated in ``dump`` and in ``aux`` mode.
 * ``"native"``: no patch; vLLM's own EAGLE-3 aux capture, ``set_aux_hidden_state_layers(ids)``.
   The model then returns ``(hidden, aux)`` while the runner, with no draft configured, expects a
   tensor, so the decoder model's ``forward`` is wrapped on the instance: the wrapper records the aux
@@ -223,10 +223,10 @@ def _drain_fn(model):
         return {"error": f"{len(holders)} modules hold _surgeon_hooks_state; expected one"}
     holder = holders[0]
     state = holder._surgeon_hooks_state
-    mods = [m for m in _hooks_modules() if m.NUM_SLOTS == len(state.written)]
-    if len(mods) != 1:
-        return {"error": f"{len(mods)} loaded surgeon hooks modules match the captured state; expected one"}
-    hm = mods[0]
+    owner = getattr(state, "owner", None)  # the generated _State names the hooks module that made it
+    hm = sys.modules.get(owner) if isinstance(owner, str) else None
+    if hm is None or not hasattr(hm, "drain") or not hasattr(hm, "NAMES"):
+        return {"error": f"the captured state names hooks module {owner!r}, which is not loaded"}
     caps = [(name, point, t.detach().to("cpu").clone()) for name, point, t in hm.drain(holder)]
     return {"captures": caps, "n": state.n, "spec_name": hm.SPEC_NAME, "spec_sha256": hm.SPEC_SHA256,
             "num_layers": hm.NUM_LAYERS, "mode": hm.MODE, "holder": type(holder).__name__,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import sys
 from pathlib import Path
 
 import pytest
@@ -291,6 +292,17 @@ def test_a_slot_written_in_an_earlier_step_but_not_this_one_is_not_drained():
     assert torch.equal(got[0][2], torch.full((2, 64), 2.0))
     hooks.begin_step(owner, 2)
     assert hooks.drain(owner) == []
+
+
+def test_the_state_names_the_hooks_module_that_made_it():
+    # a reader (surgeon.vllm_run) picks the module to drain with by this name, exactly
+    spec = tiny_spec()
+    a, b = hooks_for(spec, "dump"), hooks_for(spec, "dump")  # same spec, same slot count
+    owner = torch.nn.Module()
+    b.begin_step(owner, 2)
+    b.capture_position(owner, 0, torch.ones(2, 64))
+    assert owner._surgeon_hooks_state.owner == b.__name__ != a.__name__
+    assert sys.modules[owner._surgeon_hooks_state.owner] is b
 
 
 def test_more_tokens_than_max_tokens_fail_loudly_and_width_is_checked():
