@@ -71,7 +71,7 @@ class PatchPlan:
 
         out: list[str] = []
         for c in self.changes:
-            old = b"" if c.create else manager.original_bytes(c.relpath)
+            old = b"" if c.create else manager.original_bytes(c.relpath, recover=False)
             a = old.decode("utf-8", "replace").splitlines(keepends=True)
             b = c.new_text_bytes.decode("utf-8", "replace").splitlines(keepends=True)
             out += difflib.unified_diff(a, b, fromfile="/dev/null" if c.create else f"a/{c.relpath}",
