@@ -572,7 +572,7 @@ def _engines_with_patches(engine: str | None, engine_root: str | None) -> list[t
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--engine", required=True, type=ENGINE_CHOICE)
 @click.option("--engine-root", type=click.Path(), help="Engine package directory (default: the installed package, found without importing it).")
-@click.option("--mode", default="dump", show_default=True, type=click.Choice(["dump", "aux"]), help="What the generated hooks do with the captures.")
+@click.option("--mode", default="dump", show_default=True, type=click.Choice(["dump", "aux"]), help="dump: keep the captures for a drain after each step; aux: also hand the spec's fc input, in fc order, to the engine's draft path where the forward returns aux_hidden_states.")
 @click.option("--max-tokens", default=DEFAULT_MAX_TOKENS, show_default=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per forward step (capture buffer rows).")
 @click.option("--model-file", help="Model file to patch, relative to the engine root (default: where the probe finds the model class's decoder loop, else the spec's pinned model_file).")
 @click.option("--loop-class", help="The class whose forward holds the decoder-layer loop (default: the probe's, else the file's only one).")

@@ -165,6 +165,9 @@ def _add(hidden_states, residual, out):
 
 def aux_hidden_states(module):
     state = _state(module)
+    if state.buf is None or not all(state.written):  # host-side flags: a slot this step did not write
+        raise RuntimeError("surgeon hooks: not every fc slot was captured in this step (a pipeline-parallel "
+                           "rank without all of them, or a path around the layer loop); aux mode needs all")
     return state.buf[:state.n]
 '''
 

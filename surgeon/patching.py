@@ -188,10 +188,7 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
 
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
-    if mode == "aux":
-        raise BadInput("apply --mode aux is not supported yet: a patched forward cannot hand captures to the "
-                       "engine's draft path; use the engine's own ids (`surgeon render`) or --mode dump")
-    if mode != "dump":
+    if mode not in ("dump", "aux"):
         raise BadInput(f"--mode must be dump or aux, not {mode!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise BadInput(f"--max-tokens must be a positive integer, not {max_tokens!r}")
@@ -218,7 +215,7 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
         raise BadInput(f"recipes: {e}") from None
     recipe = find_recipe(recipes, engine=engine, relpath=relpath, class_name=cls)
     result = rewrite(original, relpath=relpath, class_name=cls, positions=positions, capture_final=final,
-                     hooks_module=hooks_module, recipe=recipe, guard_bypass=guard_bypass)
+                     hooks_module=hooks_module, recipe=recipe, guard_bypass=guard_bypass, aux_return=mode == "aux")
     try:
         source = generate_hooks_module(spec, mode=mode, max_tokens=max_tokens)
     except ValueError as e:

@@ -669,15 +669,15 @@ class _Rewriter:
 
     # -- planning -------------------------------------------------------------------------
     def plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression, *,
-             guard_bypass: bool = False):
+             guard_bypass: bool = False, aux_return: bool = False):
         _CHILDREN.update(self.children)
         try:
-            return self._plan(positions, capture_final, hooks, guard_bypass)
+            return self._plan(positions, capture_final, hooks, guard_bypass, aux_return)
         finally:
             _CHILDREN.clear()  # it holds the nodes: keep no module alive
 
     def _plan(self, positions: set[int], capture_final: bool, hooks: cst.BaseExpression,
-              guard_bypass: bool = False):
+              guard_bypass: bool = False, aux_return: bool = False):
         rc = self.recipe
         cands = self._candidates()
         want = self.class_name or rc.class_name
@@ -774,6 +774,24 @@ class _Rewriter:
             for stmt, name in self._final_norm(fn, lp, owner):
                 after.setdefault(stmt, []).append(call("capture_final", cst.Name(name)))
                 anchors.append(f"{owner}:final_norm@{self.line(stmt)}")
+        if aux_return:
+            # hand the fc-ordered captures to the engine's draft path: where the method returns its
+            # aux list, the list becomes the hooks' fc buffer (only when the engine asked for aux)
+            rets = [n for n in _walk(fn.body) if isinstance(n, cst.Return) and n.value is not None
+                    and any(isinstance(x, cst.Tuple) and any(m.matches(e.value, m.Name(AUX_NAME)) for e in x.elements)
+                            for x in _walk(n.value))]  # `return h, aux` (also inside `... if aux else h`)
+            if not rets:
+                raise self.refuse(f"{owner}:aux", f"no `return` of `{AUX_NAME}`: this forward hands no aux "
+                                  "hidden states to the engine's draft path (use --mode dump)")
+            for ret in rets:
+                stmt = self._enclosing_stmt(ret)
+                if not isinstance(self.parents.get(stmt), cst.IndentedBlock):
+                    raise self.refuse(f"{owner}:aux@{self.line(ret)}", "the aux return is not a statement of an indented block")
+                swap = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(AUX_NAME))], cst.List([
+                    cst.Element(cst.Call(func=cst.Attribute(value=hooks, attr=cst.Name("aux_hidden_states")),
+                                         args=[cst.Arg(cst.Name("self"))]))]))])
+                before.setdefault(stmt, []).append(_if(cst.Name(AUX_NAME), swap))
+                anchors.append(f"{owner}:aux@{self.line(ret)}")
         for b in bypasses:
             # bypass_guard(self, first, last, where): raises when a requested layer_out[k] with
             # first <= k < last would run through this path (host ints only: graph safe)
@@ -1086,6 +1104,9 @@ def _bound_ok(expr: cst.BaseExpression | None) -> bool:
     return True
 
 
+AUX_NAME = "aux_hidden_states"  # the list both engines' decoder forwards return to the draft path
+
+
 def _if(test: cst.BaseExpression, stmt: cst.BaseStatement) -> cst.If:
     return cst.If(test=test, body=cst.IndentedBlock([stmt]))
 
@@ -1271,13 +1292,18 @@ def _strip_trailing_blank(text: bytes) -> bytes:
 
 def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positions: set[int],
             capture_final: bool, hooks_module: str = "_surgeon_hooks",
-            recipe: Recipe | None = None, guard_bypass: bool = False) -> RewriteResult:
+            recipe: Recipe | None = None, guard_bypass: bool = False, aux_return: bool = False) -> RewriteResult:
     """Insert capture-hook calls into the decoder model's forward; see the module docstring.
 
     ``guard_bypass``: where the method runs decoder layers outside the capture loop (SGLang's
     two-batch overlap), insert ``bypass_guard(self, first, last, "file:line")`` before that
     statement instead of refusing: at runtime it raises when a requested ``layer_out[k]`` with
     ``first <= k < last`` would run there (all requested layers when the bounds are not readable).
+
+    ``aux_return`` (aux mode): before each ``return`` of ``aux_hidden_states`` insert
+    ``if aux_hidden_states: aux_hidden_states = [<hooks>.aux_hidden_states(self)]``, so that when
+    the engine asked for aux states (an EAGLE-3 draft is configured) its draft path receives the
+    spec's fc input, in fc order, as one ``[T, n_fc * H]`` tensor (the engines concatenate the list).
 
     Speed: libcst parses only the top-level imports and the class(es) concerned (the other lines
     emptied, line numbers kept; the stdlib ``ast`` finds them); positions and parents are resolved
@@ -1294,23 +1320,24 @@ def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positi
         module, text = reduced
         new = _rewrite(module, text, source_bytes, relpath=relpath, class_name=class_name, positions=positions,
                        capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
-                       guard_bypass=guard_bypass)
+                       guard_bypass=guard_bypass, aux_return=aux_return)
         if new is not None:
             return new
     return _rewrite(parse(source_bytes, relpath), source_bytes, source_bytes, relpath=relpath, class_name=class_name,
                     positions=positions, capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
-                    guard_bypass=guard_bypass)  # type: ignore[return-value]
+                    guard_bypass=guard_bypass, aux_return=aux_return)  # type: ignore[return-value]
 
 
 def _rewrite(module: cst.Module, parsed: bytes, source_bytes: bytes, *, relpath: str, class_name: str | None,
              positions: set[int], capture_final: bool, hooks_module: str, recipe: Recipe,
-             guard_bypass: bool) -> RewriteResult | None:
+             guard_bypass: bool, aux_return: bool = False) -> RewriteResult | None:
     """The rewrite of ``source_bytes`` from ``module``, the parse of ``parsed`` (the same lines,
     some emptied, or the same bytes). None when ``parsed`` is reduced and the splice is not exact."""
     full = parsed is source_bytes
     rw = _Rewriter(module, relpath, class_name, recipe, parsed)
     hooks = _hooks_expr(hooks_module)
-    before, after, anchors = rw.plan(set(positions), capture_final, hooks, guard_bypass=guard_bypass)
+    before, after, anchors = rw.plan(set(positions), capture_final, hooks, guard_bypass=guard_bypass,
+                                     aux_return=aux_return)
     cls, fn, _ = rw._candidates()[0]
 
     last_import = None

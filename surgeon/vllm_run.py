@@ -370,6 +370,11 @@ def _child(job_file: str) -> int:
                 _say(f"error: prompt {i} has {T} tokens but vLLM's aux states hold {n} rows")
                 return 3
             labels = job["aux_labels"] or [(f"aux{k}", p) for k, p in enumerate(vllm_ids_points(job["aux_ids"], num_layers))]
+            width = got["hidden"].shape[-1]
+            if len(aux) == 1 < len(labels) and aux[0].shape[-1] == len(labels) * width:
+                # an aux-mode surgeon patch hands the draft one [T, n_fc * H] tensor (the engine
+                # concatenates the list anyway): its column blocks are the fc slots, in fc order
+                aux = list(aux[0].split(width, dim=-1))
             if len(labels) != len(aux):
                 _say(f"error: vLLM returned {len(aux)} aux states for {len(labels)} labels")
                 return 3

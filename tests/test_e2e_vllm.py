@@ -167,6 +167,32 @@ def test_native_aux_ids_from_render_capture_the_spec(tmp_path, models):
         assert max(s["rel_err"] for s in r["slots"]) < 1e-4
 
 
+def test_aux_mode_patch_hands_the_draft_path_the_fc_input_in_an_order_vllm_ids_cannot_express(tmp_path, vllm_root, models):
+    """vLLM sorts its aux ids, so an fc order [layer_out[4], embed, layer_out[1]] has no ids at all.
+    `surgeon apply --mode aux` makes the forward return the spec's fc input, in fc order, wherever
+    the engine asks for aux states (an EAGLE-3 draft): checked on what the real engine returns."""
+    spec = write_spec(tmp_path / "aux.yaml", "e2e-aux", "LlamaForCausalLM", 6,
+                      {"high": "layer_out[4]", "emb": "embed", "low": "layer_out[1]", "last": "final_norm"},
+                      fc=["high", "emb", "low"])
+    r = cli("render", spec, "--engine", "vllm", code=2)
+    assert "sort" in r.output.lower()
+    model_file = vllm_root / "model_executor/models/llama.py"
+    before = sha256(model_file)
+    applied = json.loads(cli("apply", spec, "--engine", "vllm", "--mode", "aux", "--max-tokens", MAX_TOKENS,
+                             "--json").stdout)
+    assert any(a.startswith("LlamaModel.forward:aux@") for a in applied["anchors"])
+    try:  # any three ids switch the engine's aux path on; what it receives is the patch's
+        run = run_vllm(models["llama"], PROMPTS, mode="native", out_dir=tmp_path / "dumps", aux_ids=[1, 2, 3],
+                       aux_labels=[("high", "layer_out[4]"), ("emb", "embed"), ("low", "layer_out[1]")],
+                       final_name="last")
+    finally:
+        cli("revert", "--all", "--engine", "vllm")
+    assert sha256(model_file) == before and not patch_status(engine="vllm")
+    for dump in run.dumps:
+        r = verify_ok(spec, dump, models["llama"])
+        assert max(s["rel_err"] for s in r["slots"]) < 1e-4
+
+
 def test_a_failing_vllm_run_is_one_line_with_the_stderr_tail(tmp_path):
     (tmp_path / "model").mkdir()  # no config.json: vLLM refuses it while starting
     with pytest.raises(VllmRunError) as e:

@@ -428,3 +428,19 @@ def test_a_step_larger_than_the_buffers_raises_instead_of_spilling_into_the_next
     hooks.begin_step(owner, 5)
     with pytest.raises(RuntimeError, match="MAX_TOKENS"):
         hooks.capture_position(owner, 2, torch.ones(5, 128))
+
+
+def test_aux_mode_refuses_to_hand_over_a_step_that_did_not_fill_every_fc_slot():
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs/demo-tiny-llama-eagle3.yaml")
+    hooks = load_hooks_module(generate_hooks_module(spec, mode="aux", max_tokens=8), "_surgeon_hooks_aux_partial")
+    owner = torch.nn.Module()
+    hooks.begin_step(owner, 3)
+    for pos in (2, 4, 6):  # low, mid, high: layer_out[1], [3], [5]
+        hooks.capture_position(owner, pos, torch.full((3, 128), float(pos)))
+    out = hooks.aux_hidden_states(owner)
+    assert out.shape == (3, 384) and out[:, 128:256].eq(4).all()  # fc order, column blocks
+    hooks.begin_step(owner, 3)  # a step in which the last fc slot's layer ran elsewhere (a PP rank)
+    hooks.capture_position(owner, 2, torch.ones(3, 128))
+    hooks.capture_position(owner, 4, torch.ones(3, 128))
+    with pytest.raises(RuntimeError, match="not every fc slot"):
+        hooks.aux_hidden_states(owner)

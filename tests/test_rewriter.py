@@ -814,3 +814,51 @@ def test_reduced_parse_gives_the_whole_file_bytes(variant):
     assert new.count("# a comment after the last statement") == 1 and "    # the class's footer" in new
     _added_lines(data.decode(), new)  # every original line kept
     rewrite(data, **{**kw, "class_name": None})  # the ast finds the loop owner without a name
+
+
+def test_snippet_aux_mode_swaps_the_returned_aux_list_only_where_it_is_returned():
+    """vLLM: `return hidden_states, aux_hidden_states` under `if len(...) > 0`; the non-last PP
+    rank's return packs the list into a call and is left alone (the hooks raise there anyway)."""
+    before = textwrap.dedent("""\
+        import torch
+
+        class M:
+            def forward(self, input_ids, positions):
+                hidden_states, residual = self.embed(input_ids), None
+                aux_hidden_states = []
+                for idx, layer in enumerate(self.layers):
+                    hidden_states, residual = layer(positions, hidden_states, residual)
+                if not self.last:
+                    return pack(aux_hidden_states)
+                hidden_states, _ = self.norm(hidden_states, residual)
+                if len(aux_hidden_states) > 0:
+                    return hidden_states, aux_hidden_states
+                return hidden_states
+        """)
+    after = textwrap.dedent("""\
+        import torch
+        import _surgeon_hooks
+
+        class M:
+            def forward(self, input_ids, positions):
+                _surgeon_hooks.begin_step(self, positions.shape[-1])
+                hidden_states, residual = self.embed(input_ids), None
+                aux_hidden_states = []
+                for idx, layer in enumerate(self.layers):
+                    hidden_states, residual = layer(positions, hidden_states, residual)
+                    _surgeon_hooks.capture_position(self, idx + 1, hidden_states, residual)
+                if not self.last:
+                    return pack(aux_hidden_states)
+                hidden_states, _ = self.norm(hidden_states, residual)
+                if len(aux_hidden_states) > 0:
+                    if aux_hidden_states:
+                        aux_hidden_states = [_surgeon_hooks.aux_hidden_states(self)]
+                    return hidden_states, aux_hidden_states
+                return hidden_states
+        """)
+    assert_rewrites(before, after, positions={2, 3}, aux_return=True)
+    # a forward that returns no aux list has no draft path to hand captures to
+    plain = before.replace("return hidden_states, aux_hidden_states", "return hidden_states")
+    with pytest.raises(PatchApplicationError, match="no `return` of `aux_hidden_states`"):
+        rewrite(plain.encode(), relpath="snippet.py", class_name=None, positions={2}, capture_final=False,
+                aux_return=True)
