@@ -7,8 +7,9 @@ capture vs surgeon's patched hooks vs the unpatched engine (the named baseline).
   the returned aux list (no draft is configured, so the runner expects a tensor). vLLM allocates a
   new ``hidden_states + residual`` tensor per captured layer per step.
 * ``hooks``: ``surgeon apply --mode dump`` of the same spec (the generated hooks write into static
-  buffers with ``torch.add(..., out=)``; nothing is drained during timing). ``--mode aux`` is not
-  offered by ``surgeon apply`` yet.
+  buffers with ``torch.add(..., out=)``; nothing is drained during timing). Dump mode, because with
+  no draft configured the engine asks for no aux states, so ``--mode aux`` would hand nothing over;
+  its captures cost the same.
 
 A random Llama (``--hidden``, ``--layers``, MLP ``--intermediate``; 64-wide heads) is generated once.
 The spec is applied (``surgeon apply``) and ONE vLLM process runs all three configurations,
