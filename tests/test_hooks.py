@@ -444,3 +444,37 @@ def test_aux_mode_refuses_to_hand_over_a_step_that_did_not_fill_every_fc_slot():
     hooks.capture_position(owner, 4, torch.ones(3, 128))
     with pytest.raises(RuntimeError, match="not every fc slot"):
         hooks.aux_hidden_states(owner)
+
+
+def test_aux_handoff_inside_a_compiled_forward_has_zero_graph_breaks():
+    """What `apply --mode aux` inserts runs inside the engine's forward, which vLLM compiles."""
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs/demo-tiny-llama-eagle3.yaml")
+    hooks = load_hooks_module(generate_hooks_module(spec, mode="aux", max_tokens=8), "_surgeon_hooks_aux_compiled")
+
+    class Forward(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(128, 128)
+
+        def forward(self, x):
+            hooks.begin_step(self, x.shape[0])
+            h, aux_hidden_states = x, [x]
+            for i in range(6):
+                h = self.lin(h)
+                hooks.capture_position(self, i + 1, h, x)
+            if aux_hidden_states:
+                aux_hidden_states = [hooks.aux_hidden_states(self)]
+            return h, aux_hidden_states
+
+    m = Forward().eval()
+    with torch.no_grad():
+        m(torch.randn(3, 128))
+        torch._dynamo.reset()
+        explain = torch._dynamo.explain(m)(torch.randn(3, 128))
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+        x = torch.randn(3, 128)
+        h, [aux] = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+        states = [x]
+        for _ in range(6):
+            states.append(m.lin(states[-1]))
+        assert torch.allclose(aux, torch.cat([states[k] + x for k in (2, 4, 6)], dim=1))
