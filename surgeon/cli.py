@@ -7,6 +7,7 @@ nothing written); 3 the checked wiring differs from the spec; 1 internal error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -595,7 +596,7 @@ def apply(spec: str, engine: str, engine_root: str | None, mode: str, max_tokens
     s = load_spec(spec)
     if not model_file:
         _open_with_progress(engine, engine_root)  # the probe finds the loop's file: show its progress
-    with err.status("rewriting and applying", spinner="dots") if err.is_terminal and not as_json else _null():
+    with _spinner("rewriting and applying", as_json):
         outcome = apply_spec(s, engine=engine, engine_root=engine_root, mode=mode, max_tokens=max_tokens,
                              model_file=model_file, loop_class=loop_class, name=name, dry_run=dry_run,
                              diff=show_diff, replace=replace, guard_bypass=guard_bypass)
@@ -622,12 +623,9 @@ def apply(spec: str, engine: str, engine_root: str | None, mode: str, max_tokens
         out.print(f"  {escape(a)}")
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _spinner(text: str, as_json: bool):
+    """A rich spinner on a terminal; nothing under --json or in a log."""
+    return err.status(text, spinner="dots") if err.is_terminal and not as_json else contextlib.nullcontext()
 
 
 @main.command()
@@ -751,7 +749,7 @@ def coverage(engine: str, engine_root: str | None, jobs: int | None, show_all: b
     capture natively, and why not when it cannot."""
     from surgeon.coverage import coverage as run_coverage, render_coverage_lines
 
-    with err.status(f"reading {engine} model files", spinner="dots") if err.is_terminal and not as_json else _null():
+    with _spinner(f"reading {engine} model files", as_json):
         report = run_coverage(engine, Path(engine_root) if engine_root else None, jobs=jobs)
     if as_json:
         _emit_json(report.to_json())
@@ -775,7 +773,7 @@ def demo(workdir: str | None, engine_root: str | None, as_json: bool) -> None:
     work = Path(workdir) if workdir else Path.cwd() / time.strftime("surgeon-demo-%Y%m%d-%H%M%S")
     started = time.perf_counter()
     n = [0]
-    status = err.status("", spinner="dots") if err.is_terminal and not as_json else _null()
+    status = _spinner("", as_json)
     with status:
         def step(title: str) -> None:
             n[0] += 1
