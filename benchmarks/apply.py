@@ -22,10 +22,10 @@ from pathlib import Path
 
 import libcst
 
-from surgeon.errors import BadInput
-from surgeon.patching import apply_spec, revert_patch
-from surgeon.probes.locate import copy_engine_sources
-from surgeon.spec import load_spec
+from surgeon.core.errors import BadInput
+from surgeon.patch.apply import apply_spec, revert_patch
+from surgeon.engines.locate import copy_engine_sources
+from surgeon.core.spec import load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 KIMI = REPO / "specs/kimi-k2.5-eagle3.yaml"

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from surgeon.dumpwriter import DumpWriter
-from surgeon.points import FINAL_NORM, layer_out
-from surgeon.spec import load_spec
+from surgeon.capture.dumpwriter import DumpWriter
+from surgeon.core.points import FINAL_NORM, layer_out
+from surgeon.core.spec import load_spec
 
 
 class Stack(nn.Module):

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from surgeon.hooks import generate_hooks_module, load_hooks_module  # noqa: E402
-from surgeon.spec import load_spec  # noqa: E402
+from surgeon.capture.hooks import generate_hooks_module, load_hooks_module  # noqa: E402
+from surgeon.core.spec import load_spec  # noqa: E402
 
 TARGET = 0.02
 

@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from surgeon.fingerprint import fingerprint, fingerprint_file  # noqa: E402
-from surgeon.identify import identify  # noqa: E402
-from surgeon.points import EMBED, FINAL_NORM, Point, all_points, layer_out  # noqa: E402
+from surgeon.verify.fingerprint import fingerprint, fingerprint_file  # noqa: E402
+from surgeon.verify.identify import identify  # noqa: E402
+from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out  # noqa: E402
 
 BUDGET_S = 2.0
 GAP = 0.02  # relative size of each layer's update: adjacent layer_out ~2% apart
@@ -96,7 +96,7 @@ def mapped_reference(path: Path):
     """A Reference whose states are memory-mapped views of the file (zero-copy)."""
     from safetensors import safe_open
 
-    from surgeon.reference import Reference
+    from surgeon.verify.reference import Reference
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
@@ -180,7 +180,7 @@ def child_main(mode: str, path: str) -> None:
     if mode == "stream":
         fp = fingerprint_file(path)
     else:
-        from surgeon.reference import load_reference
+        from surgeon.verify.reference import load_reference
 
         fp = fingerprint(load_reference(path))
     dt = time.perf_counter() - t

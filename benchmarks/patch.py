@@ -14,9 +14,9 @@ import time
 
 import libcst
 
-from surgeon.coverage import coverage
-from surgeon.probes.locate import layout_of, locate_engine
-from surgeon.rewriter import PatchApplicationError, find_recipe, load_recipes, rewrite
+from surgeon.patch.coverage import coverage
+from surgeon.engines.locate import layout_of, locate_engine
+from surgeon.patch.rewriter import PatchApplicationError, find_recipe, load_recipes, rewrite
 
 
 def _baseline() -> tuple[float, int, int]:

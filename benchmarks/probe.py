@@ -15,8 +15,8 @@ import time
 
 import libcst
 
-from surgeon.probes import locate_engine, probe_engine
-from surgeon.probes.locate import layout_of
+from surgeon.engines.probe import locate_engine, probe_engine
+from surgeon.engines.locate import layout_of
 
 
 def _baseline(engine: str) -> tuple[float, int, int]:

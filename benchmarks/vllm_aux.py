@@ -56,7 +56,7 @@ def make_model(out: Path, hidden: int, layers: int, intermediate: int) -> Path:
     cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=64,
                       max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    from surgeon.tinymodels import _quiet_transformers
+    from surgeon.run.tinymodels import _quiet_transformers
 
     with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(0)
@@ -199,9 +199,9 @@ def main() -> None:
         print(_RESULT + json.dumps(res), flush=True)
         os._exit(0)  # the in-process engine can leave threads behind
 
-    from surgeon.patching import apply_spec, patch_status, revert_patch
-    from surgeon.render import render
-    from surgeon.spec import load_spec
+    from surgeon.patch.apply import apply_spec, patch_status, revert_patch
+    from surgeon.wiring.render import render
+    from surgeon.core.spec import load_spec
 
     # On a small CPU the in-process engine's Python thread and vLLM's bound OpenMP workers compete:
     # with the defaults, one generate call took 2-6x longer and varied +-30% between processes.

@@ -1,5 +1,5 @@
-"""The `surgeon` command line: a thin shell over the library (``surgeon.spec``, ``surgeon.render``,
-``surgeon.lint``, ``surgeon.draft``, ``surgeon.review``, ``surgeon.probes``).
+"""The `surgeon` command line: a thin shell over the library (``surgeon.core.spec``, ``surgeon.wiring.render``,
+``surgeon.wiring.lint``, ``surgeon.wiring.draft``, ``surgeon.wiring.review``, ``surgeon.engines.probe``).
 
 Exit codes: 0 fine; 2 bad input (a one-line message per problem, located where there is a file;
 nothing written); 3 the checked wiring differs from the spec; 1 internal error.
@@ -21,10 +21,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from surgeon import __version__
-from surgeon.errors import BadInput, Mismatch
-from surgeon.manifest import ABSENT
-from surgeon.patching import DEFAULT_MAX_TOKENS
-from surgeon.spec import SpecError, load_spec
+from surgeon.core.errors import BadInput, Mismatch
+from surgeon.patch.manifest import ABSENT
+from surgeon.patch.apply import DEFAULT_MAX_TOKENS
+from surgeon.core.spec import SpecError, load_spec
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -98,7 +98,7 @@ def _progress(label: str) -> Progress:
 
 
 def _open_with_progress(engine: str, root: str | None):
-    from surgeon.engines import open_engine
+    from surgeon.engines.view import open_engine
 
     with _progress(f"probing {engine} source") as bar:
         task = bar.add_task("probe", total=None)
@@ -113,7 +113,7 @@ def _open_with_progress(engine: str, root: str | None):
 @main.command()
 def schema() -> None:
     """Print the JSON Schema of spec v1 (for editors' completion and validation)."""
-    from surgeon.spec import json_schema
+    from surgeon.core.spec import json_schema
 
     _emit_json(json_schema())
 
@@ -129,7 +129,7 @@ def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | No
 
     Exit 0 when every spec is clean (warnings allowed), 2 when any has an error.
     """
-    from surgeon.lint import lint_files
+    from surgeon.wiring.lint import lint_files
 
     if engine_root and len(engines) != 1:
         raise BadInput("--engine-root needs exactly one --engine")
@@ -164,7 +164,7 @@ def _roots(engine: str | None, engine_root: str | None) -> dict[str, str | None]
 @click.option("--json", "as_json", is_flag=True)
 def explain(spec: str, engine: str | None, engine_root: str | None, model_class: str | None, as_json: bool) -> None:
     """Per capture: its point, every convention's id (or why none), fc slot and dump slot."""
-    from surgeon.render import explain as do_explain
+    from surgeon.wiring.render import explain as do_explain
 
     s = load_spec(spec)
     roots = _roots(engine, engine_root)
@@ -213,7 +213,7 @@ def explain(spec: str, engine: str | None, engine_root: str | None, model_class:
 @click.option("--json", "as_json", is_flag=True)
 def render(spec: str, target: str, engine_root: str | None, model_class: str | None, pin: bool, as_json: bool) -> None:
     """The draft-config fragment and launch flags for an engine or training tool."""
-    from surgeon.render import render as do_render
+    from surgeon.wiring.render import render as do_render
 
     s = load_spec(spec)
     engine = {"speculators": "vllm", "specforge": None}.get(target, target)
@@ -223,7 +223,7 @@ def render(spec: str, target: str, engine_root: str | None, model_class: str | N
         raise BadInput("--pin needs --engine sglang or vllm")
     r = do_render(s, target, engine_root=engine_root, model_class=model_class)
     if pin:
-        from surgeon.pins import pin_values, write_pins
+        from surgeon.wiring.pins import pin_values, write_pins
 
         values = pin_values(s, target, engine_root=engine_root, model_class=model_class)
         write_pins(spec, target, values)
@@ -258,7 +258,7 @@ def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, mod
 
     Exit 0 when it does, 3 when it does not, 2 on bad input.
     """
-    from surgeon.draft import check_draft as do_check
+    from surgeon.wiring.draft import check_draft as do_check
 
     s = load_spec(spec)
     if engine in ("sglang", "vllm", "speculators"):
@@ -286,7 +286,7 @@ def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, mod
 def review(old: str, new: str, as_json: bool) -> None:
     """Markdown for a pull-request comment: what each capture physically was and is, and each
     engine's ids before and after."""
-    from surgeon.review import review as do_review
+    from surgeon.wiring.review import review as do_review
 
     a, b = load_spec(old), load_spec(new)
     for e in ("sglang", "vllm"):
@@ -352,8 +352,8 @@ def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: b
 def reference(model: str, input_ids: str, output: str) -> None:
     """Run an HF model folder on INPUT_IDS and record every physical point (embed, each
     layer_out and layer_delta, final_norm) into a reference file."""
-    from surgeon.harness import parse_input_ids
-    from surgeon.reference import capture_reference, save_reference
+    from surgeon.verify.harness import parse_input_ids
+    from surgeon.verify.reference import capture_reference, save_reference
 
     with _progress("running the HF reference") as bar:
         bar.add_task("ref", total=None)
@@ -371,8 +371,8 @@ def reference(model: str, input_ids: str, output: str) -> None:
 def fingerprint(ref: str, output: str, input_ids: str | None, dim: int, seed: int) -> None:
     """Write a small fingerprint of REF (hf:DIR or a reference file) that identification can use
     instead of the full tensors: keep it next to the spec."""
-    from surgeon.fingerprint import Fingerprint, fingerprint as make_fp, fingerprint_file, save_fingerprint
-    from surgeon.harness import load_reference_arg, parse_input_ids
+    from surgeon.verify.fingerprint import Fingerprint, fingerprint as make_fp, fingerprint_file, save_fingerprint
+    from surgeon.verify.harness import load_reference_arg, parse_input_ids
 
     if dim < 8 or dim > 4096:
         raise BadInput("--dim must be between 8 and 4096")
@@ -406,7 +406,7 @@ def _print_match(result, *, verbose: bool = True) -> None:
 
 
 def _run_match(subject, ref, spec, slots, input_ids, as_json: bool, plot: str | None):
-    from surgeon.harness import match as do_match, plot_heatmap
+    from surgeon.verify.harness import match as do_match, plot_heatmap
 
     result = do_match(subject, ref, spec=spec, slots=slots, input_ids=input_ids)
     if plot:
@@ -461,7 +461,7 @@ def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids:
 def sweep_spec(name: str, architecture: str, num_layers: int, hidden_size: int, output: str | None) -> None:
     """A spec capturing every point (embed, each layer_out, final_norm): an engine's dump of it is a
     reference where HF cannot run the model."""
-    from surgeon.spec import sweep_spec_text
+    from surgeon.core.spec import sweep_spec_text
 
     _write_new_or_stdout(sweep_spec_text(name, architecture, num_layers, hidden_size), output)
 
@@ -471,7 +471,7 @@ def sweep_spec(name: str, architecture: str, num_layers: int, hidden_size: int, 
 @click.option("--json", "as_json", is_flag=True)
 def dump_info(dump: str, as_json: bool) -> None:
     """What a surgeon dump says it is: spec, engine, model, and each capture's physical point."""
-    from surgeon.dumps import read_dump
+    from surgeon.capture.dumps import read_dump
 
     d = read_dump(dump, load=False)
     info = {"file": dump, **{k: v for k, v in d.meta.items() if k != "captures"},
@@ -496,7 +496,7 @@ def export(dumps: tuple[str, ...], spec_path: str, layout: str, out_dir: str, as
     """Export surgeon dumps (files or shard folders) to a training tool's layout, keeping its own
     semantics (SpecForge's hidden_state is final_norm; speculators' last slot is layer_out[L-1],
     pre-norm), or refuse when the dumps cannot fill it truthfully."""
-    from surgeon.exporters import export_specforge, export_speculators
+    from surgeon.capture.exporters import export_specforge, export_speculators
 
     spec = load_spec(spec_path)
     fn = export_specforge if layout == "specforge" else export_speculators
@@ -514,8 +514,8 @@ def export(dumps: tuple[str, ...], spec_path: str, layout: str, out_dir: str, as
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the module here (refuses to overwrite); default stdout.")
 def hooks(spec: str, mode: str, max_tokens: int, output: str | None) -> None:
     """Generate the CUDA-graph-safe capture hooks module for SPEC (checked before it is written)."""
-    from surgeon.graphsafe import check_source
-    from surgeon.hooks import generate_hooks_module
+    from surgeon.capture.graphsafe import check_source
+    from surgeon.capture.hooks import generate_hooks_module
 
     source = generate_hooks_module(load_spec(spec), mode=mode, max_tokens=max_tokens)
     findings = check_source(source, "<generated>")
@@ -530,7 +530,7 @@ def hooks(spec: str, mode: str, max_tokens: int, output: str | None) -> None:
 def check_hooks(files: tuple[str, ...], as_json: bool) -> None:
     """Static graph-safety check of hook code: host syncs (.item, .cpu, .tolist), printing,
     torch.save and other I/O, per-step allocation, branches on tensor values. Exit 3 on findings."""
-    from surgeon.graphsafe import check_file
+    from surgeon.capture.graphsafe import check_file
 
     findings = []
     for f in files:
@@ -552,7 +552,7 @@ def check_hooks(files: tuple[str, ...], as_json: bool) -> None:
 # --------------------------------------------------------------------------------------------- patches
 def _engines_with_patches(engine: str | None, engine_root: str | None) -> list[tuple[str, Any]]:
     """(engine, PatchManager) for --engine, else for every installed engine."""
-    from surgeon.patching import manager_for
+    from surgeon.patch.apply import manager_for
 
     if engine_root and not engine:
         raise BadInput("--engine-root needs --engine")
@@ -591,7 +591,7 @@ def apply(spec: str, engine: str, engine_root: str | None, mode: str, max_tokens
     One journaled transaction: each file ends either original or fully patched; `surgeon revert`
     gives back the exact original bytes.
     """
-    from surgeon.patching import apply_spec
+    from surgeon.patch.apply import apply_spec
 
     s = load_spec(spec)
     if not model_file:
@@ -747,7 +747,7 @@ def diff(name: str | None, engine: str | None, engine_root: str | None, as_json:
 def coverage(engine: str, engine_root: str | None, jobs: int | None, show_all: bool, as_json: bool) -> None:
     """For every model file and class with a decoder-layer loop: can surgeon patch it, does the engine
     capture natively, and why not when it cannot."""
-    from surgeon.coverage import coverage as run_coverage, render_coverage_lines
+    from surgeon.patch.coverage import coverage as run_coverage, render_coverage_lines
 
     with _spinner(f"reading {engine} model files", as_json):
         report = run_coverage(engine, Path(engine_root) if engine_root else None, jobs=jobs)
@@ -768,7 +768,7 @@ def demo(workdir: str | None, engine_root: str | None, as_json: bool) -> None:
     run, verify the dump, catch a mis-wired variant (heatmap PNG), revert byte-identically."""
     import time
 
-    from surgeon.demo import run_demo
+    from surgeon.run.demo import run_demo
 
     work = Path(workdir) if workdir else Path.cwd() / time.strftime("surgeon-demo-%Y%m%d-%H%M%S")
     started = time.perf_counter()

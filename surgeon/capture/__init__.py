@@ -1,0 +1,1 @@
+"""Capture: generated hooks, their graph-safety check, dumps, the asynchronous writer, and exporters."""

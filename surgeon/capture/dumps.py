@@ -1,0 +1,138 @@
+"""surgeon dumps: self-describing safetensors files of captured hidden states.
+
+A dump says what it is: per tensor the capture name and its physical point, plus the spec's name
+and sha256, the engine and its version, the model, dtype, token count and the input ids, so no
+later script can relabel it by position. Metadata (all strings, as safetensors requires):
+
+===================  =========================================================================
+``surgeon.kind``     ``"dump"``
+``surgeon.format``   ``"1"``
+``captures``         JSON list of ``{"name", "point"}`` in slot order; tensor ``name`` is [T, H]
+``spec.name``        the spec's name, and ``spec.sha256`` its file's sha256 ("" without a spec)
+``engine``           engine name and ``engine.version`` ("hf", "vllm", ...)
+``model``            model path or id; ``num_layers`` and ``hidden_size`` of the target
+``dtype``            dtype of the captures; ``tokens`` the token count
+===================  =========================================================================
+
+``input_ids`` is stored as an int64 tensor. Files are written to a temporary name and renamed when
+complete, so a reader never sees half a dump. The CUDA-graph-safe capture hooks and their
+asynchronous writer produce these files; this module is the format, its writer and its reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from surgeon.core.errors import BadInput
+from surgeon.capture.tensorfiles import unreadable
+from surgeon.core.points import Point, PointError, parse_point
+
+FORMAT = "1"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass
+class Dump:
+    captures: list[tuple[str, Point, torch.Tensor]]
+    input_ids: torch.Tensor
+    meta: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # tensor shapes, also when not loaded
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.meta["num_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.meta["hidden_size"])
+
+
+def write_dump(path: str | Path, captures: Sequence[tuple[str, Point, torch.Tensor]], *, input_ids: torch.Tensor,
+               num_layers: int, spec=None, engine: str = "", engine_version: str = "", model: str = "") -> Path:
+    """Write one dump shard atomically. ``captures``: (name, point, [T, H] tensor) in slot order."""
+    from safetensors.torch import save_file
+
+    if not captures:
+        raise ValueError("a dump holds at least one capture")
+    ids = torch.as_tensor(input_ids).reshape(-1).to(torch.int64).contiguous()
+    T = ids.numel()
+    tensors: dict[str, torch.Tensor] = {"input_ids": ids}
+    listed = []
+    dtypes = set()
+    H = None
+    for name, point, t in captures:
+        if not _NAME.fullmatch(name) or name == "input_ids" or name in tensors:
+            raise ValueError(f"capture name {name!r} must be a unique identifier other than input_ids")
+        if t.dim() != 2 or t.shape[0] != T or (H is not None and t.shape[1] != H):
+            raise ValueError(f"capture {name!r} has shape {tuple(t.shape)}, expected [{T}, {H or 'H'}]")
+        H = t.shape[1]
+        tensors[name] = t.detach().to("cpu").contiguous()
+        dtypes.add(str(t.dtype).replace("torch.", ""))
+        listed.append({"name": name, "point": str(point)})
+    meta = {
+        "surgeon.kind": "dump", "surgeon.format": FORMAT, "captures": json.dumps(listed),
+        "spec.name": spec.name if spec is not None else "", "spec.sha256": spec.sha256 if spec is not None else "",
+        "engine": engine, "engine.version": engine_version, "model": model,
+        "num_layers": str(num_layers), "hidden_size": str(H), "dtype": ",".join(sorted(dtypes)), "tokens": str(T),
+    }
+    out = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=str(out.parent))
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def read_dump(path: str | Path, *, load: bool = True) -> Dump:
+    """Read a dump (``load=False``: metadata and shapes only, for `dump-info`). Anything malformed
+    is BadInput with one line."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            if meta.get("surgeon.kind") != "dump":
+                raise BadInput(f"{p}: not a surgeon dump (surgeon.kind is {meta.get('surgeon.kind')!r})")
+            if meta.get("surgeon.format") != FORMAT:
+                raise BadInput(f"{p}: dump format {meta.get('surgeon.format')!r}; this surgeon reads format {FORMAT}")
+            try:
+                listed = json.loads(meta["captures"])
+                L = int(meta["num_layers"])
+                assert isinstance(listed, list) and all(isinstance(c, dict) for c in listed)
+            except (KeyError, ValueError, AssertionError):
+                raise BadInput(f"{p}: dump metadata 'captures'/'num_layers' is malformed") from None
+            names = set(f.keys())
+            if "input_ids" not in names:
+                raise BadInput(f"{p}: dump has no input_ids tensor")
+            ids = f.get_tensor("input_ids") if load else torch.empty(0, dtype=torch.int64)
+            captures = []
+            shapes: dict[str, list[int]] = {}
+            for c in listed:
+                name, text = c.get("name"), c.get("point")
+                if not isinstance(name, str) or name not in names:
+                    raise BadInput(f"{p}: capture {name!r} is listed but has no tensor")
+                try:
+                    point = parse_point(text, L)
+                except PointError as e:
+                    raise BadInput(f"{p}: capture {name!r}: {e.message}") from None
+                shapes[name] = list(f.get_slice(name).get_shape())
+                t = f.get_tensor(name) if load else torch.empty(0)
+                captures.append((name, point, t))
+    except BadInput:
+        raise
+    except Exception as e:
+        raise unreadable(p, e) from None
+    return Dump(captures, ids, meta, shapes)

@@ -1,0 +1,115 @@
+"""On-disk cache of probe results.
+
+Keyed on the content of every model file of the engine root and on the source of the probe
+itself, so an edited engine file or a new surgeon both miss. Entries are plain JSON under
+``$XDG_CACHE_HOME/surgeon`` (default ``~/.cache/surgeon``); deleting the directory is always safe,
+and any unreadable entry is treated as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from surgeon.core.idrules import (Branch, Bypass, ClassConvention, DefaultTerm, EngineProbe, FirstIdEquals, IdRule,
+                                  MaxIdEquals)
+from surgeon.engines.source import SourceIndex
+
+FORMAT = 1
+
+
+def directory() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "surgeon"
+
+
+def _code_version() -> str:
+    h = hashlib.sha256(str(FORMAT).encode())
+    here = Path(__file__).parent
+    # the probe's own modules and the id-rule data model it fills
+    for p in sorted([*here.glob("*.py"), here.parent / "core" / "idrules.py"]):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def key(engine: str, index: SourceIndex) -> str | None:
+    try:
+        h = hashlib.sha256()
+        h.update(engine.encode())
+        h.update(_code_version().encode())
+        h.update(index.fingerprint(index.model_files).encode())
+        return h.hexdigest()[:40]
+    except OSError:
+        return None
+
+
+def _path(cache_key: str) -> Path:
+    return directory() / f"probe-{cache_key}.json"
+
+
+def load(cache_key: str) -> EngineProbe | None:
+    try:
+        data = json.loads(_path(cache_key).read_text(encoding="utf-8"))
+        return _decode(data)
+    except Exception:  # a missing, stale or damaged entry is a miss
+        return None
+
+
+def store(cache_key: str, probe: EngineProbe) -> None:
+    try:
+        d = directory()
+        d.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps(_encode(probe))
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".probe-", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(payload)
+        os.replace(tmp, _path(cache_key))
+    except OSError:
+        pass  # a read-only home is not an error
+
+
+def _encode(probe: EngineProbe) -> dict:
+    return {
+        "format": FORMAT,
+        "engine": probe.engine,
+        "version": probe.version,
+        "root": probe.root,
+        "files_scanned": probe.files_scanned,
+        "defining": sorted(probe.defining),
+        "architectures": probe.architectures,
+        "classes": {k: asdict(c) for k, c in probe.classes.items()},
+    }
+
+
+def _decode(data: dict) -> EngineProbe:
+    if data.get("format") != FORMAT:
+        raise ValueError("old cache format")
+    probe = EngineProbe(engine=data["engine"], version=data["version"], root=data["root"],
+                        files_scanned=data["files_scanned"], defining=set(data["defining"]),
+                        architectures=dict(data["architectures"]))
+    for k, c in data["classes"].items():
+        probe.classes[k] = _decode_class(c)
+    return probe
+
+
+def _decode_class(c: dict) -> ClassConvention:
+    c = dict(c)
+    if c.get("id_rule") is not None:
+        c["id_rule"] = IdRule(tuple(Branch(b["offset"], _decode_condition(b["condition"])) for b in c["id_rule"]["branches"]))
+    if c.get("default") is not None:
+        c["default"] = tuple(DefaultTerm(**t) for t in c["default"])
+    c["bypasses"] = tuple(Bypass(**b) for b in c.get("bypasses", ()))
+    return ClassConvention(**c)
+
+
+def _decode_condition(d: dict | None) -> FirstIdEquals | MaxIdEquals | None:
+    if d is None:
+        return None
+    if "term" in d:
+        return MaxIdEquals(DefaultTerm(**d["term"]))
+    return FirstIdEquals(d["value"])

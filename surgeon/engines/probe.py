@@ -1,0 +1,113 @@
+"""Engine probes: what an installed engine's aux-hidden-state ids mean, read from its source.
+
+>>> from surgeon.engines.probe import probe_engine
+>>> probe = probe_engine("sglang")                       # doctest: +SKIP
+>>> probe.get("LlamaForCausalLM").capture([1, 15, 28], 32)  # doctest: +SKIP
+[2, 16, 29]
+
+The probe never imports the engine. It reads the model files (``srt/models`` for SGLang,
+``model_executor/models`` for vLLM) in three tiers (:mod:`surgeon.engines.source`), runs each
+class's capture setter symbolically (:mod:`surgeon.engines.interp`), and reads the capture loop of
+the class the ids end up in (:mod:`surgeon.engines.capture`). Results are cached on disk, keyed on
+the content of every model file and on the probe's own code (:mod:`surgeon.engines.cache`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from surgeon.engines import cache as _cache
+from surgeon.engines import probe_sglang as _sglang
+from surgeon.engines import probe_vllm as _vllm
+from surgeon.engines.capture import CaptureAnalyzer
+from surgeon.engines.classify import Classifier, Target
+from surgeon.engines.locate import EngineLocation, ProbeError, layout_of, locate_engine
+from surgeon.core.idrules import ClassConvention, EngineProbe
+from surgeon.engines.source import SourceIndex
+
+__all__ = ["probe_engine", "locate_engine", "EngineLocation", "ProbeError", "EngineProbe", "ClassConvention"]
+
+_ENGINES = {"sglang": _sglang, "vllm": _vllm}
+
+Progress = Callable[[int, int], None]
+
+
+def probe_engine(engine: str, root: str | Path | None = None, *, progress: Progress | None = None,
+                 cache: bool | None = None) -> EngineProbe:
+    """Probe ``engine`` ("sglang" or "vllm") at ``root`` (the package directory or a folder holding
+    it; ``None``: the installed package). ``progress(done, total)`` is called as classes are
+    classified. ``cache``: use the on-disk cache (default: yes, unless ``SURGEON_NO_CACHE`` is set).
+
+    Raises :class:`ProbeError` when there is nothing to probe.
+    """
+    location = locate_engine(engine, root)
+    layout = layout_of(engine)
+    index = SourceIndex(location.root, layout.package, layout.models_dir)
+    if not index.model_files:
+        raise ProbeError(f"{location.models_dir} holds no model files")
+    use_cache = (not os.environ.get("SURGEON_NO_CACHE")) if cache is None else cache
+    cache_key = _cache.key(engine, index) if use_cache else None
+    if cache_key is not None:
+        hit = _cache.load(cache_key)
+        if hit is not None:
+            hit.root = str(location.root)
+            hit.version = location.version
+            if progress:
+                progress(len(hit.classes), len(hit.classes))
+            return hit
+    probe = _probe(engine, location, index, progress)
+    if cache_key is not None:
+        _cache.store(cache_key, probe)
+    return probe
+
+
+def _probe(engine: str, location: EngineLocation, index: SourceIndex, progress: Progress | None) -> EngineProbe:
+    mod = _ENGINES[engine]
+    targets, files = mod.select(index)
+    if progress:
+        progress(0, len(targets))
+    classifier = Classifier(engine, index, mod.hooks(index), CaptureAnalyzer(index), mod.extra_notes(index))  # type: ignore[arg-type]
+    interface_problem = _vllm.check_interface(index) if engine == "vllm" else None
+    conventions: list[tuple[Target, ClassConvention]] = []
+    for i, target in enumerate(targets):
+        if interface_problem:
+            info = index.class_info(target.key)
+            cc = ClassConvention(engine=engine, path=target.key[0], class_name=target.key[1],  # type: ignore[arg-type]
+                                 line=info.line if info else 0, status="unclassified", reason=interface_problem)
+        else:
+            cc = classifier.classify(target)
+        conventions.append((target, cc))
+        if progress:
+            progress(i + 1, len(targets))
+    exported = mod.exported(index, files)
+    probe = EngineProbe(engine=engine, version=location.version, root=str(location.root),  # type: ignore[arg-type]
+                        files_scanned=len(index.model_files))
+    keys = _keys(conventions, set(exported.values()))
+    for (target, cc), k in zip(conventions, keys):
+        probe.classes[k] = cc
+        if target.defines:
+            probe.defining.add(k)
+    by_class = {(cc.path, cc.class_name): k for (_, cc), k in zip(conventions, keys)}
+    probe.architectures = {arch: by_class[key] for arch, key in sorted(exported.items()) if key in by_class}
+    return probe
+
+
+def _keys(conventions: list[tuple[Target, ClassConvention]], exported: set) -> list[str]:
+    """Dictionary keys: the class name, unless two files define a class of that name; then the
+    registered one (SGLang EntryClass, vLLM registry) keeps the bare name and the others are
+    ``path:Class``."""
+    by_name: dict[str, list[int]] = {}
+    for i, (_, cc) in enumerate(conventions):
+        by_name.setdefault(cc.class_name, []).append(i)
+    keys = [cc.class_name for _, cc in conventions]
+    for name, idxs in by_name.items():
+        if len(idxs) == 1:
+            continue
+        preferred = [i for i in idxs if (conventions[i][1].path, name) in exported]
+        for i in idxs:
+            if len(preferred) == 1 and i == preferred[0]:
+                continue
+            keys[i] = f"{conventions[i][1].path}:{name}"
+    return keys

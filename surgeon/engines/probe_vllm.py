@@ -1,0 +1,233 @@
+"""vLLM: classes that own aux hidden states (``EagleModelMixin`` holders) and the outer classes the
+engine drives through ``SupportsEagle3``.
+
+The GPU model runner does ``model.set_aux_hidden_state_layers(ids or
+model.get_eagle3_default_aux_hidden_state_layers())``. Both methods live in
+``model_executor/models/interfaces.py`` (``SupportsEagle3``), which forwards to the holder's
+``EagleModelMixin._set_aux_hidden_state_layers`` (``tuple(sorted(set(layers)))``); models may
+override either. The probe runs those bodies symbolically from the installed ``interfaces.py``
+and model files, so sorting, de-duplication, the default and any override are read, not assumed.
+
+Runtime machinery the interpreter cannot read into is modelled here, each from its documented
+behaviour: ``SupportsMultiModal.get_language_model`` returns the module built inside
+``with self._mark_language_model(...)``; ``init_vllm_registered_model(..., architectures=[A])``
+builds the class the registry (``registry.py``) maps ``A`` to (without ``architectures`` the
+class comes from the checkpoint's config at runtime, which the probe says rather than guesses);
+``initialize_model(..., model_class=C)`` builds ``C``.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import libcst as cst
+import libcst.matchers as m
+
+from surgeon.engines.classify import EntryPoint, Target
+from surgeon.engines.interp import ClassRef, Const, Hooks, Interp, Obj, Tup, Unknown, Value
+from surgeon.engines.source import ClassKey, SourceIndex
+
+MODELS = "model_executor/models"
+INTERFACES = f"{MODELS}/interfaces.py"
+REGISTRY = f"{MODELS}/registry.py"
+MIXIN: ClassKey = (INTERFACES, "EagleModelMixin")
+PROTOCOL: ClassKey = (INTERFACES, "SupportsEagle3")
+MULTIMODAL: ClassKey = (INTERFACES, "SupportsMultiModal")
+SETTER = "set_aux_hidden_state_layers"
+DEFAULT = "get_eagle3_default_aux_hidden_state_layers"
+HOLDER_SETTER = "_set_aux_hidden_state_layers"
+ATTR = "aux_hidden_state_layers"
+TRIGGERS = ("SupportsEagle3", "EagleModelMixin", SETTER, ATTR)
+
+OUTER = EntryPoint(setter=SETTER, default_method=DEFAULT, default_through_rule=True)
+
+
+def select(index: SourceIndex) -> tuple[list[Target], list[str]]:
+    files, names = index.prefilter(TRIGGERS)
+    targets: list[Target] = []
+    holder_entry = EntryPoint(setter=HOLDER_SETTER)
+    direct_entry = EntryPoint(setter=None, attr=ATTR)
+    for ci in index.classes_in(files):
+        if ci.name not in names:
+            continue
+        if ci.path == INTERFACES:
+            continue
+        mro = index.mro(ci.key)
+        own = set(ci.functions)
+        outer = PROTOCOL in mro or index.find_function(ci.key, SETTER) is not None
+        owns_attr = any(_init_assigns(index, k, ATTR) for k in mro)
+        holder = MIXIN in mro or owns_attr
+        bases = set(index.bases(ci.key))
+        defines = bool(
+            bases & {PROTOCOL, MIXIN}
+            or own & {SETTER, DEFAULT, HOLDER_SETTER}
+            or _init_assigns(index, ci.key, ATTR)
+        )
+        if outer:
+            targets.append(Target(ci.key, OUTER, defines))
+        elif holder:
+            entry = holder_entry if index.find_function(ci.key, HOLDER_SETTER) else direct_entry
+            targets.append(Target(ci.key, entry, defines))
+    return targets, files
+
+
+def _init_assigns(index: SourceIndex, key: ClassKey, attr: str) -> bool:
+    """The class's constructor assigns ``self.<attr>`` (a text search of ``__init__``, then ast)."""
+    info = index.class_info(key)
+    if info is None or "__init__" not in info.functions:
+        return False
+    fi = info.functions["__init__"]
+    if f"self.{attr}" not in index.function_text(key, fi):
+        return False
+    for node in ast.walk(fi.node):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == "self":
+                return True
+    return False
+
+
+def registry(index: SourceIndex) -> dict[str, ClassKey]:
+    """Architecture name -> class, from ``registry.py``'s tables (read with ast, never imported).
+    ``_VLLM_MODELS`` merges the tables in order, later ones winning; it is honoured when present."""
+    mod = index.module(REGISTRY)
+    if mod is None:
+        return {}
+    tables: dict[str, dict[str, ClassKey]] = {}
+    for name, value in mod.assigns.items():
+        if isinstance(value, ast.Dict):
+            table: dict[str, ClassKey] = {}
+            for k, v in zip(value.keys, value.values):
+                if (isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Tuple)
+                        and len(v.elts) == 2 and all(isinstance(e, ast.Constant) for e in v.elts)):
+                    module, cls = v.elts[0].value, v.elts[1].value  # type: ignore[attr-defined]
+                    path = f"{MODELS}/{module.replace('.', '/')}.py"
+                    table[k.value] = (path, cls)
+            tables[name] = table
+    merged: dict[str, ClassKey] = {}
+    order = []
+    combined = mod.assigns.get("_VLLM_MODELS")
+    if isinstance(combined, ast.Dict):
+        order = [v.id for k, v in zip(combined.keys, combined.values) if k is None and isinstance(v, ast.Name)]
+    for name in order or list(tables):
+        merged.update(tables.get(name, {}))
+    return merged
+
+
+class VllmHooks(Hooks):
+    def __init__(self, index: SourceIndex) -> None:
+        self.index = index
+        self._registry: dict[str, ClassKey] | None = None
+
+    @property
+    def table(self) -> dict[str, ClassKey]:
+        if self._registry is None:
+            self._registry = registry(self.index)
+        return self._registry
+
+    def call_function(self, interp: Interp, name: str, args: list[Value], kwargs: dict[str, Value]) -> Value | None:
+        if name == "init_vllm_registered_model":
+            archs = kwargs.get("architectures")
+            if archs is None:
+                return Unknown("a language model whose class the registry picks at runtime from the checkpoint's "
+                               "text config (init_vllm_registered_model without architectures=)")
+            if isinstance(archs, Tup) and archs.items and isinstance(archs.items[0], Const):
+                arch = archs.items[0].value
+                target = self.table.get(arch)
+                if target is None or self.index.class_info(target) is None:
+                    return Unknown(f"architecture {arch!r}, which the registry does not map to a model file")
+                return Obj(target, f"{target[1]}()")
+            return Unknown("init_vllm_registered_model with computed architectures")
+        if name == "initialize_model":
+            cls = kwargs.get("model_class")
+            if isinstance(cls, ClassRef):
+                return Obj(cls.cls, f"{cls.cls[1]}()")
+            return Unknown("initialize_model without a model_class the probe can resolve")
+        return None
+
+    def call_method(self, interp: Interp, owner: ClassKey, name: str, obj: Obj | None,
+                    args: list[Value], kwargs: dict[str, Value]) -> Value | None:
+        if owner == MULTIMODAL and name == "get_language_model" and obj is not None:
+            return self._language_model(interp, obj)
+        return None
+
+    def _language_model(self, interp: Interp, obj: Obj) -> Value:
+        """The attribute assigned inside ``with self._mark_language_model(...)`` in a constructor."""
+        marker = m.With(items=[m.WithItem(item=m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_mark_language_model"))))])
+        names: list[str] = []
+        for k in self.index.mro(obj.cls):
+            info = self.index.class_info(k)
+            if info is None or "__init__" not in info.functions:
+                continue
+            if "_mark_language_model" not in self.index.function_text(k, info.functions["__init__"]):
+                continue
+            fn = self.index.function(k, "__init__")
+            if fn is None:
+                continue
+            for block in fn.findall(marker):
+                self_attr = m.Attribute(value=m.Name("self"))
+                assigns = [(a.targets[0].target, a.value) for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=self_attr)]), within=block)]  # type: ignore[attr-defined]
+                assigns += [(a.target, a.value) for a in fn.findall(m.AnnAssign(target=self_attr), within=block)]  # type: ignore[attr-defined]
+                for target, value in assigns:
+                    # Only child modules are marked; tensors made by torch.* (buffers) and None are not.
+                    if value is None or m.matches(value, m.Name("None")) or _torch_call(value):
+                        continue
+                    if target.attr.value not in names:
+                        names.append(target.attr.value)
+            if names:
+                break
+        if len(names) == 1:
+            return interp.load_attr(obj, names[0])
+        if not names:
+            return Unknown(f"{obj.cls[1]} marks no language model (get_language_model would raise)")
+        return Unknown(f"{obj.cls[1]} marks several language-model modules ({', '.join(names)})")
+
+
+def _torch_call(node: cst.BaseExpression) -> bool:
+    if not isinstance(node, cst.Call):
+        return False
+    func = node.func
+    while isinstance(func, cst.Attribute):
+        func = func.value
+    return m.matches(func, m.Name("torch"))
+
+
+def hooks(index: SourceIndex) -> Hooks:
+    return VllmHooks(index)
+
+
+def extra_notes(index: SourceIndex):
+    """Notes on look-alike methods the interface never calls (e.g. ``get_eagle3_aux_hidden_state_layers``
+    defined where ``get_eagle3_default_aux_hidden_state_layers`` is what the engine calls)."""
+    proto = index.class_info(PROTOCOL)
+    interface = set(proto.functions) if proto else {SETTER, DEFAULT}
+
+    def notes(key: ClassKey) -> list[str]:
+        out = []
+        for k in index.mro(key):
+            if k[0] == INTERFACES:
+                continue
+            info = index.class_info(k)
+            for name in (info.functions if info else {}):
+                if name.startswith("get_eagle3") and name not in interface:
+                    out.append(f"{k[1]}.{name} is not part of SupportsEagle3 ({', '.join(sorted(interface))}); "
+                               f"the engine never calls it")
+        return out
+
+    return notes
+
+
+def check_interface(index: SourceIndex) -> str | None:
+    """Why the installed interfaces.py cannot be used, or None."""
+    proto = index.class_info(PROTOCOL)
+    mixin = index.class_info(MIXIN)
+    if proto is None or mixin is None:
+        return f"{INTERFACES} defines no SupportsEagle3/EagleModelMixin"
+    missing = [n for n in (SETTER, DEFAULT) if n not in proto.functions] + [n for n in (HOLDER_SETTER,) if n not in mixin.functions]
+    if missing:
+        return f"{INTERFACES} no longer defines {', '.join(missing)}"
+    return None
+
+
+def exported(index: SourceIndex, paths: list[str]) -> dict[str, ClassKey]:
+    return registry(index)

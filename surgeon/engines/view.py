@@ -1,0 +1,122 @@
+"""Which convention applies: the installed engine's probe when there is one, else the built-in
+table (and every report says which).
+
+An :class:`EngineView` is one engine as surgeon sees it in this environment. Views are cached per
+(engine, root) for the process, so a command that renders several specs probes once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from surgeon.core.conventions import EngineConvention, builtin_convention
+from surgeon.core.errors import BadInput
+from surgeon.engines.probe import EngineLocation, EngineProbe, ProbeError, locate_engine, probe_engine
+from surgeon.core.idrules import ClassConvention
+
+SERVING_ENGINES = ("sglang", "vllm")
+
+
+@dataclass
+class EngineView:
+    engine: str
+    location: EngineLocation | None
+    probe: EngineProbe | None
+
+    @property
+    def version(self) -> str | None:
+        return self.location.version if self.location else None
+
+    @property
+    def origin(self) -> str:
+        if self.probe is None:
+            return f"{self.engine} not installed: built-in table ({builtin_convention(self.engine, None).reason})"
+        return f"probe of {self.engine} {self.probe.version} at {self.probe.root}"
+
+    def class_convention(self, model_class: str | None) -> ClassConvention:
+        """The probed convention of ``model_class`` (BadInput when the installed engine has no such
+        class, or cannot say what its ids mean). Without a probe: the built-in table."""
+        if self.probe is None:
+            return builtin_convention(self.engine, model_class)
+        if model_class is None:
+            raise BadInput(f"{self.engine}: name the model class (--model-class, engines.{self.engine}.model_class or target.architecture)")
+        cc = self.probe.get(model_class)
+        if cc is None:
+            known = sorted(self.probe.classes)
+            hint = difflib.get_close_matches(model_class, known, n=3)
+            raise BadInput(
+                f"{self.engine} {self.probe.version} has no model class {model_class!r} with aux hidden-state capture"
+                + (f"; did you mean {', '.join(hint)}?" if hint else f" ({len(known)} classes: see `surgeon conventions --engine {self.engine}`)")
+            )
+        if cc.status != "classified":
+            what = "the source shows it cannot capture aux hidden states" if cc.no_capture else "the probe cannot tell what its ids mean"
+            raise BadInput(f"{self.engine} {self.probe.version} {model_class} ({cc.path}:{cc.line}): {what}: {cc.reason}")
+        return cc
+
+    def convention(self, model_class: str | None) -> EngineConvention:
+        return EngineConvention(self.class_convention(model_class), self.origin)
+
+
+def _signature(location: EngineLocation) -> tuple:
+    """What the source looks like now (names, sizes, mtimes of the model files): a view is reused
+    within a process only while this is unchanged, so an edited engine is probed again."""
+    sig: list = [location.version]
+    try:
+        for entry in sorted(os.scandir(location.models_dir), key=lambda e: e.name):
+            if entry.name.endswith(".py"):
+                st = entry.stat()
+                sig.append((entry.name, st.st_size, st.st_mtime_ns))
+    except OSError:
+        pass
+    return tuple(sig)
+
+
+@lru_cache(maxsize=16)
+def _probe_view(engine: str, location: EngineLocation, signature: tuple) -> EngineView:
+    try:
+        probe = probe_engine(engine, location.root, progress=_progress_hook.get(engine))
+    except ProbeError as e:
+        raise BadInput(f"{engine} at {location.root}: {e}") from None
+    return EngineView(engine, location, probe)
+
+
+def _open(engine: str, root: str | None) -> EngineView:
+    try:
+        location = locate_engine(engine, root)
+    except ProbeError as e:
+        if root is not None:
+            raise BadInput(f"--engine-root {root}: {e}") from None
+        return EngineView(engine, None, None)
+    return _probe_view(engine, location, _signature(location))
+
+
+_progress_hook: dict[str, Callable[[int, int], None]] = {}
+
+
+def open_engine(engine: str, root: str | Path | None = None, *, progress: Callable[[int, int], None] | None = None) -> EngineView:
+    """The view of ``engine`` at ``root`` (default: the installed package, found without
+    importing it). A bad explicit root is BadInput; a missing installation is a view without a
+    probe, which uses the built-in table and says so."""
+    if engine not in SERVING_ENGINES:
+        raise BadInput(f"unknown engine {engine!r}; expected one of {', '.join(SERVING_ENGINES)}")
+    if progress is not None:
+        _progress_hook[engine] = progress
+    try:
+        return _open(engine, None if root is None else str(Path(root).resolve()))
+    finally:
+        _progress_hook.pop(engine, None)
+
+
+def model_class_for(spec, engine: str, override: str | None = None) -> str:
+    """--model-class, else the spec's pin for the engine, else the target architecture."""
+    if override:
+        return override
+    pin = spec.pin(engine)
+    if pin is not None and pin.model_class:
+        return pin.model_class
+    return spec.model.target.architecture

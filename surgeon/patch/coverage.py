@@ -1,0 +1,441 @@
+"""Patch coverage of an installed engine: which decoder-layer loops the rewriter can patch.
+
+:func:`coverage` visits every model file of an engine (located with
+:mod:`surgeon.engines.locate`, never imported). A class *owns a decoder-layer loop* when its
+recipe's method (``forward``) holds a ``for`` loop over ``self.<layers_attr>`` (``self.layers``)
+or a ``range`` loop that indexes it; for each such class it reports whether the rewriter can
+insert the layer captures (``layer_out[k]``), the embedding capture and the final-norm capture,
+the rewriter's reason when not, and whether the engine captures natively (the engine probe's
+classified classes whose ``loop_owner`` is this class's method).
+
+Speed: the stdlib ``ast`` parser (fast) decides which files hold a loop-owning class at all
+(:func:`loop_owners_ast`); only those are parsed with libcst, in a process pool, and each file
+once (the rewriter's plan is checked on the parsed module, no code is generated).
+
+A class is a *decoder* when the loop method takes the engine's token-level inputs
+(``positions``, ``position_ids``, ``input_ids``, ``forward_batch`` or ``intermediate_tensors``);
+the others are encoder towers (vision, audio) fed with features, whose layers are not the
+residual stream a draft reads. Both are reported; :attr:`EngineCoverage.fraction` is over
+decoder classes, :attr:`EngineCoverage.fraction_all` over all of them.
+
+A class refused only because its method runs decoder layers outside the capture loop (SGLang's
+two-batch-overlap ``model_forward_stages``) is reported as patchable *with the bypass guard*
+(:attr:`ClassCoverage.with_guard`, what ``surgeon apply --guard-bypass`` does: a runtime check that
+raises when that path would run a captured layer); :attr:`EngineCoverage.fraction_guarded` counts
+those too, :attr:`EngineCoverage.fraction` does not.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from surgeon.core.errors import BadInput
+from surgeon.engines.locate import ProbeError, layout_of, locate_engine
+
+__all__ = ["ClassCoverage", "EngineCoverage", "CoverageReport", "coverage", "loop_owners_ast",
+           "render_coverage_table", "render_coverage_lines", "PROBE_POSITIONS"]
+
+PROBE_POSITIONS = frozenset({1, 2})  # layer_out[0], layer_out[1]; the embedding (0) is tried apart
+_DECODER_PARAMS = frozenset({"positions", "position_ids", "input_ids", "forward_batch", "intermediate_tensors"})
+
+
+@dataclass(frozen=True)
+class ClassCoverage:
+    path: str  # relative to the engine package, e.g. "srt/models/llama.py"
+    class_name: str
+    method: str
+    line: int
+    decoder: bool
+    layers: bool  # layer_out[k] captures can be inserted: the class is patchable
+    embed: bool  # the capture before the loop too
+    final_norm: bool
+    reason: str | None = None  # why the layers are not patchable
+    embed_reason: str | None = None
+    final_norm_reason: str | None = None
+    recipe: str | None = None  # the patches/*.yaml recipe used, None: generic
+    native: tuple[str, ...] = ()  # classes the engine's own capture covers through this loop
+    # refused for a decoder-layer bypass only: patchable with the runtime bypass guard
+    # (embed / final_norm then say what the guarded patch inserts)
+    with_guard: bool = False
+
+    @property
+    def patchable(self) -> bool:
+        return self.layers
+
+    @property
+    def patchable_with_guard(self) -> bool:
+        return self.layers or self.with_guard
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["native"] = list(self.native)
+        data["patchable"] = self.patchable
+        data["patchable_with_guard"] = self.patchable_with_guard
+        return data
+
+
+@dataclass
+class EngineCoverage:
+    engine: str
+    version: str
+    root: str
+    files: int  # model files read
+    files_parsed: int  # of those, parsed with libcst
+    classes: list[ClassCoverage] = field(default_factory=list)
+    seconds: float = 0.0
+    probe_error: str | None = None
+    unparsed: list[tuple[str, str]] = field(default_factory=list)  # (model file, why it does not parse)
+
+    def _count(self, decoder_only: bool, guarded: bool = False) -> tuple[int, int]:
+        cs = [c for c in self.classes if c.decoder or not decoder_only]
+        return sum(c.patchable_with_guard if guarded else c.patchable for c in cs), len(cs)
+
+    @property
+    def fraction(self) -> float:
+        ok, n = self._count(True)
+        return ok / n if n else 1.0
+
+    @property
+    def fraction_all(self) -> float:
+        ok, n = self._count(False)
+        return ok / n if n else 1.0
+
+    @property
+    def fraction_guarded(self) -> float:
+        """Decoder classes patchable, counting those patchable with the bypass guard."""
+        ok, n = self._count(True, guarded=True)
+        return ok / n if n else 1.0
+
+    def to_json(self) -> dict:
+        ok, n = self._count(True)
+        ok_all, n_all = self._count(False)
+        ok_g, _ = self._count(True, guarded=True)
+        ok_ga, _ = self._count(False, guarded=True)
+        return {
+            "engine": self.engine, "version": self.version, "root": self.root,
+            "files": self.files, "files_parsed": self.files_parsed, "seconds": round(self.seconds, 3),
+            "probe_error": self.probe_error,
+            "unparsed": [{"path": p, "reason": r} for p, r in self.unparsed],
+            "decoder": {"patchable": ok, "total": n, "fraction": round(self.fraction, 4),
+                        "patchable_with_guard": ok_g, "fraction_with_guard": round(self.fraction_guarded, 4)},
+            "all": {"patchable": ok_all, "total": n_all, "fraction": round(self.fraction_all, 4),
+                    "patchable_with_guard": ok_ga,
+                    "fraction_with_guard": round(ok_ga / n_all if n_all else 1.0, 4)},
+            "native": sum(bool(c.native) for c in self.classes),
+            "final_norm": sum(c.final_norm for c in self.classes),
+            "classes": [c.to_json() for c in self.classes],
+        }
+
+
+@dataclass
+class CoverageReport:
+    engines: list[EngineCoverage]
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"seconds": round(self.seconds, 3), "engines": [e.to_json() for e in self.engines]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The ast prefilter
+# ---------------------------------------------------------------------------------------------
+def _is_self_attr(node: ast.AST, attr: str) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name) \
+        and node.value.id == "self"
+
+
+def _walk_no_defs(node: ast.AST):
+    """ast.walk that does not enter nested function/class definitions or lambdas."""
+    stack = list(ast.iter_child_nodes(node))
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        yield n
+        stack.extend(ast.iter_child_nodes(n))
+
+
+def _loops_over(fn: ast.FunctionDef, attr: str) -> bool:
+    """A superset of the libcst recogniser's decoder-layer loops (rewriter._layers_loops)."""
+    for n in _walk_no_defs(fn):
+        if not isinstance(n, ast.For):
+            continue
+        if any(_is_self_attr(x, attr) for x in ast.walk(n.iter)):
+            return True
+        if isinstance(n.target, ast.Name):
+            for x in ast.walk(n):
+                if isinstance(x, ast.Subscript) and _is_self_attr(x.value, attr) and \
+                        isinstance(x.slice, ast.Name) and x.slice.id == n.target.id:
+                    return True
+    return False
+
+
+def loop_owners_ast(source: str | bytes, pairs: set[tuple[str, str]] | None = None) -> list[tuple[str, str, int, bool]]:
+    """``(class, method, line, decoder)`` for every top-level class whose ``method`` loops over
+    ``self.<attr>``, for each ``(method, attr)`` of ``pairs`` (default: forward / layers)."""
+    return _scan(source, pairs)[0]
+
+
+def _span(node: ast.stmt) -> tuple[int, int]:
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return first, node.end_lineno or node.lineno
+
+
+def _scan(source: str | bytes, pairs: set[tuple[str, str]] | None = None):
+    """The loop owners, and the line spans (1-based, inclusive) of what the rewriter reads: the
+    top-level imports and the owning classes."""
+    pairs = pairs or {("forward", "layers")}
+    if not any(f"self.{a}".encode() in (source if isinstance(source, bytes) else source.encode())
+               for _, a in pairs):
+        return [], []
+    tree = ast.parse(source)
+    out = []
+    spans = [_span(st) for st in tree.body if isinstance(st, (ast.Import, ast.ImportFrom))]
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for fn in cls.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            attrs = [a for meth, a in pairs if meth == fn.name]
+            if attrs and any(_loops_over(fn, a) for a in attrs):
+                a = fn.args
+                params = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
+                out.append((cls.name, fn.name, cls.lineno, bool(params & _DECODER_PARAMS)))
+                spans.append(_span(cls))
+                break
+    return out, spans
+
+
+# ---------------------------------------------------------------------------------------------
+# One file (in a worker)
+# ---------------------------------------------------------------------------------------------
+def _file_task(args) -> list[ClassCoverage]:
+    from surgeon.patch.rewriter import (
+        Checker, PatchApplicationError, find_recipe, load_recipes, parse, parse_reduced,
+    )
+
+    engine, path, relpath, owners, spans = args
+    recipes = _recipes_cached(load_recipes)
+    source = Path(path).read_bytes()
+    out: list[ClassCoverage] = []
+    # the rewriter's own reduction (same line numbers; encoding cookie, BOM and default indent
+    # kept exact, else the whole file), so that coverage reads what `surgeon apply` reads
+    reduced = parse_reduced(source, spans)
+    if reduced is not None:
+        module, source = reduced
+    else:
+        try:
+            module = parse(source, relpath)
+        except PatchApplicationError as exc:
+            return [ClassCoverage(relpath, c, meth, line, dec, False, False, False, reason=exc.reason)
+                    for c, meth, line, dec in owners]
+    for cls, meth, line, decoder in owners:
+        recipe = find_recipe(recipes, engine=engine, relpath=relpath, class_name=cls)
+        rname = None if recipe.name == "generic" else recipe.name
+
+        checker = Checker(module, relpath=relpath, class_name=cls, recipe=recipe, source_bytes=source)
+
+        def attempt(positions: set[int], final: bool, guard: bool = False) -> tuple[str | None, bool]:
+            """(refusal or None, whether the refusal is a decoder-layer bypass)"""
+            try:
+                checker.check(positions, final, guard_bypass=guard)
+                return None, False
+            except PatchApplicationError as exc:
+                return f"{exc.anchor}: {exc.reason}", ":bypass@" in exc.anchor
+
+        def plans(guard: bool) -> tuple[str | None, bool, str | None, str | None]:
+            if attempt(set(PROBE_POSITIONS) | {0}, True, guard)[0] is None:  # the usual case: one plan
+                return None, False, None, None
+            reason, bypass = attempt(set(PROBE_POSITIONS), False, guard)
+            embed_reason = attempt({0}, False, guard)[0] if reason is None else reason
+            return reason, bypass, embed_reason, attempt(set(), True, guard)[0]
+
+        reason, bypass, embed_reason, final_reason = plans(False)
+        layers, with_guard = reason is None, False
+        if bypass:
+            g_reason, _, g_embed, g_final = plans(True)
+            if g_reason is None:
+                with_guard, embed_reason, final_reason = True, g_embed, g_final
+            else:  # the guard would not be enough: say so next to the bypass
+                reason = f"{reason}; with --guard-bypass still: {g_reason}"
+        out.append(ClassCoverage(relpath, cls, meth, line, decoder, layers, embed_reason is None,
+                                 final_reason is None, reason=reason, embed_reason=embed_reason,
+                                 final_norm_reason=final_reason, recipe=rname, with_guard=with_guard))
+    return out
+
+
+_RECIPES = None
+
+
+def _recipes_cached(loader):
+    global _RECIPES
+    if _RECIPES is None:
+        _RECIPES = loader()
+    return _RECIPES
+
+
+def _native(engine: str, root: Path) -> tuple[dict[tuple[str, str], list[str]], str | None]:
+    """(loop-owner path, class) -> the probe's classified classes capturing through that loop."""
+    try:
+        from surgeon.engines.probe import probe_engine
+
+        probe = probe_engine(engine, root)
+    except Exception as exc:  # the coverage still stands without the native column
+        return {}, f"{type(exc).__name__}: {exc}"
+    out: dict[tuple[str, str], list[str]] = {}
+    for c in probe.classes.values():
+        if c.status != "classified" or not c.loop_owner or ":" not in c.loop_owner:
+            continue
+        path, _, owner = c.loop_owner.partition(":")
+        out.setdefault((path, owner.split(".")[0]), []).append(c.class_name)
+    return out, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------------
+def _prefilter(engine: str, root: Path, models_dir: Path, recipes,
+               reduce: bool = True) -> tuple[int, list, list[tuple[str, str]]]:
+    """(model files, libcst tasks, (file, why) for the files that cannot be read or parsed)"""
+    pairs_default = {("forward", "layers")}
+    tasks = []
+    unparsed = []
+    files = sorted(models_dir.rglob("*.py"))
+    for f in files:
+        relpath = f.relative_to(root).as_posix()
+        pairs = set(pairs_default)
+        for r in recipes:
+            if r.engine in (None, engine) and r.file is not None and (relpath == r.file or relpath.endswith("/" + r.file)):
+                pairs.add((r.method, r.layers_attr))
+        try:
+            owners, spans = _scan(f.read_bytes(), pairs)
+        except (SyntaxError, ValueError, OSError) as exc:  # ValueError: null bytes, bad encoding
+            unparsed.append((relpath, _why(exc)))
+            continue
+        if owners:
+            tasks.append((engine, str(f), relpath, owners, spans if reduce else None))
+    return len(files), tasks, unparsed
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"line {exc.lineno}: {exc.msg}"
+    if isinstance(exc, OSError):
+        return f"cannot be read: {exc.strerror or exc}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = None,
+             native: bool = True) -> CoverageReport:
+    """Patch coverage of ``engine`` ("sglang", "vllm" or "all") at ``root`` (package directory or a
+    folder holding it; None: the installed one). ``jobs``: worker processes (default 2; 1: none)."""
+    from surgeon.patch.rewriter import load_recipes
+
+    t0 = time.perf_counter()
+    engines = ["sglang", "vllm"] if engine == "all" else [engine]
+    recipes = load_recipes()
+    jobs = 2 if jobs is None else max(1, jobs)
+    plans = []
+    for e in engines:
+        try:
+            layout = layout_of(e)
+            loc = locate_engine(e, root)
+        except ProbeError as exc:  # a wrong engine or --engine-root: the user's input
+            where = f"--engine-root {root}" if root is not None else e
+            raise BadInput(f"{where}: {exc}") from None
+        nfiles, tasks, unparsed = _prefilter(e, loc.root, loc.root / layout.models_dir, recipes)
+        plans.append((e, loc, nfiles, tasks, unparsed))
+    # biggest files first keeps the two workers even
+    all_tasks = [(i, t) for i, (_, _, _, tasks, _) in enumerate(plans) for t in tasks]
+    all_tasks.sort(key=lambda it: -os.path.getsize(it[1][1]))
+    results: dict[int, list[ClassCoverage]] = {i: [] for i in range(len(plans))}
+    natives: dict[int, tuple[dict, str | None]] = {}
+    if jobs == 1:
+        for i, t in all_tasks:
+            results[i] += _file_task(t)
+        if native:
+            for i, (e, loc, _, _, _) in enumerate(plans):
+                natives[i] = _native(e, loc.root)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            nat_futs = ({i: pool.submit(_native, e, loc.root) for i, (e, loc, _, _, _) in enumerate(plans)}
+                        if native else {})
+            futs = [(i, pool.submit(_file_task, t)) for i, t in all_tasks]
+            for i, fut in futs:
+                results[i] += fut.result()
+            natives = {i: f.result() for i, f in nat_futs.items()}
+    report = CoverageReport([])
+    for i, (e, loc, nfiles, tasks, unparsed) in enumerate(plans):
+        nat, err = natives.get(i, ({}, None))
+        classes = sorted(results[i], key=lambda c: (c.path, c.line))
+        classes = [_with_native(c, nat) for c in classes]
+        report.engines.append(EngineCoverage(e, loc.version, str(loc.root), nfiles, len(tasks), classes,
+                                             probe_error=err, unparsed=unparsed))
+    report.seconds = time.perf_counter() - t0
+    for ec in report.engines:
+        ec.seconds = report.seconds
+    return report
+
+
+def _with_native(c: ClassCoverage, nat: dict) -> ClassCoverage:
+    names = nat.get((c.path, c.class_name))
+    if not names:
+        return c
+    from dataclasses import replace
+
+    return replace(c, native=tuple(sorted(set(names))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (for `surgeon coverage`)
+# ---------------------------------------------------------------------------------------------
+def render_coverage_lines(report: CoverageReport, *, all_classes: bool = True) -> list[str]:
+    lines = []
+    for ec in report.engines:
+        d = ec.to_json()
+        lines.append(f"{ec.engine} {ec.version}: {d['decoder']['patchable']}/{d['decoder']['total']} decoder "
+                     f"classes patchable ({ec.fraction:.1%}), {d['decoder']['patchable_with_guard']} with the "
+                     f"bypass guard ({ec.fraction_guarded:.1%}); {d['all']['patchable']}/{d['all']['total']} "
+                     f"with encoder towers; {ec.files_parsed} of {ec.files} files parsed with libcst")
+        if ec.probe_error:
+            lines.append(f"  native capture unknown: {ec.probe_error}")
+        for path, why in ec.unparsed:
+            lines.append(f"  ERR {path}: does not parse ({why}): its classes are not counted")
+        for c in ec.classes:
+            if not all_classes and c.patchable:
+                continue
+            what = ",".join(k for k, v in (("layers", c.layers), ("embed", c.embed), ("final_norm", c.final_norm)) if v)
+            tag = "ok " if c.patchable else "GRD" if c.with_guard else "NO "
+            kind = "" if c.decoder else " [encoder]"
+            nat = f" native: {', '.join(c.native)}" if c.native else ""
+            lines.append(f"  {tag}{c.path}:{c.line} {c.class_name}.{c.method}{kind} [{what or '-'}]{nat}")
+            for label, r in (("", c.reason), ("embed: ", c.embed_reason if c.layers else None),
+                             ("final_norm: ", c.final_norm_reason if c.layers else None)):
+                if r:
+                    lines.append(f"       {label}{r}")
+    return lines
+
+
+def render_coverage_table(report: CoverageReport):
+    """A rich Table: one row per loop-owning class."""
+    from rich.table import Table
+
+    table = Table(title="patch coverage", show_lines=False)
+    for col in ("engine", "file", "class", "kind", "layers", "with guard", "embed", "final_norm", "native", "reason"):
+        table.add_column(col, overflow="fold")
+    for ec in report.engines:
+        for c in ec.classes:
+            yes = lambda v: "yes" if v else "no"  # noqa: E731
+            table.add_row(ec.engine, f"{c.path}:{c.line}", c.class_name, "decoder" if c.decoder else "encoder",
+                          yes(c.layers), yes(c.patchable_with_guard), yes(c.embed), yes(c.final_norm),
+                          ", ".join(c.native),
+                          c.reason or (c.final_norm_reason and f"final_norm: {c.final_norm_reason}") or "")
+    table.caption = "; ".join(f"{ec.engine}: {ec.fraction:.0%} of decoder classes patchable, {ec.fraction_guarded:.0%} "
+                              "with the bypass guard" for ec in report.engines)
+    return table

@@ -1,0 +1,1 @@
+"""Run: the real vLLM engine in a subprocess, tiny models, and the demo."""

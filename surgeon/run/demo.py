@@ -1,0 +1,158 @@
+"""`surgeon demo`: the whole loop on the real vLLM engine, on a tiny model made here.
+
+1. make a tiny random HF model from the demo spec's target (``specs/demo-tiny-llama-eagle3.yaml``,
+   adjacent layers a few percent apart so every layer is distinguishable);
+2. record the HF reference of every point for the prompt;
+3. ``apply`` the spec to the installed vLLM's model file (dump-mode hooks next to it);
+4. run vLLM on the model (a subprocess) and drain the captures into a self-describing dump;
+5. ``revert`` the patch and check the model file is byte-identical (always, even on failure);
+6. ``verify`` the dump against the reference: every slot is what the spec says;
+7. a mis-wired variant, the mistake that started this project (the labels shifted to
+   ``[embed, layer_out[1], layer_out[3]]``), is caught: each slot's true point is named, and the
+   heatmap is written to a PNG;
+8. print where everything is (the CLI).
+
+The library function :func:`run_demo` does the work and reports each step to a callback; the CLI
+shows it with rich.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from surgeon.core.errors import BadInput
+
+DEMO_SPEC = Path(__file__).resolve().parents[2] / "specs" / "demo-tiny-llama-eagle3.yaml"
+PROMPT = [1, 41, 293, 90, 28, 114, 105, 75, 272, 178, 39, 287, 15, 56, 302, 45, 136, 34, 29, 103, 76,
+          264, 100, 256, 165, 235, 2]  # 27 tokens, inside the tiny models' vocabulary (320)
+_FAMILY = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
+           "MistralForCausalLM": "mistral"}
+
+
+@dataclass
+class DemoResult:
+    workdir: Path
+    model: Path
+    spec: Path
+    wrong_spec: Path
+    reference: Path
+    dump: Path
+    heatmap: Path
+    heatmap_right: Path
+    engine_root: Path
+    model_file: str
+    right: object = None  # HarnessResult of the spec's wiring
+    wrong: object = None  # HarnessResult of the mis-wired labels
+    reverted_identical: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "ok": bool(self.right is not None and self.right.ok and self.wrong is not None and not self.wrong.ok
+                       and self.reverted_identical),
+            "workdir": str(self.workdir), "model": str(self.model), "spec": str(self.spec),
+            "wrong_spec": str(self.wrong_spec), "reference": str(self.reference), "dump": str(self.dump),
+            "heatmap": str(self.heatmap), "heatmap_right": str(self.heatmap_right),
+            "engine_root": str(self.engine_root), "model_file": self.model_file,
+            "reverted_byte_identical": self.reverted_identical,
+            "right": self.right.to_json() if self.right is not None else None,
+            "wrong": self.wrong.to_json() if self.wrong is not None else None,
+            "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
+        }
+
+
+def _wrong_spec_text(text: str) -> str:
+    """The demo spec with its captures labelled the way the Kimi-K2.5 dumps were: an embed slot
+    first and every layer label one slot late (what the draft really read is unchanged)."""
+    before = "  low: layer_out[1]\n  mid: layer_out[3]\n  high: layer_out[5]\n"
+    after = "  low: embed\n  mid: layer_out[1]\n  high: layer_out[3]\n"
+    if before not in text:
+        raise BadInput(f"{DEMO_SPEC}: the demo spec's captures changed; update surgeon/demo.py with them")
+    return (text.replace(before, after).replace("name: demo-tiny-llama-eagle3", "name: demo-tiny-llama-eagle3-miswired")
+            .replace("dumps: {layout: specforge, ", "dumps: {").split("engines:")[0])
+
+
+def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: None,
+             note: Callable[[str], None] = lambda s: None, engine_root: str | Path | None = None) -> DemoResult:
+    """Run the demo in ``workdir`` (created; must be empty or absent). ``step`` is called with the
+    title of each step as it starts, ``note`` with one-line details."""
+    import torch
+
+    from surgeon.verify.harness import match, plot_heatmap
+    from surgeon.patch.apply import apply_spec, manager_for, revert_patch
+    from surgeon.verify.reference import capture_reference, save_reference
+    from surgeon.core.spec import load_spec
+    from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
+    from surgeon.run.vllm_runner import run_vllm
+
+    work = Path(workdir)
+    if work.exists() and any(work.iterdir()):
+        raise BadInput(f"{work}: exists and is not empty; the demo writes into a new folder")
+    work.mkdir(parents=True, exist_ok=True)
+    work = work.resolve()
+    t: dict[str, float] = {}
+
+    spec_path = work / "spec.yaml"
+    spec_text = DEMO_SPEC.read_text(encoding="utf-8")
+    spec_path.write_text(spec_text, encoding="utf-8")
+    spec = load_spec(spec_path)
+    wrong_path = work / "spec-miswired.yaml"
+    wrong_path.write_text(_wrong_spec_text(spec_text), encoding="utf-8")
+    load_spec(wrong_path)
+    family = _FAMILY.get(spec.model.target.architecture)
+    if family is None:
+        raise BadInput(f"{DEMO_SPEC}: the demo makes {', '.join(_FAMILY)} models, not {spec.model.target.architecture}")
+
+    step(f"making a tiny random {family} ({spec.num_layers} layers, hidden {spec.hidden_size})")
+    t0 = time.perf_counter()
+    model = make_tiny_model(family, work / "model", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                            residual_scale=GAP_SCALES[family])
+    t["model"] = time.perf_counter() - t0
+
+    step("recording the HF reference of every point")
+    t0 = time.perf_counter()
+    ref_path = work / "reference.safetensors"
+    save_reference(capture_reference(model, torch.tensor(PROMPT)), ref_path)
+    t["reference"] = time.perf_counter() - t0
+
+    manager = manager_for("vllm", engine_root)
+    step(f"applying {spec.name} to vLLM at {manager.root}")
+    t0 = time.perf_counter()
+    plan = apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128, dry_run=True).plan
+    model_file = manager.root / plan.model_file
+    if manager.owners().get(plan.model_file):
+        raise BadInput(f"{model_file} is already patched by {manager.owners()[plan.model_file]}: "
+                       f"`surgeon revert` it first; the demo starts from the engine as shipped")
+    original_sha = hashlib.sha256(model_file.read_bytes()).hexdigest()  # the file as it is before the demo
+    apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128)
+    t["apply"] = time.perf_counter() - t0
+    note(f"patched {plan.model_file} ({plan.loop_class}): " + ", ".join(a.split(":")[-1] for a in plan.anchors))
+    note(f"created {plan.hooks_file}")
+    try:
+        step("running the model on vLLM (starting the engine takes a while on a CPU)")
+        t0 = time.perf_counter()
+        run = run_vllm(model, [PROMPT], mode="hooks", out_dir=work / "dumps", progress=note)
+        t["vllm"] = time.perf_counter() - t0
+    finally:
+        step("reverting the patch")
+        t0 = time.perf_counter()
+        revert_patch(plan.name, engine="vllm", engine_root=engine_root)
+        t["revert"] = time.perf_counter() - t0
+    identical = hashlib.sha256(model_file.read_bytes()).hexdigest() == original_sha and not (manager.root / plan.hooks_file).exists()
+    note(f"{plan.model_file} is byte-identical to before: {identical}")
+    dump = run.dumps[0]
+
+    step("verifying the dump against the HF reference")
+    t0 = time.perf_counter()
+    right = match(dump, str(ref_path), spec=spec)
+    plot_heatmap(right, work / "heatmap.png")
+    step("checking a mis-wired variant: the same dump labelled [embed, layer_out[1], layer_out[3]]")
+    wrong = match(dump, str(ref_path), spec=load_spec(wrong_path))
+    plot_heatmap(wrong, work / "heatmap-miswired.png")
+    t["verify"] = time.perf_counter() - t0
+    return DemoResult(work, model, spec_path, wrong_path, ref_path, dump, work / "heatmap-miswired.png",
+                      work / "heatmap.png", manager.root, plan.model_file, right, wrong, identical, t)

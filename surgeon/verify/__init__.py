@@ -1,0 +1,1 @@
+"""Verify: HF references, fingerprints, slot identification, subjects and the pytest plugin."""

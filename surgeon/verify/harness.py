@@ -1,0 +1,225 @@
+"""The wiring harness: read a subject, get a reference, align tokens, identify every slot, and say
+what to change. `surgeon match`, `surgeon verify`, `surgeon fingerprint` and the pytest plugin are
+thin shells over :func:`match`.
+
+References are ``hf:DIR`` (an HF model folder, run here on the subject's input ids), a reference
+file written by ``surgeon reference`` / :func:`surgeon.verify.reference.save_reference`, or a fingerprint
+file (:mod:`surgeon.verify.fingerprint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from surgeon.core.conventions import EAGLE, NotExpressible
+from surgeon.core.errors import BadInput
+from surgeon.core.points import Point
+from surgeon.core.spec import Spec
+from surgeon.verify.subjects import Subject, align, read_subject
+from surgeon.capture.tensorfiles import safetensors_kind
+
+
+
+
+def parse_input_ids(text: str | None) -> torch.Tensor | None:
+    if text is None:
+        return None
+    try:
+        ids = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise BadInput(f"--input-ids {text[:40]!r}: expected integers separated by commas or spaces") from None
+    if not ids:
+        raise BadInput("--input-ids is empty")
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def load_reference_arg(ref: str, input_ids: torch.Tensor | None):
+    """A Reference or a Fingerprint from a ``--reference`` argument."""
+    if ref.startswith("hf:"):
+        from surgeon.verify.reference import capture_reference
+
+        if input_ids is None:
+            raise BadInput("an hf: reference needs input ids: the subject carries none, so pass --input-ids")
+        return capture_reference(ref[3:], input_ids)
+    path = Path(ref)
+    if not path.is_file():
+        raise BadInput(f"--reference {ref}: no such file (use hf:DIR for a model folder)")
+    kind = safetensors_kind(path)
+    if kind == "reference":
+        from surgeon.verify.reference import load_reference
+
+        return load_reference(path)
+    if kind == "fingerprint":
+        from surgeon.verify.fingerprint import load_fingerprint
+
+        return load_fingerprint(path)
+    if kind == "dump":  # an engine's sweep (every point captured): a reference where HF cannot run
+        from surgeon.capture.dumps import read_dump
+        from surgeon.verify.reference import Reference
+
+        d = read_dump(path)
+        return Reference(states={p: t.float() for _, p, t in d.captures}, input_ids=d.input_ids,
+                         num_layers=d.num_layers, hidden_size=d.hidden_size,
+                         source=f"{d.meta.get('engine') or 'dump'}:{path}")
+    raise BadInput(f"--reference {ref}: not a surgeon reference or fingerprint file (surgeon.kind is {kind!r})")
+
+
+def _slice_reference(ref, window: slice):
+    from surgeon.verify.fingerprint import Fingerprint
+
+    if window == slice(None):
+        return ref
+    if isinstance(ref, Fingerprint):
+        return replace(ref, input_ids=ref.input_ids[window], proj={k: v[window] for k, v in ref.proj.items()},
+                       norms={k: v[window] for k, v in ref.norms.items()}, first={k: v[window] for k, v in ref.first.items()})
+    return replace(ref, input_ids=ref.input_ids[window], states={k: v[window] for k, v in ref.states.items()})
+
+
+@dataclass
+class HarnessResult:
+    subject: Subject
+    reference_source: str
+    alignment: str
+    report: Any  # surgeon.verify.identify.MatchReport
+    num_layers: int
+    engine_ids: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(s.verdict == "ok" for s in self.report.slots)
+
+    def to_json(self) -> dict:
+        """The contract of `match --json` / `verify --json`."""
+        def pt(p: Point | None) -> str | None:
+            return None if p is None else str(p)
+
+        return {
+            "slots": [{"name": s.name, "declared": pt(s.declared), "matched": pt(s.matched) or "none",
+                       "rel_err": float(s.rel_err), "margin": float(s.margin), "verdict": s.verdict}
+                      for s in self.report.slots],
+            "diagnosis": [{"kind": d.kind, "detail": d.detail} for d in self.report.diagnosis],
+            "suggested": {"captures": {k: str(v) for k, v in self.report.suggested_captures.items()},
+                          "engine_ids": self.engine_ids},
+            "subject": self.subject.source, "layout": self.subject.layout, "reference": self.reference_source,
+            "alignment": self.alignment, "notes": self.notes,
+        }
+
+
+def _declare_from_spec(subject: Subject, spec: Spec, explicit_slots: bool) -> list[str]:
+    notes = []
+    names = subject.names
+    if not explicit_slots:
+        order = spec.dump_slots
+        if len(order) == len(names):
+            names = order
+            notes.append(f"slots named from the spec's dump slots: {', '.join(order)}")
+        else:
+            raise BadInput(f"{subject.source} holds {len(names)} slots, the spec's dump slots are {len(order)} "
+                           f"({', '.join(order)}): pass --slots")
+    slots = []
+    differ = []
+    for (old, declared, t), name in zip(subject.slots, names):
+        if name in spec.captures:
+            if declared is not None and declared != spec.captures[name]:
+                differ.append(f"{old}: {declared} -> {name}: {spec.captures[name]}")
+            declared = spec.captures[name]
+        slots.append((name, declared, t))
+    subject.slots = slots
+    if differ:  # a self-describing dump labelled otherwise by this spec: say so, the spec is what is checked
+        notes.append("the spec's labels replace the subject's own: " + "; ".join(differ))
+    return notes
+
+
+def suggested_engine_ids(spec: Spec, captures: dict[str, Point]) -> dict[str, Any]:
+    """Each engine's ids for the corrected fc input (the spec's fc names, with matched points)."""
+    from surgeon.engines.view import model_class_for, open_engine
+
+    if spec.model.draft is None:
+        return {}
+    points = [captures.get(n, spec.captures[n]) for n in spec.fc_names]
+    out: dict[str, Any] = {}
+    for engine in ("sglang", "vllm"):
+        try:
+            conv = open_engine(engine).convention(model_class_for(spec, engine))
+            out[engine] = conv.encode(points, spec.num_layers)
+        except (BadInput, NotExpressible) as e:
+            out[engine] = f"not expressible: {e}"
+    try:
+        out["eagle"] = EAGLE.encode(points, spec.num_layers)
+    except NotExpressible as e:
+        out["eagle"] = f"not expressible: {e}"
+    return out
+
+
+def match(subject_path: str | Path, reference: str, *, spec: Spec | None = None, slots: Sequence[str] = (),
+          input_ids: str | None = None) -> HarnessResult:
+    from surgeon.verify.identify import identify
+
+    L = spec.num_layers if spec else None
+    subject = read_subject(subject_path, slots=slots, num_layers=L)
+    notes = list(subject.notes)
+    if spec is not None:
+        notes += _declare_from_spec(subject, spec, bool(slots))
+    ids = parse_input_ids(input_ids)
+    if ids is not None:
+        n_tokens = subject.slots[0][2].shape[0]
+        if subject.input_ids is not None and not torch.equal(subject.input_ids, ids):
+            raise BadInput("--input-ids differ from the input ids the subject carries")
+        if ids.numel() != n_tokens:
+            raise BadInput(f"--input-ids has {ids.numel()} ids for {n_tokens} tokens")
+        subject.input_ids = ids
+    ref = load_reference_arg(reference, subject.input_ids)
+    n_tokens = subject.slots[0][2].shape[0]
+    s_window, r_window, how = align(subject.input_ids, ref.input_ids, n_tokens)
+    ref = _slice_reference(ref, r_window)
+    slot_list = [(n, d, t[s_window]) for n, d, t in subject.slots]
+    width = slot_list[0][2].shape[1]
+    if width != ref.hidden_size:
+        raise BadInput(f"subject hidden size {width} differs from the reference's {ref.hidden_size}: different models")
+    if spec is not None and spec.num_layers != ref.num_layers:
+        raise BadInput(f"the spec's target has {spec.num_layers} layers, the reference {ref.num_layers}")
+    report = identify(slot_list, ref, num_layers=ref.num_layers)
+    result = HarnessResult(subject, getattr(ref, "source", reference), how, report, ref.num_layers, notes=notes)
+    if spec is not None:
+        result.engine_ids = suggested_engine_ids(spec, report.suggested_captures)
+    return result
+
+
+def plot_heatmap(result: HarnessResult, path: str | Path) -> Path:
+    """Slots x candidate points, colour = log10 relative error; declared points boxed, matches
+    dotted. The wrong wiring is visible at a glance: a slot's dark cell sits off its box."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rep = result.report
+    errs = rep.errors.float().clamp_min(1e-6).log10().numpy()
+    cands = [str(c) for c in rep.candidates]
+    fig_w = max(8.0, 0.12 * len(cands) + 3)
+    fig, ax = plt.subplots(figsize=(fig_w, 1.2 + 0.55 * len(rep.slots)))
+    im = ax.imshow(errs, aspect="auto", cmap="viridis_r", vmin=-3, vmax=0.3, interpolation="nearest")
+    step = max(1, len(cands) // 40)
+    ax.set_xticks(range(0, len(cands), step))
+    ax.set_xticklabels(cands[::step], rotation=90, fontsize=7)
+    ax.set_yticks(range(len(rep.slots)))
+    ax.set_yticklabels([f"{s.name} ({s.declared or '?'})" for s in rep.slots], fontsize=8)
+    for i, s in enumerate(rep.slots):
+        if s.declared is not None and str(s.declared) in cands:
+            j = cands.index(str(s.declared))
+            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
+        if s.matched is not None:
+            ax.plot(cands.index(str(s.matched)), i, "w.", markersize=6)
+    ax.set_title(f"{Path(result.subject.source).name} vs {Path(str(result.reference_source)).name}: "
+                 "log10 relative error (red box: declared, white dot: matched)", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

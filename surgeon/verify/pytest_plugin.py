@@ -1,0 +1,82 @@
+"""pytest plugin (entry point ``pytest11``): test a repository's specs against golden fingerprints
+or an HF reference in one line.
+
+    def test_kimi_wiring(surgeon_verify):
+        surgeon_verify("specs/kimi.yaml", subject="dumps/sample0.ckpt", reference="specs/kimi.fp.safetensors")
+
+or, with no body of its own:
+
+    @pytest.mark.surgeon_wiring("specs/kimi.yaml", subject="dumps/sample0.ckpt", reference="hf:models/tiny")
+    def test_kimi_wiring(surgeon_verify):
+        surgeon_verify()
+
+A failure names every wrong slot with its true point and the corrected ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "surgeon_wiring(spec, subject=..., reference=..., slots=(), input_ids=None): verify a dump against a spec's declared wiring",
+    )
+
+
+class WiringError(AssertionError):
+    """The subject's slots are not what the spec declares."""
+
+
+def _format(result) -> str:
+    lines = [f"wiring of {result.subject.source} differs from the spec:"]
+    for s in result.report.slots:
+        if s.verdict != "ok":
+            lines.append(f"  {s.name}: declared {s.declared}, is {s.matched or 'nothing known'} "
+                         f"(rel err {s.rel_err:.4f}, margin {s.margin:.1f}x, {s.verdict})")
+    lines += [f"  {d.kind}: {d.detail}" for d in result.report.diagnosis]
+    if result.engine_ids:
+        lines.append(f"  corrected engine ids: {result.engine_ids}")
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def surgeon_verify(request: pytest.FixtureRequest):
+    """A callable ``verify(spec, subject=..., reference=..., slots=(), input_ids=None)`` that
+    returns the harness result when every slot is what the spec declares and fails the test with
+    each wrong slot's true point otherwise. Without arguments it takes them from the test's
+    ``surgeon_wiring`` marker. Relative paths resolve against the test file's folder."""
+    from surgeon.verify.harness import match
+    from surgeon.core.spec import load_spec
+
+    base = Path(str(request.node.fspath)).parent
+    marker = request.node.get_closest_marker("surgeon_wiring")
+
+    def resolve(p: str | None) -> str | None:
+        if p is None or p.startswith("hf:") and Path(p[3:]).is_absolute():
+            return p
+        if p.startswith("hf:"):
+            return "hf:" + str(base / p[3:])
+        return str(base / p) if not Path(p).is_absolute() else p
+
+    def verify(spec: str | None = None, *, subject: str | None = None, reference: str | None = None,
+               slots=(), input_ids: str | None = None):
+        if spec is None:
+            if marker is None:
+                raise pytest.UsageError("surgeon_verify() without arguments needs a @pytest.mark.surgeon_wiring marker")
+            spec = marker.args[0] if marker.args else marker.kwargs["spec"]
+            subject = subject or marker.kwargs.get("subject")
+            reference = reference or marker.kwargs.get("reference")
+            slots = slots or marker.kwargs.get("slots", ())
+            input_ids = input_ids or marker.kwargs.get("input_ids")
+        if subject is None or reference is None:
+            raise pytest.UsageError("surgeon_verify needs subject= and reference=")
+        result = match(resolve(subject), resolve(reference), spec=load_spec(resolve(spec)), slots=slots, input_ids=input_ids)
+        if not result.ok:
+            raise WiringError(_format(result))
+        return result
+
+    return verify

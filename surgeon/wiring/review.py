@@ -1,0 +1,137 @@
+"""`surgeon review OLD NEW`: a pull-request comment saying what changed physically.
+
+A reviewer sees, per capture, the point it was and is, the fc slots that now read something else
+(the change that silently costs acceptance), and each engine's ids before and after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from surgeon.core.errors import BadInput
+from surgeon.wiring.render import IdList, fc_ids
+from surgeon.core.spec import Spec
+
+_TARGETS = (("sglang", "SGLang `eagle_config` ids"), ("vllm", "vLLM `eagle_aux_hidden_state_layer_ids`"),
+            ("eagle", "SpecForge / EAGLE config ids"), ("hf", "HF `hidden_states` indices"))
+
+
+@dataclass
+class Review:
+    markdown: str
+    fc_changed: bool
+    data: dict
+
+
+def _md(value: object) -> str:
+    """Text from a spec, safe inside a Markdown table cell and inline code."""
+    return str(value).replace("\\", "\\\\").replace("`", "'").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
+def _ids_text(lst: IdList) -> str:
+    return f"`{lst.ids}`" if lst.ok else f"not expressible ({_md(lst.error)})"
+
+
+def _fc_ids(spec: Spec, target: str, root) -> IdList | None:
+    if not spec.fc_names:
+        return None
+    try:
+        return fc_ids(spec, target, engine_root=root)
+    except BadInput as e:
+        return IdList(target, "", None, f"unavailable: {e}")
+
+
+def _pin_rows(old: Spec, new: Spec) -> list[str]:
+    rows = []
+    for engine in ("sglang", "vllm"):
+        a, b = old.pin(engine), new.pin(engine)
+        for fld in ("version", "model_file", "model_class", "ids", "offset"):
+            va = getattr(a, fld) if a else None
+            vb = getattr(b, fld) if b else None
+            if va != vb:
+                rows.append(f"| {engine} | `{fld}` | {'`%s`' % _md(va) if va is not None else '—'} | {'`%s`' % _md(vb) if vb is not None else '—'} |")
+    return rows
+
+
+def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) -> Review:
+    roots = roots or {}
+    lines: list[str] = []
+    title = _md(old.name if old.name == new.name else f"{old.name} → {new.name}")
+    lines.append(f"### surgeon review: `{title}`")
+    lines.append("")
+    lines.append(f"`{_md(old.file)}` (sha256 `{old.sha256[:12]}`) → `{_md(new.file)}` (sha256 `{new.sha256[:12]}`)")
+    lines.append("")
+    if old.num_layers != new.num_layers or old.hidden_size != new.hidden_size or old.model.target.architecture != new.model.target.architecture:
+        t0, t1 = old.model.target, new.model.target
+        lines.append(f"**Target changed:** {_md(t0.architecture)} L={t0.num_layers} H={t0.hidden_size} → {_md(t1.architecture)} L={t1.num_layers} H={t1.hidden_size}")
+        lines.append("")
+
+    fc_old = list(zip(old.fc_names, old.fc_points))
+    fc_new = list(zip(new.fc_names, new.fc_points))
+    fc_changed = [p for _, p in fc_old] != [p for _, p in fc_new]
+    if fc_changed:
+        lines.append("> [!WARNING]")
+        lines.append("> The draft's fc input changed physically: a draft trained on the old wiring now reads other states "
+                     "(acceptance drops without any error). Retrain the draft, or keep the old wiring.")
+        lines.append("")
+    elif fc_old != fc_new:
+        lines.append("fc input renamed only: every slot reads the same physical state.")
+        lines.append("")
+
+    lines.append("#### Captures")
+    lines.append("| capture | was | now | |")
+    lines.append("|---|---|---|---|")
+    names = list(old.captures) + [n for n in new.captures if n not in old.captures]
+    cap_rows = []
+    for n in names:
+        a, b = old.captures.get(n), new.captures.get(n)
+        change = "added" if a is None else "removed" if b is None else "**changed**" if a != b else ""
+        lines.append(f"| `{_md(n)}` | {a or '—'} | {b or '—'} | {change} |")
+        cap_rows.append({"name": n, "was": str(a) if a else None, "now": str(b) if b else None})
+    lines.append("")
+
+    lines.append("#### fc input (the order the draft's fc concatenates)")
+    lines.append("| slot | was | now | |")
+    lines.append("|---|---|---|---|")
+    for i in range(max(len(fc_old), len(fc_new))):
+        a = fc_old[i] if i < len(fc_old) else None
+        b = fc_new[i] if i < len(fc_new) else None
+        flag = "**changed**" if (a and a[1]) != (b and b[1]) else ""
+        lines.append(f"| {i} | {f'`{_md(a[0])}` = {a[1]}' if a else '—'} | {f'`{_md(b[0])}` = {b[1]}' if b else '—'} | {flag} |")
+    lines.append("")
+
+    lines.append("#### Engine ids")
+    lines.append("| consumer | before | after |")
+    lines.append("|---|---|---|")
+    ids_rows = []
+    origins: set[str] = set()
+    for target, label in _TARGETS:
+        root = roots.get(target)
+        before = _fc_ids(old, target, root)
+        after = _fc_ids(new, target, root)
+        conv = (after or before).convention if (after or before) else target
+        lines.append(f"| {label} (`{conv}`) | {_ids_text(before) if before else '—'} | {_ids_text(after) if after else '—'} |")
+        ids_rows.append({"target": target, "before": before.ids if before else None, "after": after.ids if after else None})
+        if target in ("sglang", "vllm") and after is not None and after.origin:
+            origins.add(after.origin)  # where each engine's rule was read: a probe, or the built-in table
+    for o in sorted(origins):
+        lines.append(f"<sub>{_md(o)}</sub>")
+    lines.append("")
+
+    d0 = old.model.dumps
+    d1 = new.model.dumps
+    if d0 != d1:
+        lines.append("#### Dumps")
+        lines.append(f"- was: {_md(d0.layout + ' ' + str(old.dump_slots)) if d0 else 'none'}")
+        lines.append(f"- now: {_md(d1.layout + ' ' + str(new.dump_slots)) if d1 else 'none'}")
+        lines.append("")
+
+    pins = _pin_rows(old, new)
+    if pins:
+        lines.append("#### Engine pins")
+        lines.append("| engine | field | before | after |")
+        lines.append("|---|---|---|---|")
+        lines.extend(pins)
+        lines.append("")
+    data = {"old": old.file, "new": new.file, "fc_changed": fc_changed, "captures": cap_rows, "ids": ids_rows}
+    return Review("\n".join(lines).rstrip() + "\n", fc_changed, data)
