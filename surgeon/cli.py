@@ -271,7 +271,7 @@ def export(dumps: tuple[str, ...], spec_path: str, layout: str, out_dir: str, as
 @click.option("--mode", required=True, type=click.Choice(["aux", "dump"]), help="aux: hand the fc captures to the draft; dump: keep them for drain().")
 @click.option("--max-tokens", required=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per step (buffer rows).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the module here (refuses to overwrite); default stdout.")
-def hooks(spec: str, mode: str, max_tokens: int, output: str | None) -> Any:
+def hooks(spec: str, mode: Any, max_tokens: int, output: str | None) -> Any:
     """Generate the CUDA-graph-safe capture hooks module for SPEC (checked before it is written)."""
     return _show(commands.hooks(spec=spec, mode=mode, max_tokens=max_tokens, output=output), False, show.print_generated)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence
 
 from surgeon.commands.results import DumpInfo, Exported, GeneratedText, HookCheck, write_new_file
 from surgeon.core.errors import BadInput, InternalError
 
 
-def hooks(*, spec: str, mode: str, max_tokens: int, output: str | None = None) -> GeneratedText:
+def hooks(*, spec: str, mode: Literal["aux", "dump"], max_tokens: int, output: str | None = None) -> GeneratedText:
     """The CUDA-graph-safe capture hooks module for ``spec``, checked before anyone gets it."""
     from surgeon.capture.graphsafe import check_source
     from surgeon.capture.hooks import generate_hooks_module
