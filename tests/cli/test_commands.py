@@ -274,3 +274,21 @@ def test_a_report_s_verdict_is_the_exit_code_after_it_is_rendered(tmp_path):
     spec = tiny_spec(tmp_path, fc="[high, low, mid]")
     res = CliRunner().invoke(main, ["lint", spec, "--engine", "vllm", "--json"])
     assert res.exit_code == 2 and json.loads(res.stdout)["ok"] is False
+
+
+@pytest.mark.parametrize("right_ok, wrong_ok, identical, code, problem", [
+    (True, False, True, 0, None),
+    (False, False, True, 3, "the spec's wiring failed verify"),
+    (True, True, True, 3, "the mis-wiring was not caught"),
+    (True, False, False, 1, "internal error: /eng/llama.py is not byte-identical after the revert"),
+])
+def test_the_demo_verdict(right_ok, wrong_ok, identical, code, problem):
+    from types import SimpleNamespace
+
+    from surgeon.commands.results import DemoReport
+
+    result = SimpleNamespace(right=SimpleNamespace(ok=right_ok), wrong=SimpleNamespace(ok=wrong_ok),
+                             reverted_identical=identical, engine_root=Path("/eng"), model_file="llama.py")
+    report = DemoReport(result)
+    assert report.exit_code == code and report.ok is (code == 0)
+    assert (report.problem is None) if problem is None else report.problem.endswith(problem)
