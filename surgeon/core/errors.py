@@ -1,15 +1,58 @@
-"""Error kinds the CLI turns into exit codes.
+"""The one error base, and the exit code each kind of error means.
 
-* :class:`BadInput` (and ``surgeon.core.spec.SpecError``): the user's input is wrong: a one-line
-  message (located where there is a file), exit 2, nothing written.
-* :class:`Mismatch`: the input is fine but the wiring is not what it should be (exit 3).
-* anything else is an internal error: exit 1.
+Every error surgeon raises on purpose derives from :class:`SurgeonError`, whose ``exit_code`` the
+command line turns into the exit status in one place (``surgeon.cli``), so an error raised deep in
+the library (a spec, a point, a probe, a patch, an engine run) is never mistaken for a crash:
+
+* :class:`BadInput` (exit 2): the user's input is wrong: a one-line message (located where there
+  is a file), nothing written. ``SpecError``, ``PointError``, ``ProbeError``, ``PatchError`` and
+  ``PatchApplicationError`` are bad input.
+* :class:`Mismatch` (exit 3): the input is fine but the wiring is not what it should be.
+* :class:`EngineFailure` (exit 1): an engine surgeon ran (``VllmRunError``) failed; its message
+  carries the engine's own words, which a traceback of surgeon would only hide.
+* :class:`InternalError` (exit 1): surgeon broke its own contract (generated code that fails its
+  own check, a revert that is not byte-identical).
+
+Anything else that escapes is an unexpected internal error: exit 1, one line.
 """
 
+from __future__ import annotations
 
-class BadInput(Exception):
+from typing import ClassVar
+
+
+class SurgeonError(Exception):
+    """Base of every deliberate surgeon error; ``exit_code`` is what the CLI exits with."""
+
+    exit_code: ClassVar[int] = 1
+
+    def report_lines(self) -> list[str]:
+        """What the CLI prints on stderr, one entry per line (a multi-issue error overrides it)."""
+        return [f"surgeon: {self}"]
+
+
+class BadInput(SurgeonError):
     """Wrong input from the user; the message is one line, located where there is a file."""
 
+    exit_code = 2
 
-class Mismatch(Exception):
+
+class Mismatch(SurgeonError):
     """The checked wiring differs from the spec."""
+
+    exit_code = 3
+
+
+class EngineFailure(SurgeonError):
+    """An engine run by surgeon failed; the message says how, in the engine's words."""
+
+    exit_code = 1
+
+
+class InternalError(SurgeonError):
+    """Surgeon broke a promise of its own: a bug to report, not something the user can fix."""
+
+    exit_code = 1
+
+    def report_lines(self) -> list[str]:
+        return [f"surgeon: internal error: {self}"]

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from surgeon.core.errors import BadInput
+
 PointKind = Literal["embed", "layer_out", "final_norm", "layer_delta"]
 
 _POINT_RE = re.compile(  # ASCII digits only (\d would take '１'), used with fullmatch
@@ -32,7 +34,7 @@ _POINT_RE = re.compile(  # ASCII digits only (\d would take '１'), used with fu
 _SPELLINGS = ["embed", "final_norm", "layer_out[k]", "layer_in[k]"]
 
 
-class PointError(ValueError):
+class PointError(BadInput, ValueError):
     """A point that does not parse or does not exist in the model. ``column`` is the 0-based
     offset of the offending part within the text, for located messages."""
 

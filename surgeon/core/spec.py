@@ -27,6 +27,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from surgeon.core.conventions import DUMP_LAYOUTS, NotExpressible, OffsetError, parse_offset
+from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, parse_point
 
 SPEC_VERSION = 1
@@ -60,13 +61,16 @@ class Issue:
                 "path": self.path, "message": self.message}
 
 
-class SpecError(Exception):
+class SpecError(BadInput):
     """Bad input: one or more located issues. The CLI prints each on its own line, exit 2."""
 
     def __init__(self, issues: list[Issue]):
         assert issues
         self.issues = issues
         super().__init__(str(issues[0]))
+
+    def report_lines(self) -> list[str]:
+        return [str(issue) for issue in self.issues]
 
 
 # ---------------------------------------------------------------------------------------------

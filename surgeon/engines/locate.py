@@ -12,10 +12,11 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from surgeon.core.errors import BadInput
 from surgeon.core.idrules import Engine
 
 
-class ProbeError(Exception):
+class ProbeError(BadInput):
     """The engine cannot be probed (not found, not a package, no model files). One line."""
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, EngineFailure
 
 __all__ = ["VllmRun", "VllmRunError", "run_vllm", "vllm_ids_points"]
 
@@ -54,7 +54,7 @@ _PREFIX = "surgeon-vllm: "
 _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-class VllmRunError(RuntimeError):
+class VllmRunError(EngineFailure, RuntimeError):
     """The vLLM subprocess failed: ``message`` is one line, ``stderr_tail`` the last lines it wrote."""
 
     def __init__(self, message: str, stderr_tail: str = ""):

@@ -1,0 +1,293 @@
+"""Text renderings of the command results for the terminal (rich tables and lines); ``--json``
+prints ``result.to_json()`` instead. Rendering only: every decision was made by the command."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, Callable, ContextManager, Iterator
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+if not out.is_terminal:  # piped into a file or a CI log: do not wrap tables at 80 columns
+    out = Console(highlight=False, soft_wrap=True, width=200)
+
+
+# --------------------------------------------------------------------------------------------- plumbing
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def spinner(text: str, as_json: bool) -> ContextManager[Any]:
+    """A rich spinner on a terminal; nothing under --json or in a log."""
+    return err.status(text, spinner="dots") if err.is_terminal and not as_json else contextlib.nullcontext()
+
+
+class RichProgress:
+    """The commands' progress shown on stderr: bars for probes and HF runs, spinners for the rest
+    (not under --json); nothing at all when stderr is not a terminal."""
+
+    def __init__(self, as_json: bool = False):
+        self.as_json = as_json
+
+    @contextlib.contextmanager
+    def bar(self, label: str) -> Iterator[Callable[[int, int], None]]:
+        with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("task", total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+
+    def spinner(self, label: str) -> ContextManager[Any]:
+        return spinner(label, self.as_json)
+
+
+def print_generated(result: Any) -> None:
+    """Generated text: on stdout, or a note of the new file it went to."""
+    if result.written is None:
+        click.echo(result.text, nl=False)
+    else:
+        err.print(f"wrote {escape(result.written)}")
+
+
+# --------------------------------------------------------------------------------------------- specs
+def print_lint(report: Any) -> None:
+    for r in report.results:
+        for issue in r.issues:
+            click.echo(str(issue), err=True)
+        if r.ok:
+            click.echo(f"{r.file}: ok" + "".join(f"\n  {c}" for c in r.checked))
+
+
+def print_explanation(ex: Any) -> None:
+    out.print(f"[bold]{escape(ex.spec)}[/] ({escape(ex.file)}): L={ex.num_layers}, hidden={ex.hidden_size}")
+    cols = [c for c in ("hf", "sglang", "vllm", "eagle") if c in ex.conventions]
+    table = Table(show_lines=False)
+    for h in ("capture", "point", "fc slot", "dump slot", *cols):
+        table.add_column(h)
+    footnotes: list[str] = []
+    for row in ex.rows:
+        cells = []
+        for c in cols:
+            v = row.ids.get(c)
+            if isinstance(v, str):
+                footnotes.append(f"{row.name} / {c}: {v}")
+                cells.append(f"[red]n/e[{len(footnotes)}][/]")
+            else:
+                cells.append(str(v))
+        table.add_row(row.name, row.point, "-" if row.fc_slot is None else str(row.fc_slot), row.dump_slot or "-", *cells)
+    out.print(table)
+    for i, f in enumerate(footnotes, 1):
+        out.print(f"  [{i}] {escape(f)}")
+    out.print("fc lists:")
+    for k, lst in ex.fc_lists.items():
+        out.print(f"  {k:7} " + (f"{lst.ids} -> {', '.join(lst.captures)}" if lst.ok else f"[red]{escape(lst.error or '')}[/]"))
+    out.print("conventions:")
+    for k, v in ex.conventions.items():
+        out.print(f"  {k:7} {escape(v)}")
+    for n in ex.notes:
+        out.print(f"[yellow]note:[/] {escape(n)}")
+
+
+def print_rendering(r: Any) -> None:
+    out.print(f"[bold]{escape(r.spec)}[/] for {r.target}" + (f" ({escape(r.model_class)})" if r.model_class else ""))
+    out.print(f"convention: {escape(r.convention)} ({escape(r.origin)})")
+    out.print(f"ids: {r.ids}")
+    for c in r.captures:
+        out.print(f"  fc slot {c['fc_slot']}: {c['name']} = {c['point']}  (replayed: {c['captured']})")
+    out.print("draft config fragment:")
+    out.print(json.dumps(r.draft_config, indent=2), markup=False)
+    out.print("launch: " + " ".join(r.launch_flags), markup=False)
+    if r.dump:
+        out.print("dump: " + json.dumps(r.dump), markup=False)
+    for n in r.notes:
+        out.print(f"[yellow]note:[/] {escape(n)}")
+
+
+def print_draft_check(r: Any) -> None:
+    out.print(f"[bold]{escape(r.draft)}[/] on {r.engine}" + (f" ({escape(r.model_class)})" if r.model_class else "") + f" against {escape(r.spec)}")
+    out.print(f"  expected fc input: {', '.join(r.expected)}")
+    out.print(f"  engine captures:   {', '.join(str(c) for c in r.captured)}")
+    style = {"error": "red", "warning": "yellow", "info": "dim"}
+    for f in r.findings:
+        out.print(f"  [{style[f.severity]}]{f.severity}[/] {f.kind}: {escape(f.detail)}")
+    out.print("[green]ok[/]" if r.ok else "[red]mismatch[/]")
+
+
+def _convention_groups(probe: Any) -> dict[tuple, list]:
+    """Classes whose id rule, default, ordering and capture site are identical, together."""
+    groups: dict[tuple, list] = {}
+    for c in probe.classified:
+        key = (c.id_rule.name if c.id_rule else "?", ", ".join(map(str, c.default)) if c.default else "none",
+               c.default_through_rule, c.sorts, c.dedups, c.capture_site, c.captured_value)
+        groups.setdefault(key, []).append(c)
+    return groups
+
+
+def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
+    out.print(f"[bold]{engine} {escape(probe.version)}[/] at {escape(probe.root)}: {probe.files_scanned} model files")
+    table = Table(title="conventions (classes grouped by identical rules)")
+    for h in ("id -> capture index", "default", "sorted/dedup", "captured at", "value", "classes"):
+        table.add_column(h)
+    for (rule, default, through, sorts, dedups, site, value), classes in sorted(_convention_groups(probe).items(), key=lambda kv: -len(kv[1])):
+        names = sorted(c.class_name for c in classes)
+        shown = names if show_all or len(names) <= 6 else names[:6] + [f"... {len(names) - 6} more (--all)"]
+        table.add_row(rule, f"{default}{' (through the rule)' if through else ''}",
+                      f"{'sorted' if sorts else 'layer order'}/{'dedup' if dedups else 'dups kept'}",
+                      f"layer {site}", value, "\n".join(shown))
+    out.print(table)
+    for c in probe.classified:
+        for b in c.bypasses:
+            out.print(f"[yellow]bypass[/] {c.class_name} ({escape(b.path or c.path)}:{b.line}): {escape(b.description)} (when: {escape(b.layers)})")
+    for c in probe.unclassified:
+        tag = "[yellow]no capture[/]" if c.no_capture else "[red]unclassified[/]"
+        out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")
+    for group, n in probe.coverage().items():
+        out.print(f"{group}: {n['total']} classes, {n['classified']} classified, {n['no_capture']} shown by the source not to capture, "
+                  f"{n['unclassified']} unclassified")
+
+
+# --------------------------------------------------------------------------------------------- harness
+def print_match(result: Any) -> None:
+    table = Table()
+    for h in ("slot", "declared", "matched", "rel err", "margin", "verdict"):
+        table.add_column(h)
+    style = {"ok": "green", "mismatch": "red", "no_match": "red", "unlabelled": "yellow"}
+    for s in result.report.slots:
+        table.add_row(s.name, str(s.declared or "-"), str(s.matched or "none"), f"{s.rel_err:.4f}",
+                      f"{s.margin:.1f}x", f"[{style.get(s.verdict, 'white')}]{s.verdict}[/]")
+    out.print(f"{escape(result.subject.source)} ({result.subject.layout}) vs {escape(str(result.reference_source))}; tokens: {escape(result.alignment)}")
+    out.print(table)
+    for d in result.report.diagnosis:
+        out.print(f"[red]{d.kind}[/]: {escape(d.detail)}")
+    if result.report.suggested_captures and not result.ok:
+        out.print("suggested captures: " + ", ".join(f"{k}: {v}" for k, v in result.report.suggested_captures.items()))
+    for engine, ids in result.engine_ids.items():
+        out.print(f"  {engine} ids: {escape(str(ids))}")
+    for n in result.notes:
+        out.print(f"[dim]note: {escape(n)}[/]")
+
+
+def print_dump_info(info: Any) -> None:
+    m = info.meta
+    out.print(f"[bold]{escape(info.file)}[/]: spec {escape(m.get('spec.name') or '-')} (sha256 {m.get('spec.sha256', '')[:12] or '-'}), "
+              f"{escape(m.get('engine') or '?')} {escape(m.get('engine.version', ''))}, model {escape(m.get('model') or '?')}, "
+              f"{m.get('tokens')} tokens, {m.get('dtype')}")
+    for c in info.captures:
+        out.print(f"  {c['name']}: {c['point']} {c['shape']}")
+
+
+def print_hook_check(check: Any) -> None:
+    for x in check.findings:
+        click.echo(str(x))
+    if not check.findings:
+        click.echo(f"{check.files} file(s): no graph-unsafe operations")
+
+
+# --------------------------------------------------------------------------------------------- patches
+def print_apply(outcome: Any) -> None:
+    p = outcome.plan
+    if outcome.diff is not None:
+        click.echo(outcome.diff, nl=False)
+    if outcome.result is not None and outcome.result.recovered:
+        err.print(f"recovered first: {escape(outcome.result.recovered)}")
+    where = f"{p.engine} {p.engine_version} at {p.engine_root}"
+    if not outcome.applied:
+        out.print(f"dry run: patch {escape(p.name)} would change {escape(p.model_file)} "
+                  f"({len(p.anchors)} insertions) and create {escape(p.hooks_file)} in {escape(where)}; nothing written")
+    elif outcome.result is not None and not outcome.result.changed:
+        out.print(f"patch {escape(p.name)} is already applied to {escape(p.model_file)} in {escape(where)}; nothing to do")
+    else:
+        replaced = f" (replaced {', '.join(outcome.result.replaced)})" if outcome.result and outcome.result.replaced else ""
+        out.print(f"applied patch {escape(p.name)}{escape(replaced)}: {escape(p.model_file)} "
+                  f"[{escape(p.loop_class or 'its decoder loop')}, recipe {escape(p.recipe)}] "
+                  f"and {escape(p.hooks_file)} in {escape(where)}")
+    for a in p.anchors:
+        out.print(f"  {escape(a)}")
+
+
+def print_revert(report: Any) -> None:
+    if not report.reverted:
+        out.print("no surgeon patches applied; nothing to revert")
+    for r in report.reverted:
+        if r.recovered:
+            err.print(f"recovered first: {escape(r.recovered)}")
+        out.print(f"reverted {escape(', '.join(r.reverted))} in {r.engine} at {escape(r.engine_root)}: "
+                  f"{len(r.restored)} file(s) restored byte-identical")
+        for w in r.warnings:
+            err.print(f"warning: {escape(w)}")
+
+
+def print_status(report: Any) -> None:
+    from surgeon.patch.manifest import ABSENT
+
+    if not report.patches:
+        out.print("no surgeon patches applied")
+        return
+    table = Table("engine", "patch", "spec", "state", "file", "file state")
+    for row in report.patches:
+        p = row.patch
+        for i, f in enumerate(p.files):
+            style = "" if f.state == "applied" else "bold red"
+            what = f"{f.relpath} (created)" if f.sha256_before == ABSENT else f.relpath
+            table.add_row(f"{row.engine} {p.engine_version}" if i == 0 else "", p.name if i == 0 else "",
+                          f"{p.spec_name} {p.spec_sha256[:12]}" if i == 0 else "",
+                          p.state if i == 0 else "", escape(what), f"[{style}]{f.state}[/]" if style else f.state)
+    out.print(table)
+
+
+def print_coverage(report: Any, show_all: bool) -> None:
+    from surgeon.patch.coverage import render_coverage_lines
+
+    for line in render_coverage_lines(report, all_classes=show_all):
+        click.echo(line)
+
+
+# --------------------------------------------------------------------------------------------- demo
+@contextlib.contextmanager
+def demo_display(as_json: bool, started: float) -> Iterator[tuple[Callable[[str], None], Callable[[str], None]]]:
+    """The demo's (step, note) callbacks: numbered steps with elapsed time, under a spinner."""
+    import time
+
+    n = [0]
+    status = spinner("", as_json)
+    with status:
+        def step(title: str) -> None:
+            n[0] += 1
+            line = f"[{n[0]}/7] {title}"
+            if hasattr(status, "update"):
+                status.update(escape(line))
+            err.print(f"[bold]{escape(line)}[/]  [dim]{time.perf_counter() - started:5.1f} s[/]")
+
+        def note(text: str) -> None:
+            err.print(f"      {escape(text)}")
+
+        yield step, note
+
+
+def print_demo(report: Any, started: float) -> None:
+    import time
+
+    result = report.result
+    out.print("\n[bold]the spec's wiring[/] (what vLLM captured, checked against the HF reference):")
+    print_match(result.right)
+    out.print("\n[bold]a mis-wired variant[/] (the same dump, labelled as the Kimi-K2.5 dumps were):")
+    print_match(result.wrong)
+    out.print("")
+    rows = [("work folder", result.workdir), ("tiny model", result.model), ("spec", result.spec),
+            ("mis-wired spec", result.wrong_spec), ("HF reference", result.reference), ("vLLM dump", result.dump),
+            ("heatmap (mis-wired)", result.heatmap), ("heatmap (right)", result.heatmap_right),
+            ("patched, then reverted", result.engine_root / result.model_file)]
+    table = Table("what", "where", show_header=False)
+    for what, where in rows:
+        table.add_row(what, escape(str(where)))
+    out.print(table)
+    out.print(f"model file reverted byte-identical: {result.reverted_identical}; "
+              f"total {time.perf_counter() - started:.0f} s")
+    if report.ok:
+        out.print("[green]demo ok[/]: the wiring is proven on the real engine, and the mis-wiring is named slot by slot")

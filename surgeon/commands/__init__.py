@@ -1,0 +1,47 @@
+"""The library as the command layer (as alembic's ``command.py`` and pre-commit's ``commands/``):
+one function per CLI verb, keyword-only arguments, returning a result object.
+
+The CLI (``surgeon.cli``) parses options, shows progress, calls one of these and renders what it
+returns; anything else (which engines to probe, which patch a revert means, what counts as a
+mismatch) is decided here, so a script gets the same behaviour without click.
+
+How a command says something went wrong, one way each:
+
+* Before there is a report (bad input, an engine that failed, a broken promise of surgeon's
+  own), it raises a :class:`surgeon.core.errors.SurgeonError`, whose ``exit_code`` the CLI
+  exits with.
+* A report is always returned. Its ``to_json()`` is exactly what ``--json`` prints; its verdict
+  is ``exit_code`` (absent means 0; :func:`exit_code_of` reads it): 3 when the checked wiring
+  differs (check-draft, verify, check-hooks, status, demo), 2 when lint finds invalid specs.
+  A report with a ``problem`` also names it in one line.
+
+Progress goes through a :class:`surgeon.commands.progress.Progress` (default: none shown).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from surgeon.commands.capture_commands import check_hooks, dump_info, export, hooks
+from surgeon.commands.demo_command import demo
+from surgeon.commands.harness_commands import fingerprint, match, reference, verify
+from surgeon.commands.patch_commands import apply, coverage, diff, revert, status
+from surgeon.commands.progress import QUIET, Progress
+from surgeon.commands.results import exit_code_of
+from surgeon.commands.spec_commands import (check_draft, conventions, explain, lint, render, review, schema,
+                                            sweep_spec)
+
+# Every CLI verb and the one function behind it (tests check the CLI has no other verbs).
+COMMANDS: dict[str, Callable[..., object]] = {
+    "schema": schema, "lint": lint, "explain": explain, "render": render, "check-draft": check_draft,
+    "review": review, "conventions": conventions, "sweep-spec": sweep_spec,
+    "reference": reference, "fingerprint": fingerprint, "match": match, "verify": verify,
+    "hooks": hooks, "check-hooks": check_hooks, "dump-info": dump_info, "export": export,
+    "apply": apply, "revert": revert, "status": status, "diff": diff, "coverage": coverage,
+    "demo": demo,
+}
+
+__all__ = ["COMMANDS", "QUIET", "Progress", "exit_code_of",
+           "schema", "lint", "explain", "render", "check_draft", "review", "conventions", "sweep_spec",
+           "reference", "fingerprint", "match", "verify", "hooks", "check_hooks", "dump_info", "export",
+           "apply", "revert", "status", "diff", "coverage", "demo"]

@@ -1,0 +1,57 @@
+"""Commands of the wiring harness: reference, fingerprint, match, verify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from surgeon.commands.progress import QUIET, Progress
+from surgeon.commands.results import FingerprintWritten, ReferenceWritten, Verification
+from surgeon.core.errors import BadInput
+
+
+def reference(*, model: str, input_ids: str, output: str, progress: Progress = QUIET) -> ReferenceWritten:
+    """Run the HF model folder ``model`` on ``input_ids`` and write every physical point to ``output``."""
+    from surgeon.verify.harness import parse_input_ids
+    from surgeon.verify.reference import capture_reference, save_reference
+
+    with progress.bar("running the HF reference"):
+        ref = capture_reference(model, parse_input_ids(input_ids))
+    save_reference(ref, output)
+    return ReferenceWritten(output, len(ref.states), ref.input_ids.numel(), ref.num_layers, ref.hidden_size)
+
+
+def fingerprint(*, ref: str, output: str, input_ids: str | None = None, dim: int = 64,
+                seed: int = 0) -> FingerprintWritten:
+    """Write a small fingerprint of ``ref`` (hf:DIR or a reference file) to ``output``."""
+    from surgeon.verify.fingerprint import Fingerprint, fingerprint as make_fingerprint, fingerprint_file, save_fingerprint
+    from surgeon.verify.harness import load_reference_arg, parse_input_ids
+
+    if dim < 8 or dim > 4096:
+        raise BadInput("--dim must be between 8 and 4096")
+    if not ref.startswith("hf:") and Path(ref).is_file():
+        fp = fingerprint_file(ref, dim=dim, seed=seed)
+    else:
+        loaded = load_reference_arg(ref, parse_input_ids(input_ids))
+        fp = loaded if isinstance(loaded, Fingerprint) else make_fingerprint(loaded, dim=dim, seed=seed)
+    save_fingerprint(fp, output)
+    return FingerprintWritten(output, len(fp.proj), fp.input_ids.numel(), fp.dim, fp.seed)
+
+
+def match(*, subject: str, ref: str, spec: str | None = None, slots: Sequence[str] = (),
+          input_ids: str | None = None, plot: str | None = None) -> Any:
+    """Which physical point each slot of ``subject`` really is (a HarnessResult); ``plot`` also
+    writes the slots x points heatmap there."""
+    from surgeon.core.spec import load_spec
+    from surgeon.verify.harness import match as match_subject, plot_heatmap
+
+    result = match_subject(subject, ref, spec=load_spec(spec) if spec else None, slots=slots, input_ids=input_ids)
+    if plot:
+        plot_heatmap(result, plot)
+    return result
+
+
+def verify(*, spec: str, subject: str, ref: str, slots: Sequence[str] = (), input_ids: str | None = None,
+           plot: str | None = None) -> Verification:
+    """Is every slot of ``subject`` what ``spec`` declares? Not: a mismatch (exit 3)."""
+    return Verification(match(subject=subject, ref=ref, spec=spec, slots=slots, input_ids=input_ids, plot=plot))

@@ -1,0 +1,309 @@
+"""What the command functions return when the library has no result object of its own.
+
+Every result has ``to_json()`` (the exact object ``--json`` prints) and may have ``exit_code``
+(0 when absent): the command's verdict on its report, which the CLI exits with after rendering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from surgeon.core.errors import BadInput
+
+
+def exit_code_of(result: object) -> int:
+    """The exit status a command's result asks for: 0 unless the result says otherwise."""
+    return int(getattr(result, "exit_code", 0))
+
+
+@dataclass
+class GeneratedText:
+    """Text a command generated: printed by the caller, or already written to ``written``."""
+
+    text: str
+    written: str | None = None  # the new file it was written to; None: the caller prints it
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "written": self.written}
+
+
+def write_new_file(text: str, output: str | None) -> GeneratedText:
+    """Write ``text`` to the new file ``output`` (never overwriting one), or hand it back to print."""
+    if output is None:
+        return GeneratedText(text)
+    try:
+        with open(output, "x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        raise BadInput(f"{output} exists; not overwritten") from None
+    except OSError as e:
+        raise BadInput(f"{output}: {e.strerror or e}") from None
+    return GeneratedText(text, written=output)
+
+
+@dataclass
+class SchemaResult:
+    schema: dict
+
+    def to_json(self) -> dict:
+        return self.schema
+
+
+@dataclass
+class LintReport:
+    """Every linted spec; invalid specs are bad input (exit 2), warnings are not."""
+
+    results: list[Any]  # surgeon.wiring.lint.LintResult, in argument order
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 2
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "specs": [r.to_json() for r in self.results]}
+
+
+@dataclass
+class RenderReport:
+    rendering: Any  # surgeon.wiring.render.Rendering
+    pinned: dict | None = None  # the engines.<engine> values written into the spec (--pin)
+
+    def to_json(self) -> dict:
+        return self.rendering.to_json()
+
+
+@dataclass
+class DraftVerdict:
+    """A draft checked against a spec: a draft the engine would feed wrongly is a mismatch."""
+
+    report: Any  # surgeon.wiring.draft.DraftReport
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.report.ok)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_json(self) -> dict:
+        return self.report.to_json()
+
+
+@dataclass
+class ReviewReport:
+    review: Any  # surgeon.wiring.review.Review
+
+    @property
+    def markdown(self) -> str:
+        return self.review.markdown
+
+    def to_json(self) -> dict:
+        return {**self.review.data, "markdown": self.review.markdown}
+
+
+@dataclass
+class ReferenceWritten:
+    output: str
+    points: int
+    tokens: int
+    num_layers: int
+    hidden_size: int
+
+    def to_json(self) -> dict:
+        return {"output": self.output, "points": self.points, "tokens": self.tokens,
+                "num_layers": self.num_layers, "hidden_size": self.hidden_size}
+
+
+@dataclass
+class FingerprintWritten:
+    output: str
+    points: int
+    tokens: int
+    dim: int
+    seed: int
+
+    def to_json(self) -> dict:
+        return {"output": self.output, "points": self.points, "tokens": self.tokens, "dim": self.dim, "seed": self.seed}
+
+
+@dataclass
+class Verification:
+    """A subject checked against its spec: any slot that is not what the spec declares is a mismatch."""
+
+    result: Any  # surgeon.verify.harness.HarnessResult
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.result.ok)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_json(self) -> dict:
+        return self.result.to_json()
+
+
+@dataclass
+class DumpInfo:
+    file: str
+    meta: dict  # the dump's metadata, without its captures list
+    captures: list[dict]  # name, point, shape per capture
+
+    def to_json(self) -> dict:
+        return {"file": self.file, **self.meta, "captures": self.captures}
+
+
+@dataclass
+class Exported:
+    layout: str
+    out_dir: str
+    written: list[Path]
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout, "written": [str(p) for p in self.written]}
+
+
+@dataclass
+class HookCheck:
+    """Graph-safety findings in hook files: any finding is a mismatch with the contract."""
+
+    files: int
+    findings: list[Any]  # surgeon.capture.graphsafe.Finding
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "findings": [x.to_json() for x in self.findings]}
+
+
+@dataclass
+class EngineRevert:
+    engine: str
+    engine_root: str
+    reverted: list[str]
+    restored: list[str]
+    warnings: list[str]
+    recovered: str | None
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "engine_root": self.engine_root, "reverted": self.reverted,
+                "restored": self.restored, "warnings": self.warnings, "recovered": self.recovered}
+
+
+@dataclass
+class RevertReport:
+    reverted: list[EngineRevert] = field(default_factory=list)  # empty: --all with nothing applied
+
+    def to_json(self) -> dict:
+        return {"reverted": [r.to_json() for r in self.reverted]}
+
+
+@dataclass
+class EnginePatch:
+    """One applied patch and the engine holding it."""
+
+    engine: str
+    engine_root: Path
+    patch: Any  # surgeon.patch.manifest.PatchStatus
+
+
+@dataclass
+class StatusReport:
+    """Every applied patch; a drifted or missing file is a mismatch with what was applied."""
+
+    patches: list[EnginePatch]
+
+    @property
+    def ok(self) -> bool:
+        return all(p.patch.state == "applied" for p in self.patches)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "patches": [_patch_json(p) for p in self.patches]}
+
+
+def _patch_json(row: EnginePatch) -> dict:
+    from surgeon.patch.manifest import ABSENT
+
+    p = row.patch
+    return {"engine": row.engine, "engine_root": str(row.engine_root), "name": p.name, "state": p.state,
+            "spec": {"name": p.spec_name, "sha256": p.spec_sha256},
+            "engine_version": p.engine_version, "created": p.created,
+            "files": [{"relpath": f.relpath, "state": f.state, "created": f.sha256_before == ABSENT,
+                       "sha256_before": f.sha256_before, "sha256_after": f.sha256_after} for f in p.files]}
+
+
+@dataclass
+class PatchDiff:
+    engine: str
+    patch: Any  # surgeon.patch.manifest.PatchStatus
+    diff: str
+
+    def to_json(self) -> dict:
+        from surgeon.patch.manifest import ABSENT
+
+        p = self.patch
+        return {"engine": self.engine, "name": p.name, "state": p.state,
+                "files": [{"relpath": f.relpath, "created": f.sha256_before == ABSENT, "state": f.state}
+                          for f in p.files], "diff": self.diff}
+
+
+@dataclass
+class DiffReport:
+    patches: list[PatchDiff]
+
+    @property
+    def text(self) -> str:
+        return "".join(p.diff for p in self.patches)
+
+    def to_json(self) -> dict:
+        return {"patches": [p.to_json() for p in self.patches]}
+
+
+@dataclass
+class DemoReport:
+    """The demo's run; it passes when the right wiring verifies, the wrong one is caught and the
+    engine file comes back byte-identical. ``problem`` says what went wrong otherwise."""
+
+    result: Any  # surgeon.run.demo.DemoResult
+
+    @property
+    def problem(self) -> str | None:
+        r = self.result
+        if not r.reverted_identical:
+            return f"internal error: {r.engine_root / r.model_file} is not byte-identical after the revert"
+        if not r.right.ok:
+            return "the demo's wiring check did not come out as expected (see above): the spec's wiring failed verify"
+        if r.wrong.ok:
+            return "the demo's wiring check did not come out as expected (see above): the mis-wiring was not caught"
+        return None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    @property
+    def exit_code(self) -> int:
+        if self.ok:
+            return 0
+        return 1 if not self.result.reverted_identical else 3
+
+    def to_json(self) -> dict:
+        return self.result.to_json()

@@ -1,0 +1,116 @@
+"""Commands on specs and drafts: schema, lint, explain, render, check-draft, review, conventions,
+sweep-spec. Each loads what it is given, probes the engines it needs (with progress) and returns
+the library's report."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from surgeon.commands.progress import QUIET, Progress, open_engines
+from surgeon.commands.results import (DraftVerdict, GeneratedText, LintReport, RenderReport, ReviewReport,
+                                      SchemaResult, write_new_file)
+from surgeon.core.errors import BadInput
+
+ENGINES = ("sglang", "vllm")
+
+
+def engine_roots(engine: str | None, engine_root: str | None) -> dict[str, str | None]:
+    """``--engine-root`` belongs to the ``--engine`` it is given with."""
+    if engine_root and not engine:
+        raise BadInput("--engine-root needs --engine")
+    return {engine: engine_root} if engine and engine_root else {}
+
+
+def schema() -> SchemaResult:
+    """The JSON Schema of spec v1."""
+    from surgeon.core.spec import json_schema
+
+    return SchemaResult(json_schema())
+
+
+def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,
+         progress: Progress = QUIET) -> LintReport:
+    """Validate ``specs`` and check each engine can feed the draft what they declare."""
+    from surgeon.wiring.lint import lint_files
+
+    if engine_root and len(engines) != 1:
+        raise BadInput("--engine-root needs exactly one --engine")
+    roots: dict[str, str | None] = {engines[0]: engine_root} if engine_root else {}
+    open_engines(sorted(set(engines) or set(ENGINES)), roots, progress)
+    return LintReport(lint_files(specs, engines=tuple(engines), roots=roots))
+
+
+def explain(*, spec: str, engine: str | None = None, engine_root: str | None = None,
+            model_class: str | None = None, progress: Progress = QUIET) -> Any:
+    """Per capture: its point, every convention's id (or why none), fc slot and dump slot."""
+    from surgeon.core.spec import load_spec
+    from surgeon.wiring.render import explain as explain_spec
+
+    s = load_spec(spec)
+    roots = engine_roots(engine, engine_root)
+    open_engines(ENGINES, roots, progress)
+    return explain_spec(s, roots=roots, model_classes={engine: model_class} if engine and model_class else {})
+
+
+def render(*, spec: str, target: str, engine_root: str | None = None, model_class: str | None = None,
+           pin: bool = False, progress: Progress = QUIET) -> RenderReport:
+    """The draft-config fragment and launch flags for ``target``; ``pin`` also writes the
+    installed engine's pins into the spec file."""
+    from surgeon.core.spec import load_spec
+    from surgeon.wiring.render import render as render_spec
+
+    s = load_spec(spec)
+    engine = {"speculators": "vllm", "specforge": None}.get(target, target)
+    if engine:
+        open_engines([engine], {engine: engine_root}, progress)
+    if pin and target not in ENGINES:
+        raise BadInput("--pin needs --engine sglang or vllm")
+    report = RenderReport(render_spec(s, target, engine_root=engine_root, model_class=model_class))
+    if pin:
+        from surgeon.wiring.pins import pin_values, write_pins
+
+        report.pinned = pin_values(s, target, engine_root=engine_root, model_class=model_class)
+        write_pins(spec, target, report.pinned)
+    return report
+
+
+def check_draft(*, spec: str, draft: str, engine: str, engine_root: str | None = None,
+                model_class: str | None = None, progress: Progress = QUIET) -> DraftVerdict:
+    """Does ``draft`` make ``engine`` feed the fc the spec's points? Not: a mismatch (exit 3)."""
+    from surgeon.core.spec import load_spec
+    from surgeon.wiring.draft import check_draft as check
+
+    s = load_spec(spec)
+    if engine in ("sglang", "vllm", "speculators"):
+        probed = "vllm" if engine == "speculators" else engine
+        open_engines([probed], {probed: engine_root}, progress)
+    return DraftVerdict(check(s, draft, engine, engine_root=engine_root, model_class=model_class))
+
+
+def review(*, old: str, new: str, progress: Progress = QUIET) -> ReviewReport:
+    """Markdown for a pull-request comment on the change from spec ``old`` to spec ``new``."""
+    from surgeon.core.spec import load_spec
+    from surgeon.wiring.review import review as review_specs
+
+    a, b = load_spec(old), load_spec(new)
+    open_engines(ENGINES, {}, progress)
+    return ReviewReport(review_specs(a, b))
+
+
+def conventions(*, engine: str, engine_root: str | None = None, progress: Progress = QUIET) -> Any:
+    """The installed engine's probe: what its ids mean, per model class, read from its source."""
+    from surgeon.engines.view import open_engine
+
+    open_engines([engine], {engine: engine_root}, progress)
+    view = open_engine(engine, engine_root)
+    if view.probe is None:
+        raise BadInput(f"{engine} is not installed here; pass --engine-root DIR (the {engine} package directory)")
+    return view.probe
+
+
+def sweep_spec(*, name: str, architecture: str, num_layers: int, hidden_size: int,
+               output: str | None = None) -> GeneratedText:
+    """A spec capturing every point, written to the new file ``output`` or returned to print."""
+    from surgeon.core.spec import sweep_spec_text
+
+    return write_new_file(sweep_spec_text(name, architecture, num_layers, hidden_size), output)
