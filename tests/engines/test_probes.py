@@ -382,7 +382,7 @@ def test_probe_speed(sg_run, vl_run):
 
 
 def test_cache_round_trip(tmp_path, monkeypatch, sg):
-    from surgeon.engines.probe import cache
+    from surgeon.engines import cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = probe_engine("sglang", cache=True)
