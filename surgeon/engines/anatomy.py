@@ -32,18 +32,37 @@ for a libcst parse.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator
 
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 __all__ = [
-    "AnatomyRefusal", "ModuleIndex", "DecoderLoop", "ClassAnatomy", "StreamReader", "LoopBypass",
-    "COUNTER", "LAYER_LIST_CALLS", "layer_list_call_kind", "loop_vars", "layer_callee", "read_loop",
-    "index_offset", "loops_over_ast", "ast_span", "walk", "code", "is_self_attr", "mentions_self_attr",
-    "assigned_names", "stmt_assigns", "SGLANG_RESIDUAL_PKG", "STREAM_SNAPSHOT_CALLS",
+    "COUNTER",
+    "LAYER_LIST_CALLS",
+    "SGLANG_RESIDUAL_PKG",
+    "STREAM_SNAPSHOT_CALLS",
+    "AnatomyRefusal",
+    "ClassAnatomy",
+    "DecoderLoop",
+    "LoopBypass",
+    "ModuleIndex",
+    "StreamReader",
+    "assigned_names",
+    "ast_span",
+    "code",
+    "index_offset",
+    "is_self_attr",
+    "layer_callee",
+    "layer_list_call_kind",
+    "loop_vars",
+    "loops_over_ast",
+    "mentions_self_attr",
+    "read_loop",
+    "stmt_assigns",
+    "walk",
 ]
 
 COUNTER = "_surgeon_layer"  # the iteration counter inserted into index-less loops
@@ -151,7 +170,7 @@ def assigned_names(target: cst.BaseExpression) -> list[str]:
 
 
 def stmt_assigns(stmt: cst.CSTNode) -> list[tuple[list[str], cst.BaseExpression | None]]:
-    out = []
+    out: list[tuple[list[str], cst.BaseExpression | None]] = []
     for n in walk(stmt):
         if isinstance(n, cst.Assign):
             for t in n.targets:
@@ -166,7 +185,7 @@ def _names_in(expr: cst.BaseExpression) -> set[str]:
 
 
 def _param_names(fn: cst.FunctionDef) -> list[str]:
-    return [p.name.value for p in fn.params.params + fn.params.kwonly_params + fn.params.posonly_params]
+    return [p.name.value for p in (*fn.params.params, *fn.params.kwonly_params, *fn.params.posonly_params)]
 
 
 def loop_vars(loop: cst.For) -> tuple[str | None, str | None]:
@@ -266,7 +285,8 @@ class _Family(cst.CSTVisitor):
     """Parents and children of every node under one statement, in one visit."""
 
     def __init__(self, parents: dict, children: dict):
-        self.parents, self.children, self.stack = parents, children, []
+        self.parents, self.children = parents, children
+        self.stack: list[cst.CSTNode] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self.stack:
@@ -422,7 +442,8 @@ class ModuleIndex:
         return False
 
     def _branch_path(self, s: cst.CSTNode) -> list[tuple[cst.CSTNode, int]]:
-        path, n = [], s
+        path: list[tuple[cst.CSTNode, int]] = []
+        n = s
         while n in self.parents:
             p = self.parents[n]
             if isinstance(p, cst.If):
@@ -484,7 +505,7 @@ def loop_indexes_layers(loop: cst.For, attr: str) -> bool:
     return any(m.matches(n, sub) for n in walk(loop.body))
 
 
-def _positional(args: tuple[cst.Arg, ...] | list[cst.Arg]) -> bool:
+def _positional(args: Sequence[cst.Arg]) -> bool:
     return all(a.keyword is None and a.star == "" for a in args)
 
 
@@ -493,7 +514,7 @@ def _range_index(loop: cst.For, attr: str) -> _Index | None:
     assert isinstance(it, cst.Call) and isinstance(tgt, cst.Name)
     if not loop_indexes_layers(loop, attr):
         return None
-    start = None
+    start: cst.BaseExpression | None = None
     if len(it.args) == 1 and _positional(it.args):
         start = _ZERO
     elif len(it.args) == 2 and _positional(it.args):
@@ -771,7 +792,7 @@ def _bypass_kind(n: cst.CSTNode, attr: str, single: dict[str, cst.BaseExpression
         if isinstance(sl, cst.Index):
             return "calls a decoder layer outside the capture loop", sl.value, plus_one(sl.value)
         return "calls a decoder layer outside the capture loop", None, None
-    f = n.func.value if m.matches(n.func, m.Attribute(value=m.Name(), attr=m.Name("forward"))) else n.func
+    f = n.func.value if isinstance(n.func, cst.Attribute) and n.func.attr.value == "forward" else n.func
     if isinstance(f, cst.Name) and f.value in single:
         idx = single[f.value]
         if isinstance(idx, cst.Integer) or m.matches(idx, m.Attribute(value=m.Name("self"), attr=m.Name())):
@@ -958,7 +979,7 @@ class ClassAnatomy:
 
     def _refuse_post_residual_addition(self, anchor: str) -> None:
         for n in walk(self.loop.node.body):
-            if isinstance(n, cst.Arg) and m.matches(n.keyword, m.Name("post_residual_addition")) and not m.matches(
+            if isinstance(n, cst.Arg) and n.keyword is not None and n.keyword.value == "post_residual_addition" and not m.matches(
                     n.value, m.Name("None")):
                 raise AnatomyRefusal(anchor, "a layer call passes post_residual_addition "
                                      f"(`{code(self.idx.enclosing_stmt(n)).strip().splitlines()[0]}`): the next "
@@ -996,7 +1017,7 @@ class ClassAnatomy:
 
     def _find_final_norm(self, norm_attrs: tuple[str, ...]) -> list[tuple[cst.CSTNode, str]]:
         end = self.idx.end_line(self.loop.node)
-        hits = []
+        hits: list[tuple[cst.CSTNode, str]] = []
         for n in walk(self.fn.body):
             if not isinstance(n, cst.SimpleStatementLine) or self.idx.line(n) <= end:
                 continue

@@ -23,14 +23,20 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
-from surgeon.core.idrules import Bypass, CaptureSite, CapturedValue
-from surgeon.engines.anatomy import STREAM_SNAPSHOT_CALLS, index_offset, layer_callee, layer_list_call_kind, loop_vars
+from surgeon.core.idrules import Bypass, CapturedValue, CaptureSite
+from surgeon.engines.anatomy import (
+    STREAM_SNAPSHOT_CALLS,
+    index_offset,
+    layer_callee,
+    layer_list_call_kind,
+    loop_vars,
+)
 from surgeon.engines.source import ClassKey, CstFunction, SourceIndex, code, key_str
 
 _SELF_LAYERS = m.Attribute(value=m.Name("self"), attr=m.Name("layers"))
@@ -684,7 +690,7 @@ class LayerKeywords:
             out.append(found[0])
             args = found[1].node.args
             text = self.index.function_text(found[0], found[1])
-            if args.kwarg is None or not re.search(rf"super\(\)\.forward\([^)]*\*\*{args.kwarg.arg}\b", text, re.S):
+            if args.kwarg is None or not re.search(rf"super\(\)\.forward\([^)]*\*\*{args.kwarg.arg}\b", text, re.DOTALL):
                 return out
             after = found[0]
 

@@ -38,10 +38,24 @@ from surgeon.core.errors import BadInput
 from surgeon.engines.anatomy import ast_span, loops_over_ast
 from surgeon.engines.locate import ProbeError, layout_of, locate_engine
 from surgeon.patch.planner import Checker
-from surgeon.patch.recipes import PatchApplicationError, find_recipe, load_recipes, parse, parse_reduced
+from surgeon.patch.recipes import (
+    PatchApplicationError,
+    find_recipe,
+    load_recipes,
+    parse,
+    parse_reduced,
+)
 
-__all__ = ["ClassCoverage", "EngineCoverage", "CoverageReport", "coverage", "loop_owners_ast",
-           "render_coverage_table", "render_coverage_lines", "PROBE_POSITIONS"]
+__all__ = [
+    "PROBE_POSITIONS",
+    "ClassCoverage",
+    "CoverageReport",
+    "EngineCoverage",
+    "coverage",
+    "loop_owners_ast",
+    "render_coverage_lines",
+    "render_coverage_table",
+]
 
 PROBE_POSITIONS = frozenset({1, 2})  # layer_out[0], layer_out[1]; the embedding (0) is tried apart
 _DECODER_PARAMS = frozenset({"positions", "position_ids", "input_ids", "forward_batch", "intermediate_tensors"})
@@ -392,7 +406,7 @@ def render_coverage_table(report: CoverageReport):
         table.add_column(col, overflow="fold")
     for ec in report.engines:
         for c in ec.classes:
-            yes = lambda v: "yes" if v else "no"  # noqa: E731
+            yes = lambda v: "yes" if v else "no"
             table.add_row(ec.engine, f"{c.path}:{c.line}", c.class_name, "decoder" if c.decoder else "encoder",
                           yes(c.layers), yes(c.patchable_with_guard), yes(c.embed), yes(c.final_norm),
                           ", ".join(c.native),

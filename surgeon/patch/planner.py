@@ -17,12 +17,25 @@ import libcst as cst
 import libcst.matchers as m
 
 from surgeon.engines.anatomy import (
-    COUNTER, AnatomyRefusal, ClassAnatomy, LoopBypass, ModuleIndex, StreamReader, layers_loops,
-    loops_over_ast, walk,
+    COUNTER,
+    AnatomyRefusal,
+    ClassAnatomy,
+    LoopBypass,
+    ModuleIndex,
+    StreamReader,
+    layers_loops,
+    loops_over_ast,
+    walk,
 )
-from surgeon.patch.recipes import GENERIC, PatchApplicationError, Recipe, parse, safe_expression
+from surgeon.patch.recipes import (
+    GENERIC,
+    PatchApplicationError,
+    Recipe,
+    parse,
+    safe_expression,
+)
 
-__all__ = ["CapturePlanner", "Plan", "Checker", "check", "hooks_expr", "AUX_NAME", "COUNTER"]
+__all__ = ["AUX_NAME", "COUNTER", "CapturePlanner", "Checker", "Plan", "check", "hooks_expr"]
 
 AUX_NAME = "aux_hidden_states"  # the list both engines' decoder forwards return to the draft path
 
@@ -284,6 +297,8 @@ class CapturePlanner:
     def _plan_bypass_guard(self, a: ClassAnatomy, p: Plan, b: LoopBypass) -> None:
         """``bypass_guard(self, first, last, where)``: raises when a requested layer_out[k] with
         first <= k < last would run through this path (host ints only: graph safe)."""
+        first: cst.BaseExpression
+        last: cst.BaseExpression
         if b.first is None:
             first, last = cst.Integer("0"), cst.Attribute(value=p.hooks, attr=cst.Name("NUM_LAYERS"))
         else:

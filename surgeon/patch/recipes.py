@@ -15,8 +15,9 @@ import codecs
 import io
 import re
 import tokenize
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import libcst as cst
 import yaml
@@ -26,8 +27,17 @@ from surgeon.core.errors import BadInput
 from surgeon.engines.anatomy import ast_span, loops_over_ast
 
 __all__ = [
-    "PatchApplicationError", "Recipe", "GENERIC", "PATCHES_DIR", "load_recipes", "find_recipe",
-    "safe_expression", "parse", "reduce_to_spans", "parse_reduced", "class_spans",
+    "GENERIC",
+    "PATCHES_DIR",
+    "PatchApplicationError",
+    "Recipe",
+    "class_spans",
+    "find_recipe",
+    "load_recipes",
+    "parse",
+    "parse_reduced",
+    "reduce_to_spans",
+    "safe_expression",
 ]
 
 PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"

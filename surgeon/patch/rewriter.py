@@ -52,14 +52,34 @@ import libcst as cst
 from surgeon.engines.anatomy import COUNTER
 from surgeon.patch.planner import AUX_NAME, CapturePlanner, Checker, check, hooks_expr
 from surgeon.patch.recipes import (
-    GENERIC, PATCHES_DIR, PatchApplicationError, Recipe, class_spans, find_recipe, load_recipes, parse,
-    parse_reduced, reduce_to_spans,
+    GENERIC,
+    PATCHES_DIR,
+    PatchApplicationError,
+    Recipe,
+    class_spans,
+    find_recipe,
+    load_recipes,
+    parse,
+    parse_reduced,
+    reduce_to_spans,
 )
 
 __all__ = [
-    "PatchApplicationError", "Recipe", "RewriteResult", "GENERIC", "rewrite",
-    "load_recipes", "find_recipe", "PATCHES_DIR", "parse", "check", "Checker", "COUNTER",
-    "reduce_to_spans", "parse_reduced", "AUX_NAME",
+    "AUX_NAME",
+    "COUNTER",
+    "GENERIC",
+    "PATCHES_DIR",
+    "Checker",
+    "PatchApplicationError",
+    "Recipe",
+    "RewriteResult",
+    "check",
+    "find_recipe",
+    "load_recipes",
+    "parse",
+    "parse_reduced",
+    "reduce_to_spans",
+    "rewrite",
 ]
 
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")

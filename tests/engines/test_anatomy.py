@@ -10,8 +10,16 @@ import libcst as cst
 import pytest
 
 from surgeon.engines.anatomy import (
-    COUNTER, LAYER_LIST_CALLS, AnatomyRefusal, ClassAnatomy, ModuleIndex, code, index_offset,
-    layer_list_call_kind, layers_loops, loops_over_ast,
+    COUNTER,
+    LAYER_LIST_CALLS,
+    AnatomyRefusal,
+    ClassAnatomy,
+    ModuleIndex,
+    code,
+    index_offset,
+    layer_list_call_kind,
+    layers_loops,
+    loops_over_ast,
 )
 from surgeon.engines.locate import ProbeError, locate_engine
 
@@ -32,17 +40,17 @@ def _forward(loop: str, params: str = "self, positions, hidden_states", tail: st
 
 # -- how the loop variable maps to the global layer index ------------------------------------
 @pytest.mark.parametrize("loop, index, start, counter", [
-    ("for i in range(self.start_layer, self.end_layer):\n"
-     "    hidden_states, residual = self.layers[i](positions, hidden_states, residual)",
+    (("for i in range(self.start_layer, self.end_layer):\n"
+     "    hidden_states, residual = self.layers[i](positions, hidden_states, residual)"),
      "i", "self.start_layer", False),
     ("for i in range(len(self.layers)):\n    layer = self.layers[i]\n    hidden_states = layer(hidden_states)",
      "i", "0", False),
-    ("for i, layer in enumerate(self.layers[self.start_layer:self.end_layer]):\n"
-     "    hidden_states = layer(hidden_states)", "self.start_layer + i", "self.start_layer", False),
+    (("for i, layer in enumerate(self.layers[self.start_layer:self.end_layer]):\n"
+     "    hidden_states = layer(hidden_states)"), "self.start_layer + i", "self.start_layer", False),
     ("for i, layer in enumerate(self.layers[a:b], start=a):\n    hidden_states = layer(hidden_states)",
      "i", "a", False),
-    ("for idx, layer in islice(enumerate(self.layers), self.start_layer, self.end_layer):\n"
-     "    hidden_states = layer.forward(hidden_states)", "idx", "self.start_layer", False),
+    (("for idx, layer in islice(enumerate(self.layers), self.start_layer, self.end_layer):\n"
+     "    hidden_states = layer.forward(hidden_states)"), "idx", "self.start_layer", False),
     ("for layer in self.layers[self.start_layer:self.end_layer]:\n    hidden_states = layer(hidden_states)",
      COUNTER, "self.start_layer", True),
     ("for layer in islice(self.layers, self.start_layer, self.end_layer):\n    hidden_states = layer(hidden_states)",
@@ -61,8 +69,8 @@ def test_loop_index_maps_to_the_global_layer_index(loop, index, start, counter):
 @pytest.mark.parametrize("loop, problem", [
     ("for i, layer in enumerate(self.layers[a:b], start=c):\n    hidden_states = layer(hidden_states)",
      "differs from the slice start"),
-    ("for i in range(self.start_layer, self.end_layer):\n    i = i + 1\n"
-     "    hidden_states = self.layers[i](hidden_states)", "reassigns the layer index"),
+    (("for i in range(self.start_layer, self.end_layer):\n    i = i + 1\n"
+     "    hidden_states = self.layers[i](hidden_states)"), "reassigns the layer index"),
     ("for i in range(3):\n    if i == 1:\n        continue\n    hidden_states = self.layers[i](hidden_states)",
      "can end before the end-of-iteration capture"),
     ("for i in range(3):\n    out = self.layers[i](hidden_states)", "not assigned to `hidden_states`"),
@@ -99,7 +107,7 @@ def test_one_table_of_calls_that_only_look_at_the_layer_list():
     assert set(LAYER_LIST_CALLS) >= {"len", "isinstance", "getattr", "hasattr", "enumerate", "islice", "zip",
                                      "range", "list", "iter", "tuple", "reversed", "print", "id", "type", "setattr"}
     assert all(kind in ("inspects", "iterates") and why for kind, why in LAYER_LIST_CALLS.values())
-    kind = lambda t: layer_list_call_kind(cst.parse_expression(t))  # noqa: E731
+    kind = lambda t: layer_list_call_kind(cst.parse_expression(t))
     assert (kind("len"), kind("itertools.islice"), kind("self.run_layers"), kind("f()")) == \
         ("inspects", "iterates", None, None)
 

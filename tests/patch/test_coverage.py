@@ -7,13 +7,22 @@ import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import libcst as cst
 import pytest
 
-from surgeon.patch.coverage import coverage, loop_owners_ast, render_coverage_lines, render_coverage_table
+from surgeon.engines.anatomy import (
+    ModuleIndex,
+    loop_indexes_layers,
+    mentions_self_attr,
+    walk,
+)
 from surgeon.engines.locate import ProbeError, layout_of, locate_engine
-import libcst as cst
-
-from surgeon.engines.anatomy import ModuleIndex, loop_indexes_layers, mentions_self_attr, walk
+from surgeon.patch.coverage import (
+    coverage,
+    loop_owners_ast,
+    render_coverage_lines,
+    render_coverage_table,
+)
 from surgeon.patch.rewriter import GENERIC, find_recipe, load_recipes, parse, rewrite
 
 
