@@ -23,18 +23,23 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
-from surgeon.core.idrules import Bypass, CaptureSite, CapturedValue
+from surgeon.core.idrules import Bypass, CapturedValue, CaptureSite
+from surgeon.engines.anatomy import (
+    STREAM_SNAPSHOT_CALLS,
+    index_offset,
+    layer_callee,
+    layer_list_call_kind,
+    loop_vars,
+)
 from surgeon.engines.source import ClassKey, CstFunction, SourceIndex, code, key_str
 
 _SELF_LAYERS = m.Attribute(value=m.Name("self"), attr=m.Name("layers"))
-_NOT_LAYER_RUNNERS = {"len", "enumerate", "islice", "zip", "range", "isinstance", "list", "iter",
-                      "getattr", "hasattr", "tuple", "reversed", "print", "id", "type", "setattr"}
 
 # SGLang's layer-boundary API (sglang/srt/layers/layer_boundary/stage.py): a decoder layer hands
 # ``capture=`` / ``capture_gathered=`` to its attention boundary's ``prepare``, which captures the
@@ -42,8 +47,6 @@ _NOT_LAYER_RUNNERS = {"len", "enumerate", "islice", "zip", "range", "isinstance"
 BOUNDARY_PREPARE = "prepare"
 BOUNDARY_CAPTURE_KWARGS = ("capture", "capture_gathered")
 _BOUNDARY_RECEIVER = re.compile(r"(^|_)attn_boundary$")
-# Engine helpers documented to return the complete residual stream.
-_STREAM_SNAPSHOT_CALLS = ("snapshot", "capture_output")
 
 
 @dataclass
@@ -126,10 +129,115 @@ def _member_of(attr: str) -> m.Comparison:
     return m.Comparison(comparisons=[m.ComparisonTarget(operator=m.In(), comparator=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))])
 
 
+def _layer_call(fn: CstFunction, loop: cst.For, idx: str | None, elem: str | None) -> tuple[cst.Call | None, set[str]]:
+    """The first layer call in ``loop``'s body, and the names bound to a layer there (the element
+    variable, locals assigned from ``self.layers[...]``): the anatomy's layer callee, any subscript."""
+    layer_vars = {elem} if elem else set()
+    if idx:
+        for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=m.Name())], value=m.Subscript(value=_SELF_LAYERS)),
+                            within=loop.body):
+            layer_vars.add(a.targets[0].target.value)  # type: ignore[attr-defined]  # matched Assign to a Name
+    calls = fn.findall(m.Call(func=layer_callee("layers", layer_vars, any_subscript=True)), within=loop.body)
+    return (calls[0] if calls else None), layer_vars  # type: ignore[return-value]  # matched Call nodes
+
+
+def _flag_tests(fn: CstFunction, body: cst.CSTNode, flags: Sequence[str], layer_vars: set[str]) -> list[cst.CSTNode]:
+    if not flags:
+        return []
+    flag = m.SimpleString(value=m.MatchIfTrue(lambda s: s.strip("'\"") in flags))
+    is_layer = m.Name(value=m.MatchIfTrue(lambda v: v in layer_vars))
+    found = fn.findall(m.Call(func=m.Name("getattr"), args=[m.Arg(value=is_layer), m.Arg(value=flag), m.ZeroOrMore()]), within=body)
+    found += fn.findall(m.Attribute(value=is_layer, attr=m.Name(value=m.MatchIfTrue(lambda v: v in flags))), within=body)
+    return found
+
+
+
+def _residual_names(fn: CstFunction, call: cst.Call, loop: cst.For) -> tuple[set[str], set[str], bool | None]:
+    """(hidden names, residual names, separate) from the layer call's assignment. ``separate``:
+    the stream is ``hidden + residual`` (after the loop something consumes the two together,
+    the final ``norm(hidden, residual)``); False when the final norm reads ``hidden`` alone (the
+    layers return the whole stream in ``hidden``); None when the source does not say."""
+    parent = fn.parent(call)
+    hidden: set[str] = set()
+    residual: set[str] = set()
+    if isinstance(parent, cst.Assign):
+        target = parent.targets[0].target
+        if isinstance(target, cst.Name):
+            hidden.add(target.value)
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            names = [e.value.value for e in target.elements if isinstance(e.value, cst.Name)]
+            for n in names:
+                (residual if "residual" in n else hidden).add(n)
+    separate: bool | None = None
+    if residual and hidden:
+        after = fn.end(loop)
+        used = [{a.value.value for a in c.args if isinstance(a.value, cst.Name)}  # type: ignore[attr-defined]
+                for c in fn.findall(m.Call()) if fn.order(c) > after]
+        if any(u & hidden and u & residual for u in used):
+            separate = True
+        elif any(u & hidden for u in used):
+            separate = False
+    elif hidden:
+        separate = False
+    return hidden, residual, separate
+
+
+
+def _origin(fn: CstFunction, value: cst.BaseExpression, body: cst.CSTNode) -> cst.BaseExpression:
+    """Look through a local bound in ``body`` (``v = h + r; v = gather(v); aux.append(v)``): the
+    one assignment that does not read ``v`` itself is where the value comes from."""
+    if not isinstance(value, cst.Name):
+        return value
+    origins = [a.value for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=m.Name(value.value))]), within=body)  # type: ignore[attr-defined]
+               if not fn.findall(m.Name(value.value), within=a.value)]  # type: ignore[attr-defined]
+    return origins[0] if len(origins) == 1 else value
+
+
+def _ifexp_target(ifexp: cst.IfExp, call: cst.Call | None, fn: CstFunction) -> tuple[str, str] | None:
+    parent = fn.parent(ifexp)
+    if isinstance(parent, cst.Arg) and parent.keyword is not None:
+        owner_call = fn.parent(parent)
+        if call is not None and owner_call is call:
+            return "in-layer", parent.keyword.value
+        return None
+    if isinstance(parent, cst.Assign) and isinstance(parent.targets[0].target, cst.Name) and call is not None:
+        var = parent.targets[0].target.value
+        for arg in call.args:
+            if arg.keyword is not None and m.matches(arg.value, m.Name(var)):
+                return "in-layer", arg.keyword.value
+    return None
+
+
+def _snapshot_names(fn: CstFunction, body: cst.CSTNode) -> set[str]:
+    """Names bound from a stream-snapshot API inside ``body``."""
+    out: set[str] = set()
+    for a in fn.findall(m.Assign(value=m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in STREAM_SNAPSHOT_CALLS))))), within=body):
+        t = a.targets[0].target  # type: ignore[attr-defined]
+        if isinstance(t, cst.Name):
+            out.add(t.value)
+        elif isinstance(t, cst.Tuple) and t.elements and isinstance(t.elements[-1].value, cst.Name):
+            out.add(t.elements[-1].value.value)
+    return out
+
+
+
+def _bind_helper(h: _Helper, call: cst.Call) -> dict[str, cst.BaseExpression]:
+    bound: dict[str, cst.BaseExpression] = {}
+    params = [p for p in h.params if p != "self"]
+    for i, arg in enumerate(call.args):
+        if arg.keyword is not None:
+            bound[arg.keyword.value] = arg.value
+        elif i < len(params) and not arg.star:
+            bound[params[i]] = arg.value
+    return bound
+
+
 class CaptureAnalyzer:
     def __init__(self, index: SourceIndex) -> None:
         self.index = index
         self._cache: dict[tuple, CaptureResult] = {}
+        self.layer_keywords = LayerKeywords(index)
+        self.surroundings = LoopSurroundings(index)
 
     # -- public ------------------------------------------------------------------------------
     def analyze(self, holder: ClassKey, attr: str, flags: Sequence[str] = ()) -> CaptureResult:
@@ -208,11 +316,11 @@ class CaptureAnalyzer:
                 continue
             loops.extend(lc for lc, _ in found)
             loop_nodes = [node for _, node in found]
-            h, t = self._outside_loop_captures(fn, attr, helpers, loop_nodes)
+            h, t = self.surroundings.captures(fn, attr, helpers, loop_nodes)
             heads += h
             tails += t
-            collectors = set().union(*(self._collectors(fn, lp, helpers) for lp in loop_nodes))
-            result.bypasses.extend(self._bypasses(fn, holder, attr, flags, loop_nodes, collectors))
+            collectors = set().union(*(self.surroundings.collectors(fn, lp, helpers) for lp in loop_nodes))
+            result.bypasses.extend(self.surroundings.bypasses(fn, holder, attr, flags, loop_nodes, collectors))
         if not loops and readers:
             result.problem = (f"{', '.join(readers)} test{'s' if len(readers) == 1 else ''} self.{attr} outside a "
                               f"decoder-layer loop the probe recognises")
@@ -263,35 +371,12 @@ class CaptureAnalyzer:
                 out.append((lc, loop))
         return out
 
-    @staticmethod
-    def _loop_vars(loop: cst.For) -> tuple[str | None, str | None]:
-        t = loop.target
-        if isinstance(t, cst.Name):
-            return t.value, None
-        if isinstance(t, cst.Tuple) and len(t.elements) == 2 and all(isinstance(e.value, cst.Name) for e in t.elements):
-            return t.elements[0].value.value, t.elements[1].value.value  # type: ignore[attr-defined]
-        return None, None
-
-    def _layer_call(self, fn: CstFunction, loop: cst.For, idx: str | None, elem: str | None) -> tuple[cst.Call | None, set[str]]:
-        layer_vars = {elem} if elem else set()
-        if idx:
-            for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=m.Name())], value=m.Subscript(value=_SELF_LAYERS)),
-                                within=loop.body):
-                layer_vars.add(a.targets[0].target.value)  # type: ignore[attr-defined]
-        callee = m.OneOf(
-            m.Subscript(value=_SELF_LAYERS),
-            m.Name(value=m.MatchIfTrue(lambda v: v in layer_vars)),
-            m.Attribute(value=m.Name(value=m.MatchIfTrue(lambda v: v in layer_vars)), attr=m.Name("forward")),
-        )
-        calls = fn.findall(m.Call(func=callee), within=loop.body)
-        return (calls[0] if calls else None), layer_vars  # type: ignore[return-value]
-
     def _loop(self, fn: CstFunction, loop: cst.For, holder: ClassKey, attr: str, flags: tuple[str, ...],
               helpers: dict[str, _Helper]) -> LoopCapture | None:
-        idx, elem = self._loop_vars(loop)
-        call, layer_vars = self._layer_call(fn, loop, idx, elem)
+        idx, elem = loop_vars(loop)
+        call, layer_vars = _layer_call(fn, loop, idx, elem)
         member = fn.findall(_member_of(attr), within=loop.body)
-        flag_tests = self._flag_tests(fn, loop.body, flags, layer_vars)
+        flag_tests = _flag_tests(fn, loop.body, flags, layer_vars)
         helper_calls = [c for c in fn.findall(m.Call(func=m.Attribute(value=m.Name("self"))), within=loop.body)
                         if c.func.attr.value in helpers]  # type: ignore[attr-defined]
         if not (member or flag_tests or helper_calls):
@@ -308,7 +393,7 @@ class CaptureAnalyzer:
     def _loop_events(self, fn: CstFunction, loop: cst.For, holder: ClassKey, attr: str, flags: tuple[str, ...],
                      helpers: dict[str, _Helper], idx: str, call: cst.Call, member: list, flag_tests: list,
                      helper_calls: list) -> LoopCapture | None:
-        residual = self._residual_names(fn, call, loop)
+        residual = _residual_names(fn, call, loop)
         events: list[tuple[str, int, CapturedValue, str]] = []  # (where, index offset, value, how)
         problems: list[str] = []
 
@@ -318,7 +403,7 @@ class CaptureAnalyzer:
             return "before" if fn.order(node) < fn.order(call) else "after"
 
         for cmp in member:
-            k = self._index_offset(cmp.left, idx)  # type: ignore[attr-defined]
+            k = index_offset(cmp.left, idx)  # type: ignore[attr-defined]
             if k is None:
                 problems.append(f"captures under index `{code(cmp.left)}`, not a fixed offset of the loop index {idx}")  # type: ignore[attr-defined]
                 continue
@@ -335,10 +420,10 @@ class CaptureAnalyzer:
             events.append((kind if kind == "in-layer" else place(test), 0, value, how + " (per-layer flag)"))
         for hc in helper_calls:
             h = helpers[hc.func.attr.value]  # type: ignore[attr-defined]
-            bound = self._bind_helper(h, hc)
+            bound = _bind_helper(h, hc)
             if h.index_param not in bound:
                 continue
-            k = self._index_offset(bound[h.index_param], idx)
+            k = index_offset(bound[h.index_param], idx)
             if k is None:
                 problems.append(f"{h.name} called with index `{code(bound[h.index_param])}`")
                 continue
@@ -361,73 +446,6 @@ class CaptureAnalyzer:
                 f"captures {kind} the layer call under index {idx}{k:+d}: index and stream position differ"))
         return LoopCapture(fn, loop, site, value, how)
 
-    @staticmethod
-    def _flag_tests(fn: CstFunction, body: cst.CSTNode, flags: Sequence[str], layer_vars: set[str]) -> list[cst.CSTNode]:
-        if not flags:
-            return []
-        flag = m.SimpleString(value=m.MatchIfTrue(lambda s: s.strip("'\"") in flags))
-        is_layer = m.Name(value=m.MatchIfTrue(lambda v: v in layer_vars))
-        found = fn.findall(m.Call(func=m.Name("getattr"), args=[m.Arg(value=is_layer), m.Arg(value=flag), m.ZeroOrMore()]), within=body)
-        found += fn.findall(m.Attribute(value=is_layer, attr=m.Name(value=m.MatchIfTrue(lambda v: v in flags))), within=body)
-        return found
-
-    @classmethod
-    def _index_offset(cls, expr: cst.BaseExpression, idx: str) -> int | None:
-        """``k`` when ``expr`` is ``idx + k`` (``self.start_layer`` terms count as 0: one pipeline rank)."""
-        if m.matches(expr, m.Name(idx)):
-            return 0
-        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, (cst.Add, cst.Subtract)):
-            start = m.Attribute(value=m.Name("self"), attr=m.Name("start_layer"))
-            if m.matches(expr.right, start):
-                return cls._index_offset(expr.left, idx)
-            if m.matches(expr.left, start) and isinstance(expr.operator, cst.Add):
-                return cls._index_offset(expr.right, idx)
-            if isinstance(expr.right, cst.Integer) and not m.matches(expr.left, m.Name(idx)):
-                inner = cls._index_offset(expr.left, idx)
-                if inner is not None:
-                    k = int(expr.right.value, 0)
-                    return inner + (k if isinstance(expr.operator, cst.Add) else -k)
-        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.right, cst.Integer) and m.matches(expr.left, m.Name(idx)):
-            k = int(expr.right.value, 0)
-            if isinstance(expr.operator, cst.Add):
-                return k
-            if isinstance(expr.operator, cst.Subtract):
-                return -k
-        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.left, cst.Integer) and m.matches(expr.right, m.Name(idx)) \
-                and isinstance(expr.operator, cst.Add):
-            return int(expr.left.value, 0)
-        return None
-
-    @staticmethod
-    def _residual_names(fn: CstFunction, call: cst.Call, loop: cst.For) -> tuple[set[str], set[str], bool | None]:
-        """(hidden names, residual names, separate) from the layer call's assignment. ``separate``:
-        the stream is ``hidden + residual`` (after the loop something consumes the two together,
-        the final ``norm(hidden, residual)``); False when the final norm reads ``hidden`` alone (the
-        layers return the whole stream in ``hidden``); None when the source does not say."""
-        parent = fn.parent(call)
-        hidden: set[str] = set()
-        residual: set[str] = set()
-        if isinstance(parent, cst.Assign):
-            target = parent.targets[0].target
-            if isinstance(target, cst.Name):
-                hidden.add(target.value)
-            elif isinstance(target, (cst.Tuple, cst.List)):
-                names = [e.value.value for e in target.elements if isinstance(e.value, cst.Name)]
-                for n in names:
-                    (residual if "residual" in n else hidden).add(n)
-        separate: bool | None = None
-        if residual and hidden:
-            after = fn.end(loop)
-            used = [{a.value.value for a in c.args if isinstance(a.value, cst.Name)}  # type: ignore[attr-defined]
-                    for c in fn.findall(m.Call()) if fn.order(c) > after]
-            if any(u & hidden and u & residual for u in used):
-                separate = True
-            elif any(u & hidden for u in used):
-                separate = False
-        elif hidden:
-            separate = False
-        return hidden, residual, separate
-
     def _consumer(self, fn: CstFunction, test: cst.CSTNode, call: cst.Call | None, holder: ClassKey,
                   names: tuple[set[str], set[str], bool | None]) -> tuple[str, CapturedValue, str] | None:
         """What a capture test guards: (kind, value, how). kind is "in-layer" for a collector
@@ -440,58 +458,21 @@ class CaptureAnalyzer:
                 value = appended[0].args[0].value if appended[0].args else None  # type: ignore[attr-defined]
                 if value is None:
                     return None
-                value = self._origin(fn, value, anc.body)
-                snapshots = self._snapshot_names(fn, anc.body)
+                value = _origin(fn, value, anc.body)
+                snapshots = _snapshot_names(fn, anc.body)
                 return "inline", self._value_kind(value, {}, names, fn, snapshots), f"appends {code(value)}"
             if isinstance(anc, cst.IfExp):
-                target = self._ifexp_target(anc, call, fn)
+                target = _ifexp_target(anc, call, fn)
                 if target is None:
                     return None
                 kind, kw = target
                 if kind == "in-layer" and call is not None:
-                    value, how, problem = self._layer_kw(holder, kw)
+                    value, how, problem = self.layer_keywords.read(holder, kw)
                     if problem:
                         raise _LoopProblem(problem)
                     return "in-layer", value, how
                 return None
         return None
-
-    @staticmethod
-    def _origin(fn: CstFunction, value: cst.BaseExpression, body: cst.CSTNode) -> cst.BaseExpression:
-        """Look through a local bound in ``body`` (``v = h + r; v = gather(v); aux.append(v)``): the
-        one assignment that does not read ``v`` itself is where the value comes from."""
-        if not isinstance(value, cst.Name):
-            return value
-        origins = [a.value for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=m.Name(value.value))]), within=body)  # type: ignore[attr-defined]
-                   if not fn.findall(m.Name(value.value), within=a.value)]  # type: ignore[attr-defined]
-        return origins[0] if len(origins) == 1 else value
-
-    @staticmethod
-    def _ifexp_target(ifexp: cst.IfExp, call: cst.Call | None, fn: CstFunction) -> tuple[str, str] | None:
-        parent = fn.parent(ifexp)
-        if isinstance(parent, cst.Arg) and parent.keyword is not None:
-            owner_call = fn.parent(parent)
-            if call is not None and owner_call is call:
-                return "in-layer", parent.keyword.value
-            return None
-        if isinstance(parent, cst.Assign) and isinstance(parent.targets[0].target, cst.Name) and call is not None:
-            var = parent.targets[0].target.value
-            for arg in call.args:
-                if arg.keyword is not None and m.matches(arg.value, m.Name(var)):
-                    return "in-layer", arg.keyword.value
-        return None
-
-    @staticmethod
-    def _snapshot_names(fn: CstFunction, body: cst.CSTNode) -> set[str]:
-        """Names bound from a stream-snapshot API inside ``body``."""
-        out: set[str] = set()
-        for a in fn.findall(m.Assign(value=m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in _STREAM_SNAPSHOT_CALLS))))), within=body):
-            t = a.targets[0].target  # type: ignore[attr-defined]
-            if isinstance(t, cst.Name):
-                out.add(t.value)
-            elif isinstance(t, cst.Tuple) and t.elements and isinstance(t.elements[-1].value, cst.Name):
-                out.add(t.elements[-1].value.value)
-        return out
 
     def _value_kind(self, expr: cst.BaseExpression, subst: dict[str, cst.BaseExpression],
                     names: tuple[set[str], set[str], bool | None], fn: CstFunction, snapshots: set[str] = frozenset()) -> CapturedValue:  # type: ignore[assignment]
@@ -517,7 +498,7 @@ class CaptureAnalyzer:
                 return "residual_stream"
             return "unknown"
         if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
-            if expr.func.attr.value in _STREAM_SNAPSHOT_CALLS:
+            if expr.func.attr.value in STREAM_SNAPSHOT_CALLS:
                 return "residual_stream"
             if expr.func.attr.value in ("to", "clone", "contiguous", "float"):
                 return self._value_kind(expr.func.value, subst, names, fn, snapshots)
@@ -535,19 +516,15 @@ class CaptureAnalyzer:
                 return "residual_stream"
         return "unknown"
 
-    @staticmethod
-    def _bind_helper(h: _Helper, call: cst.Call) -> dict[str, cst.BaseExpression]:
-        bound: dict[str, cst.BaseExpression] = {}
-        params = [p for p in h.params if p != "self"]
-        for i, arg in enumerate(call.args):
-            if arg.keyword is not None:
-                bound[arg.keyword.value] = arg.value
-            elif i < len(params) and not arg.star:
-                bound[params[i]] = arg.value
-        return bound
 
-    # -- what a layer does with a capture keyword -------------------------------------------
-    def _layer_kw(self, holder: ClassKey, kw: str) -> tuple[CapturedValue, str, str | None]:
+class LayerKeywords:
+    """What the decoder layers do with a capture keyword handed to them (the layer classes the
+    holder builds, their forwards, their attention boundary)."""
+
+    def __init__(self, index: SourceIndex) -> None:
+        self.index = index
+
+    def read(self, holder: ClassKey, kw: str) -> tuple[CapturedValue, str, str | None]:
         """What the layers do with a capture keyword: (value, how, problem)."""
         layers = self._layer_classes(holder, kw)
         if not layers:
@@ -713,7 +690,7 @@ class CaptureAnalyzer:
             out.append(found[0])
             args = found[1].node.args
             text = self.index.function_text(found[0], found[1])
-            if args.kwarg is None or not re.search(rf"super\(\)\.forward\([^)]*\*\*{args.kwarg.arg}\b", text, re.S):
+            if args.kwarg is None or not re.search(rf"super\(\)\.forward\([^)]*\*\*{args.kwarg.arg}\b", text, re.DOTALL):
                 return out
             after = found[0]
 
@@ -748,8 +725,15 @@ class CaptureAnalyzer:
                 return True
         return False
 
-    # -- before and after the loop -----------------------------------------------------------
-    def _outside_loop_captures(self, fn: CstFunction, attr: str, helpers: dict[str, _Helper],
+
+class LoopSurroundings:
+    """Around the capture loops of a method: captures before / after them (index 0, index L) and
+    the other paths that run decoder layers without the capture test (bypasses)."""
+
+    def __init__(self, index: SourceIndex) -> None:
+        self.index = index
+
+    def captures(self, fn: CstFunction, attr: str, helpers: dict[str, _Helper],
                                loops: list[cst.For]) -> tuple[list[str], list[str]]:
         first = min(fn.order(lp) for lp in loops)
         last = max(fn.end(lp) for lp in loops)
@@ -765,7 +749,7 @@ class CaptureAnalyzer:
         for hc in fn.findall(m.Call(func=m.Attribute(value=m.Name("self")))):
             name = hc.func.attr.value  # type: ignore[attr-defined]
             if name in helpers:
-                bound = self._bind_helper(helpers[name], hc)  # type: ignore[arg-type]
+                bound = _bind_helper(helpers[name], hc)  # type: ignore[arg-type]
                 if helpers[name].index_param in bound:
                     probes.append((hc, bound[helpers[name].index_param], f"{name}(..., {code(bound[helpers[name].index_param])}, ...)"))
         for node, index_expr, text in probes:
@@ -796,9 +780,8 @@ class CaptureAnalyzer:
                     return "end"
         return None
 
-    # -- bypasses ----------------------------------------------------------------------------
     @staticmethod
-    def _collectors(fn: CstFunction, loop: cst.For, helpers: dict[str, _Helper]) -> set[str]:
+    def collectors(fn: CstFunction, loop: cst.For, helpers: dict[str, _Helper]) -> set[str]:
         """Names of the capture collectors a loop fills (``aux.append(...)``, ``aux.capture``
         handed to a layer, a helper's list argument)."""
         out: set[str] = set()
@@ -818,7 +801,7 @@ class CaptureAnalyzer:
         out.discard(None)  # type: ignore[arg-type]
         return out
 
-    def _bypasses(self, fn: CstFunction, holder: ClassKey, attr: str, flags: Sequence[str],
+    def bypasses(self, fn: CstFunction, holder: ClassKey, attr: str, flags: Sequence[str],
                   loops: list[cst.For], collectors: set[str]) -> list[Bypass]:
         out: list[Bypass] = []
 
@@ -831,8 +814,8 @@ class CaptureAnalyzer:
             if in_capture_loop(c):
                 continue
             fname = code(c.func)
-            if fname.split(".")[-1] in _NOT_LAYER_RUNNERS:
-                continue
+            if layer_list_call_kind(c.func) is not None:
+                continue  # it only looks at the list, or builds an iterable (a second loop is found below)
             if any(isinstance(a.value, cst.Name) and a.value.value in collectors for a in c.args):
                 continue  # it is handed the capture collector: it captures itself
             conds = self._conditions(fn, c)
@@ -851,8 +834,8 @@ class CaptureAnalyzer:
             assert isinstance(lp, cst.For)
             if lp in loops or in_capture_loop(lp):
                 continue
-            idx, elem = self._loop_vars(lp)
-            call, _ = self._layer_call(fn, lp, idx, elem)
+            idx, elem = loop_vars(lp)
+            call, _ = _layer_call(fn, lp, idx, elem)
             if call is None:
                 continue
             conds = self._conditions(fn, lp)

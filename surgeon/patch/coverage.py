@@ -35,10 +35,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from surgeon.core.errors import BadInput
+from surgeon.engines.anatomy import ast_span, loops_over_ast
 from surgeon.engines.locate import ProbeError, layout_of, locate_engine
+from surgeon.patch.planner import Checker
+from surgeon.patch.recipes import (
+    PatchApplicationError,
+    find_recipe,
+    load_recipes,
+    parse,
+    parse_reduced,
+)
 
-__all__ = ["ClassCoverage", "EngineCoverage", "CoverageReport", "coverage", "loop_owners_ast",
-           "render_coverage_table", "render_coverage_lines", "PROBE_POSITIONS"]
+__all__ = [
+    "PROBE_POSITIONS",
+    "ClassCoverage",
+    "CoverageReport",
+    "EngineCoverage",
+    "coverage",
+    "loop_owners_ast",
+    "render_coverage_lines",
+    "render_coverage_table",
+]
 
 PROBE_POSITIONS = frozenset({1, 2})  # layer_out[0], layer_out[1]; the embedding (0) is tried apart
 _DECODER_PARAMS = frozenset({"positions", "position_ids", "input_ids", "forward_batch", "intermediate_tensors"})
@@ -142,48 +159,12 @@ class CoverageReport:
 
 
 # ---------------------------------------------------------------------------------------------
-# The ast prefilter
+# The ast prefilter (anatomy.loops_over_ast: a superset of the loops the anatomy reads)
 # ---------------------------------------------------------------------------------------------
-def _is_self_attr(node: ast.AST, attr: str) -> bool:
-    return isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name) \
-        and node.value.id == "self"
-
-
-def _walk_no_defs(node: ast.AST):
-    """ast.walk that does not enter nested function/class definitions or lambdas."""
-    stack = list(ast.iter_child_nodes(node))
-    while stack:
-        n = stack.pop()
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            continue
-        yield n
-        stack.extend(ast.iter_child_nodes(n))
-
-
-def _loops_over(fn: ast.FunctionDef, attr: str) -> bool:
-    """A superset of the libcst recogniser's decoder-layer loops (rewriter._layers_loops)."""
-    for n in _walk_no_defs(fn):
-        if not isinstance(n, ast.For):
-            continue
-        if any(_is_self_attr(x, attr) for x in ast.walk(n.iter)):
-            return True
-        if isinstance(n.target, ast.Name):
-            for x in ast.walk(n):
-                if isinstance(x, ast.Subscript) and _is_self_attr(x.value, attr) and \
-                        isinstance(x.slice, ast.Name) and x.slice.id == n.target.id:
-                    return True
-    return False
-
-
 def loop_owners_ast(source: str | bytes, pairs: set[tuple[str, str]] | None = None) -> list[tuple[str, str, int, bool]]:
     """``(class, method, line, decoder)`` for every top-level class whose ``method`` loops over
     ``self.<attr>``, for each ``(method, attr)`` of ``pairs`` (default: forward / layers)."""
     return _scan(source, pairs)[0]
-
-
-def _span(node: ast.stmt) -> tuple[int, int]:
-    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-    return first, node.end_lineno or node.lineno
 
 
 def _scan(source: str | bytes, pairs: set[tuple[str, str]] | None = None):
@@ -195,7 +176,7 @@ def _scan(source: str | bytes, pairs: set[tuple[str, str]] | None = None):
         return [], []
     tree = ast.parse(source)
     out = []
-    spans = [_span(st) for st in tree.body if isinstance(st, (ast.Import, ast.ImportFrom))]
+    spans = [ast_span(st) for st in tree.body if isinstance(st, (ast.Import, ast.ImportFrom))]
     for cls in tree.body:
         if not isinstance(cls, ast.ClassDef):
             continue
@@ -203,11 +184,11 @@ def _scan(source: str | bytes, pairs: set[tuple[str, str]] | None = None):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             attrs = [a for meth, a in pairs if meth == fn.name]
-            if attrs and any(_loops_over(fn, a) for a in attrs):
+            if attrs and any(loops_over_ast(fn, a) for a in attrs):
                 a = fn.args
                 params = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
                 out.append((cls.name, fn.name, cls.lineno, bool(params & _DECODER_PARAMS)))
-                spans.append(_span(cls))
+                spans.append(ast_span(cls))
                 break
     return out, spans
 
@@ -216,10 +197,6 @@ def _scan(source: str | bytes, pairs: set[tuple[str, str]] | None = None):
 # One file (in a worker)
 # ---------------------------------------------------------------------------------------------
 def _file_task(args) -> list[ClassCoverage]:
-    from surgeon.patch.rewriter import (
-        Checker, PatchApplicationError, find_recipe, load_recipes, parse, parse_reduced,
-    )
-
     engine, path, relpath, owners, spans = args
     recipes = _recipes_cached(load_recipes)
     source = Path(path).read_bytes()
@@ -335,8 +312,6 @@ def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = 
              native: bool = True) -> CoverageReport:
     """Patch coverage of ``engine`` ("sglang", "vllm" or "all") at ``root`` (package directory or a
     folder holding it; None: the installed one). ``jobs``: worker processes (default 2; 1: none)."""
-    from surgeon.patch.rewriter import load_recipes
-
     t0 = time.perf_counter()
     engines = ["sglang", "vllm"] if engine == "all" else [engine]
     recipes = load_recipes()
@@ -431,7 +406,7 @@ def render_coverage_table(report: CoverageReport):
         table.add_column(col, overflow="fold")
     for ec in report.engines:
         for c in ec.classes:
-            yes = lambda v: "yes" if v else "no"  # noqa: E731
+            yes = lambda v: "yes" if v else "no"
             table.add_row(ec.engine, f"{c.path}:{c.line}", c.class_name, "decoder" if c.decoder else "encoder",
                           yes(c.layers), yes(c.patchable_with_guard), yes(c.embed), yes(c.final_norm),
                           ", ".join(c.native),

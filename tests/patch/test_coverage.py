@@ -7,13 +7,23 @@ import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import libcst as cst
 import pytest
 
-from surgeon.patch.coverage import coverage, loop_owners_ast, render_coverage_lines, render_coverage_table
+from surgeon.engines.anatomy import (
+    ModuleIndex,
+    loop_indexes_layers,
+    mentions_self_attr,
+    walk,
+)
 from surgeon.engines.locate import ProbeError, layout_of, locate_engine
-import libcst as cst
-
-from surgeon.patch.rewriter import GENERIC, _mentions_self_attr, _Rewriter, _walk, find_recipe, load_recipes, parse, rewrite
+from surgeon.patch.coverage import (
+    coverage,
+    loop_owners_ast,
+    render_coverage_lines,
+    render_coverage_table,
+)
+from surgeon.patch.rewriter import GENERIC, find_recipe, load_recipes, parse, rewrite
 
 
 def _installed() -> bool:
@@ -81,19 +91,20 @@ def test_refusals_carry_reasons_and_native_classes_are_flagged():
 
 
 def _libcst_owners(path: str) -> set[str]:
-    """Classes whose forward has a ``for`` the libcst recogniser would analyse (the test that
-    _layers_loops applies before _analyze_loop, so a superset of its loop owners), on the full
-    parse of the file, without the rewriter's own ast prefilter."""
+    """Classes whose forward has a ``for`` the anatomy would read (the test that
+    anatomy.layers_loops applies before read_loop, so a superset of its loop owners), on the full
+    parse of the file, without the ast prefilter."""
     src = Path(path).read_bytes()
-    rw = _Rewriter(parse(src, path), path, None, GENERIC, src, prefilter=False)
+    idx = ModuleIndex(parse(src, path), src)
     out = set()
-    for cls in rw.module.body:
+    for cls in idx.module.body:
         if not isinstance(cls, cst.ClassDef) or not isinstance(cls.body, cst.IndentedBlock):
             continue
         for fn in cls.body.body:
             if isinstance(fn, cst.FunctionDef) and fn.name.value == GENERIC.method and any(
-                    isinstance(n, cst.For) and (_mentions_self_attr(n.iter, GENERIC.layers_attr) or rw._loop_calls_layer(n))
-                    for n in _walk(fn.body)):
+                    isinstance(n, cst.For) and (mentions_self_attr(n.iter, GENERIC.layers_attr)
+                                                 or loop_indexes_layers(n, GENERIC.layers_attr))
+                    for n in walk(fn.body)):
                 out.add(cls.name.value)
     return out
 
