@@ -381,7 +381,6 @@ def test_transformers_llama_compiled_fullgraph_captures_equal_eager_and_the_refe
 # -- CUDA graphs ------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["aux", "dump"])
 def test_cuda_graph_capture_and_replay_on_new_inputs_match_eager(mode):
     spec = tiny_spec()
