@@ -49,12 +49,15 @@ def engine_copy(tmp_path: Path) -> Callable[..., Path]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run only where CUDA exists; elsewhere they are skipped cleanly."""
+    """Tests marked ``gpu`` run only where CUDA exists; elsewhere they are skipped cleanly. torch
+    is imported only when such a test is collected, so a run of the light tests never pays for it."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
     import torch
 
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
