@@ -16,8 +16,8 @@ from typing import Callable
 
 from surgeon.core.conventions import EngineConvention, builtin_convention
 from surgeon.core.errors import BadInput
-from surgeon.engines.probe import EngineLocation, EngineProbe, ProbeError, locate_engine, probe_engine
-from surgeon.core.idrules import ClassConvention
+from surgeon.core.idrules import ClassConvention, EngineProbe
+from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine  # light: no libcst until a probe runs
 
 SERVING_ENGINES = ("sglang", "vllm")
 
@@ -78,6 +78,8 @@ def _signature(location: EngineLocation) -> tuple:
 
 @lru_cache(maxsize=16)
 def _probe_view(engine: str, location: EngineLocation, signature: tuple) -> EngineView:
+    from surgeon.engines.probe import probe_engine  # libcst: only when an engine is really probed
+
     try:
         probe = probe_engine(engine, location.root, progress=_progress_hook.get(engine))
     except ProbeError as e:

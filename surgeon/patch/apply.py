@@ -28,8 +28,7 @@ from typing import Literal
 
 from surgeon.core.errors import BadInput
 from surgeon.patch.manifest import ApplyResult, FileChange, PatchError, PatchManager, RevertResult, PatchStatus
-from surgeon.engines.probe import ProbeError, locate_engine
-from surgeon.engines.locate import EngineLocation
+from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
 from surgeon.core.spec import Spec, load_spec
 
 __all__ = [

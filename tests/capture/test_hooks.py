@@ -120,6 +120,7 @@ def _load_user(src):
     (UNSAFE_ITEM, [(5, "host-sync"), (6, "tensor-branch")]),
     (UNSAFE_SAVE, [(5, "io")]),
 ], ids=["item", "save"])
+@pytest.mark.slow  # torch.compile(fullgraph=True) per case
 def test_unsafe_hook_is_caught_by_the_checker_and_by_fullgraph_compile(src, expected, tmp_path):
     # (torch 2.13's dynamo traces an .item() whose value only feeds tensor arithmetic without a
     # graph break; the checker flags every .item(), and a branch on it breaks fullgraph)
@@ -225,6 +226,7 @@ def _manual_states(stack, x):
     return states, stack.norm(h + r)
 
 
+@pytest.mark.slow  # torch.compile
 def test_residual_stream_loop_compiles_with_zero_graph_breaks_and_matches_eager():
     spec = tiny_spec()
     torch.manual_seed(0)
@@ -346,6 +348,7 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["aux", "dump"])
+@pytest.mark.slow  # torch.compile of a transformers model
 def test_transformers_llama_compiled_fullgraph_captures_equal_eager_and_the_reference(tiny_llama, mode):
     from transformers import AutoModelForCausalLM
 
@@ -381,7 +384,6 @@ def test_transformers_llama_compiled_fullgraph_captures_equal_eager_and_the_refe
 # -- CUDA graphs ------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["aux", "dump"])
 def test_cuda_graph_capture_and_replay_on_new_inputs_match_eager(mode):
     spec = tiny_spec()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from surgeon.engines.locate import layout_of
 from surgeon.engines.probe import EngineLocation, ProbeError, locate_engine, probe_engine
 from surgeon.core.idrules import Branch, DefaultTerm, EngineProbe, FirstIdEquals, IdRule, MaxIdEquals
 
@@ -28,8 +29,8 @@ PLUS_0 = IdRule((Branch(0),))
 def _installed(engine: str) -> EngineLocation:
     try:
         return locate_engine(engine)
-    except ProbeError as e:  # pragma: no cover - setup problem, not a probe bug
-        pytest.skip(f"{engine} sources not installed ({e}); run scripts/setup")
+    except ProbeError as e:  # pragma: no cover - setup problem, not a probe bug: fail, never skip
+        pytest.fail(f"{engine} sources not installed ({e}); run scripts/setup", pytrace=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,13 +75,11 @@ def vl(vl_run: _Timed) -> EngineProbe:
     return vl_run.probe
 
 
-def _copy_engine(tmp: Path, engine: str, subtree: str) -> tuple[Path, Path]:
-    """Copy just ``subtree`` of the installed package into ``tmp/<package>``; return (root, subtree)."""
-    src = _installed(engine).root
-    root = tmp / src.name
-    dst = root / subtree
-    shutil.copytree(src / subtree, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    return root, dst
+def _copy_engine(engine_copy, tmp: Path, engine: str) -> tuple[Path, Path]:
+    """A copy of the installed engine's model files in ``tmp/<package>``, without its dist-info
+    (so its version is unknown); returns (package root, models dir)."""
+    root = engine_copy(engine, tmp, metadata=False)
+    return root, root / layout_of(engine).models_dir
 
 
 def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
@@ -115,8 +114,8 @@ def test_locate_accepts_package_dir_or_its_parent():
     assert by_parent.version == by_dir.version == loc.version
 
 
-def test_locate_version_from_version_file_and_unknown(tmp_path):
-    root, _ = _copy_engine(tmp_path, "sglang", "srt/models")
+def test_locate_version_from_version_file_and_unknown(tmp_path, engine_copy):
+    root, _ = _copy_engine(engine_copy, tmp_path, "sglang")
     assert locate_engine("sglang", root).version == "unknown"  # no dist-info, no version file
     (root / "version.py").write_text('__version__ = "9.9.9"\n')
     assert locate_engine("sglang", tmp_path).version == "9.9.9"
@@ -278,8 +277,8 @@ def test_vllm_coverage(vl, vl_run):
 
 
 # -- the probe reads the source: edited copies change the result --------------------------------
-def test_sglang_edited_conventions_change_the_probe(tmp_path):
-    root, models = _copy_engine(tmp_path, "sglang", "srt/models")
+def test_sglang_edited_conventions_change_the_probe(tmp_path, engine_copy):
+    root, models = _copy_engine(engine_copy, tmp_path, "sglang")
     _edit(models / "deepseek_v2.py",
           "            if layer_ids and layer_ids[0] == 1:\n"
           "                self.model.layers_to_capture = [val + 1 for val in layer_ids]\n"
@@ -311,8 +310,8 @@ def test_sglang_edited_conventions_change_the_probe(tmp_path):
     assert _classified(probe, "Qwen2ForCausalLM").id_rule == PLUS_1  # untouched files keep theirs
 
 
-def test_sglang_edited_capture_site_and_bypass(tmp_path):
-    root, models = _copy_engine(tmp_path, "sglang", "srt/models")
+def test_sglang_edited_capture_site_and_bypass(tmp_path, engine_copy):
+    root, models = _copy_engine(engine_copy, tmp_path, "sglang")
     # deepseek: give the TBO stage the capture collector -> the bypass is no longer reported
     _edit(models / "deepseek_v2.py",
           "                layers=self.layers[normal_end_layer : self.end_layer],\n",
@@ -341,8 +340,8 @@ def test_sglang_edited_capture_site_and_bypass(tmp_path):
     assert longcat.capture_site == "exit" and longcat.reachable(8) == range(0, 9)
 
 
-def test_vllm_edited_conventions_change_the_probe(tmp_path):
-    root, models = _copy_engine(tmp_path, "vllm", "model_executor/models")
+def test_vllm_edited_conventions_change_the_probe(tmp_path, engine_copy):
+    root, models = _copy_engine(engine_copy, tmp_path, "vllm")
     _edit(models / "interfaces.py", "self.aux_hidden_state_layers = tuple(sorted(set(layers)))",
           "self.aux_hidden_state_layers = tuple(layers)")
     _edit(models / "interfaces.py", "return (2, num_layers // 2, num_layers - 3)",

@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 
 from surgeon.cli import main
-from surgeon.engines.locate import copy_engine_sources
 
 pytestmark = pytest.mark.engine
 
@@ -23,11 +22,6 @@ LLAMA_SPEC = REPO / "specs/llama-3.1-8b-eagle3.yaml"
 KIMI_SPEC = REPO / "specs/kimi-k2.5-eagle3.yaml"
 LLAMA = "model_executor/models/llama.py"
 HOOKS = "model_executor/models/_surgeon_hooks_llama_3_1_8b_eagle3.py"
-
-
-def engine_copy(tmp_path: Path, engine: str) -> Path:
-    """A site-packages-like copy of the installed engine: its model files and its dist-info."""
-    return copy_engine_sources(engine, tmp_path / f"site-{engine}")
 
 
 def cli(*args: str, code: int = 0):
@@ -47,8 +41,8 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def vroot(tmp_path):
-    return engine_copy(tmp_path, "vllm")
+def vroot(engine_copy):
+    return engine_copy("vllm")
 
 
 def test_apply_status_diff_revert_round_trip(vroot: Path):
@@ -78,6 +72,7 @@ def test_apply_status_diff_revert_round_trip(vroot: Path):
     assert "no surgeon patches applied" in cli("status", "--engine", "vllm", "--engine-root", vroot).stdout
 
 
+@pytest.mark.slow  # several CLI runs, each probing a fresh engine copy
 def test_apply_twice_is_a_no_op_and_dry_run_writes_nothing(vroot: Path):
     before = tree_digest(vroot)
     r = cli("apply", KIMI_SPEC, "--engine", "vllm", "--engine-root", vroot, "--dry-run")
@@ -92,6 +87,7 @@ def test_apply_twice_is_a_no_op_and_dry_run_writes_nothing(vroot: Path):
     assert tree_digest(vroot) == before
 
 
+@pytest.mark.slow  # several CLI runs, each probing a fresh engine copy
 def test_a_second_spec_on_the_same_file_needs_replace(vroot: Path, tmp_path: Path):
     before = tree_digest(vroot)
     cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot)
@@ -109,6 +105,7 @@ def test_a_second_spec_on_the_same_file_needs_replace(vroot: Path, tmp_path: Pat
     assert tree_digest(vroot) == before
 
 
+@pytest.mark.slow  # several CLI runs, each probing a fresh engine copy
 def test_drift_is_reported_and_left_alone_unless_forced(vroot: Path):
     original = (vroot / LLAMA).read_bytes()
     cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot)
@@ -133,6 +130,7 @@ def test_drift_is_reported_and_left_alone_unless_forced(vroot: Path):
     assert (vroot / LLAMA).read_bytes() == original and not (vroot / HOOKS).exists()
 
 
+@pytest.mark.slow  # several CLI runs, each probing a fresh engine copy
 def test_a_hooks_file_surgeon_did_not_create_is_never_overwritten(vroot: Path):
     (vroot / HOOKS).write_text("# someone else's\n")
     before = tree_digest(vroot)
@@ -170,8 +168,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(vroot: Path, argv, mess
     assert tree_digest(vroot) == before and not (vroot / ".surgeon" / "manifest.json").exists()
 
 
-def test_sglang_kimi_spec_is_refused_for_the_two_batch_overlap_bypass(tmp_path: Path):
-    root = engine_copy(tmp_path, "sglang")
+def test_sglang_kimi_spec_is_refused_for_the_two_batch_overlap_bypass(engine_copy):
+    root = engine_copy("sglang")
     before = tree_digest(root)
     r = cli("apply", KIMI_SPEC, "--engine", "sglang", "--engine-root", root, code=2)
     assert "srt/models/deepseek_v2.py" in r.stderr and "bypass" in r.stderr
@@ -184,6 +182,7 @@ def _surgeon(*args, env=None, **kw):
                           env={**os.environ, **(env or {})}, **kw)
 
 
+@pytest.mark.slow  # kill loop over many subprocesses
 def test_killed_apply_and_revert_leave_whole_files_and_recover(vroot: Path):
     """Crash the apply (then the revert) at every transaction step: each file is always either
     original or fully patched, and the next command finishes or rolls back the journal."""
@@ -214,6 +213,7 @@ def test_killed_apply_and_revert_leave_whole_files_and_recover(vroot: Path):
     assert ("revert", True, False) in seen and ("revert", True, True) in seen
 
 
+@pytest.mark.slow  # concurrent surgeon subprocesses, each probing
 def test_concurrent_applies_one_wins_the_other_waits_or_is_told(vroot: Path):
     env = {"SURGEON_MANIFEST_TEST_DELAY": "0.3"}
     procs = [subprocess.Popen([sys.executable, "-m", "surgeon", "apply", str(LLAMA_SPEC), "--engine", "vllm",
@@ -254,15 +254,15 @@ def _spec_text(name: str, embed: bool, final: bool) -> str:
 def _round_trip_classes(args):
     """apply -> compile -> status -> revert -> byte-identical, through the patch manager, for each
     class of one engine (run in a worker process on its own engine copy)."""
-    engine, classes, tmp = args
+    engine, classes, root = args
     from surgeon.patch.apply import apply_spec, patch_status, revert_patch
     from surgeon.core.spec import load_spec
 
-    root = engine_copy(Path(tmp), engine)
+    root = Path(root)
     before = tree_digest(root)
     failures = []
     for i, (path, cls, embed, final, guard) in enumerate(classes):
-        spec_file = Path(tmp) / f"s{i}.yaml"
+        spec_file = root.parent.parent / f"s{i}.yaml"
         spec_file.write_text(_spec_text(f"cls{i}", embed, final))
         try:
             out = apply_spec(load_spec(spec_file), engine=engine, engine_root=root, model_file=path,
@@ -279,7 +279,8 @@ def _round_trip_classes(args):
     return len(classes), failures
 
 
-def test_every_patchable_class_applies_compiles_and_reverts_byte_identically(tmp_path: Path):
+@pytest.mark.slow  # every class of both engines (minutes)
+def test_every_patchable_class_applies_compiles_and_reverts_byte_identically(engine_copy, tmp_path: Path):
     from concurrent.futures import ProcessPoolExecutor
 
     from surgeon.patch.coverage import coverage
@@ -293,7 +294,7 @@ def test_every_patchable_class_applies_compiles_and_reverts_byte_identically(tmp
         counts[ec.engine] = len(classes)
         half = len(classes) // 2
         for j, part in enumerate((classes[:half], classes[half:])):
-            jobs.append((ec.engine, part, str(tmp_path / f"{ec.engine}{j}")))
+            jobs.append((ec.engine, part, str(engine_copy(ec.engine, tmp_path / f"{ec.engine}{j}" / "site"))))
     with ProcessPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_round_trip_classes, jobs))
     failures = [f for _, fs in results for f in fs]

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from surgeon.patch import manifest as M
 from surgeon.core.errors import BadInput
+from surgeon.engines.locate import locate_engine
+from surgeon.patch import manifest as M
 from surgeon.patch.manifest import FileChange, PatchError, PatchManager
 
-SITE = Path(M.__file__).resolve().parents[1] / ".venv" / "lib" / "python3.11" / "site-packages"
 ENGINE_FILES = [
     "sglang/srt/models/llama.py",
     "sglang/srt/models/deepseek_v2.py",
@@ -28,7 +28,7 @@ ENGINE_FILES = [
 ]
 CRLF_FILE = "sglang/srt/models/deepseek_v2.py"  # stored with CRLF line endings in the test root
 MODE_FILE = "vllm/model_executor/models/llama.py"  # stored with mode 0o640
-REPO = Path(M.__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPEC = dict(spec_name="eagle3-llama", spec_sha256="ab" * 32, engine="sglang", engine_version="0.5.0")
 
 
@@ -36,21 +36,22 @@ def sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+def installed(rel: str) -> Path:
+    """``rel`` ('<package>/...') in the installed engine, found as every command finds it (a
+    missing engine raises ProbeError: an error, never a skip)."""
+    package, _, rest = rel.partition("/")
+    return locate_engine(package).root / rest
+
+
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
+def root(tmp_path: Path, engine_copy) -> Path:
+    """A site-packages copy of both real engines, one file stored with CRLF and one with mode 0o640."""
     r = tmp_path / "site-packages"
-    for rel in ENGINE_FILES:
-        src = SITE / rel
-        if not src.exists():
-            pytest.skip(f"engine file {rel} not installed")
-        dst = r / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        data = src.read_bytes()
-        if rel == CRLF_FILE:
-            data = data.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
-        dst.write_bytes(data)
-        if rel == MODE_FILE:
-            dst.chmod(0o640)
+    for engine in ("sglang", "vllm"):
+        engine_copy(engine, r)
+    crlf = r / CRLF_FILE
+    crlf.write_bytes(crlf.read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
+    (r / MODE_FILE).chmod(0o640)
     return r
 
 
@@ -107,7 +108,7 @@ def test_apply_status_diff_revert_roundtrip_twice(root: Path):
         files = {f["relpath"]: f for f in man["patches"]["p1"]["files"]}
         for rel in ENGINE_FILES:
             blob = root / ".surgeon" / "originals" / files[rel]["sha256_before"]
-            assert blob.read_bytes() == (SITE / rel).read_bytes() or rel == CRLF_FILE
+            assert blob.read_bytes() == installed(rel).read_bytes() or rel == CRLF_FILE
             assert sha(blob.read_bytes()) == before[rel]
         assert not (root / ".surgeon" / "journal.json").exists()
 
@@ -158,7 +159,7 @@ def test_second_patch_on_same_file_refused_then_replace(root: Path):
     res = pm.apply("p2", changes_for(root, [b, c], tag="p2", pm=pm), **SPEC, replace=True)
     assert res.replaced == ["p1"] and sorted(res.files) == sorted([a, b, c])
     assert sha((root / a).read_bytes()) == before[a]  # p1 reverted
-    assert (root / b).read_bytes() == rewrite((SITE / b).read_bytes().replace(b"\n", b"\r\n"), "p2")
+    assert (root / b).read_bytes() == rewrite(installed(b).read_bytes().replace(b"\n", b"\r\n"), "p2")
     assert states(pm) == {"p2": {b: "applied", c: "applied"}}
     pm.revert("p2")
     assert snapshot(root) == before
@@ -173,7 +174,7 @@ def test_drift_refused_then_forced(root: Path):
     with open(root / a, "ab") as f:  # hand edit
         f.write(b"# edited by hand\n")
     edited = (root / a).read_bytes()
-    shutil.copyfile(SITE / c, root / c)  # "engine reinstalled": back to original bytes
+    shutil.copyfile(installed(c), root / c)  # "engine reinstalled": back to original bytes
     assert states(pm)["p1"] == {a: "drifted", b: "applied", c: "drifted"}
     with pytest.raises(PatchError, match=f"{a} \\(drifted\\).*{c} \\(drifted\\)") as e:
         pm.revert("p1")
@@ -351,6 +352,7 @@ def test_crash_at_every_step(root: Path, tmp_path: Path, action: str):
         assert snapshot(root) == orig
 
 
+@pytest.mark.slow  # 40 killed subprocesses
 def test_sigkill_at_random_points(root: Path, tmp_path: Path):
     orig = snapshot(root)
     spec, patched = _write_spec(root, tmp_path)

@@ -12,7 +12,7 @@ import pytest
 
 from surgeon.patch.apply import patch_status
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # end-to-end: real vLLM runs and the demo
 
 
 def test_demo_runs_end_to_end_and_leaves_the_engine_as_it_was(tmp_path: Path):

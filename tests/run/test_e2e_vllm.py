@@ -30,7 +30,7 @@ from surgeon.engines.probe import locate_engine
 from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
 from surgeon.run.vllm_runner import VllmRunError, run_vllm, vllm_ids_points
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # end-to-end: real vLLM runs and the demo
 
 PROMPTS = [list(range(3, 35)), [7, 300, 42, 42, 9, 120, 5, 250, 17, 64, 64, 2, 199]]
 HIDDEN = 128

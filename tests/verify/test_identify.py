@@ -209,6 +209,7 @@ def test_correct_wiring_is_never_flagged(models, kind):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow  # builds the Kimi-depth model (module fixture used only here)
 def test_the_case_that_started_the_project(kimi, dtype):
     truth = [layer_out(2), layer_out(30), layer_out(58), FINAL_NORM]
     labels = [EMBED, layer_out(3), layer_out(31), FINAL_NORM]

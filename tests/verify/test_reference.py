@@ -105,6 +105,7 @@ def test_points_match_transformers_and_the_residual_arithmetic(models, family):
         assert not close(out - d, prev), k  # the attention branch is really there
 
 
+@pytest.mark.slow  # a 61-layer reference model
 def test_deepseek_v3_at_kimi_depth_with_realistic_gaps(tmp_path):
     model = make_tiny_model("deepseek_v3", tmp_path / "dsv3", num_layers=61, residual_scale=GAP_SCALES["deepseek_v3"])
     config = json.loads((model / "config.json").read_text())

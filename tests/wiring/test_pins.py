@@ -10,7 +10,6 @@ from click.testing import CliRunner
 
 from surgeon.cli import main
 from surgeon.engines.view import open_engine
-from surgeon.engines.locate import copy_engine_sources
 from surgeon.wiring.lint import lint_files
 from surgeon.core.conventions import parse_offset
 from surgeon.wiring.pins import check_pins, pin_values, write_pins
@@ -88,13 +87,8 @@ def test_inconsistent_pins_fail_without_any_engine(tmp_path):
     assert issues and "'low' (fc slot 0, layer_out[2]) would be layer_out[1]" in str(issues[0])
 
 
-def _engine_copy(tmp_path) -> Path:
-    """A site-packages-like copy of the installed sglang: the package (model files) and its dist-info."""
-    return copy_engine_sources("sglang", tmp_path / "site").parent
-
-
-def test_changing_only_the_engines_convention_fails_lint_and_restoring_it_passes(tmp_path):
-    site = _engine_copy(tmp_path)
+def test_changing_only_the_engines_convention_fails_lint_and_restoring_it_passes(tmp_path, engine_copy):
+    site = engine_copy("sglang").parent  # site-packages-like: the package (model files) and its dist-info
     model = site / "sglang/srt/models/deepseek_v2.py"
     original = model.read_text()
     spec = ROOT / "specs/kimi-k2.5-eagle3.yaml"
