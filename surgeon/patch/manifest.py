@@ -488,7 +488,7 @@ class PatchManager:
                 return ApplyResult(name, False, [], [], recovered)
             to_revert = self._patches_to_replace(name, patches, owner, target, replace)
             op_list, blobs, files = self._apply_ops(patches, to_revert, originals, target, target_sha)
-            new = {"format": MANIFEST_FORMAT, "txid": None,
+            new: dict[str, Any] = {"format": MANIFEST_FORMAT, "txid": None,
                    "patches": {k: v for k, v in patches.items() if k not in to_revert}}
             new["patches"][name] = {**record, "created": _now(), "files": files}
             self.journal.run("apply", op_list, blobs, new)
@@ -740,7 +740,7 @@ class PatchManager:
             patches = self.store.load_manifest()["patches"]
             if name not in patches:
                 raise PatchError(f"{name}: no such patch applied under {self.root}")
-            chunks = []
+            chunks: list[str] = []
             for f in patches[name]["files"]:
                 before = self.store.read_blob("originals", f["sha256_before"])
                 after = self.store.read_blob("patched", f["sha256_after"]) or b""
