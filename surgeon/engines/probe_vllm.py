@@ -24,7 +24,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from surgeon.engines.classify import EntryPoint, Target
-from surgeon.engines.interp import ClassRef, Const, Hooks, Interp, Obj, Tup, Unknown, Value
+from surgeon.engines.interp import ClassRef, Const, Hooks, InterpBase, Obj, Tup, Unknown, Value
 from surgeon.engines.source import ClassKey, SourceIndex
 
 MODELS = "model_executor/models"
@@ -125,7 +125,7 @@ class VllmHooks(Hooks):
             self._registry = registry(self.index)
         return self._registry
 
-    def call_function(self, interp: Interp, name: str, args: list[Value], kwargs: dict[str, Value]) -> Value | None:
+    def call_function(self, interp: InterpBase, name: str, args: list[Value], kwargs: dict[str, Value]) -> Value | None:
         if name == "init_vllm_registered_model":
             archs = kwargs.get("architectures")
             if archs is None:
@@ -145,13 +145,13 @@ class VllmHooks(Hooks):
             return Unknown("initialize_model without a model_class the probe can resolve")
         return None
 
-    def call_method(self, interp: Interp, owner: ClassKey, name: str, obj: Obj | None,
+    def call_method(self, interp: InterpBase, owner: ClassKey, name: str, obj: Obj | None,
                     args: list[Value], kwargs: dict[str, Value]) -> Value | None:
         if owner == MULTIMODAL and name == "get_language_model" and obj is not None:
             return self._language_model(interp, obj)
         return None
 
-    def _language_model(self, interp: Interp, obj: Obj) -> Value:
+    def _language_model(self, interp: InterpBase, obj: Obj) -> Value:
         """The attribute assigned inside ``with self._mark_language_model(...)`` in a constructor."""
         marker = m.With(items=[m.WithItem(item=m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_mark_language_model"))))])
         names: list[str] = []

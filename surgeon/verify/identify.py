@@ -445,26 +445,47 @@ def _is_layer(p: Point | None) -> bool:
 
 
 def _diagnose(results: list[SlotResult], subjects: list[_Subject], errs, scale, cands, reference, is_fp, L) -> list[Diagnosis]:
-    out: list[Diagnosis] = []
-    last = layer_out(L - 1)
+    """Name what went wrong, most specific explanation first: a slot explained by a swap is not
+    also reported as off by k or as a wrong point (``covered``)."""
     mism = [i for i, r in enumerate(results) if r.verdict == "mismatch"]
     covered: set[int] = set()
+    out = _diagnose_swaps(results, mism, covered)
+    out += _diagnose_off_by_k(results, mism, covered)
+    out += _diagnose_wrong_points(results, mism, covered, L)
+    shifted = _labels_shifted(results, mism, L)
+    if shifted is not None:
+        out.append(shifted)
+    out += _diagnose_duplicates(results)
+    for i, r in enumerate(results):
+        if r.verdict == "no_match":
+            label = f" (declared {r.declared})" if r.declared is not None else ""
+            why = _no_match_reason(r, subjects[i], scale, cands, reference, is_fp, L)
+            out.append(Diagnosis("no_match", f"slot {r.name!r}{label} matches no point: {why}."))
+    return out
 
-    # swapped: slots whose matches are a permutation of their declared points
+
+def _swap_cycle(results: list[SlotResult], mism: list[int], covered: set[int], start: int) -> list[int]:
+    """Mismatched slots from ``start`` on, each holding the next one's declared point, back to
+    ``start``; empty when the chain does not close."""
+    path, cur = [start], start
+    while True:
+        m = results[cur].matched
+        if len(path) >= 2 and m == results[start].declared:
+            return path
+        nxt = next((j for j in mism if j not in path and j not in covered and results[j].declared == m), None)
+        if nxt is None:
+            return []
+        path.append(nxt)
+        cur = nxt
+
+
+def _diagnose_swaps(results: list[SlotResult], mism: list[int], covered: set[int]) -> list[Diagnosis]:
+    """Swapped: slots whose matches are a permutation of their declared points."""
+    out: list[Diagnosis] = []
     for start in mism:
         if start in covered:
             continue
-        path, cur = [start], start
-        while True:
-            m = results[cur].matched
-            if len(path) >= 2 and m == results[start].declared:
-                break
-            nxt = next((j for j in mism if j not in path and j not in covered and results[j].declared == m), None)
-            if nxt is None:
-                path = []
-                break
-            path.append(nxt)
-            cur = nxt
+        path = _swap_cycle(results, mism, covered, start)
         if path:
             covered.update(path)
             parts = [f"{results[j].name!r} (declared {results[j].declared}) holds {results[j].matched}" for j in path]
@@ -473,8 +494,12 @@ def _diagnose(results: list[SlotResult], subjects: list[_Subject], errs, scale, 
             what = "are swapped" if len(path) == 2 else "hold a permutation of their declared points"
             out.append(Diagnosis("swapped", f"slots {names} {what}: " + "; ".join(parts)
                                  + ". The captures are right, their order is not: fix the slot order (or the labels)."))
+    return out
 
-    # off by k: layer for layer, grouped by k
+
+def _diagnose_off_by_k(results: list[SlotResult], mism: list[int], covered: set[int]) -> list[Diagnosis]:
+    """Off by k: layer for layer, grouped by k."""
+    out: list[Diagnosis] = []
     by_k: dict[int, list[int]] = {}
     for i in mism:
         r = results[i]
@@ -492,46 +517,55 @@ def _diagnose(results: list[SlotResult], subjects: list[_Subject], errs, scale, 
         else:
             why = "Too far for a numbering convention: a wrong id list, or labels that do not belong to these tensors."
         out.append(Diagnosis("off_by_k", f"off by {k:+d} {layers} (k = {k:+d}): {parts}. {why}"))
+    return out
 
+
+def _diagnose_wrong_points(results: list[SlotResult], mism: list[int], covered: set[int], L: int) -> list[Diagnosis]:
+    """Each remaining mismatched slot on its own: a known confusion, else a plain wrong point."""
+    out: list[Diagnosis] = []
     for i in mism:
         if i in covered:
             continue
-        r = results[i]
-        d, m = r.declared, r.matched
-        n = repr(r.name)
-        if m.kind == "layer_delta":  # type: ignore[union-attr]
-            k = m.index  # type: ignore[union-attr]
-            same = d == layer_out(k)
-            out.append(Diagnosis("residual_missing",
-                f"slot {n} holds {m}: layer {k}'s output without the residual added (an engine's hidden_states "
-                f"before `hidden_states + residual`)" + (f"; it is declared {d}, the right layer, so add the residual "
-                "back at the capture" if same else f"; it is declared {d}") + " (sgl-project/sglang#39286)."))
-        elif (d == EMBED and _is_layer(m)) or (_is_layer(d) and m == EMBED):
-            if d == EMBED:
-                text = (f"slot {n} is declared embed but holds {m}: no embedding was captured in this slot "
-                        "(SGLang id -1, vLLM id 0 and HF hidden_states[0] are the embedding)")
-            else:
-                text = (f"slot {n} is declared {d} but holds the embedding (embed): an id that means the entry of "
-                        "layer 0 (vLLM id 0, SGLang -1, HF hidden_states[0]) where a layer output was meant")
-            out.append(Diagnosis("embed_for_layer", text + "."))
-        elif (d == FINAL_NORM and m == last) or (d == last and m == FINAL_NORM):
-            if d == FINAL_NORM:
-                text = (f"slot {n} is declared final_norm but holds {last}, the last layer's output before the "
-                        "final norm (speculators' last slot is pre-norm; HF hidden_states[-1] is post-norm)")
-            else:
-                text = (f"slot {n} is declared {last} but holds final_norm, the output after the final norm "
-                        "(HF hidden_states[-1] and SpecForge's hidden_state are post-norm; speculators' last slot "
-                        "is pre-norm)")
-            out.append(Diagnosis("norm_position", text + "."))
-        else:
-            out.append(Diagnosis("wrong_point", f"slot {n} is declared {d} but holds {m}."))
+        out.append(_wrong_point(results[i], layer_out(L - 1)))
         covered.add(i)
+    return out
 
-    shifted = _labels_shifted(results, mism, L)
-    if shifted is not None:
-        out.append(shifted)
 
-    # duplicates: two slots holding the same point (unless all of them say so and are right)
+def _wrong_point(r: SlotResult, last: Point) -> Diagnosis:
+    """A mismatched slot explained by a known confusion (residual missing, embed for a layer,
+    either side of the final norm), else a plain wrong point."""
+    d, m = r.declared, r.matched
+    n = repr(r.name)
+    if m.kind == "layer_delta":  # type: ignore[union-attr]
+        k = m.index  # type: ignore[union-attr]
+        same = d == layer_out(k)
+        return Diagnosis("residual_missing",
+            f"slot {n} holds {m}: layer {k}'s output without the residual added (an engine's hidden_states "
+            f"before `hidden_states + residual`)" + (f"; it is declared {d}, the right layer, so add the residual "
+            "back at the capture" if same else f"; it is declared {d}") + " (sgl-project/sglang#39286).")
+    if (d == EMBED and _is_layer(m)) or (_is_layer(d) and m == EMBED):
+        if d == EMBED:
+            text = (f"slot {n} is declared embed but holds {m}: no embedding was captured in this slot "
+                    "(SGLang id -1, vLLM id 0 and HF hidden_states[0] are the embedding)")
+        else:
+            text = (f"slot {n} is declared {d} but holds the embedding (embed): an id that means the entry of "
+                    "layer 0 (vLLM id 0, SGLang -1, HF hidden_states[0]) where a layer output was meant")
+        return Diagnosis("embed_for_layer", text + ".")
+    if (d == FINAL_NORM and m == last) or (d == last and m == FINAL_NORM):
+        if d == FINAL_NORM:
+            text = (f"slot {n} is declared final_norm but holds {last}, the last layer's output before the "
+                    "final norm (speculators' last slot is pre-norm; HF hidden_states[-1] is post-norm)")
+        else:
+            text = (f"slot {n} is declared {last} but holds final_norm, the output after the final norm "
+                    "(HF hidden_states[-1] and SpecForge's hidden_state are post-norm; speculators' last slot "
+                    "is pre-norm)")
+        return Diagnosis("norm_position", text + ".")
+    return Diagnosis("wrong_point", f"slot {n} is declared {d} but holds {m}.")
+
+
+def _diagnose_duplicates(results: list[SlotResult]) -> list[Diagnosis]:
+    """Duplicates: two slots holding the same point (unless all of them say so and are right)."""
+    out: list[Diagnosis] = []
     holders: dict[Point, list[int]] = {}
     for i, r in enumerate(results):
         if r.matched is not None:
@@ -543,12 +577,6 @@ def _diagnose(results: list[SlotResult], subjects: list[_Subject], errs, scale, 
                                                          else "unlabelled") for i in idx)
             out.append(Diagnosis("duplicate", f"slots {names} all hold {point} ({decl}): the same capture written "
                                               "twice, or one slot never got its own state."))
-
-    for i, r in enumerate(results):
-        if r.verdict == "no_match":
-            label = f" (declared {r.declared})" if r.declared is not None else ""
-            why = _no_match_reason(r, subjects[i], scale, cands, reference, is_fp, L)
-            out.append(Diagnosis("no_match", f"slot {r.name!r}{label} matches no point: {why}."))
     return out
 
 

@@ -153,70 +153,12 @@ def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dty
     model_dir = Path(model_dir)
     model = _load_model(model_dir, dtype)
     model.eval()
-    _, layers, norm = _find_structure(model)
+    layers, norm = _checked_structure(model, model_dir, ids)
     L = len(layers)
-    declared = getattr(model.config, "num_hidden_layers", L)
-    if declared != L:
-        raise BadInput(f"{model_dir}: config says {declared} layers but the model has {L}")
-    vocab = model.get_input_embeddings().num_embeddings
-    bad = ids[(ids < 0) | (ids >= vocab)]
-    if bad.numel():
-        raise BadInput(f"token id {int(bad[0])} is out of the vocabulary (0..{vocab - 1})")
-
-    inputs: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
-    outputs: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
-    deltas: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
-    normed: list[torch.Tensor] = []
-
-    def pre_hook(k):
-        def hook(module, args, kwargs):
-            hs = args[0] if args else kwargs.get("hidden_states")
-            if hs is None:
-                raise BadInput(f"decoder layer {k} was called without hidden_states")
-            inputs[k].append(_to_state(_first_tensor(hs)))
-
-        return hook
-
-    def out_hook(store, k=None):
-        def hook(module, args, output):
-            (store if k is None else store[k]).append(_to_state(_first_tensor(output)))
-
-        return hook
-
-    handles = []
-    try:
-        for k, layer in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(pre_hook(k), with_kwargs=True))
-            handles.append(layer.register_forward_hook(out_hook(outputs, k)))
-            handles.append(_branch_module(layer, k).register_forward_hook(out_hook(deltas, k)))
-        handles.append(norm.register_forward_hook(out_hook(normed)))
-        with torch.no_grad():
-            model(input_ids=ids[None].to(model.device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-
-    for name, store in (("input", inputs), ("output", outputs), ("MLP branch", deltas)):
-        for k in range(L):
-            if len(store[k]) != 1:
-                raise BadInput(
-                    f"{model_dir}: the {name} hook of decoder layer {k} fired {len(store[k])} "
-                    "times in one forward pass (unrecognised model structure)"
-                )
-    if len(normed) != 1:
-        raise BadInput(f"{model_dir}: the final norm ran {len(normed)} times in one forward pass")
-    for k in range(L - 1):
-        if not torch.equal(outputs[k][0], inputs[k + 1][0]):
-            raise BadInput(
-                f"{model_dir}: decoder layer {k + 1}'s input is not layer {k}'s output: not a "
-                "plain residual stack (unrecognised model structure)"
-            )
-
-    states: dict[Point, torch.Tensor] = {EMBED: inputs[0][0]}
-    for k in range(L):
-        states[Point("layer_delta", k)] = deltas[k][0]
-        states[layer_out(k)] = outputs[k][0]
-    states[FINAL_NORM] = normed[0]
+    recorder = _ForwardRecorder(L)
+    recorder.record(model, layers, norm, ids)
+    recorder.check_plain_residual_stack(model_dir)
+    states = recorder.states()
     T, H = states[EMBED].shape
     for point, t in states.items():
         if tuple(t.shape) != (T, H):
@@ -228,6 +170,91 @@ def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dty
         hidden_size=H,
         source=f"hf:{model_dir.resolve()}",
     )
+
+
+def _checked_structure(model, model_dir: Path, ids: torch.Tensor) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+    """The decoder layers and final norm, refused when the config disagrees with them or the ids
+    fall outside the vocabulary."""
+    _, layers, norm = _find_structure(model)
+    L = len(layers)
+    declared = getattr(model.config, "num_hidden_layers", L)
+    if declared != L:
+        raise BadInput(f"{model_dir}: config says {declared} layers but the model has {L}")
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.numel():
+        raise BadInput(f"token id {int(bad[0])} is out of the vocabulary (0..{vocab - 1})")
+    return layers, norm
+
+
+class _ForwardRecorder:
+    """Hooks on every decoder layer (input, output, MLP branch) and the final norm for one forward
+    pass, and the checks that the model is the plain residual stack the points assume."""
+
+    def __init__(self, num_layers: int) -> None:
+        L = self.num_layers = num_layers
+        self.inputs: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
+        self.outputs: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
+        self.deltas: dict[int, list[torch.Tensor]] = {k: [] for k in range(L)}
+        self.normed: list[torch.Tensor] = []
+
+    def _pre_hook(self, k: int):
+        def hook(module, args, kwargs):
+            hs = args[0] if args else kwargs.get("hidden_states")
+            if hs is None:
+                raise BadInput(f"decoder layer {k} was called without hidden_states")
+            self.inputs[k].append(_to_state(_first_tensor(hs)))
+
+        return hook
+
+    @staticmethod
+    def _out_hook(store, k=None):
+        def hook(module, args, output):
+            (store if k is None else store[k]).append(_to_state(_first_tensor(output)))
+
+        return hook
+
+    def record(self, model, layers: list[torch.nn.Module], norm: torch.nn.Module, ids: torch.Tensor) -> None:
+        """One forward pass with the hooks on; they are removed whatever happens."""
+        handles = []
+        try:
+            for k, layer in enumerate(layers):
+                handles.append(layer.register_forward_pre_hook(self._pre_hook(k), with_kwargs=True))
+                handles.append(layer.register_forward_hook(self._out_hook(self.outputs, k)))
+                handles.append(_branch_module(layer, k).register_forward_hook(self._out_hook(self.deltas, k)))
+            handles.append(norm.register_forward_hook(self._out_hook(self.normed)))
+            with torch.no_grad():
+                model(input_ids=ids[None].to(model.device), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def check_plain_residual_stack(self, model_dir: Path) -> None:
+        """Each hook fired once, and each layer's input is the previous layer's output."""
+        L = self.num_layers
+        for name, store in (("input", self.inputs), ("output", self.outputs), ("MLP branch", self.deltas)):
+            for k in range(L):
+                if len(store[k]) != 1:
+                    raise BadInput(
+                        f"{model_dir}: the {name} hook of decoder layer {k} fired {len(store[k])} "
+                        "times in one forward pass (unrecognised model structure)"
+                    )
+        if len(self.normed) != 1:
+            raise BadInput(f"{model_dir}: the final norm ran {len(self.normed)} times in one forward pass")
+        for k in range(L - 1):
+            if not torch.equal(self.outputs[k][0], self.inputs[k + 1][0]):
+                raise BadInput(
+                    f"{model_dir}: decoder layer {k + 1}'s input is not layer {k}'s output: not a "
+                    "plain residual stack (unrecognised model structure)"
+                )
+
+    def states(self) -> dict[Point, torch.Tensor]:
+        states: dict[Point, torch.Tensor] = {EMBED: self.inputs[0][0]}
+        for k in range(self.num_layers):
+            states[Point("layer_delta", k)] = self.deltas[k][0]
+            states[layer_out(k)] = self.outputs[k][0]
+        states[FINAL_NORM] = self.normed[0]
+        return states
 
 
 # -- measures -----------------------------------------------------------------------------

@@ -103,6 +103,19 @@ def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
     raise BadInput(f"{what}: shape {tuple(t.shape)} has no axis of {n} slots")
 
 
+@dataclass
+class _FileSlots:
+    """What one file layout yields before ``--slots`` renames anything: slots in file order, the
+    points the layout itself declares, and its input ids."""
+
+    layout: str
+    names: list[str]
+    tensors: list[torch.Tensor]
+    declared: list[Point | None]
+    ids: torch.Tensor | None = None
+    notes: list[str] = field(default_factory=list)
+
+
 def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int | None = None) -> Subject:
     """Read ``path`` as named slots. ``slots`` (``--slots``) names them in order and may declare
     points; ``num_layers`` lets layouts with fixed semantics declare theirs (speculators' last
@@ -112,123 +125,135 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
         raise BadInput(f"{p}: no such file")
     named = parse_slot_names(slots, num_layers)
     n = len(named) or None
-    notes: list[str] = []
-    ids = None
-    tensors: list[torch.Tensor]
-    default_names: list[str]
-    declared: list[Point | None]
-    layout = "plain"
     with open(p, "rb") as f:
         head = f.read(8)
     is_zip_or_pickle = head[:2] == b"PK" or head[:1] == b"\x80"
     if is_zip_or_pickle:
-        data = _load_pickle(p)
-        if isinstance(data, dict) and "aux_hidden_state" in data:
-            layout = "specforge"
-            hidden = data.get("hidden_state")
-            aux = data["aux_hidden_state"]
-            if not isinstance(aux, torch.Tensor):
-                raise BadInput(f"{p}: aux_hidden_state is not a tensor")
-            aux = _as_2d(aux, f"{p}: aux_hidden_state")
-            H = hidden.shape[-1] if isinstance(hidden, torch.Tensor) else None
-            if H is None:
-                if n is None:
-                    raise BadInput(f"{p}: no hidden_state to tell the width; pass --slots for the aux slots")
-                H = aux.shape[-1] // n
-            if aux.shape[-1] % H:
-                raise BadInput(f"{p}: aux_hidden_state width {aux.shape[-1]} is not a multiple of hidden {H}")
-            k = aux.shape[-1] // H
-            tensors = [aux[:, i * H:(i + 1) * H] for i in range(k)]
-            default_names = [f"aux_{i}" for i in range(k)]
-            declared = [None] * k
-            if isinstance(hidden, torch.Tensor):
-                tensors.append(_as_2d(hidden, f"{p}: hidden_state"))
-                default_names.append("hidden_state")
-                declared.append(None)
-                notes.append("SpecForge's hidden_state is documented as after the final norm; it is identified, not assumed")
-            if "input_ids" in data:
-                ids = _ids(data["input_ids"], f"{p}: input_ids")
-        elif isinstance(data, dict):
-            ids_key = next((k for k in IDS_KEYS if k in data), None)
-            if ids_key:
-                ids = _ids(data[ids_key], f"{p}: {ids_key}")
-            items = [(k, v) for k, v in data.items() if k not in IDS_KEYS and isinstance(v, torch.Tensor) and v.is_floating_point()]
-            if len(items) == 1 and items[0][1].dim() >= 3 and items[0][1].shape[-3:-2] != (1,):
-                tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
-                default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
-            else:
-                tensors = [_as_2d(v, f"{p}: {k}") for k, v in items]
-                default_names = [str(k) for k, _ in items]
-            declared = [None] * len(tensors)
-        elif isinstance(data, (list, tuple)):
-            tensors = [_as_2d(v, f"{p}: item {i}") for i, v in enumerate(data)]
-            default_names = [f"slot{i}" for i in range(len(tensors))]
-            declared = [None] * len(tensors)
-        elif isinstance(data, torch.Tensor):
-            tensors = _stacked(data, n, str(p)) if data.dim() >= 3 else [_as_2d(data, str(p))]
-            default_names = [f"slot{i}" for i in range(len(tensors))]
-            declared = [None] * len(tensors)
-        else:
-            raise BadInput(f"{p}: holds a {type(data).__name__}, not tensors")
+        read = _read_pickled(p, n)
     elif safetensors_kind(p) == "dump":
-        from surgeon.capture.dumps import read_dump
-
-        dump = read_dump(p)
-        layout = "surgeon"
-        ids = dump.input_ids
-        default_names = [n for n, _, _ in dump.captures]
-        tensors = [_as_2d(t, f"{p}: {n}") for n, _, t in dump.captures]
-        declared = [pt for _, pt, _ in dump.captures]
-        notes.append(f"surgeon dump of spec {dump.meta.get('spec.name') or '-'} on {dump.meta.get('engine') or '?'} "
-                     f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
+        read = _read_dump(p)
     else:
-        data, meta = read_safetensors(p)
-        kind = meta.get("surgeon.kind")
-        ids_key = next((k for k in IDS_KEYS if k in data), None)
-        if ids_key:
-            ids = _ids(data.pop(ids_key), f"{p}: {ids_key}")
-        if kind == "reference":
-            layout = "surgeon-reference"
-            L = int(meta.get("num_layers", "0") or 0) or None
-            default_names, tensors, declared = [], [], []
-            for k, v in data.items():
-                default_names.append(k)
-                tensors.append(_as_2d(v, f"{p}: {k}"))
-                declared.append(parse_point(k, L, allow_delta=True))
-        elif "hidden_states" in data and data["hidden_states"].dim() == 3:
-            layout = "speculators"
-            hs = data["hidden_states"]
-            tensors = [hs[:, i] for i in range(hs.shape[1])]
-            default_names = [f"hidden_states[:, {i}]" for i in range(len(tensors))]
-            declared = [None] * len(tensors)
-            if num_layers is not None:
-                declared[-1] = layer_out(num_layers - 1)
-                notes.append(f"speculators' last slot is layer_out[{num_layers - 1}] before the final norm: declared so")
-        else:
-            items = [(k, v) for k, v in data.items() if v.is_floating_point()]
-            if len(items) == 1 and items[0][1].dim() == 3:
-                tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
-                default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
-            else:
-                tensors = [_as_2d(v, f"{p}: {k}") for k, v in items]
-                default_names = [k for k, _ in items]
-            declared = [None] * len(tensors)
-    if not tensors:
+        read = _read_safetensors_slots(p, n, num_layers)
+    if not read.tensors:
         raise BadInput(f"{p}: holds no hidden-state tensors")
-    if named:
-        if len(named) != len(tensors):
-            raise BadInput(f"{p}: --slots names {len(named)} slots but the file holds {len(tensors)} ({', '.join(default_names)})")
-        names = [nm for nm, _ in named]
-        declared = [pt if pt is not None else d for (_, pt), d in zip(named, declared)]
-    else:
-        names = default_names
+    names, declared = _apply_slot_names(p, named, read)
+    _check_shapes(p, read.tensors, read.ids)
+    return Subject(list(zip(names, declared, read.tensors)), read.ids, str(p), read.layout, read.notes)
+
+
+def _apply_slot_names(p: Path, named: list[tuple[str, Point | None]],
+                      read: _FileSlots) -> tuple[list[str], list[Point | None]]:
+    """Slot names and declared points: ``--slots`` overrides the layout's (and must count the same)."""
+    if not named:
+        return read.names, read.declared
+    if len(named) != len(read.tensors):
+        raise BadInput(f"{p}: --slots names {len(named)} slots but the file holds {len(read.tensors)} ({', '.join(read.names)})")
+    return [nm for nm, _ in named], [pt if pt is not None else d for (_, pt), d in zip(named, read.declared)]
+
+
+def _check_shapes(p: Path, tensors: list[torch.Tensor], ids: torch.Tensor | None) -> None:
     T = {t.shape[0] for t in tensors}
     Hs = {t.shape[1] for t in tensors}
     if len(T) != 1 or len(Hs) != 1:
         raise BadInput(f"{p}: slots disagree in shape ({sorted(T)} tokens, {sorted(Hs)} hidden)")
     if ids is not None and ids.numel() != next(iter(T)):
         raise BadInput(f"{p}: {ids.numel()} input ids for {next(iter(T))} tokens")
-    return Subject(list(zip(names, declared, tensors)), ids, str(p), layout, notes)
+
+
+def _read_pickled(p: Path, n: int | None) -> _FileSlots:
+    """A ``torch.save`` file: a SpecForge dict, another dict of tensors, a list, or one tensor."""
+    data = _load_pickle(p)
+    if isinstance(data, dict) and "aux_hidden_state" in data:
+        return _read_specforge(p, data, n)
+    if isinstance(data, dict):
+        ids_key = next((k for k in IDS_KEYS if k in data), None)
+        ids = _ids(data[ids_key], f"{p}: {ids_key}") if ids_key else None
+        items = [(k, v) for k, v in data.items() if k not in IDS_KEYS and isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if len(items) == 1 and items[0][1].dim() >= 3 and items[0][1].shape[-3:-2] != (1,):
+            tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
+            default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
+        else:
+            tensors = [_as_2d(v, f"{p}: {k}") for k, v in items]
+            default_names = [str(k) for k, _ in items]
+        return _FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
+    if isinstance(data, (list, tuple)):
+        tensors = [_as_2d(v, f"{p}: item {i}") for i, v in enumerate(data)]
+    elif isinstance(data, torch.Tensor):
+        tensors = _stacked(data, n, str(p)) if data.dim() >= 3 else [_as_2d(data, str(p))]
+    else:
+        raise BadInput(f"{p}: holds a {type(data).__name__}, not tensors")
+    return _FileSlots("plain", [f"slot{i}" for i in range(len(tensors))], tensors, [None] * len(tensors))
+
+
+def _read_specforge(p: Path, data: dict, n: int | None) -> _FileSlots:
+    """SpecForge's ``aux_hidden_state`` [1, T, nH], split into its n slots by the hidden width."""
+    hidden = data.get("hidden_state")
+    aux = data["aux_hidden_state"]
+    if not isinstance(aux, torch.Tensor):
+        raise BadInput(f"{p}: aux_hidden_state is not a tensor")
+    aux = _as_2d(aux, f"{p}: aux_hidden_state")
+    H = hidden.shape[-1] if isinstance(hidden, torch.Tensor) else None
+    if H is None:
+        if n is None:
+            raise BadInput(f"{p}: no hidden_state to tell the width; pass --slots for the aux slots")
+        H = aux.shape[-1] // n
+    if aux.shape[-1] % H:
+        raise BadInput(f"{p}: aux_hidden_state width {aux.shape[-1]} is not a multiple of hidden {H}")
+    k = aux.shape[-1] // H
+    read = _FileSlots("specforge", [f"aux_{i}" for i in range(k)], [aux[:, i * H:(i + 1) * H] for i in range(k)],
+                      [None] * k)
+    if isinstance(hidden, torch.Tensor):
+        read.tensors.append(_as_2d(hidden, f"{p}: hidden_state"))
+        read.names.append("hidden_state")
+        read.declared.append(None)
+        read.notes.append("SpecForge's hidden_state is documented as after the final norm; it is identified, not assumed")
+    if "input_ids" in data:
+        read.ids = _ids(data["input_ids"], f"{p}: input_ids")
+    return read
+
+
+def _read_dump(p: Path) -> _FileSlots:
+    """A surgeon dump: its slots are named and declared by the dump itself."""
+    from surgeon.capture.dumps import read_dump
+
+    dump = read_dump(p)
+    note = (f"surgeon dump of spec {dump.meta.get('spec.name') or '-'} on {dump.meta.get('engine') or '?'} "
+            f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
+    return _FileSlots("surgeon", [n for n, _, _ in dump.captures], [_as_2d(t, f"{p}: {n}") for n, _, t in dump.captures],
+                      [pt for _, pt, _ in dump.captures], dump.input_ids, [note])
+
+
+def _read_safetensors_slots(p: Path, n: int | None, num_layers: int | None) -> _FileSlots:
+    """A safetensors file: a surgeon reference, a speculators ``hidden_states`` stack, or plain tensors."""
+    data, meta = read_safetensors(p)
+    kind = meta.get("surgeon.kind")
+    ids_key = next((k for k in IDS_KEYS if k in data), None)
+    ids = _ids(data.pop(ids_key), f"{p}: {ids_key}") if ids_key else None
+    if kind == "reference":
+        L = int(meta.get("num_layers", "0") or 0) or None
+        read = _FileSlots("surgeon-reference", [], [], [], ids)
+        for k, v in data.items():
+            read.names.append(k)
+            read.tensors.append(_as_2d(v, f"{p}: {k}"))
+            read.declared.append(parse_point(k, L, allow_delta=True))
+        return read
+    if "hidden_states" in data and data["hidden_states"].dim() == 3:
+        hs = data["hidden_states"]
+        tensors = [hs[:, i] for i in range(hs.shape[1])]
+        read = _FileSlots("speculators", [f"hidden_states[:, {i}]" for i in range(len(tensors))], tensors,
+                          [None] * len(tensors), ids)
+        if num_layers is not None:
+            read.declared[-1] = layer_out(num_layers - 1)
+            read.notes.append(f"speculators' last slot is layer_out[{num_layers - 1}] before the final norm: declared so")
+        return read
+    items = [(k, v) for k, v in data.items() if v.is_floating_point()]
+    if len(items) == 1 and items[0][1].dim() == 3:
+        tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
+        default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
+    else:
+        tensors = [_as_2d(v, f"{p}: {k}") for k, v in items]
+        default_names = [k for k, _ in items]
+    return _FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
 
 
 def align(subject_ids: torch.Tensor | None, reference_ids: torch.Tensor, n_tokens: int) -> tuple[slice, slice, str]:

@@ -155,6 +155,8 @@ def fc_weight_shape(draft: Path) -> dict | None:
 
 
 def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None, model_class: str | None = None) -> DraftReport:
+    """What ``engine`` would capture for ``draft`` (its config's ids through the engine's
+    convention) against the spec's fc_input, and whether the draft's widths fit the spec."""
     if engine not in CHECK_TARGETS:
         raise BadInput(f"unknown engine {engine!r}; expected one of {', '.join(CHECK_TARGETS)}")
     if spec.model.draft is None:
@@ -162,11 +164,26 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
     draft = Path(draft)
     cfg, data = _read_config(draft)
     found = read_ids(cfg, data)
-    L = spec.num_layers
     expected = [str(p) for p in spec.fc_points]
     findings: list[Finding] = []
 
     ids, key = ids_engine_uses(engine, data, found)
+    captured, origin, cls = _decode_captures(spec, engine, ids, cfg, engine_root, model_class, findings)
+    eagle_config = data.get("eagle_config")
+    if engine == "sglang" and isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state", True) is False:
+        findings.append(Finding("error", "aux_disabled", "eagle_config.use_aux_hidden_state is false: SGLang captures no aux hidden states for this draft"))
+    findings += _slot_findings(spec, engine, ids, key, captured, expected)
+    findings += _id_list_findings(engine, found, captured, expected)
+    fc = _check_widths(spec, draft, cfg, data, expected, findings)
+    return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
+                       {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings)
+
+
+def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model_class: str | None,
+                     findings: list[Finding]) -> tuple[list[str | None], str, str | None]:
+    """(the points ``ids`` make the engine capture, where that rule comes from, the model class
+    probed); ids the engine cannot use are reported in ``findings``."""
+    L = spec.num_layers
     cls = None
     captured: list[str | None]
     if engine == "specforge":
@@ -178,24 +195,27 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
                 raise BadInput(f"{cfg}: {e}") from None
             captured = []
             findings.append(Finding("error", "missing_ids", f"the draft config gives no ids and the SpecForge default is invalid for {L} layers: {e}"))
-    else:
-        view = open_engine("vllm" if engine == "speculators" else engine, engine_root)
-        cls = model_class_for(spec, "vllm" if engine == "speculators" else engine, model_class)
-        conv = view.convention(cls)
-        origin = conv.origin
-        try:
-            out = conv.decode(ids, L)
-        except ValueError as e:  # no ids and no default: the engine captures nothing (or fails)
-            out = []
-            findings.append(Finding("error", "missing_ids", f"the draft config gives {engine} no ids and {e}"))
-        captured = [None if p is None else str(p) for p in out]
-        if any(p is None for p in out):
-            findings.append(Finding("error", "never_captured",
-                                    f"ids {ids} include an index the {engine} loop never reaches; that capture silently does not happen"))
-    eagle_config = data.get("eagle_config")
-    if engine == "sglang" and isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state", True) is False:
-        findings.append(Finding("error", "aux_disabled", "eagle_config.use_aux_hidden_state is false: SGLang captures no aux hidden states for this draft"))
+        return captured, origin, cls
+    view = open_engine("vllm" if engine == "speculators" else engine, engine_root)
+    cls = model_class_for(spec, "vllm" if engine == "speculators" else engine, model_class)
+    conv = view.convention(cls)
+    origin = conv.origin
+    try:
+        out = conv.decode(ids, L)
+    except ValueError as e:  # no ids and no default: the engine captures nothing (or fails)
+        out = []
+        findings.append(Finding("error", "missing_ids", f"the draft config gives {engine} no ids and {e}"))
+    captured = [None if p is None else str(p) for p in out]
+    if any(p is None for p in out):
+        findings.append(Finding("error", "never_captured",
+                                f"ids {ids} include an index the {engine} loop never reaches; that capture silently does not happen"))
+    return captured, origin, cls
 
+
+def _slot_findings(spec: Spec, engine: str, ids, key, captured: list[str | None], expected: list[str]) -> list[Finding]:
+    """Which ids the engine reads (or the default it silently falls back to), and each fc slot it
+    would fill with something other than the spec's point."""
+    findings: list[Finding] = []
     if ids is None and captured:
         default = ", ".join(str(c) for c in captured)
         sev = "error" if captured != expected else "warning"
@@ -213,14 +233,25 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
             if want != got:
                 name = spec.fc_names[i]
                 findings.append(Finding("error", "slot", f"fc slot {i} ({name!r}): spec says {want}, the draft config makes {engine} capture {got or 'nothing'}"))
+    return findings
 
+
+def _id_list_findings(engine: str, found: dict, captured: list[str | None], expected: list[str]) -> list[Finding]:
+    """The two places a draft config can list ids, and the engine that ignores one of them."""
+    findings: list[Finding] = []
     top, nested = found["eagle_aux_hidden_state_layer_ids"], found["eagle_config.eagle_aux_hidden_state_layer_ids"]
     if top and nested is not None and top != nested:
         findings.append(Finding("warning", "two_lists", f"top-level ids {top} and eagle_config ids {nested} differ: vLLM reads the top-level list, SGLang the eagle_config one"))
     if engine == "sglang" and top and nested is None:
         findings.append(Finding("error" if captured != expected else "warning", "ignored_ids",
                                 f"top-level ids {top} are ignored by SGLang, which reads eagle_config only"))
+    return findings
 
+
+def _check_widths(spec: Spec, draft: Path, cfg: Path, data: dict, expected: list[str],
+                  findings: list[Finding]) -> dict | None:
+    """target_hidden_size and the fc weight's in_features against the spec; returns the fc weight
+    found (or None)."""
     target_hidden = data.get("target_hidden_size")
     if target_hidden is not None and (type(target_hidden) is not int):
         raise BadInput(f"{cfg}: target_hidden_size must be an integer, not {json.dumps(target_hidden)[:40]}")
@@ -237,5 +268,4 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
             findings.append(Finding("info", "fc_shape", f"{fc['tensor']} {fc['shape']} matches {len(expected)} x {spec.hidden_size}"))
     elif draft.is_dir():
         findings.append(Finding("warning", "fc_shape", "no fc.weight found in the draft's safetensors files; fc width not checked"))
-    return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
-                       {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings)
+    return fc

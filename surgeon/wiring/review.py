@@ -54,18 +54,9 @@ def _pin_rows(old: Spec, new: Spec) -> list[str]:
 
 
 def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) -> Review:
+    """The Markdown comment and its data: header, captures, fc input, engine ids, dumps, pins."""
     roots = roots or {}
-    lines: list[str] = []
-    title = _md(old.name if old.name == new.name else f"{old.name} → {new.name}")
-    lines.append(f"### surgeon review: `{title}`")
-    lines.append("")
-    lines.append(f"`{_md(old.file)}` (sha256 `{old.sha256[:12]}`) → `{_md(new.file)}` (sha256 `{new.sha256[:12]}`)")
-    lines.append("")
-    if old.num_layers != new.num_layers or old.hidden_size != new.hidden_size or old.model.target.architecture != new.model.target.architecture:
-        t0, t1 = old.model.target, new.model.target
-        lines.append(f"**Target changed:** {_md(t0.architecture)} L={t0.num_layers} H={t0.hidden_size} → {_md(t1.architecture)} L={t1.num_layers} H={t1.hidden_size}")
-        lines.append("")
-
+    lines = _header_lines(old, new)
     fc_old = list(zip(old.fc_names, old.fc_points))
     fc_new = list(zip(new.fc_names, new.fc_points))
     fc_changed = [p for _, p in fc_old] != [p for _, p in fc_new]
@@ -77,7 +68,30 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
     elif fc_old != fc_new:
         lines.append("fc input renamed only: every slot reads the same physical state.")
         lines.append("")
+    cap_rows = _capture_section(old, new, lines)
+    _fc_section(fc_old, fc_new, lines)
+    ids_rows = _engine_ids_section(old, new, roots, lines)
+    _dumps_and_pins_sections(old, new, lines)
+    data = {"old": old.file, "new": new.file, "fc_changed": fc_changed, "captures": cap_rows, "ids": ids_rows}
+    return Review("\n".join(lines).rstrip() + "\n", fc_changed, data)
 
+
+def _header_lines(old: Spec, new: Spec) -> list[str]:
+    lines: list[str] = []
+    title = _md(old.name if old.name == new.name else f"{old.name} → {new.name}")
+    lines.append(f"### surgeon review: `{title}`")
+    lines.append("")
+    lines.append(f"`{_md(old.file)}` (sha256 `{old.sha256[:12]}`) → `{_md(new.file)}` (sha256 `{new.sha256[:12]}`)")
+    lines.append("")
+    if old.num_layers != new.num_layers or old.hidden_size != new.hidden_size or old.model.target.architecture != new.model.target.architecture:
+        t0, t1 = old.model.target, new.model.target
+        lines.append(f"**Target changed:** {_md(t0.architecture)} L={t0.num_layers} H={t0.hidden_size} → {_md(t1.architecture)} L={t1.num_layers} H={t1.hidden_size}")
+        lines.append("")
+    return lines
+
+
+def _capture_section(old: Spec, new: Spec, lines: list[str]) -> list[dict]:
+    """The captures table (appended to ``lines``); returns its rows as data."""
     lines.append("#### Captures")
     lines.append("| capture | was | now | |")
     lines.append("|---|---|---|---|")
@@ -89,7 +103,10 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
         lines.append(f"| `{_md(n)}` | {a or '—'} | {b or '—'} | {change} |")
         cap_rows.append({"name": n, "was": str(a) if a else None, "now": str(b) if b else None})
     lines.append("")
+    return cap_rows
 
+
+def _fc_section(fc_old: list, fc_new: list, lines: list[str]) -> None:
     lines.append("#### fc input (the order the draft's fc concatenates)")
     lines.append("| slot | was | now | |")
     lines.append("|---|---|---|---|")
@@ -100,6 +117,9 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
         lines.append(f"| {i} | {f'`{_md(a[0])}` = {a[1]}' if a else '—'} | {f'`{_md(b[0])}` = {b[1]}' if b else '—'} | {flag} |")
     lines.append("")
 
+
+def _engine_ids_section(old: Spec, new: Spec, roots: dict[str, str | None], lines: list[str]) -> list[dict]:
+    """Each consumer's ids before and after (appended to ``lines``); returns the rows as data."""
     lines.append("#### Engine ids")
     lines.append("| consumer | before | after |")
     lines.append("|---|---|---|")
@@ -117,7 +137,11 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
     for o in sorted(origins):
         lines.append(f"<sub>{_md(o)}</sub>")
     lines.append("")
+    return ids_rows
 
+
+def _dumps_and_pins_sections(old: Spec, new: Spec, lines: list[str]) -> None:
+    """The dump layout and the engine pins, each only when it changed."""
     d0 = old.model.dumps
     d1 = new.model.dumps
     if d0 != d1:
@@ -125,7 +149,6 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
         lines.append(f"- was: {_md(d0.layout + ' ' + str(old.dump_slots)) if d0 else 'none'}")
         lines.append(f"- now: {_md(d1.layout + ' ' + str(new.dump_slots)) if d1 else 'none'}")
         lines.append("")
-
     pins = _pin_rows(old, new)
     if pins:
         lines.append("#### Engine pins")
@@ -133,5 +156,3 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
         lines.append("|---|---|---|---|")
         lines.extend(pins)
         lines.append("")
-    data = {"old": old.file, "new": new.file, "fc_changed": fc_changed, "captures": cap_rows, "ids": ids_rows}
-    return Review("\n".join(lines).rstrip() + "\n", fc_changed, data)

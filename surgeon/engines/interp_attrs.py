@@ -1,0 +1,264 @@
+"""Attribute and name resolution for the capture-setter interpreter.
+
+``self.<attr>`` is what the constructors of the object's class hierarchy assign (a subclass's
+``super().__init__(...)`` arguments included); several possible classes fork the run. Names
+imported inside a function resolve to the package's classes and modules, and in a constructor an
+unassigned local is read from its last assignment (lazy frames).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import libcst as cst
+import libcst.matchers as m
+
+from surgeon.engines.interp_base import InterpBase
+from surgeon.engines.interp_values import (Bound, ClassRef, Const, External, Frame, ModuleRef, Obj, PPGroup, Super,
+                                           Unknown, Value, describe, walk_statements)
+from surgeon.engines.source import ClassKey, CstFunction, code
+
+
+class AttributeResolver(InterpBase):
+    """Attributes of objects, classes, modules and the pipeline group; imports and lazy locals."""
+
+    def imported_binding(self, node: cst.ImportFrom, alias: cst.ImportAlias, path: str) -> Value:
+        """What ``from X import name`` inside a function binds: a class of the package if it is one."""
+        dots = len(node.relative)
+        module = code(node.module) if node.module is not None else ""
+        if dots:
+            parts = self.index.dotted_of(path).split(".")
+            if not path.endswith("__init__.py"):
+                parts = parts[:-1]
+            parts = parts[: len(parts) - (dots - 1)]
+            module = ".".join([*parts, *([module] if module else [])])
+        name = code(alias.name)
+        target = self.index.path_of(module)
+        if target is not None:
+            r = self.index.resolve(target, name)
+            if isinstance(r, tuple):
+                return ClassRef(r)
+            if isinstance(r, str):
+                return ModuleRef(r)
+        sub = self.index.path_of(f"{module}.{name}")
+        return ModuleRef(sub) if sub else External(name)
+
+    def lazy_local(self, name: str, frame: Frame) -> Value | None:
+        """The value of local ``name`` from its last assignment before ``frame.line``."""
+        assert frame.fn is not None
+        fn = frame.fn
+        here = fn.order(frame.stmt) if frame.stmt is not None else len(fn._all)
+        best: cst.Assign | None = None
+        for stmt in walk_statements(fn.node.body):
+            if isinstance(stmt, cst.ImportFrom) and fn.order(stmt) < here and not isinstance(stmt.names, cst.ImportStar):
+                for alias in stmt.names:
+                    local = alias.asname.name if alias.asname else alias.name
+                    if m.matches(local, m.Name(name)):
+                        return self.imported_binding(stmt, alias, frame.path)
+            if isinstance(stmt, cst.Assign) and fn.order(stmt) < here:
+                if any(m.matches(t.target, m.Name(name)) for t in stmt.targets):
+                    best = stmt
+        if best is None:
+            params = frame.fn.node.params
+            if any(p.name.value == name for p in [*params.params, *params.kwonly_params, *params.posonly_params]):
+                return Unknown(f"constructor argument {name}")
+            return None
+        guard = (fn.label, name, fn.order(best))
+        if guard in self._lazy_guard:
+            return Unknown(f"recursive local {name}")
+        self._lazy_guard.add(guard)
+        saved = frame.stmt
+        try:
+            frame.stmt = best
+            return self.eval(best.value, frame)
+        finally:
+            frame.stmt = saved
+            self._lazy_guard.discard(guard)
+
+    def get_attr(self, base: Value, attr: str) -> Value:
+        if isinstance(base, Obj):
+            return self.load_attr(base, attr)
+        if isinstance(base, PPGroup):
+            if attr in ("is_first_rank", "is_last_rank"):
+                return Const(True)
+            if attr == "world_size":
+                return Const(1)
+            if attr in ("rank", "rank_in_group"):
+                return Const(0)
+            return Unknown(f"pp_group.{attr}")
+        if isinstance(base, Super):
+            found = self.index.find_function(base.obj.cls, attr, after=base.after)
+            if found is not None:
+                return Bound(base.obj, found[0], attr)
+            return Unknown(f"super().{attr}")
+        if isinstance(base, ClassRef):
+            found = self.index.find_function(base.cls, attr)
+            if found is not None:
+                return Bound(None, found[0], attr)
+            assigned = self.index.find_class_assign(base.cls, attr)
+            if assigned is not None:
+                return self._eval_class_level(assigned[0], assigned[1])
+            return Unknown(f"{base.cls[1]}.{attr}")
+        if isinstance(base, ModuleRef):
+            resolved = self.index.resolve(base.path, attr)
+            if isinstance(resolved, tuple):
+                return ClassRef(resolved)
+            return External(attr)
+        return Unknown(f"attribute {attr} of {describe(base)}")
+
+    def has_attr(self, obj: Obj, attr: str) -> bool | None:
+        if (obj.path, attr) in self.heap:
+            return True
+        for k in self.index.mro(obj.cls):
+            info = self.index.class_info(k)
+            if info is None:
+                continue
+            if attr in info.functions or attr in info.class_assigns:
+                return True
+            if self._init_mentions(k, attr):
+                return True
+        return False
+
+    def load_attr(self, obj: Obj, attr: str) -> Value:
+        if (obj.path, attr) in self.heap:
+            return self.heap[(obj.path, attr)]
+        for k in self.index.mro(obj.cls):
+            info = self.index.class_info(k)
+            if info is None:
+                continue
+            if attr in info.functions:
+                if info.functions[attr].is_property:
+                    return self.run(k, attr, obj, [], {})
+                return Bound(obj, k, attr)
+            candidates = self._init_assignments(k, attr)
+            if candidates:
+                return self._pick(obj, k, attr, candidates)
+            if attr in info.class_assigns:
+                value = self._eval_class_level(k, info.class_assigns[attr])
+                return _repath(value, f"{obj.path}.{attr}")
+        return Unknown(f"{obj.cls[1]} has no attribute {attr} the probe can see")
+
+    def _eval_class_level(self, owner: ClassKey, node: Any) -> Value:
+        expr = self.index.expression(owner[0], node)
+        if expr is None:
+            return Unknown("unreadable class attribute")
+        return self.eval(expr, Frame(None, owner, owner[0], None))
+
+    def _constructors(self, owner: ClassKey) -> list[str]:
+        """``__init__`` and the methods it calls on ``self`` (``self._init_layers(...)``)."""
+        info = self.index.class_info(owner)
+        if info is None or "__init__" not in info.functions:
+            return []
+        text = self.index.function_text(owner, info.functions["__init__"])
+        called = [n for n in info.functions if n != "__init__" and f"self.{n}(" in text]
+        return ["__init__", *called]
+
+    def _init_mentions(self, owner: ClassKey, attr: str) -> list[str]:
+        """Constructor methods of ``owner`` that assign ``self.<attr>``."""
+        info = self.index.class_info(owner)
+        if info is None:
+            return []
+        pattern = re.compile(rf"self\.{re.escape(attr)}\s*(?::[^=\n]*)?=(?!=)")
+        return [n for n in self._constructors(owner)
+                if pattern.search(self.index.function_text(owner, info.functions[n]))]
+
+    def _init_assignments(self, owner: ClassKey, attr: str) -> list[tuple[CstFunction, cst.BaseExpression, cst.CSTNode]]:
+        key = (owner, attr)
+        if key in self._init_cache:
+            return self._init_cache[key]
+        found: list[tuple[CstFunction, cst.BaseExpression, cst.CSTNode]] = []
+        for name in self._init_mentions(owner, attr):
+            fn = self.index.function(owner, name)
+            if fn is None:
+                continue
+            target = m.Attribute(value=m.Name("self"), attr=m.Name(attr))
+            for stmt in walk_statements(fn.node.body):
+                if isinstance(stmt, cst.Assign) and any(m.matches(t.target, target) for t in stmt.targets):
+                    found.append((fn, stmt.value, stmt))
+                elif isinstance(stmt, cst.AnnAssign) and stmt.value is not None and m.matches(stmt.target, target):
+                    found.append((fn, stmt.value, stmt))
+                elif isinstance(stmt, cst.Assign) and any(
+                    isinstance(t.target, cst.Tuple) and any(m.matches(e.value, target) for e in t.target.elements)
+                    for t in stmt.targets
+                ):
+                    found.append((fn, cst.Name("__unpacked__"), stmt))
+        self._init_cache[key] = found
+        return found
+
+    def _pick(self, obj: Obj, owner: ClassKey, attr: str, candidates: list) -> Value:
+        values: list[Value] = []
+        for fn, expr, stmt in candidates:
+            if m.matches(expr, m.Name("__unpacked__")):
+                values.append(Unknown(f"{attr} comes from tuple unpacking"))
+                continue
+            frame = self._constructor_frame(obj, owner, fn, stmt)
+            v = self.eval(expr, frame)
+            if isinstance(v, Const) and v.value is None:
+                continue  # "not built in this configuration"; the other assignment is the class
+            values.append(_repath(v, f"{obj.path}.{attr}"))
+        distinct: list[Value] = []
+        for v in values:
+            if v not in distinct:
+                distinct.append(v)
+        if not distinct:
+            return Const(None)
+        if len(distinct) == 1:
+            return distinct[0]
+        labels = ", ".join(describe(v) for v in distinct)
+        choice = self.assume(("attr", obj.cls, attr), tuple(range(len(distinct))),
+                             f"{obj.cls[1]}.{attr} may be any of {labels}")
+        return distinct[choice]
+
+    def _constructor_frame(self, obj: Obj, owner: ClassKey, fn: CstFunction, stmt: cst.CSTNode) -> Frame:
+        """A frame of ``owner.__init__`` for an object of class ``obj.cls``: arguments that a
+        subclass's ``super().__init__(...)`` passes are taken from there; the others take their
+        defaults (the model loader passes only the config, quantisation config and prefix)."""
+        frame = Frame(fn=fn, owner=owner, path=fn.path, self_obj=obj, stmt=stmt, lazy=True)
+        params = fn.node.params
+        named = [*params.posonly_params, *params.params]
+        frame.locals[named[0].name.value if named else "self"] = obj
+        passed = self._super_init_args(obj, owner)
+        for i, p in enumerate([*named[1:], *params.kwonly_params]):
+            pname = p.name.value
+            if pname in passed:
+                frame.locals[pname] = passed[pname]
+            elif p.default is not None:
+                frame.locals[pname] = self.eval(p.default, Frame(None, owner, fn.path, None))
+            else:
+                frame.locals[pname] = Unknown(f"constructor argument {pname}")
+        return frame
+
+    def _super_init_args(self, obj: Obj, owner: ClassKey) -> dict[str, Value]:
+        """Keyword arguments the subclasses of ``owner`` (in ``obj``'s MRO) pass up through
+        ``super().__init__(...)``, evaluated in their own constructors."""
+        out: dict[str, Value] = {}
+        mro = self.index.mro(obj.cls)
+        if owner not in mro:
+            return out
+        for k in mro[: mro.index(owner)]:
+            info = self.index.class_info(k)
+            if info is None or "__init__" not in info.functions:
+                continue
+            if "__init__(" not in self.index.function_text(k, info.functions["__init__"]).split(":", 1)[-1]:
+                continue
+            fn = self.index.function(k, "__init__")
+            if fn is None:
+                continue
+            call = m.Call(func=m.Attribute(value=m.OneOf(m.Call(func=m.Name("super")), m.Name()), attr=m.Name("__init__")))
+            for c in fn.findall(call):
+                frame = self._constructor_frame(obj, k, fn, c) if (obj.cls, k) not in self._lazy_guard else None
+                if frame is None:
+                    continue
+                self._lazy_guard.add((obj.cls, k))
+                try:
+                    for a in c.args:  # type: ignore[attr-defined]
+                        if a.keyword is not None and a.keyword.value not in out:
+                            out[a.keyword.value] = self.eval(a.value, frame)
+                finally:
+                    self._lazy_guard.discard((obj.cls, k))
+        return out
+
+
+def _repath(v: Value, path: str) -> Value:
+    return Obj(v.cls, path) if isinstance(v, Obj) else v

@@ -1,0 +1,74 @@
+"""Crash-safe file primitives for the patch state: atomic replace, directory fsync, content hashes.
+
+Every write that :mod:`surgeon.patch.manifest` makes (engine files, blobs, the manifest and the
+journal) goes through :func:`atomic_write`, so a file is always either its old or its new bytes,
+whatever moment the process dies at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+TMP_SUFFIX = ".surgeon-tmp"
+ABSENT = "absent"  # the "sha256" of a file that does not exist (created by a patch, deleted on revert)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes | None, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` atomically: temp in the same dir, fsync, replace, fsync dir.
+
+    ``data=None`` deletes the file (a created file going back to absent)."""
+    if data is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        fsync_dir(path.parent)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def file_sha(path: Path) -> str | None:
+    try:
+        return sha256_bytes(path.read_bytes())
+    except FileNotFoundError:
+        return None
+
+
+def file_version(path: Path) -> str:
+    """sha256 of the file, or :data:`ABSENT` when there is none (for journal comparisons)."""
+    return file_sha(path) or ABSENT
+
+
+def file_mode(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return 0o644
