@@ -8,13 +8,28 @@ depend on the ids themselves, and describes the capture loop of the class the id
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from surgeon.engines.capture import CaptureAnalyzer, CaptureResult
-from surgeon.engines.interp import (Const, FlagMark, Hooks, Interp, Lost, Obj, Outcome, Raised, Seq, Store,
-                                   TooManyPaths, Unknown, Value, describe, explore)
 from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, Engine, IdRule
+from surgeon.engines.capture import CaptureAnalyzer, CaptureResult
+from surgeon.engines.interp import (
+    Const,
+    FlagMark,
+    Hooks,
+    Interp,
+    Lost,
+    Obj,
+    Outcome,
+    Raised,
+    Seq,
+    Store,
+    TooManyPaths,
+    Unknown,
+    Value,
+    describe,
+    explore,
+)
 from surgeon.engines.source import ClassKey, SourceIndex, key_str
 
 

@@ -23,10 +23,39 @@ from surgeon.engines.interp_base import Hooks, InterpBase
 from surgeon.engines.interp_calls import CallBinder
 from surgeon.engines.interp_exprs import ExpressionEvaluator
 from surgeon.engines.interp_stmts import StatementExecutor
-from surgeon.engines.interp_values import (L, Bound, Builtin, ClassRef, Const, Effect, Elem, External, FlagMark, Frame,
-                                           IdItem, IdMax, LayerItem, Lin, Lost, ModuleRef, Obj, Outcome, PPGroup, Pred,
-                                           Raised, Seq, Site, Store, Super, TooManyPaths, Tup, Unknown, Value, describe,
-                                           explore)
+from surgeon.engines.interp_values import (
+    Bound,
+    Builtin,
+    ClassRef,
+    Const,
+    Effect,
+    Elem,
+    External,
+    FlagMark,
+    Frame,
+    IdItem,
+    IdMax,
+    L,
+    LayerItem,
+    Lin,
+    Lost,
+    ModuleRef,
+    Obj,
+    Outcome,
+    PPGroup,
+    Pred,
+    Raised,
+    Seq,
+    Site,
+    Store,
+    Super,
+    TooManyPaths,
+    Tup,
+    Unknown,
+    Value,
+    describe,
+    explore,
+)
 
 __all__ = ["L", "Bound", "Builtin", "ClassRef", "Const", "Effect", "Elem", "External", "FlagMark", "Frame", "Hooks",
            "IdItem", "IdMax", "Interp", "InterpBase", "LayerItem", "Lin", "Lost", "ModuleRef", "Obj", "Outcome",

@@ -15,8 +15,21 @@ import libcst as cst
 import libcst.matchers as m
 
 from surgeon.engines.interp_base import InterpBase
-from surgeon.engines.interp_values import (Bound, ClassRef, Const, External, Frame, ModuleRef, Obj, PPGroup, Super,
-                                           Unknown, Value, describe, walk_statements)
+from surgeon.engines.interp_values import (
+    Bound,
+    ClassRef,
+    Const,
+    External,
+    Frame,
+    ModuleRef,
+    Obj,
+    PPGroup,
+    Super,
+    Unknown,
+    Value,
+    describe,
+    walk_statements,
+)
 from surgeon.engines.source import ClassKey, CstFunction, code
 
 

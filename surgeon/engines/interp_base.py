@@ -12,7 +12,8 @@ the parts importing one another.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import libcst as cst
 
@@ -24,10 +25,10 @@ class Hooks:
     """Engine-specific knowledge of library functions the interpreter cannot read into
     (factories that pick a class at runtime, registries). Return ``None`` to decline."""
 
-    def call_function(self, interp: "InterpBase", name: str, args: list[Value], kwargs: dict[str, Value]) -> Value | None:
+    def call_function(self, interp: InterpBase, name: str, args: list[Value], kwargs: dict[str, Value]) -> Value | None:
         return None
 
-    def call_method(self, interp: "InterpBase", owner: ClassKey, name: str, obj: Obj | None,
+    def call_method(self, interp: InterpBase, owner: ClassKey, name: str, obj: Obj | None,
                     args: list[Value], kwargs: dict[str, Value]) -> Value | None:
         return None
 

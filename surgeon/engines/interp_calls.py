@@ -7,16 +7,37 @@ setter that hands its ids to a library function is reported instead of silently 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
 from surgeon.engines.interp_base import InterpBase
-from surgeon.engines.interp_values import (L, Bound, Builtin, ClassRef, Const, External, Frame, IdMax, LayerItem, Lost,
-                                           Obj, PPGroup, Raised, Returned, Seq, Site, Super, Tup, Unknown, Value,
-                                           carries_ids, describe)
+from surgeon.engines.interp_values import (
+    Bound,
+    Builtin,
+    ClassRef,
+    Const,
+    External,
+    Frame,
+    IdMax,
+    L,
+    LayerItem,
+    Lost,
+    Obj,
+    PPGroup,
+    Raised,
+    Returned,
+    Seq,
+    Site,
+    Super,
+    Tup,
+    Unknown,
+    Value,
+    carries_ids,
+    describe,
+)
 from surgeon.engines.source import ClassKey, code, key_str
 
 

@@ -15,9 +15,31 @@ import libcst.matchers as m
 
 from surgeon.core.idrules import FirstIdEquals, MaxIdEquals
 from surgeon.engines.interp_base import InterpBase
-from surgeon.engines.interp_values import (L, Builtin, ClassRef, Const, Elem, External, ForkLabel, Frame, IdItem, IdMax,
-                                           LayerItem, Lin, ModuleRef, Obj, PPGroup, Pred, Seq, Tup, Unknown, Value,
-                                           describe, known_truth, lin_or_const)
+from surgeon.engines.interp_values import (
+    Builtin,
+    ClassRef,
+    Const,
+    Elem,
+    External,
+    ForkLabel,
+    Frame,
+    IdItem,
+    IdMax,
+    L,
+    LayerItem,
+    Lin,
+    ModuleRef,
+    Obj,
+    PPGroup,
+    Pred,
+    Seq,
+    Tup,
+    Unknown,
+    Value,
+    describe,
+    known_truth,
+    lin_or_const,
+)
 from surgeon.engines.source import code
 
 _BUILTINS = {"list", "tuple", "sorted", "set", "len", "hasattr", "getattr", "setattr", "isinstance",

@@ -7,15 +7,34 @@ the :class:`Store` and :class:`FlagMark` effects the probe classifies.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
 from surgeon.engines.interp_base import InterpBase
-from surgeon.engines.interp_values import (BreakLoop, Const, Elem, External, FlagMark, Frame, LayerItem, Lost, Obj,
-                                           Raised, Returned, Seq, Site, Store, Tup, Unknown, Value, carries_ids,
-                                           describe, known_truth)
+from surgeon.engines.interp_values import (
+    BreakLoop,
+    Const,
+    Elem,
+    External,
+    FlagMark,
+    Frame,
+    LayerItem,
+    Lost,
+    Obj,
+    Raised,
+    Returned,
+    Seq,
+    Site,
+    Store,
+    Tup,
+    Unknown,
+    Value,
+    carries_ids,
+    describe,
+    known_truth,
+)
 from surgeon.engines.source import code
 
 

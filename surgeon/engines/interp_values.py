@@ -7,14 +7,14 @@ this module depends on nothing of the interpreter.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Union
 
 import libcst as cst
 
 from surgeon.core.idrules import DefaultTerm, FirstIdEquals, MaxIdEquals
 from surgeon.engines.source import ClassKey, CstFunction, code
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -34,7 +34,7 @@ class Lin:
     add: int
 
     @classmethod
-    def of(cls, v: "Value") -> "Lin | None":
+    def of(cls, v: Value) -> Lin | None:
         if isinstance(v, Lin):
             return v
         if isinstance(v, Const) and isinstance(v.value, int) and not isinstance(v.value, bool):
@@ -44,7 +44,7 @@ class Lin:
     def term(self) -> DefaultTerm:
         return DefaultTerm(self.mul, self.div, self.add)
 
-    def shifted(self, k: int) -> "Lin":
+    def shifted(self, k: int) -> Lin:
         return Lin(self.mul, self.div, self.add + k)
 
 
@@ -65,7 +65,7 @@ class Seq:
     def explicit(self) -> bool:
         return self.terms is None
 
-    def shifted(self, k: int) -> "Seq":
+    def shifted(self, k: int) -> Seq:
         if self.terms is None:
             return replace(self, offset=self.offset + k)
         return replace(self, terms=tuple(t.shifted(k) for t in self.terms))
@@ -132,7 +132,7 @@ class LayerItem:
     """``holder.layers[index]``."""
 
     holder: Obj
-    index: "Value"
+    index: Value
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class PPGroup:
 
 @dataclass(frozen=True)
 class Tup:
-    items: tuple["Value", ...]
+    items: tuple[Value, ...]
 
 
 @dataclass(frozen=True)

@@ -49,16 +49,21 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from surgeon.core.errors import BadInput
-from surgeon.patch.atomicfile import ABSENT, TMP_SUFFIX, file_sha as _file_sha, file_mode as _mode, fsync_dir as _fsync_dir
-from surgeon.patch.atomicfile import file_version as _file_version, sha256_bytes
+from surgeon.patch.atomicfile import ABSENT, TMP_SUFFIX, sha256_bytes
+
 # Every write goes through this module-level name (a test injects failures here).
 from surgeon.patch.atomicfile import atomic_write as _atomic_write
+from surgeon.patch.atomicfile import file_mode as _mode
+from surgeon.patch.atomicfile import file_sha as _file_sha
+from surgeon.patch.atomicfile import file_version as _file_version
+from surgeon.patch.atomicfile import fsync_dir as _fsync_dir
 
 __all__ = ["ABSENT", "MANIFEST_FORMAT", "TMP_SUFFIX", "ApplyResult", "FileChange", "FileStatus", "PatchError",
            "PatchManager", "PatchStatus", "RevertResult", "sha256_bytes"]
@@ -128,7 +133,7 @@ class RevertResult:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 class _FaultInjection:

@@ -42,9 +42,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from surgeon.core.errors import BadInput, EngineFailure
 
@@ -299,7 +300,6 @@ def _run_job(job: dict) -> int:
     timings: dict[str, float] = {}
     t = time.perf_counter()
     import torch
-
     from vllm import SamplingParams
 
     from surgeon.capture.dumps import write_dump

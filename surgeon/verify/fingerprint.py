@@ -42,10 +42,10 @@ from pathlib import Path
 
 import torch
 
-from surgeon.verify.streams import run_streams
-from surgeon.core.errors import BadInput
 from surgeon.capture.tensorfiles import read_safetensors, unreadable
+from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, all_points, parse_point
+from surgeon.verify.streams import run_streams
 
 KIND = "fingerprint"
 VERSION = "1"

@@ -50,14 +50,14 @@ small machine slows it down in proportion instead of stalling every op at a barr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from surgeon.verify.streams import run_streams
 from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, layer_out
+from surgeon.verify.streams import run_streams
 
 MAX_REL_ERR = 0.20
 MIN_MARGIN = 2.0

@@ -19,14 +19,15 @@ A :class:`Reference` saves to one safetensors file: one tensor per ``str(point)`
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from surgeon.core.errors import BadInput
 from surgeon.capture.tensorfiles import read_safetensors
+from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out, parse_point
 
 KIND = "reference"

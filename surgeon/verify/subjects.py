@@ -16,15 +16,16 @@ point except what the caller says (``--slots name=point``, a spec) or a layout's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from surgeon.capture.tensorfiles import read_safetensors, safetensors_kind
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, layer_out, parse_point
-from surgeon.capture.tensorfiles import read_safetensors, safetensors_kind
 
 IDS_KEYS = ("input_ids", "token_ids")
 

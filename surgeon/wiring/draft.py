@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from surgeon.capture.tensorfiles import unreadable
 from surgeon.core.conventions import EAGLE, InvalidId
-from surgeon.engines.view import model_class_for, open_engine
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, read_regular_file
-from surgeon.capture.tensorfiles import unreadable
+from surgeon.engines.view import model_class_for, open_engine
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 MAX_CONFIG_BYTES = 16 << 20

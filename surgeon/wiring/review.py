@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from surgeon.core.errors import BadInput
-from surgeon.wiring.render import IdList, fc_ids
 from surgeon.core.spec import Spec
+from surgeon.wiring.render import IdList, fc_ids
 
 _TARGETS = (("sglang", "SGLang `eagle_config` ids"), ("vllm", "vLLM `eagle_aux_hidden_state_layer_ids`"),
             ("eagle", "SpecForge / EAGLE config ids"), ("hf", "HF `hidden_states` indices"))
