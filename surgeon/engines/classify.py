@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, Engine, IdRule
 from surgeon.engines.capture import CaptureAnalyzer, CaptureResult
@@ -18,6 +19,7 @@ from surgeon.engines.interp import (
     FlagMark,
     Hooks,
     Interp,
+    Lin,
     Lost,
     Obj,
     Outcome,
@@ -127,7 +129,8 @@ class Classifier:
                 (f.flag, f.seq.offset if isinstance(f.seq, Seq) else None)
                 for f in out.effects if isinstance(f, FlagMark) and f.holder.path == chosen.holder.path
             ))
-            leaves.append(_Leaf(preds, others, chosen.holder, chosen.attr, chosen.value, flags, chosen.where,  # type: ignore[arg-type]
+            # every store kept in ``stores`` holds a Seq (the isinstance test above)
+            leaves.append(_Leaf(preds, others, chosen.holder, chosen.attr, cast(Seq, chosen.value), flags, chosen.where,
                                 list(out.notes)))
         return leaves, raised
 
@@ -149,16 +152,18 @@ class Classifier:
         groups: dict[tuple, list[_Leaf]] = {}
         for leaf in leaves:
             groups.setdefault(leaf.preds, []).append(leaf)
-        for preds, group in groups.items():
+        for group in groups.values():
             sigs = {self._signature(lf) for lf in group}
             if len(sigs) > 1:
                 differ = sorted({label for lf in group for label in lf.others})
                 raise Unclassifiable("what the setter stores depends on " + "; ".join(differ) + ": "
                                      + " vs ".join(_store_text(lf) for lf in group))
         heads = [g[0] for g in groups.values()]
-        shape = {(lf.holder.cls, lf.attr, lf.seq.sorted, lf.seq.dedup, lf.seq.terms, tuple(f for f, _ in lf.flags)) for lf in heads}
+        shape = {(lf.holder.cls, lf.attr, lf.seq.sorted, lf.seq.dedup, lf.seq.terms, tuple(f for f, _ in lf.flags))
+                 for lf in heads}
         if len(shape) > 1:
-            raise Unclassifiable("the setter's branches store into different places: " + " vs ".join(_store_text(lf) for lf in heads))
+            raise Unclassifiable("the setter's branches store into different places: "
+                                 + " vs ".join(_store_text(lf) for lf in heads))
         if any(not lf.seq.explicit for lf in heads):
             raise Unclassifiable(f"the setter ignores explicit ids and always stores {_store_text(heads[0])}")
         branches: list[tuple[int, Branch]] = []
@@ -184,12 +189,12 @@ class Classifier:
     def classify(self, target: Target) -> ClassConvention:
         key = target.key
         info = self.index.class_info(key)
-        base = dict(engine=self.engine, path=key[0], class_name=key[1], line=info.line if info else 0,
+        base: dict[str, Any] = dict(engine=self.engine, path=key[0], class_name=key[1], line=info.line if info else 0,
                     setter=target.entry.setter or f"(attribute {target.entry.attr})")
         try:
             return self._classify(target, base)
         except Unclassifiable as e:
-            return ClassConvention(status="unclassified", reason=str(e), no_capture=e.no_capture, **base)  # type: ignore[arg-type]
+            return ClassConvention(status="unclassified", reason=str(e), no_capture=e.no_capture, **base)
 
     def _classify(self, target: Target, base: dict) -> ClassConvention:
         key, entry = target.key, target.entry
@@ -223,8 +228,8 @@ class Classifier:
         if any(off is not None and off != seq.offset for _, off in leaf.flags):
             raise Unclassifiable("the per-layer capture flags and the stored list disagree")
         cap: CaptureResult = self.analyzer.analyze(holder.cls, attr, tuple(flags))
-        if cap.problem:
-            raise Unclassifiable(cap.problem, no_capture=cap.no_capture)
+        if cap.problem or cap.site is None:  # the analyzer names a site whenever it reports no problem
+            raise Unclassifiable(cap.problem or "the capture analysis named no capture site", no_capture=cap.no_capture)
         notes.extend(cap.notes)
         if self.extra_notes:
             notes.extend(self.extra_notes(key))
@@ -238,7 +243,7 @@ class Classifier:
             sorts=seq.sorted,
             dedups=True,  # captures are taken by a membership test: each layer at most once
             emit_order="layer",
-            capture_site=cap.site,  # type: ignore[arg-type]
+            capture_site=cap.site,
             captured_value=cap.value,
             loop_owner=cap.loop_owner,
             bypasses=tuple(cap.bypasses),
@@ -254,8 +259,8 @@ class Classifier:
             if found is None:
                 return None, [f"no {entry.default_method}: no default"]
             outs = self._explore(key, entry.default_method, [])
-            values = set()
-            for assumptions, out in outs:
+            values: set[tuple[str, str | tuple[Lin, ...]]] = set()
+            for _assumptions, out in outs:
                 if out.raised:
                     values.add(("raises", out.raised))
                 elif isinstance(out.returned, Seq) and out.returned.terms is not None:
@@ -266,7 +271,7 @@ class Classifier:
                 raise Unclassifiable(f"{entry.default_method} depends on runtime conditions: {sorted(map(str, values))}")
             kind, value = values.pop()
             if kind == "terms":
-                return tuple(t.term() for t in value), []
+                return tuple(t.term() for t in cast("tuple[Lin, ...]", value)), []  # "terms" pairs with a Seq's terms
             if kind == "raises":
                 return None, [f"{entry.default_method} {value}: no default"]
             raise Unclassifiable(f"cannot read the default list from {key_str(found[0])}.{entry.default_method} ({value})")

@@ -232,7 +232,7 @@ class AttributeResolver(InterpBase):
         named = [*params.posonly_params, *params.params]
         frame.locals[named[0].name.value if named else "self"] = obj
         passed = self._super_init_args(obj, owner)
-        for i, p in enumerate([*named[1:], *params.kwonly_params]):
+        for p in [*named[1:], *params.kwonly_params]:
             pname = p.name.value
             if pname in passed:
                 frame.locals[pname] = passed[pname]
@@ -260,12 +260,13 @@ class AttributeResolver(InterpBase):
                 continue
             call = m.Call(func=m.Attribute(value=m.OneOf(m.Call(func=m.Name("super")), m.Name()), attr=m.Name("__init__")))
             for c in fn.findall(call):
+                assert isinstance(c, cst.Call)  # the matcher above matches only calls; this tells the type checker
                 frame = self._constructor_frame(obj, k, fn, c) if (obj.cls, k) not in self._lazy_guard else None
                 if frame is None:
                     continue
                 self._lazy_guard.add((obj.cls, k))
                 try:
-                    for a in c.args:  # type: ignore[attr-defined]
+                    for a in c.args:
                         if a.keyword is not None and a.keyword.value not in out:
                             out[a.keyword.value] = self.eval(a.value, frame)
                 finally:

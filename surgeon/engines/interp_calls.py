@@ -118,7 +118,8 @@ class CallBinder(InterpBase):
             return PPGroup()
         return self.call_value(func, args, kwargs, code(node.func), frame, frame.fn.label if frame.fn else "?")
 
-    def call_value(self, func: Value, args: list[Value], kwargs: dict[str, Value], text: str, frame: Frame | None, where: str) -> Value:
+    def call_value(self, func: Value, args: list[Value], kwargs: dict[str, Value], text: str, frame: Frame | None,
+                   where: str) -> Value:
         if isinstance(func, Bound):
             return self.run(func.owner, func.name, func.obj, args, kwargs)
         if isinstance(func, ClassRef):
@@ -173,9 +174,10 @@ class CallBinder(InterpBase):
             return Const(None)
         if name == "isinstance" and len(args) == 2 and isinstance(first, Obj):
             classes = args[1].items if isinstance(args[1], Tup) else (args[1],)
-            if all(isinstance(c, ClassRef) for c in classes):
+            refs = [c for c in classes if isinstance(c, ClassRef)]
+            if len(refs) == len(classes):
                 mro = self.index.mro(first.cls)
-                return Const(any(c.cls in mro for c in classes))  # type: ignore[union-attr]
+                return Const(any(c.cls in mro for c in refs))
             return Unknown("isinstance against a class outside the package")
         if name == "super":
             if frame.self_obj is not None and frame.owner is not None:

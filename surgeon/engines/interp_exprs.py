@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
+from typing import TypeGuard
 
 import libcst as cst
 import libcst.matchers as m
@@ -47,13 +48,18 @@ _BUILTINS = {"list", "tuple", "sorted", "set", "len", "hasattr", "getattr", "set
              "iter", "next", "callable", "type", "frozenset", "reversed", "str", "bool"}
 
 
+def _layers_attribute(node: cst.BaseExpression) -> TypeGuard[cst.Attribute]:
+    """``<holder>.layers``; a TypeGuard so the caller can read the holder as ``node.value``."""
+    return m.matches(node, m.Attribute(attr=m.Name("layers")))
+
+
 class ExpressionEvaluator(InterpBase):
     """Expressions: names, literals, arithmetic, comparisons, subscripts, comprehensions."""
 
     def eval_receiver(self, node: cst.BaseExpression, frame: Frame) -> Value:
         """Like eval, but ``x.layers[i]`` becomes a :class:`LayerItem` of ``x``."""
-        if isinstance(node, cst.Subscript) and m.matches(node.value, m.Attribute(attr=m.Name("layers"))):
-            holder = self.eval(node.value.value, frame)  # type: ignore[attr-defined]
+        if isinstance(node, cst.Subscript) and _layers_attribute(node.value):
+            holder = self.eval(node.value.value, frame)
             if isinstance(holder, Obj) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
                 return LayerItem(holder, self.eval(node.slice[0].slice.value, frame))
         return self.eval(node, frame)
@@ -145,8 +151,8 @@ class ExpressionEvaluator(InterpBase):
         return self.get_attr(base, attr)
 
     def eval_subscript(self, node: cst.Subscript, frame: Frame) -> Value:
-        if m.matches(node.value, m.Attribute(attr=m.Name("layers"))):
-            holder = self.eval(node.value.value, frame)  # type: ignore[attr-defined]
+        if _layers_attribute(node.value):
+            holder = self.eval(node.value.value, frame)
             if isinstance(holder, Obj) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
                 return LayerItem(holder, self.eval(node.slice[0].slice.value, frame))
         base = self.eval(node.value, frame)
@@ -233,8 +239,8 @@ class ExpressionEvaluator(InterpBase):
             for a, b in ((left, right), (right, left)):
                 if isinstance(a, IdItem) and a.index == 0 and isinstance(b, Const) and isinstance(b.value, int):
                     return Pred(FirstIdEquals(b.value - a.offset), negated)
-                if isinstance(a, IdMax) and Lin.of(b) is not None:
-                    return Pred(MaxIdEquals(Lin.of(b).shifted(-a.offset).term()), negated)  # type: ignore[union-attr]
+                if isinstance(a, IdMax) and (lin := Lin.of(b)) is not None:
+                    return Pred(MaxIdEquals(lin.shifted(-a.offset).term()), negated)
             if isinstance(left, (Const, Lin)) and isinstance(right, (Const, Lin)):
                 if left == right:
                     return Const(not negated)
@@ -277,9 +283,9 @@ class ExpressionEvaluator(InterpBase):
             if isinstance(el, cst.StarredElement):
                 return Unknown("starred element")
             items.append(self.eval(el.value, frame))
-        lins = [Lin.of(v) for v in items]
-        if all(x is not None for x in lins):
-            return Seq(terms=tuple(lins), dedup=isinstance(node, cst.Set))  # type: ignore[arg-type]
+        lins = [lin for v in items if (lin := Lin.of(v)) is not None]
+        if len(lins) == len(items):  # every item is a layer index
+            return Seq(terms=tuple(lins), dedup=isinstance(node, cst.Set))
         return Tup(tuple(items))
 
     def eval_comprehension(self, node: cst.ListComp | cst.SetComp | cst.GeneratorExp, frame: Frame) -> Value:

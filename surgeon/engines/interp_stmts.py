@@ -8,6 +8,7 @@ the :class:`Store` and :class:`FlagMark` effects the probe classifies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import libcst as cst
 import libcst.matchers as m
@@ -42,7 +43,7 @@ class StatementExecutor(InterpBase):
     """Runs statements: control flow, assignments, and the stores the setter leaves behind."""
 
     def exec_block(self, body: cst.BaseSuite | Sequence[cst.CSTNode], frame: Frame) -> None:
-        stmts = body.body if isinstance(body, (cst.IndentedBlock, cst.SimpleStatementSuite)) else body
+        stmts = body.body if isinstance(body, cst.BaseSuite) else body  # BaseSuite: an IndentedBlock or SimpleStatementSuite
         for stmt in stmts:
             self.exec_stmt(stmt, frame)
 
@@ -105,7 +106,7 @@ class StatementExecutor(InterpBase):
         elif isinstance(small, cst.Assert):
             held = known_truth(self.eval(small.test, frame))
             if held is False:
-                names = {n.value for n in frame.fn.findall(m.Name(), within=small.test)} if frame.fn else set()
+                names = {cast(cst.Name, n).value for n in frame.fn.findall(m.Name(), within=small.test)} if frame.fn else set()
                 known = [f"{n} is {describe(frame.locals[n])}" for n in sorted(names)
                          if isinstance(frame.locals.get(n), (Obj, Unknown))]
                 raise Raised(f"fails `assert {code(small.test)}` (line {self.line(frame)})"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import libcst as cst
 
@@ -162,8 +162,8 @@ class Unknown:
     why: str
 
 
-Value = Union[Const, Lin, Seq, Elem, IdItem, IdMax, Pred, Obj, ClassRef, ModuleRef, Bound, Super,
-              LayerItem, PPGroup, Tup, Builtin, External, Unknown]
+Value: TypeAlias = (Const | Lin | Seq | Elem | IdItem | IdMax | Pred | Obj | ClassRef | ModuleRef | Bound | Super
+                    | LayerItem | PPGroup | Tup | Builtin | External | Unknown)
 
 _BUILTINS = {"list", "tuple", "sorted", "set", "len", "hasattr", "getattr", "setattr", "isinstance",
              "max", "min", "super", "int", "print", "any", "all", "range", "enumerate", "zip",
@@ -228,7 +228,7 @@ class Lost:
         return self.site.line
 
 
-Effect = Union[Store, FlagMark, Lost]
+Effect: TypeAlias = Store | FlagMark | Lost
 
 
 @dataclass
@@ -365,13 +365,13 @@ def describe(v: Value) -> str:
 
 def walk_statements(body: cst.BaseSuite | Sequence[cst.CSTNode]) -> Iterator[cst.BaseSmallStatement | cst.BaseCompoundStatement]:
     """Every statement in ``body`` (small statements unpacked), not entering nested definitions."""
-    stmts = body.body if isinstance(body, (cst.IndentedBlock, cst.SimpleStatementSuite)) else body
+    stmts = body.body if isinstance(body, cst.BaseSuite) else body  # BaseSuite: an IndentedBlock or SimpleStatementSuite
     for stmt in stmts:
         if isinstance(stmt, cst.SimpleStatementLine):
             yield from stmt.body
         elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
             continue
-        else:
+        elif isinstance(stmt, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):  # what a block can hold besides lines
             yield stmt
             for attr in ("body", "orelse", "finalbody"):
                 child = getattr(stmt, attr, None)

@@ -25,7 +25,7 @@ import libcst.matchers as m
 
 from surgeon.engines.classify import EntryPoint, Target
 from surgeon.engines.interp import ClassRef, Const, Hooks, InterpBase, Obj, Tup, Unknown, Value
-from surgeon.engines.source import ClassKey, SourceIndex
+from surgeon.engines.source import ClassKey, CstFunction, SourceIndex
 
 MODELS = "model_executor/models"
 INTERFACES = f"{MODELS}/interfaces.py"
@@ -98,9 +98,9 @@ def registry(index: SourceIndex) -> dict[str, ClassKey]:
         if isinstance(value, ast.Dict):
             table: dict[str, ClassKey] = {}
             for k, v in zip(value.keys, value.values):
-                if (isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Tuple)
-                        and len(v.elts) == 2 and all(isinstance(e, ast.Constant) for e in v.elts)):
-                    module, cls = v.elts[0].value, v.elts[1].value  # type: ignore[attr-defined]
+                pair = _str_pair(v)
+                if isinstance(k, ast.Constant) and isinstance(k.value, str) and pair is not None:
+                    module, cls = pair
                     path = f"{MODELS}/{module.replace('.', '/')}.py"
                     table[k.value] = (path, cls)
             tables[name] = table
@@ -153,7 +153,8 @@ class VllmHooks(Hooks):
 
     def _language_model(self, interp: InterpBase, obj: Obj) -> Value:
         """The attribute assigned inside ``with self._mark_language_model(...)`` in a constructor."""
-        marker = m.With(items=[m.WithItem(item=m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_mark_language_model"))))])
+        mark_call = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_mark_language_model")))
+        marker = m.With(items=[m.WithItem(item=mark_call)])
         names: list[str] = []
         for k in self.index.mro(obj.cls):
             info = self.index.class_info(k)
@@ -165,10 +166,7 @@ class VllmHooks(Hooks):
             if fn is None:
                 continue
             for block in fn.findall(marker):
-                self_attr = m.Attribute(value=m.Name("self"))
-                assigns = [(a.targets[0].target, a.value) for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=self_attr)]), within=block)]  # type: ignore[attr-defined]
-                assigns += [(a.target, a.value) for a in fn.findall(m.AnnAssign(target=self_attr), within=block)]  # type: ignore[attr-defined]
-                for target, value in assigns:
+                for target, value in _self_attr_assigns(fn, block):
                     # Only child modules are marked; tensors made by torch.* (buffers) and None are not.
                     if value is None or m.matches(value, m.Name("None")) or _torch_call(value):
                         continue
@@ -181,6 +179,30 @@ class VllmHooks(Hooks):
         if not names:
             return Unknown(f"{obj.cls[1]} marks no language model (get_language_model would raise)")
         return Unknown(f"{obj.cls[1]} marks several language-model modules ({', '.join(names)})")
+
+
+def _str_pair(node: ast.expr) -> tuple[str, str] | None:
+    """The two strings of a registry value like ``("llama", "LlamaForCausalLM")``, or None."""
+    if isinstance(node, ast.Tuple) and len(node.elts) == 2:
+        first, second = node.elts
+        if (isinstance(first, ast.Constant) and isinstance(first.value, str)
+                and isinstance(second, ast.Constant) and isinstance(second.value, str)):
+            return first.value, second.value
+    return None
+
+
+def _self_attr_assigns(fn: CstFunction, block: cst.CSTNode) -> list[tuple[cst.Attribute, cst.BaseExpression | None]]:
+    """``self.x = value`` then ``self.x: T = value`` inside ``block``: (target, value) pairs.
+    The isinstance tests only restate what the matchers already guarantee, for the type checker."""
+    self_attr = m.Attribute(value=m.Name("self"))
+    assigns: list[tuple[cst.Attribute, cst.BaseExpression | None]] = []
+    for node in fn.findall(m.Assign(targets=[m.AssignTarget(target=self_attr)]), within=block):
+        if isinstance(node, cst.Assign) and isinstance(node.targets[0].target, cst.Attribute):
+            assigns.append((node.targets[0].target, node.value))
+    for node in fn.findall(m.AnnAssign(target=self_attr), within=block):
+        if isinstance(node, cst.AnnAssign) and isinstance(node.target, cst.Attribute):
+            assigns.append((node.target, node.value))
+    return assigns
 
 
 def _torch_call(node: cst.BaseExpression) -> bool:
@@ -223,7 +245,8 @@ def check_interface(index: SourceIndex) -> str | None:
     mixin = index.class_info(MIXIN)
     if proto is None or mixin is None:
         return f"{INTERFACES} defines no SupportsEagle3/EagleModelMixin"
-    missing = [n for n in (SETTER, DEFAULT) if n not in proto.functions] + [n for n in (HOLDER_SETTER,) if n not in mixin.functions]
+    missing = ([n for n in (SETTER, DEFAULT) if n not in proto.functions]
+               + [n for n in (HOLDER_SETTER,) if n not in mixin.functions])
     if missing:
         return f"{INTERFACES} no longer defines {', '.join(missing)}"
     return None
