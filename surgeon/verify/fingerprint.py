@@ -38,6 +38,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -262,7 +263,7 @@ def _stream_reference(path: Path, b: _Builder, points: list[Point], T: int, rows
 
     # one single-threaded stream per core: page faults of one overlap the other's GEMM
     # (measured 1.35x the throughput of one stream with two intra-op threads)
-    run_streams([lambda mine=items[w::n_workers]: work(mine) for w in range(n_workers)])
+    run_streams([partial(work, items[w::n_workers]) for w in range(n_workers)])
     if errors:
         raise errors[0]
 

@@ -50,8 +50,9 @@ small machine slows it down in proportion instead of stalling every op at a barr
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -109,7 +110,7 @@ class _Subject:
     name: str
     declared: Point | None
     x: torch.Tensor  # [T, H], any float dtype, CPU
-    norms: torch.Tensor = None  # type: ignore[assignment]  # [T] float64 per-token L2 norms
+    norms: torch.Tensor = None  # [T] float64 per-token L2 norms, set by _scan before anything reads them
     nonfinite: int = 0
     proj: torch.Tensor | None = None  # [T, dim] in the fingerprint's space
     tok_rel: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> [T]
@@ -177,10 +178,32 @@ def _tok_rel(e2: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
 
 def _vs_reference(subjects: list[_Subject], ref, cands: list[Point]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(errors [n, C] float64, per-candidate token RMS norm [C])`` against full states."""
+    errs, scale = _screen(subjects, ref, cands)
+
+    # confirm: the top candidates of each slot (and its declared point), exactly, every token;
+    # again if confirming reordered a slot so that its best or runner-up was only screened
+    pos = {p: j for j, p in enumerate(cands)}
+    need: list[set[int]] = []
+    for i, s in enumerate(subjects):
+        top = set(torch.argsort(errs[i], stable=True)[:CONFIRM_TOP].tolist())
+        if s.declared is not None:
+            top.add(pos[s.declared])
+        need.append(top)
+    for _ in range(3):
+        _confirm(subjects, ref, cands, errs, need)
+        need = [set(torch.argsort(errs[i], stable=True)[:CONFIRM_TOP].tolist()) - set(s.tok_rel)
+                for i, s in enumerate(subjects)]
+        if not any(need):
+            break
+    return errs, scale
+
+
+def _screen(subjects: list[_Subject], ref, cands: list[Point]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every candidate on evenly spaced token rows (a strided view: nothing is copied from the
+    reference), full width, by direct differences (exact: no cancellation); also scans each subject.
+    Its own function so the stacked screen rows are freed when it returns."""
     n, C = len(subjects), len(cands)
-    T, H = subjects[0].x.shape
-    # screen: every candidate on evenly spaced token rows (a strided view: nothing is copied from
-    # the reference), full width, by direct differences (exact: no cancellation)
+    T = subjects[0].x.shape[0]
     sel = slice(None, None, max(1, -(-T // SCREEN_TOKENS)))
     S = torch.stack([s.x[sel].to(torch.float32) for s in subjects])  # [n, m, H]
     m = S.shape[1]
@@ -200,25 +223,8 @@ def _vs_reference(subjects: list[_Subject], ref, cands: list[Point]) -> tuple[to
             errs[:, c] = _rel(e2, rn2.expand_as(e2))
             scale[c] = torch.sqrt(rn2 / m)
 
-    run_streams([lambda s=s: _scan(s) for s in subjects] +
-              [lambda c0=c0: screen(c0) for c0 in range(0, C, per_task)])
-    del S
-
-    # confirm: the top candidates of each slot (and its declared point), exactly, every token;
-    # again if confirming reordered a slot so that its best or runner-up was only screened
-    pos = {p: j for j, p in enumerate(cands)}
-    need: list[set[int]] = []
-    for i, s in enumerate(subjects):
-        top = set(torch.argsort(errs[i], stable=True)[:CONFIRM_TOP].tolist())
-        if s.declared is not None:
-            top.add(pos[s.declared])
-        need.append(top)
-    for _ in range(3):
-        _confirm(subjects, ref, cands, errs, need)
-        need = [set(torch.argsort(errs[i], stable=True)[:CONFIRM_TOP].tolist()) - set(s.tok_rel)
-                for i, s in enumerate(subjects)]
-        if not any(need):
-            break
+    tasks: list[Callable[[], None]] = [partial(_scan, s) for s in subjects]
+    run_streams(tasks + [partial(screen, c0) for c0 in range(0, C, per_task)])
     return errs, scale
 
 
@@ -254,7 +260,7 @@ def _confirm(subjects: list[_Subject], ref, cands: list[Point], errs: torch.Tens
                 torch.linalg.vector_norm(torch.sub(xc, chunks[c], out=dbuf), dim=1, out=nbuf)
                 err2[(i, c)][a:b] = nbuf.double().square()
 
-    run_streams([lambda a=a: chunk(a) for a in range(0, T, rows)])
+    run_streams([partial(chunk, a) for a in range(0, T, rows)])
     for (i, c), e2 in err2.items():
         errs[i, c] = _rel(e2.sum().reshape(1), ref2[c].sum().reshape(1))[0]
         subjects[i].tok_rel[c] = _tok_rel(e2, ref2[c])
@@ -276,9 +282,11 @@ def _vs_fingerprint(subjects: list[_Subject], fp, cands: list[Point]) -> tuple[t
     def slot(i: int) -> None:
         s = subjects[i]
         _scan(s, P)
+        proj = s.proj
+        assert proj is not None  # _scan with a projection matrix always sets it
         e2 = torch.empty(C, T, dtype=torch.float64)
         for c0 in range(0, C, block):
-            d = Rp[c0 : c0 + block] - s.proj[None]
+            d = Rp[c0 : c0 + block] - proj[None]
             e2[c0 : c0 + block] = d.square().sum(-1).double()
         errs[i] = _rel(e2.sum(1), den)
         top = set(torch.argsort(errs[i], stable=True)[:CONFIRM_TOP].tolist())
@@ -287,7 +295,7 @@ def _vs_fingerprint(subjects: list[_Subject], fp, cands: list[Point]) -> tuple[t
         for c in top:
             s.tok_rel[c] = _tok_rel(e2[c], Rn2[c])
 
-    run_streams([lambda i=i: slot(i) for i in range(n)])
+    run_streams([partial(slot, i) for i in range(n)])
     return errs, torch.sqrt(den / T)
 
 
@@ -353,15 +361,14 @@ def identify(slots: Sequence[tuple[str, Point | None, torch.Tensor]], reference,
 
 
 def _ranges(idx: list[int]) -> str:
-    out, start, prev = [], None, None
-    for i in idx + [None]:  # type: ignore[list-item]
-        if start is None:
-            start = prev = i
-        elif i is not None and i == prev + 1:
-            prev = i
+    """``0..3, 5, 7..8``: the runs of consecutive indices, the first six of them."""
+    runs: list[list[int]] = []  # [first, last] of each run
+    for i in idx:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
         else:
-            out.append(f"{start}" if start == prev else f"{start}..{prev}")
-            start = prev = i
+            runs.append([i, i])
+    out = [f"{a}" if a == b else f"{a}..{b}" for a, b in runs]
     return ", ".join(out[:6]) + (", ..." if len(out) > 6 else "")
 
 
@@ -425,6 +432,7 @@ def _shift_probe(s: _Subject, scale: torch.Tensor, cands: list[Point], reference
         for c in near:
             r = reference.states[cands[c]]
             rps[c] = torch.cat([r[a : a + _rows(H)].to(torch.float32) @ P for a in range(0, T, _rows(H))])
+    assert sp is not None  # both paths above scanned the slot with a projection
     best = None
     for c, rp in rps.items():
         for k in range(-SHIFTS, SHIFTS + 1):
@@ -442,6 +450,16 @@ def _shift_probe(s: _Subject, scale: torch.Tensor, cands: list[Point], reference
 
 def _is_layer(p: Point | None) -> bool:
     return p is not None and p.kind == "layer_out"
+
+
+def _layer_index(p: Point | None) -> int | None:
+    """k for ``layer_out[k]``, else None."""
+    return p.index if p is not None and p.kind == "layer_out" else None
+
+
+def _depth_gap(a: Point | None, b: Point | None, L: int) -> float | None:
+    """How far apart two points sit in the forward pass; None when either is missing."""
+    return None if a is None or b is None else abs(a.depth(L) - b.depth(L))
 
 
 def _diagnose(results: list[SlotResult], subjects: list[_Subject], errs, scale, cands, reference, is_fp, L) -> list[Diagnosis]:
@@ -502,9 +520,9 @@ def _diagnose_off_by_k(results: list[SlotResult], mism: list[int], covered: set[
     out: list[Diagnosis] = []
     by_k: dict[int, list[int]] = {}
     for i in mism:
-        r = results[i]
-        if i not in covered and _is_layer(r.declared) and _is_layer(r.matched):
-            by_k.setdefault(r.matched.index - r.declared.index, []).append(i)  # type: ignore[operator]
+        declared, matched = _layer_index(results[i].declared), _layer_index(results[i].matched)
+        if i not in covered and declared is not None and matched is not None:
+            by_k.setdefault(matched - declared, []).append(i)
             covered.add(i)
     for k, idx in sorted(by_k.items()):
         parts = "; ".join(f"{results[i].name!r} is declared {results[i].declared} but holds {results[i].matched}" for i in idx)
@@ -536,8 +554,8 @@ def _wrong_point(r: SlotResult, last: Point) -> Diagnosis:
     either side of the final norm), else a plain wrong point."""
     d, m = r.declared, r.matched
     n = repr(r.name)
-    if m.kind == "layer_delta":  # type: ignore[union-attr]
-        k = m.index  # type: ignore[union-attr]
+    if m is not None and m.kind == "layer_delta" and m.index is not None:  # a mismatch always has a match
+        k = m.index
         same = d == layer_out(k)
         return Diagnosis("residual_missing",
             f"slot {n} holds {m}: layer {k}'s output without the residual added (an engine's hidden_states "
@@ -586,11 +604,12 @@ def _labels_shifted(results: list[SlotResult], mism: list[int], L: int) -> Diagn
     shorter than the dump (the case that started this project: an uncaptured embed at the front)."""
     if len(mism) < 2:
         return None
-    if not any(abs(results[i].matched.depth(L) - results[i].declared.depth(L)) > 2 for i in mism):  # type: ignore[union-attr]
+    gaps = [_depth_gap(results[i].matched, results[i].declared, L) for i in mism]
+    if not any(g is not None and g > 2 for g in gaps):
         return None
     for s in (1, -1):
-        hits = [i for i in mism if 0 <= i + s < len(results) and results[i + s].declared is not None
-                and abs(results[i].matched.depth(L) - results[i + s].declared.depth(L)) <= 1]  # type: ignore[union-attr]
+        hits = [i for i in mism if 0 <= i + s < len(results)
+                and (g := _depth_gap(results[i].matched, results[i + s].declared, L)) is not None and g <= 1]
         if len(hits) >= 2 and len(hits) >= len(mism) - 1:
             parts = "; ".join(f"{results[i].name!r} holds {results[i].matched}, next to the label of "
                               f"{results[i + s].name!r} ({results[i + s].declared})" for i in hits)

@@ -84,7 +84,8 @@ def _load_pickle(path: Path) -> Any:
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # pickle refusals and corrupt files alike: bad input, one line
-        raise BadInput(f"{path}: cannot be read as a tensor file with weights_only=True: {str(e).splitlines()[0][:200]}") from None
+        first_line = str(e).splitlines()[0][:200]
+        raise BadInput(f"{path}: cannot be read as a tensor file with weights_only=True: {first_line}") from None
 
 
 def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
