@@ -733,7 +733,9 @@ class PatchManager:
                         if f["relpath"] == relpath:
                             if f["sha256_before"] == ABSENT:
                                 raise PatchError(f"{relpath}: created by patch {p['name']}; it has no original")
-                            return self.store.read_blob("originals", f["sha256_before"])  # type: ignore[return-value]
+                            blob = self.store.read_blob("originals", f["sha256_before"])
+                            assert blob is not None  # read_blob returns None only for ABSENT, excluded above
+                            return blob
         return self.paths.existing_file(relpath).read_bytes()
 
     def diff(self, name: str) -> str:

@@ -9,7 +9,8 @@ against an HF reference. Three modes:
 * ``"hooks"``: the installed vLLM model file was patched by surgeon (``surgeon apply``); the child
   finds the submodule holding the generated hooks' state (attribute ``_surgeon_hooks_state``)
   through ``llm.apply_model`` and drains it with the hooks module that state names (its
-  ``owner``; names and points come from that module, which was generated from the spec). Works for hooks generated in ``dump`` and in ``aux`` mode.
+  ``owner``; names and points come from that module, which was generated from the spec). Works for
+  hooks generated in ``dump`` and in ``aux`` mode.
 * ``"native"``: no patch; vLLM's own EAGLE-3 aux capture, ``set_aux_hidden_state_layers(ids)``.
   The model then returns ``(hidden, aux)`` while the runner, with no draft configured, expects a
   tensor, so the decoder model's ``forward`` is wrapped on the instance: the wrapper records the aux
@@ -114,7 +115,8 @@ def run_vllm(
     if not plist or any(not p for p in plist):
         raise BadInput("run_vllm needs at least one non-empty prompt")
     if any(len(p) >= max_model_len for p in plist):
-        raise BadInput(f"a prompt of {max(map(len, plist))} tokens does not fit max_model_len={max_model_len} with one generated token")
+        raise BadInput(f"a prompt of {max(map(len, plist))} tokens does not fit max_model_len={max_model_len} "
+                       "with one generated token")
     if mode == "native":
         if not aux_ids:
             raise BadInput("native mode needs aux_ids")
@@ -340,7 +342,8 @@ def _run_job(job: dict) -> int:
                    engine_version=engine_version, model=job["model_name"])
         dumps.append(str(path))
     timings["generate"] = time.perf_counter() - t
-    _say(f"generated {len(job['prompts'])} prompt(s) in {timings['generate']:.2f} s" + (f", {len(dumps)} dump(s)" if dumps else ""))
+    _say(f"generated {len(job['prompts'])} prompt(s) in {timings['generate']:.2f} s"
+         + (f", {len(dumps)} dump(s)" if dumps else ""))
     Path(job["result"]).write_text(json.dumps({"dumps": dumps, "outputs": outputs, "token_counts": counts,
                                                "timings": timings, "engine_version": engine_version}))
     return 0
@@ -429,7 +432,8 @@ def _native_captures(llm, job: dict, i: int, T: int, num_layers: int):
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m surgeon.run.vllm_runner JOB.json (internal: use surgeon.run.vllm_runner.run_vllm)", file=sys.stderr)
+        print("usage: python -m surgeon.run.vllm_runner JOB.json (internal: use surgeon.run.vllm_runner.run_vllm)",
+              file=sys.stderr)
         sys.exit(2)
     try:
         rc = _child(sys.argv[1])

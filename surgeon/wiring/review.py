@@ -41,6 +41,11 @@ def _fc_ids(spec: Spec, target: str, root) -> IdList | None:
         return IdList(target, "", None, f"unavailable: {e}")
 
 
+def _pin_cell(value: object) -> str:
+    """A pin field as a Markdown table cell: code, or a dash when the pin lacks it."""
+    return f"`{_md(value)}`" if value is not None else "—"
+
+
 def _pin_rows(old: Spec, new: Spec) -> list[str]:
     rows = []
     for engine in ("sglang", "vllm"):
@@ -49,7 +54,7 @@ def _pin_rows(old: Spec, new: Spec) -> list[str]:
             va = getattr(a, fld) if a else None
             vb = getattr(b, fld) if b else None
             if va != vb:
-                rows.append(f"| {engine} | `{fld}` | {'`%s`' % _md(va) if va is not None else '—'} | {'`%s`' % _md(vb) if vb is not None else '—'} |")
+                rows.append(f"| {engine} | `{fld}` | {_pin_cell(va)} | {_pin_cell(vb)} |")
     return rows
 
 
@@ -83,9 +88,10 @@ def _header_lines(old: Spec, new: Spec) -> list[str]:
     lines.append("")
     lines.append(f"`{_md(old.file)}` (sha256 `{old.sha256[:12]}`) → `{_md(new.file)}` (sha256 `{new.sha256[:12]}`)")
     lines.append("")
-    if old.num_layers != new.num_layers or old.hidden_size != new.hidden_size or old.model.target.architecture != new.model.target.architecture:
-        t0, t1 = old.model.target, new.model.target
-        lines.append(f"**Target changed:** {_md(t0.architecture)} L={t0.num_layers} H={t0.hidden_size} → {_md(t1.architecture)} L={t1.num_layers} H={t1.hidden_size}")
+    t0, t1 = old.model.target, new.model.target
+    if old.num_layers != new.num_layers or old.hidden_size != new.hidden_size or t0.architecture != t1.architecture:
+        lines.append(f"**Target changed:** {_md(t0.architecture)} L={t0.num_layers} H={t0.hidden_size} → "
+                     f"{_md(t1.architecture)} L={t1.num_layers} H={t1.hidden_size}")
         lines.append("")
     return lines
 
@@ -129,7 +135,8 @@ def _engine_ids_section(old: Spec, new: Spec, roots: dict[str, str | None], line
         root = roots.get(target)
         before = _fc_ids(old, target, root)
         after = _fc_ids(new, target, root)
-        conv = (after or before).convention if (after or before) else target
+        either = after or before
+        conv = either.convention if either else target
         lines.append(f"| {label} (`{conv}`) | {_ids_text(before) if before else '—'} | {_ids_text(after) if after else '—'} |")
         ids_rows.append({"target": target, "before": before.ids if before else None, "after": after.ids if after else None})
         if target in ("sglang", "vllm") and after is not None and after.origin:
