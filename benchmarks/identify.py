@@ -218,7 +218,7 @@ def main() -> None:
         truth = [layer_out(2), layer_out(30 * L // 61), layer_out(58 * L // 61), FINAL_NORM]
         labels = [EMBED, layer_out(truth[0].index + 1), layer_out(truth[1].index + 1), FINAL_NORM]
         kimi = work / f"ref_L{L}_T{T}_H{H}.safetensors"
-        keep: dict[Point, torch.Tensor] = {p: None for p in truth}  # type: ignore[misc]
+        keep: dict[Point, torch.Tensor] = {p: None for p in truth}  # type: ignore[misc]  # placeholders: filled below before any read
         t = time.perf_counter()
         if a.keep is not None and kimi.is_file():  # reuse a kept file
             from safetensors import safe_open
