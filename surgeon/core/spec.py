@@ -18,6 +18,7 @@ import difflib
 import hashlib
 import keyword
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -508,24 +509,30 @@ def _check_meaning(spec: Spec) -> list[Issue]:
                 add(where, f"a {layout.name} dump cannot hold these slots truthfully: {e}")
 
     if m.engines is not None:
-        for engine in ("sglang", "vllm"):
-            pin: EnginePin | None = getattr(m.engines, engine)
-            if pin is None:
-                continue
-            if pin.version is not None:
-                try:
-                    SpecifierSet(pin.version)
-                except InvalidSpecifier:
-                    add(("engines", engine, "version"),
-                        f"{pin.version!r} is not a PEP 440 version range (e.g. '==0.5.23' or '>=0.5.20,<0.6')")
-            if pin.offset is not None:
-                try:
-                    parse_offset(pin.offset)
-                except OffsetError as e:
-                    add(("engines", engine, "offset"), str(e))
-            if pin.model_file is not None and (pin.model_file.startswith("/") or ".." in Path(pin.model_file).parts):
-                add(("engines", engine, "model_file"), "model_file must be relative to the engine package and stay inside it")
+        _check_pin_syntax(m.engines, add)
     return issues
+
+
+def _check_pin_syntax(engines: Engines, add: Callable[[tuple, str], None]) -> None:
+    """The pins' own well-formedness (a version range, an offset rule, a relative model file), which
+    needs no engine; whether they still hold for the installed engine is wiring.pins' check."""
+    for engine in ("sglang", "vllm"):
+        pin: EnginePin | None = getattr(engines, engine)
+        if pin is None:
+            continue
+        if pin.version is not None:
+            try:
+                SpecifierSet(pin.version)
+            except InvalidSpecifier:
+                add(("engines", engine, "version"),
+                    f"{pin.version!r} is not a PEP 440 version range (e.g. '==0.5.23' or '>=0.5.20,<0.6')")
+        if pin.offset is not None:
+            try:
+                parse_offset(pin.offset)
+            except OffsetError as e:
+                add(("engines", engine, "offset"), str(e))
+        if pin.model_file is not None and (pin.model_file.startswith("/") or ".." in Path(pin.model_file).parts):
+            add(("engines", engine, "model_file"), "model_file must be relative to the engine package and stay inside it")
 
 
 def sweep_spec_text(name: str, architecture: str, num_layers: int, hidden_size: int) -> str:

@@ -69,6 +69,11 @@ class DemoResult:
         }
 
 
+def _reverted_byte_identical(model_file: Path, original_sha: str, hooks_file: Path) -> bool:
+    """Whether the revert restored the model file byte for byte and removed the hooks module it added."""
+    return hashlib.sha256(model_file.read_bytes()).hexdigest() == original_sha and not hooks_file.exists()
+
+
 def _wrong_spec_text(text: str) -> str:
     """The demo spec with its captures labelled the way the Kimi-K2.5 dumps were: an embed slot
     first and every layer label one slot late (what the draft really read is unchanged)."""
@@ -146,8 +151,7 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
         t0 = time.perf_counter()
         revert_patch(plan.name, engine="vllm", engine_root=engine_root)
         t["revert"] = time.perf_counter() - t0
-    identical = (hashlib.sha256(model_file.read_bytes()).hexdigest() == original_sha
-                 and not (manager.root / plan.hooks_file).exists())
+    identical = _reverted_byte_identical(model_file, original_sha, manager.root / plan.hooks_file)
     note(f"{plan.model_file} is byte-identical to before: {identical}")
     dump = run.dumps[0]
 
