@@ -18,14 +18,15 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import libcst
 
 from surgeon.core.errors import BadInput
-from surgeon.patch.apply import apply_spec, revert_patch
-from surgeon.engines.locate import copy_engine_sources
 from surgeon.core.spec import load_spec
+from surgeon.engines.locate import copy_engine_sources
+from surgeon.patch.apply import apply_spec, revert_patch
 
 REPO = Path(__file__).resolve().parent.parent
 KIMI = REPO / "specs/kimi-k2.5-eagle3.yaml"
@@ -90,8 +91,9 @@ def main() -> None:
                 continue
         out = []
         for engine, relpath, spec_name, root, kw in rows:
-            base = _best(lambda: _parse(root / relpath), a.repeat)
-            total = _best(lambda: _round_trip(spec, engine, root, relpath, **kw), a.repeat)
+            # partial binds this row's values (_best calls them right away, but a lambda would read the loop's)
+            base = _best(partial(_parse, root / relpath), a.repeat)
+            total = _best(partial(_round_trip, spec, engine, root, relpath, **kw), a.repeat)
             out.append({"engine": engine, "file": relpath, "spec": spec_name,
                         "lines": (root / relpath).read_bytes().count(b"\n"),
                         "libcst_parse_s": round(base, 3), "apply_revert_s": round(total, 3),

@@ -153,14 +153,17 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     tput = {m: a.steps * a.tokens / t for m, t in times.items()}
     report = {
-        "device": str(device) + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else f" ({torch.get_num_threads()} threads)"),
+        "device": str(device) + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda"
+                                 else f" ({torch.get_num_threads()} threads)"),
         "dtype": str(dtype).replace("torch.", ""), "layers": a.layers, "hidden": a.hidden, "tokens_per_step": a.tokens,
         "steps": a.steps, "captures_per_step": len(picks) + 1, "mb_written_per_step": round(bytes_per_step / 2**20, 1),
         "seconds": {m: round(t, 3) for m, t in times.items()},
         "tokens_per_s": {m: round(v, 1) for m, v in tput.items()},
         "dump_vs_sync_torch_save": round(tput["dump"] / tput["sync_torch_save"], 2),
         "dump_vs_unhooked": round(tput["dump"] / tput["unhooked"], 3),
-        "forward_thread_ms_per_step_spent_dumping": {m: round(1000 * stalls[m] / a.steps, 1) for m in ("sync_torch_save", "dump")},
+        "forward_thread_ms_per_step_spent_dumping": {
+            m: round(1000 * stalls[m] / a.steps, 1) for m in ("sync_torch_save", "dump")
+        },
         "forward_ms_per_step_unhooked": round(1000 * times["unhooked"] / a.steps, 1),
         "targets": {"dump_vs_sync_torch_save": ">= 3.0", "dump_vs_unhooked": ">= 0.90"},
     }

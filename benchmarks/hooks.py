@@ -167,7 +167,8 @@ def main(argv=None) -> int:
         print(f"hooks overhead, {args.mode} mode, {args.layers} x Linear({args.hidden}), {report['threads']} threads")
         for r in results:
             print(f"  tokens {r['tokens']:>5}: unhooked {r['unhooked_ms']:8.2f} ms  hooked {r['hooked_ms']:8.2f} ms  "
-                  f"overhead {r['overhead'] * 100:+6.2f}% (IQR {r['overhead_iqr'][0] * 100:+.2f}..{r['overhead_iqr'][1] * 100:+.2f}%)"
+                  f"overhead {r['overhead'] * 100:+6.2f}% "
+                  f"(IQR {r['overhead_iqr'][0] * 100:+.2f}..{r['overhead_iqr'][1] * 100:+.2f}%)"
                   f"  hooks alone {r['hooks_alone_ms']:.3f} ms = {r['overhead_isolated'] * 100:.3f}%  rounds {r['rounds']}")
     return 0
 

@@ -14,8 +14,8 @@ import time
 
 import libcst
 
-from surgeon.patch.coverage import coverage
 from surgeon.engines.locate import layout_of, locate_engine
+from surgeon.patch.coverage import coverage
 from surgeon.patch.rewriter import PatchApplicationError, find_recipe, load_recipes, rewrite
 
 

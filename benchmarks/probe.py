@@ -15,8 +15,8 @@ import time
 
 import libcst
 
-from surgeon.engines.probe import locate_engine, probe_engine
 from surgeon.engines.locate import layout_of
+from surgeon.engines.probe import locate_engine, probe_engine
 
 
 def _baseline(engine: str) -> tuple[float, int, int]:
@@ -57,7 +57,8 @@ def main() -> None:
         print(f"{engine} {r['version']}: {r['model_files']} files, {r['lines']} lines")
         print(f"  baseline (libcst parse of every model file): {r['baseline_parse_all_s']:.2f} s")
         print(f"  probe (pre-filter + libcst where needed):    {r['probe_s']:.2f} s  ({r['speedup_vs_parse_all']}x faster)")
-        print(f"  probe from cache:                            {r['probe_cached_s']:.3f} s  ({r['cached_speedup']}x faster than cold)")
+        print(f"  probe from cache:                            {r['probe_cached_s']:.3f} s  "
+              f"({r['cached_speedup']}x faster than cold)")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import platform
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -177,7 +177,7 @@ def main() -> int:
     lines = [
         "# Benchmark report",
         "",
-        f"Written by `.venv/bin/python benchmarks/report.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"Written by `.venv/bin/python benchmarks/report.py` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, "
         f"{platform.machine()}, {_cpus()} CPU(s), Python {platform.python_version()}. "
         "Raw JSON of each run: `benchmarks/results/`"
         + (f"; rerun here: {', '.join(a.only)}, the other figures are from their last run." if a.only else "."),

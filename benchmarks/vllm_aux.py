@@ -199,9 +199,9 @@ def main() -> None:
         print(_RESULT + json.dumps(res), flush=True)
         os._exit(0)  # the in-process engine can leave threads behind
 
+    from surgeon.core.spec import load_spec
     from surgeon.patch.apply import apply_spec, patch_status, revert_patch
     from surgeon.wiring.render import render
-    from surgeon.core.spec import load_spec
 
     # On a small CPU the in-process engine's Python thread and vLLM's bound OpenMP workers compete:
     # with the defaults, one generate call took 2-6x longer and varied +-30% between processes.

@@ -17,8 +17,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from surgeon import __version__
-from surgeon import commands
+from surgeon import __version__, commands
 from surgeon import cli_render as show
 from surgeon.cli_render import RichProgress, emit_json
 from surgeon.core.errors import SurgeonError
@@ -85,7 +84,8 @@ def schema() -> Any:
 
 @main.command()
 @click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--engine", "engines", multiple=True, type=ENGINE_CHOICE, help="Check this engine (repeatable; default: the spec's engines section, else all).")
+@click.option("--engine", "engines", multiple=True, type=ENGINE_CHOICE,
+              help="Check this engine (repeatable; default: the spec's engines section, else all).")
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe (with a single --engine).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, as_json: bool) -> Any:
@@ -115,7 +115,8 @@ def explain(spec: str, engine: str | None, engine_root: str | None, model_class:
 @click.option("--engine", "target", required=True, type=click.Choice(["sglang", "vllm", "specforge", "speculators"]))
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe.")
 @click.option("--model-class", help="Engine model class (default: the spec's pin, else target.architecture).")
-@click.option("--pin", is_flag=True, help="Write engines.<engine> pins for the installed engine into SPEC (comments and order kept).")
+@click.option("--pin", is_flag=True,
+              help="Write engines.<engine> pins for the installed engine into SPEC (comments and order kept).")
 @click.option("--json", "as_json", is_flag=True)
 def render(spec: str, target: str, engine_root: str | None, model_class: str | None, pin: bool, as_json: bool) -> Any:
     """The draft-config fragment and launch flags for an engine or training tool."""
@@ -156,7 +157,8 @@ def review(old: str, new: str, as_json: bool) -> Any:
 
 @main.command()
 @click.option("--engine", required=True, type=ENGINE_CHOICE)
-@click.option("--engine-root", type=click.Path(), help="Engine package directory (default: the installed package, found without importing it).")
+@click.option("--engine-root", type=click.Path(),
+              help="Engine package directory (default: the installed package, found without importing it).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--all", "show_all", is_flag=True, help="Also list every classified class in the text report.")
 def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: bool) -> Any:
@@ -207,7 +209,8 @@ def fingerprint(ref: str, output: str, input_ids: str | None, dim: int, seed: in
 
 
 def _harness_options(f):
-    f = click.option("--slots", multiple=True, help="Name the subject's slots in order: name, point, or name=point (comma-separated or repeated).")(f)
+    f = click.option("--slots", multiple=True,
+                     help="Name the subject's slots in order: name, point, or name=point (comma-separated or repeated).")(f)
     f = click.option("--input-ids", help="Token ids of the subject, when the file carries none.")(f)
     f = click.option("--json", "as_json", is_flag=True)(f)
     f = click.option("--plot", type=click.Path(dir_okay=False), help="Write the slots x points heatmap to this PNG.")(f)
@@ -219,7 +222,8 @@ def _harness_options(f):
 @click.option("--reference", "ref", required=True, help="hf:DIR, a reference file, or a fingerprint file.")
 @click.option("--spec", type=click.Path(dir_okay=False), help="Spec declaring the slots (its dump slots, in order).")
 @_harness_options
-def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], input_ids: str | None, as_json: bool, plot: str | None) -> Any:
+def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
+          plot: str | None) -> Any:
     """Which physical point each slot of SUBJECT really is, how sure, and what is wrong."""
     result = commands.match(subject=subject, ref=ref, spec=spec, slots=slots, input_ids=input_ids, plot=plot)
     _show(result, as_json, show.print_match)
@@ -233,7 +237,8 @@ def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], inpu
 @click.option("--subject", required=True, type=click.Path(dir_okay=False))
 @click.option("--reference", "ref", required=True, help="hf:DIR, a reference file, or a fingerprint file.")
 @_harness_options
-def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids: str | None, as_json: bool, plot: str | None) -> Any:
+def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
+           plot: str | None) -> Any:
     """Exit 0 when every slot of SUBJECT is what SPEC declares, 3 when not, 2 on bad input."""
     v = commands.verify(spec=spec, subject=subject, ref=ref, slots=slots, input_ids=input_ids, plot=plot)
     _show(v, as_json, lambda v: show.print_match(v.result))
@@ -255,7 +260,8 @@ def dump_info(dump: str, as_json: bool) -> Any:
 @click.argument("dumps", nargs=-1, required=True, type=click.Path())
 @click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False), help="The spec the dumps were taken with.")
 @click.option("--layout", required=True, type=click.Choice(["specforge", "speculators"]))
-@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write the exported files into.")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Folder to write the exported files into.")
 @click.option("--json", "as_json", is_flag=True)
 def export(dumps: tuple[str, ...], spec_path: str, layout: str, out_dir: str, as_json: bool) -> Any:
     """Export surgeon dumps (files or shard folders) to a training tool's layout, keeping its own
@@ -268,9 +274,12 @@ def export(dumps: tuple[str, ...], spec_path: str, layout: str, out_dir: str, as
 
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
-@click.option("--mode", required=True, type=click.Choice(["aux", "dump"]), help="aux: hand the fc captures to the draft; dump: keep them for drain().")
-@click.option("--max-tokens", required=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per step (buffer rows).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the module here (refuses to overwrite); default stdout.")
+@click.option("--mode", required=True, type=click.Choice(["aux", "dump"]),
+              help="aux: hand the fc captures to the draft; dump: keep them for drain().")
+@click.option("--max-tokens", required=True, type=click.IntRange(1, 1 << 24),
+              help="The engine's maximum tokens per step (buffer rows).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write the module here (refuses to overwrite); default stdout.")
 def hooks(spec: str, mode: Any, max_tokens: int, output: str | None) -> Any:
     """Generate the CUDA-graph-safe capture hooks module for SPEC (checked before it is written)."""
     return _show(commands.hooks(spec=spec, mode=mode, max_tokens=max_tokens, output=output), False, show.print_generated)
@@ -289,16 +298,25 @@ def check_hooks(files: tuple[str, ...], as_json: bool) -> Any:
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--engine", required=True, type=ENGINE_CHOICE)
-@click.option("--engine-root", type=click.Path(), help="Engine package directory (default: the installed package, found without importing it).")
-@click.option("--mode", default="dump", show_default=True, type=click.Choice(["dump", "aux"]), help="dump: keep the captures for a drain after each step; aux: also hand the spec's fc input, in fc order, to the engine's draft path where the forward returns aux_hidden_states.")
-@click.option("--max-tokens", default=DEFAULT_MAX_TOKENS, show_default=True, type=click.IntRange(1, 1 << 24), help="The engine's maximum tokens per forward step (capture buffer rows).")
-@click.option("--model-file", help="Model file to patch, relative to the engine root (default: where the probe finds the model class's decoder loop, else the spec's pinned model_file).")
-@click.option("--loop-class", help="The class whose forward holds the decoder-layer loop (default: the probe's, else the file's only one).")
+@click.option("--engine-root", type=click.Path(),
+              help="Engine package directory (default: the installed package, found without importing it).")
+@click.option("--mode", default="dump", show_default=True, type=click.Choice(["dump", "aux"]),
+              help="dump: keep the captures for a drain after each step; aux: also hand the spec's fc input, in fc order, to "
+                   "the engine's draft path where the forward returns aux_hidden_states.")
+@click.option("--max-tokens", default=DEFAULT_MAX_TOKENS, show_default=True, type=click.IntRange(1, 1 << 24),
+              help="The engine's maximum tokens per forward step (capture buffer rows).")
+@click.option("--model-file",
+              help="Model file to patch, relative to the engine root (default: where the probe finds the model class's decoder "
+                   "loop, else the spec's pinned model_file).")
+@click.option("--loop-class",
+              help="The class whose forward holds the decoder-layer loop (default: the probe's, else the file's only one).")
 @click.option("--name", help="Patch name (default: the spec's name).")
 @click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
 @click.option("--diff", "show_diff", is_flag=True, help="Print the unified diff of the change.")
 @click.option("--replace", is_flag=True, help="Revert a patch already on these files first (in the same transaction).")
-@click.option("--guard-bypass", is_flag=True, help="Where decoder layers can run outside the capture loop (SGLang two-batch overlap), insert a runtime guard that raises if a captured layer would run there, instead of refusing.")
+@click.option("--guard-bypass", is_flag=True,
+              help="Where decoder layers can run outside the capture loop (SGLang two-batch overlap), insert a runtime guard "
+                   "that raises if a captured layer would run there, instead of refusing.")
 @click.option("--json", "as_json", is_flag=True)
 def apply(spec: str, engine: str, engine_root: str | None, mode: Any, max_tokens: int, model_file: str | None,
           loop_class: str | None, name: str | None, dry_run: bool, show_diff: bool, replace: bool,
@@ -366,7 +384,8 @@ def coverage(engine: str, engine_root: str | None, jobs: int | None, show_all: b
 
 # --------------------------------------------------------------------------------------------- demo
 @main.command()
-@click.option("--workdir", type=click.Path(file_okay=False), help="New folder for everything the demo writes (default: ./surgeon-demo-<time>).")
+@click.option("--workdir", type=click.Path(file_okay=False),
+              help="New folder for everything the demo writes (default: ./surgeon-demo-<time>).")
 @click.option("--engine-root", type=click.Path(), help="The vLLM package directory to patch (default: the installed one).")
 @click.option("--json", "as_json", is_flag=True)
 def demo(workdir: str | None, engine_root: str | None, as_json: bool) -> Any:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import click
 from rich.console import Console
@@ -24,7 +25,7 @@ def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
-def spinner(text: str, as_json: bool) -> ContextManager[Any]:
+def spinner(text: str, as_json: bool) -> contextlib.AbstractContextManager[Any]:
     """A rich spinner on a terminal; nothing under --json or in a log."""
     return err.status(text, spinner="dots") if err.is_terminal and not as_json else contextlib.nullcontext()
 
@@ -43,7 +44,7 @@ class RichProgress:
             task = bar.add_task("task", total=None)
             yield lambda done, total: bar.update(task, completed=done, total=total)
 
-    def spinner(self, label: str) -> ContextManager[Any]:
+    def spinner(self, label: str) -> contextlib.AbstractContextManager[Any]:
         return spinner(label, self.as_json)
 
 
@@ -110,7 +111,8 @@ def print_rendering(r: Any) -> None:
 
 
 def print_draft_check(r: Any) -> None:
-    out.print(f"[bold]{escape(r.draft)}[/] on {r.engine}" + (f" ({escape(r.model_class)})" if r.model_class else "") + f" against {escape(r.spec)}")
+    model_class = f" ({escape(r.model_class)})" if r.model_class else ""
+    out.print(f"[bold]{escape(r.draft)}[/] on {r.engine}{model_class} against {escape(r.spec)}")
     out.print(f"  expected fc input: {', '.join(r.expected)}")
     out.print(f"  engine captures:   {', '.join(str(c) for c in r.captured)}")
     style = {"error": "red", "warning": "yellow", "info": "dim"}
@@ -134,7 +136,8 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
     table = Table(title="conventions (classes grouped by identical rules)")
     for h in ("id -> capture index", "default", "sorted/dedup", "captured at", "value", "classes"):
         table.add_column(h)
-    for (rule, default, through, sorts, dedups, site, value), classes in sorted(_convention_groups(probe).items(), key=lambda kv: -len(kv[1])):
+    groups = sorted(_convention_groups(probe).items(), key=lambda kv: -len(kv[1]))
+    for (rule, default, through, sorts, dedups, site, value), classes in groups:
         names = sorted(c.class_name for c in classes)
         shown = names if show_all or len(names) <= 6 else names[:6] + [f"... {len(names) - 6} more (--all)"]
         table.add_row(rule, f"{default}{' (through the rule)' if through else ''}",
@@ -143,12 +146,14 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
     out.print(table)
     for c in probe.classified:
         for b in c.bypasses:
-            out.print(f"[yellow]bypass[/] {c.class_name} ({escape(b.path or c.path)}:{b.line}): {escape(b.description)} (when: {escape(b.layers)})")
+            out.print(f"[yellow]bypass[/] {c.class_name} ({escape(b.path or c.path)}:{b.line}): "
+                      f"{escape(b.description)} (when: {escape(b.layers)})")
     for c in probe.unclassified:
         tag = "[yellow]no capture[/]" if c.no_capture else "[red]unclassified[/]"
         out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")
     for group, n in probe.coverage().items():
-        out.print(f"{group}: {n['total']} classes, {n['classified']} classified, {n['no_capture']} shown by the source not to capture, "
+        out.print(f"{group}: {n['total']} classes, {n['classified']} classified, "
+                  f"{n['no_capture']} shown by the source not to capture, "
                   f"{n['unclassified']} unclassified")
 
 
@@ -161,7 +166,8 @@ def print_match(result: Any) -> None:
     for s in result.report.slots:
         table.add_row(s.name, str(s.declared or "-"), str(s.matched or "none"), f"{s.rel_err:.4f}",
                       f"{s.margin:.1f}x", f"[{style.get(s.verdict, 'white')}]{s.verdict}[/]")
-    out.print(f"{escape(result.subject.source)} ({result.subject.layout}) vs {escape(str(result.reference_source))}; tokens: {escape(result.alignment)}")
+    out.print(f"{escape(result.subject.source)} ({result.subject.layout}) vs {escape(str(result.reference_source))}; "
+              f"tokens: {escape(result.alignment)}")
     out.print(table)
     for d in result.report.diagnosis:
         out.print(f"[red]{d.kind}[/]: {escape(d.detail)}")
@@ -175,7 +181,8 @@ def print_match(result: Any) -> None:
 
 def print_dump_info(info: Any) -> None:
     m = info.meta
-    out.print(f"[bold]{escape(info.file)}[/]: spec {escape(m.get('spec.name') or '-')} (sha256 {m.get('spec.sha256', '')[:12] or '-'}), "
+    out.print(f"[bold]{escape(info.file)}[/]: spec {escape(m.get('spec.name') or '-')} "
+              f"(sha256 {m.get('spec.sha256', '')[:12] or '-'}), "
               f"{escape(m.get('engine') or '?')} {escape(m.get('engine.version', ''))}, model {escape(m.get('model') or '?')}, "
               f"{m.get('tokens')} tokens, {m.get('dtype')}")
     for c in info.captures:

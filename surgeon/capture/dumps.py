@@ -25,14 +25,14 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
-from surgeon.core.errors import BadInput
 from surgeon.capture.tensorfiles import unreadable
+from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, parse_point
 
 FORMAT = "1"

@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 import threading
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -42,6 +42,13 @@ def list_shards(out_dir: str | Path) -> list[Path]:
     d = Path(out_dir)
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := SHARD_RE.fullmatch(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def _shard_number(path: Path) -> int:
+    """The number in a shard's name; ``path`` comes from list_shards, which kept only names SHARD_RE matches."""
+    match = SHARD_RE.fullmatch(path.name)
+    assert match is not None
+    return int(match.group(1))
 
 
 class _Staging:
@@ -84,7 +91,7 @@ class DumpWriter:
         self.shard_tokens = shard_tokens
         self._pin = torch.cuda.is_available()
         existing = list_shards(self.out_dir)
-        self._next_index = int(SHARD_RE.fullmatch(existing[-1].name).group(1)) + 1 if existing else 0
+        self._next_index = _shard_number(existing[-1]) + 1 if existing else 0
 
         self._cond = threading.Condition()
         self._free: list[_Staging] = []  # staging sets not in use
@@ -228,7 +235,7 @@ class DumpWriter:
         self._closed = True
         self._raise_error()
 
-    def __enter__(self) -> "DumpWriter":
+    def __enter__(self) -> DumpWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

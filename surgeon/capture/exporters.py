@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 
-from surgeon.core.conventions import EAGLE, NotExpressible
 from surgeon.capture.dumps import Dump, read_dump
+from surgeon.core.conventions import EAGLE, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point, layer_out
 
@@ -80,7 +80,9 @@ def _by_point(dump: Dump, path: Path, spec, layout: str) -> dict[Point, torch.Te
     for name, point, t in dump.captures:
         want = spec.captures.get(name)
         if want is not None and want != point:
-            raise BadInput(f"cannot export {path} to {layout}: capture {name!r} is {point} in the dump but {want} in spec {spec.name}")
+            raise BadInput(
+                f"cannot export {path} to {layout}: capture {name!r} is {point} in the dump but {want} in spec {spec.name}"
+            )
         found[point] = t
     return found
 
@@ -117,8 +119,10 @@ def check_speculators(spec) -> list[tuple[str, Point]]:
         if p.position is None:
             raise BadInput(f"cannot export to speculators: fc capture {n!r} is {p}, not a residual-stream state")
         if p == layer_out(L - 1):
-            raise BadInput(f"cannot export to speculators: fc capture {n!r} is layer_out[{L - 1}], which is already the last slot")
-    positions = [p.position for _, p in fc]
+            raise BadInput(
+                f"cannot export to speculators: fc capture {n!r} is layer_out[{L - 1}], which is already the last slot"
+            )
+    positions = [p.position for _, p in fc if p.position is not None]  # all of them: checked just above
     if positions != sorted(set(positions)):
         raise BadInput(f"cannot export to speculators: fc_input [{', '.join(f'{n}={p}' for n, p in fc)}] is not in ascending "
                        "layer order; vLLM captures aux states in layer order, so the slots would be permuted")

@@ -73,11 +73,20 @@ def _dotted(node: cst.BaseExpression) -> str | None:
 
 
 def _is_cpu(node: cst.BaseExpression) -> bool:
-    if m.matches(node, m.SimpleString()) and node.evaluated_value in ("cpu", b"cpu"):  # type: ignore[attr-defined]
+    # isinstance rather than m.matches on the node itself, so that mypy sees the narrowed type
+    if isinstance(node, cst.SimpleString) and node.evaluated_value in ("cpu", b"cpu"):
         return True
-    return m.matches(node, m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("device")))) and any(
-        _is_cpu(a.value) for a in node.args  # type: ignore[attr-defined]
-    )
+    return (isinstance(node, cst.Call)
+            and m.matches(node.func, m.Attribute(value=m.Name("torch"), attr=m.Name("device")))
+            and any(_is_cpu(a.value) for a in node.args))
+
+
+_FROZEN_BRANCH = "Python control flow on a tensor value syncs the host and is frozen at capture"
+
+
+def _names_in(node: cst.CSTNode) -> set[str]:
+    """Every Name under ``node`` (the names an assignment target binds, or an expression reads)."""
+    return {n.value for n in m.findall(node, m.Name()) if isinstance(n, cst.Name)}
 
 
 class _Scope:
@@ -113,6 +122,7 @@ class _Checker(cst.CSTVisitor):
         scope = self.scope
         if scope is None or not scope.tainted:
             return False
+        tainted = scope.tainted  # the narrowed scope, for the visitor class below
         found = False
 
         class _V(cst.CSTVisitor):
@@ -131,7 +141,7 @@ class _Checker(cst.CSTVisitor):
 
             def visit_Name(self, n: cst.Name) -> None:
                 nonlocal found
-                if n.value in scope.tainted:
+                if n.value in tainted:
                     found = True
 
         node.visit(_V())
@@ -141,13 +151,13 @@ class _Checker(cst.CSTVisitor):
         scope = self.scope
         if scope is None or not scope.per_step:
             return
-        reductions = m.findall(test, m.Call(func=m.Attribute(attr=m.OneOf(*(m.Name(r) for r in _REDUCTIONS)))))
+        reductions = list(m.findall(test, m.Call(func=m.Attribute(attr=m.OneOf(*(m.Name(r) for r in _REDUCTIONS))))))
         reductions += m.findall(test, m.Call(func=m.Attribute(value=m.Name("torch"),
                                                               attr=m.OneOf(*(m.Name(r) for r in _REDUCTIONS)))))
         if reductions:
-            self._report(node, "tensor-branch", f"{what} tests a tensor reduction: Python control flow on a tensor value syncs the host and is frozen at capture")
+            self._report(node, "tensor-branch", f"{what} tests a tensor reduction: " + _FROZEN_BRANCH)
         elif self._uses_tainted(test):
-            self._report(node, "tensor-branch", f"{what} tests a value computed from a tensor argument: Python control flow on a tensor value syncs the host and is frozen at capture")
+            self._report(node, "tensor-branch", f"{what} tests a value computed from a tensor argument: " + _FROZEN_BRANCH)
 
     # -- scopes --------------------------------------------------------------------------
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
@@ -159,9 +169,9 @@ class _Checker(cst.CSTVisitor):
             if name in _SAFE_PARAMS or ann in _SAFE_ANNOTATIONS:
                 continue
             tainted.add(name)
-        for p in (params.star_arg, params.star_kwarg):
-            if isinstance(p, cst.Param):
-                tainted.add(p.name.value)
+        for star in (params.star_arg, params.star_kwarg):
+            if isinstance(star, cst.Param):
+                tainted.add(star.name.value)
         self.scopes.append(_Scope(node.name.value, tainted))
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
@@ -177,7 +187,7 @@ class _Checker(cst.CSTVisitor):
         scope = self.scope
         if scope is None or value is None:
             return
-        names = {n.value for n in m.findall(target, m.Name())} if not isinstance(target, cst.Attribute) else set()
+        names = _names_in(target) if not isinstance(target, cst.Attribute) else set()
         if self._uses_tainted(value):
             scope.tainted |= names
         else:
@@ -192,7 +202,7 @@ class _Checker(cst.CSTVisitor):
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
         if self.scope is not None and self._uses_tainted(node.value):
-            self.scope.tainted |= {n.value for n in m.findall(node.target, m.Name())}
+            self.scope.tainted |= _names_in(node.target)
 
     def visit_For(self, node: cst.For) -> None:
         self._bind(node.target, node.iter)
@@ -220,8 +230,9 @@ class _Checker(cst.CSTVisitor):
         if isinstance(func, cst.Attribute):
             attr = func.attr.value
             if attr in _SYNC_METHODS:
-                self._report(node, "host-sync", f".{attr}() copies a tensor to the host (device sync; not replayed by a CUDA graph)")
-            elif attr == "to" and (any(_is_cpu(a.value) for a in node.args if a.keyword is None or a.keyword.value == "device")):
+                self._report(node, "host-sync",
+                             f".{attr}() copies a tensor to the host (device sync; not replayed by a CUDA graph)")
+            elif attr == "to" and any(_is_cpu(a.value) for a in node.args if a.keyword is None or a.keyword.value == "device"):
                 self._report(node, "host-sync", '.to("cpu") copies a tensor to the host (device sync)')
         if dotted == "print":
             self._report(node, "print", "print() runs on the host at capture only, and formatting a tensor syncs")
@@ -236,7 +247,8 @@ class _Checker(cst.CSTVisitor):
         elif dotted and dotted.startswith("torch.") and dotted.split(".", 1)[1] in _ALLOC_FUNCS:
             scope = self.scope
             if scope is not None and scope.per_step:
-                self._report(node, "alloc", f"{dotted}() allocates a tensor every step: preallocate it in an _alloc* function and write into it")
+                self._report(node, "alloc",
+                             f"{dotted}() allocates a tensor every step: preallocate it in an _alloc* function and write into it")
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if m.matches(node.value, m.Name("random")):

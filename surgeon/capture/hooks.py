@@ -24,9 +24,9 @@ Contract of the generated module (``mode`` is ``"aux"`` or ``"dump"``):
   of the hooks module that made it, so a reader finds the module to ``drain`` it with exactly.
 * Buffers are allocated once per model instance, lazily on the first capture (dtype and device
   of that first tensor): one tensor, ``[max_tokens, num_slots * hidden]`` whose column blocks
-  are the slots (aux) or ``[num_slots, max_tokens, hidden]`` (dump). No per-step allocation, no host sync, no control flow on tensor values: every
-  per-step operation is a device kernel that CUDA-graph replay repeats. Run one eager (warm-up)
-  step before capturing a graph so that the allocation is not captured.
+  are the slots (aux) or ``[num_slots, max_tokens, hidden]`` (dump). No per-step allocation, no host sync,
+  no control flow on tensor values: every per-step operation is a device kernel that CUDA-graph replay
+  repeats. Run one eager (warm-up) step before capturing a graph so that the allocation is not captured.
 * aux mode: the slots are the draft's ``fc_input`` captures in fc order, so
   ``aux_hidden_states(module)`` returns ``buf[:n]``, one ``[n, n_fc * hidden]`` tensor (what an
   EAGLE-3 fc consumes), with no ``torch.cat``.

@@ -20,7 +20,7 @@ Progress goes through a :class:`surgeon.commands.progress.Progress` (default: no
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from surgeon.commands.capture_commands import check_hooks, dump_info, export, hooks
 from surgeon.commands.demo_command import demo
@@ -28,8 +28,7 @@ from surgeon.commands.harness_commands import fingerprint, match, reference, ver
 from surgeon.commands.patch_commands import apply, coverage, diff, revert, status
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.commands.results import exit_code_of
-from surgeon.commands.spec_commands import (check_draft, conventions, explain, lint, render, review, schema,
-                                            sweep_spec)
+from surgeon.commands.spec_commands import check_draft, conventions, explain, lint, render, review, schema, sweep_spec
 
 # Every CLI verb and the one function behind it (tests check the CLI has no other verbs).
 COMMANDS: dict[str, Callable[..., object]] = {

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from surgeon.commands.results import DumpInfo, Exported, GeneratedText, HookCheck, write_new_file
 from surgeon.core.errors import BadInput, InternalError

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.commands.results import FingerprintWritten, ReferenceWritten, Verification
@@ -24,7 +25,8 @@ def reference(*, model: str, input_ids: str, output: str, progress: Progress = Q
 def fingerprint(*, ref: str, output: str, input_ids: str | None = None, dim: int = 64,
                 seed: int = 0) -> FingerprintWritten:
     """Write a small fingerprint of ``ref`` (hf:DIR or a reference file) to ``output``."""
-    from surgeon.verify.fingerprint import Fingerprint, fingerprint as make_fingerprint, fingerprint_file, save_fingerprint
+    from surgeon.verify.fingerprint import Fingerprint, fingerprint_file, save_fingerprint
+    from surgeon.verify.fingerprint import fingerprint as make_fingerprint
     from surgeon.verify.harness import load_reference_arg, parse_input_ids
 
     if dim < 8 or dim > 4096:
@@ -43,7 +45,8 @@ def match(*, subject: str, ref: str, spec: str | None = None, slots: Sequence[st
     """Which physical point each slot of ``subject`` really is (a HarnessResult); ``plot`` also
     writes the slots x points heatmap there."""
     from surgeon.core.spec import load_spec
-    from surgeon.verify.harness import match as match_subject, plot_heatmap
+    from surgeon.verify.harness import match as match_subject
+    from surgeon.verify.harness import plot_heatmap
 
     result = match_subject(subject, ref, spec=load_spec(spec) if spec else None, slots=slots, input_ids=input_ids)
     if plot:

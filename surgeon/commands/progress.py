@@ -9,17 +9,18 @@ because a terminal shows one live display at once.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterable, Iterator, Mapping, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Protocol
 
 Update = Callable[[int, int], None]  # (done, total)
 
 
 class Progress(Protocol):
-    def bar(self, label: str) -> ContextManager[Update]:
+    def bar(self, label: str) -> contextlib.AbstractContextManager[Update]:
         """A display for a task that may know its size: the context yields ``update(done, total)``."""
         ...
 
-    def spinner(self, label: str) -> ContextManager[None]:
+    def spinner(self, label: str) -> contextlib.AbstractContextManager[None]:
         """A display for a task of unknown size."""
         ...
 
@@ -31,7 +32,7 @@ class _Quiet:
     def bar(self, label: str) -> Iterator[Update]:
         yield lambda done, total: None
 
-    def spinner(self, label: str) -> ContextManager[None]:
+    def spinner(self, label: str) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
 

@@ -4,11 +4,19 @@ the library's report."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from surgeon.commands.progress import QUIET, Progress, open_engines
-from surgeon.commands.results import (DraftVerdict, GeneratedText, LintReport, RenderReport, ReviewReport,
-                                      SchemaResult, write_new_file)
+from surgeon.commands.results import (
+    DraftVerdict,
+    GeneratedText,
+    LintReport,
+    RenderReport,
+    ReviewReport,
+    SchemaResult,
+    write_new_file,
+)
 from surgeon.core.errors import BadInput
 
 ENGINES = ("sglang", "vllm")

@@ -11,13 +11,13 @@ ever rounded to a neighbouring layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
-
-from surgeon.core.points import FINAL_NORM, Point, layer_out
 import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, FirstIdEquals, IdRule, MaxIdEquals
+from surgeon.core.points import FINAL_NORM, Point, layer_out
 
 # EAGLE-3's default capture positions, as each tool writes them.
 _DEFAULT_3 = (DefaultTerm(0, 1, 2), DefaultTerm(1, 2, 0), DefaultTerm(1, 1, -3))
@@ -70,7 +70,10 @@ def parse_offset(text: str) -> IdRule:
             return IdRule(tuple(branches))
         m = _BRANCH.fullmatch(t)
         if not m:
-            raise OffsetError(f"offset {text!r} is not '+1', '+0', '+1 if ids[0] == 1 else +0' or another rule name that `surgeon conventions` prints")
+            raise OffsetError(
+                f"offset {text!r} is not '+1', '+0', '+1 if ids[0] == 1 else +0' "
+                "or another rule name that `surgeon conventions` prints"
+            )
         cond = FirstIdEquals(int(m.group("first"))) if m.group("first") is not None else MaxIdEquals(parse_term(m.group("max")))
         branches.append(Branch(int(m.group("off")), cond))
         t = m.group("rest")
@@ -142,7 +145,8 @@ def _eagle_to_id(point: Point, num_layers: int) -> int:
             f"(SGLang backend), or read as hidden_states[{num_layers}], the post-norm state (HF backend)",
             point,
         )
-    return point.index  # type: ignore[return-value]
+    assert point.index is not None  # a layer_out point always carries its index (Point.__post_init__)
+    return point.index
 
 
 def _eagle_to_point(index: int, num_layers: int) -> Point:
@@ -283,13 +287,18 @@ class EngineConvention:
             raise NotExpressible(self.name, "the same point is listed twice; the engine captures each layer once")
         if not self.keeps_order and positions != sorted(positions):
             want = ", ".join(str(p) for p in points)
-            got = ", ".join(str(p) for p in sorted(points, key=lambda p: p.position))
+            # the positions are distinct (checked above), so sorting the pairs sorts by position alone
+            got = ", ".join(str(p) for _, p in sorted(zip(positions, points), key=lambda pair: pair[0]))
             raise NotExpressible(
                 self.name,
-                f"the engine emits captures in ascending layer order ({'it sorts the ids' if self.cc.sorts else 'captures by layer-loop membership'}), "
+                "the engine emits captures in ascending layer order "
+                f"({'it sorts the ids' if self.cc.sorts else 'captures by layer-loop membership'}), "
                 f"so fc order [{want}] would reach the fc as [{got}]; order fc_input by layer",
             )
-        for branch in self.cc.id_rule.branches:  # type: ignore[union-attr]
+        rule = self.cc.id_rule
+        if rule is None:  # as capture_indices says for a class the probe could not classify
+            raise ValueError(f"{self.cc.class_name}: convention not classified ({self.cc.reason})")
+        for branch in rule.branches:
             base = [s - branch.offset for s in positions]
             candidates = [base] + ([[base[i]] + base[:i] + base[i + 1:] for i in range(1, len(base))]
                                    if not self.keeps_order else [])
@@ -299,7 +308,7 @@ class EngineConvention:
         raise NotExpressible(
             self.name,
             f"no id list makes {self.cc.class_name} capture exactly "
-            f"[{', '.join(str(p) for p in points)}] under its rule ({self.cc.id_rule.name})",  # type: ignore[union-attr]
+            f"[{', '.join(str(p) for p in points)}] under its rule ({rule.name})",
         )
 
     def default_points(self, num_layers: int) -> list[Point | None]:
@@ -325,11 +334,13 @@ class DumpLayout:
             return [f"tensor '{n}'" for n in names]
         if self.name == "specforge":
             labels, aux = [], 0
-            for i, (name, point) in enumerate(zip(names, points)):
+            for i, (_name, point) in enumerate(zip(names, points)):
                 last = i == len(points) - 1
                 if point == FINAL_NORM:
                     if not last:
-                        raise NotExpressible("specforge", "hidden_state (post-norm) is the dump's last slot; put final_norm last", point)
+                        raise NotExpressible(
+                            "specforge", "hidden_state (post-norm) is the dump's last slot; put final_norm last", point
+                        )
                     labels.append("hidden_state")
                     continue
                 EAGLE.to_id(point, num_layers)  # aux slots follow EAGLE ids
@@ -337,8 +348,8 @@ class DumpLayout:
                 aux += 1
             return labels
         # speculators: hidden_states[T, n, H], aux slots in vLLM capture order, then layer_out[L-1]
-        last = layer_out(num_layers - 1)
-        if not points or points[-1] != last:
+        last_point = layer_out(num_layers - 1)
+        if not points or points[-1] != last_point:
             got = points[-1] if points else "nothing"
             raise NotExpressible(
                 "speculators",
@@ -353,8 +364,14 @@ class DumpLayout:
 
 DUMP_LAYOUTS = {
     "surgeon": DumpLayout("surgeon", "surgeon safetensors shards", "surgeon's own format: every capture by name"),
-    "specforge": DumpLayout("specforge", "SpecForge offline .ckpt", "aux_hidden_state [1,T,nH] in capture order, hidden_state [1,T,H] after the final norm"),
-    "speculators": DumpLayout("speculators", "speculators hs_{i}.safetensors", "hidden_states [T,n,H]; the last slot is layer_out[L-1] before the final norm"),
+    "specforge": DumpLayout(
+        "specforge", "SpecForge offline .ckpt",
+        "aux_hidden_state [1,T,nH] in capture order, hidden_state [1,T,H] after the final norm",
+    ),
+    "speculators": DumpLayout(
+        "speculators", "speculators hs_{i}.safetensors",
+        "hidden_states [T,n,H]; the last slot is layer_out[L-1] before the final norm",
+    ),
 }
 
 POINTWISE: dict[str, PointwiseConvention] = {"hf": HF, "eagle": EAGLE}

@@ -15,8 +15,9 @@ capture site is recorded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 Engine = Literal["sglang", "vllm"]
 CaptureSite = Literal["entry", "exit"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from surgeon.core.errors import BadInput
 
@@ -64,12 +64,12 @@ class Point:
         that are not on the residual stream (``final_norm``, ``layer_delta[k]``)."""
         if self.kind == "embed":
             return 0
-        if self.kind == "layer_out":
-            return self.index + 1  # type: ignore[operator]
+        if self.kind == "layer_out" and self.index is not None:  # always indexed (__post_init__)
+            return self.index + 1
         return None
 
     @classmethod
-    def at_position(cls, position: int) -> "Point":
+    def at_position(cls, position: int) -> Point:
         if position < 0:
             raise ValueError(f"no residual-stream position {position}")
         return EMBED if position == 0 else cls("layer_out", position - 1)
@@ -79,9 +79,11 @@ class Point:
         layer_out[k] k+1, layer_delta[k] just before layer_out[k], final_norm L+1."""
         if self.kind == "final_norm":
             return num_layers + 1
-        if self.kind == "layer_delta":
-            return self.index + 0.5  # type: ignore[operator]
-        return float(self.position)  # type: ignore[arg-type]
+        if self.kind == "layer_delta" and self.index is not None:  # always indexed (__post_init__)
+            return self.index + 0.5
+        position = self.position
+        assert position is not None  # embed and layer_out, the kinds left, are on the residual stream
+        return float(position)
 
     def check_range(self, num_layers: int) -> None:
         if self.index is not None and not 0 <= self.index < num_layers:
@@ -129,7 +131,8 @@ def parse_point(text: object, num_layers: int | None = None, *, allow_delta: boo
     text = text.strip()
     m = _POINT_RE.fullmatch(text)
     if m is None:
-        hint = difflib.get_close_matches(re.sub(r"\[.*", "", text), ["embed", "final_norm", "layer_out", "layer_in"], n=1, cutoff=0.5)
+        kinds = ["embed", "final_norm", "layer_out", "layer_in"]
+        hint = difflib.get_close_matches(re.sub(r"\[.*", "", text), kinds, n=1, cutoff=0.5)
         suggestion = f"; did you mean '{hint[0]}{'[k]' if hint[0].startswith('layer') else ''}'?" if hint else ""
         raise PointError(
             f"unknown point {raw!r}: expected one of {', '.join(_SPELLINGS)}{suggestion}", 0
@@ -160,7 +163,7 @@ def parse_point(text: object, num_layers: int | None = None, *, allow_delta: boo
         if num_layers is not None and index >= num_layers:
             raise PointError(_out_of_range("layer_in", index, num_layers), column)
         return EMBED if index == 0 else layer_out(index - 1)
-    point = Point(kind, index)  # type: ignore[arg-type]
+    point = Point(cast(PointKind, kind), index)  # _POINT_RE's kind group only matches PointKind spellings
     if num_layers is not None and index >= num_layers:
         raise PointError(_out_of_range(kind, index, num_layers), column)
     return point

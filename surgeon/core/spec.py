@@ -18,6 +18,7 @@ import difflib
 import hashlib
 import keyword
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -97,17 +98,28 @@ class Draft(_Model):
 
     kind: Literal["eagle3", "dflash", "mtp"]
     fc_input: list[str] = Field(min_length=1, description="capture names, in the order the draft's fc concatenates them")
-    fc_in_features: int | None = Field(default=None, ge=1, description="fc weight's input width; must be len(fc_input) * hidden_size")
+    fc_in_features: int | None = Field(
+        default=None, ge=1, description="fc weight's input width; must be len(fc_input) * hidden_size"
+    )
 
 
 class EnginePin(_Model):
     """What a deployment on one engine relies on (checked against the installed source)."""
 
-    version: str | None = Field(default=None, description="PEP 440 range the pins were checked on, e.g. '==0.5.23' or '>=0.5.20,<0.6'")
-    model_file: str | None = Field(default=None, description="model file relative to the engine package, e.g. srt/models/deepseek_v2.py")
+    version: str | None = Field(
+        default=None, description="PEP 440 range the pins were checked on, e.g. '==0.5.23' or '>=0.5.20,<0.6'"
+    )
+    model_file: str | None = Field(
+        default=None, description="model file relative to the engine package, e.g. srt/models/deepseek_v2.py"
+    )
     model_class: str | None = Field(default=None, description="engine model class, e.g. DeepseekV3ForCausalLM")
-    ids: list[int] | None = Field(default=None, description="the exact ids the deployment passes (eagle_aux_hidden_state_layer_ids)")
-    offset: str | None = Field(default=None, description="how the engine turns ids into capture indices for this class: '+1', '+0', or '+1 if ids[0] == 1 else +0'")
+    ids: list[int] | None = Field(
+        default=None, description="the exact ids the deployment passes (eagle_aux_hidden_state_layer_ids)"
+    )
+    offset: str | None = Field(
+        default=None,
+        description="how the engine turns ids into capture indices for this class: '+1', '+0', or '+1 if ids[0] == 1 else +0'",
+    )
 
 
 class Engines(_Model):
@@ -119,7 +131,9 @@ class Dumps(_Model):
     """Training dumps of these captures."""
 
     layout: Literal["surgeon", "specforge", "speculators"] = "surgeon"
-    slots: list[str] | None = Field(default=None, description="capture names in dump slot order (default: every capture, in order)")
+    slots: list[str] | None = Field(
+        default=None, description="capture names in dump slot order (default: every capture, in order)"
+    )
 
 
 class SpecModel(_Model):
@@ -163,23 +177,28 @@ def json_schema() -> dict:
 class _Loader(yaml.SafeLoader):
     """The safe loader, refusing duplicate keys and anchors/aliases."""
 
-    def compose_node(self, parent, index):  # type: ignore[override]
+    def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.MarkedYAMLError(None, None, "YAML aliases are not allowed in a spec: write each value out", event.start_mark)
+            raise yaml.MarkedYAMLError(
+                None, None, "YAML aliases are not allowed in a spec: write each value out", event.start_mark
+            )
         event = self.peek_event()
         if getattr(event, "anchor", None):
-            raise yaml.MarkedYAMLError(None, None, "YAML anchors are not allowed in a spec: write each value out", event.start_mark)
+            raise yaml.MarkedYAMLError(
+                None, None, "YAML anchors are not allowed in a spec: write each value out", event.start_mark
+            )
         return super().compose_node(parent, index)
 
-    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+    def construct_mapping(self, node, deep=False):
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             try:
                 hash(key)
             except TypeError:
-                raise yaml.MarkedYAMLError(None, None, "a mapping key must be a plain scalar", key_node.start_mark)
+                # the unhashable key is the user's mistake, not a failure while handling one
+                raise yaml.MarkedYAMLError(None, None, "a mapping key must be a plain scalar", key_node.start_mark) from None
             if key in seen:
                 raise yaml.MarkedYAMLError(
                     None, None,
@@ -355,7 +374,9 @@ def _pydantic_issues(err: ValidationError, file: str, loc: _Located) -> list[Iss
         elif kind == "missing":
             issues.append(_issue(file, loc, path[:-1], f"missing required key {path[-1]!r}"))
         elif kind == "literal_error" and path == ("spec",):
-            issues.append(_issue(file, loc, path, f"unsupported spec version {e.get('input')!r}: this surgeon reads 'spec: {SPEC_VERSION}'"))
+            issues.append(_issue(
+                file, loc, path, f"unsupported spec version {e.get('input')!r}: this surgeon reads 'spec: {SPEC_VERSION}'"
+            ))
         else:
             got = e.get("input")
             shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
@@ -406,7 +427,9 @@ def load_spec(path: str | Path, *, text: str | None = None) -> Spec:
         raise SpecError([Issue(file, 1, 1, f"a spec is a mapping with 'spec: 1', not {type(loc.data).__name__}")])
     version = loc.data.get("spec")
     if "spec" in loc.data and (type(version) is not int or version != SPEC_VERSION):
-        raise SpecError([_issue(file, loc, ("spec",), f"unsupported spec version {version!r}: this surgeon reads 'spec: {SPEC_VERSION}'")])
+        raise SpecError([
+            _issue(file, loc, ("spec",), f"unsupported spec version {version!r}: this surgeon reads 'spec: {SPEC_VERSION}'")
+        ])
     try:
         model = SpecModel.model_validate(loc.data)
     except ValidationError as e:
@@ -431,7 +454,8 @@ def _check_meaning(spec: Spec) -> list[Issue]:
     seen_points: dict[Point, str] = {}
     for name, text in m.captures.items():
         if not _IDENT.fullmatch(name) or keyword.iskeyword(name):
-            add(("captures", name), f"capture name {name!r} is not an identifier (letters, digits, '_'; not a Python keyword)", key=True)
+            add(("captures", name),
+                f"capture name {name!r} is not an identifier (letters, digits, '_'; not a Python keyword)", key=True)
             continue
         try:
             point = parse_point(text, L)
@@ -450,7 +474,8 @@ def _check_meaning(spec: Spec) -> list[Issue]:
         for i, n in enumerate(names):
             if n not in m.captures:
                 hint = difflib.get_close_matches(n, list(m.captures), n=1)
-                add(section + (i,), f"{what} names {n!r}, which is not a capture" + (f"; did you mean {hint[0]!r}?" if hint else f" (captures: {', '.join(m.captures)})"))
+                suggestion = f"; did you mean {hint[0]!r}?" if hint else f" (captures: {', '.join(m.captures)})"
+                add(section + (i,), f"{what} names {n!r}, which is not a capture" + suggestion)
                 ok = False
             elif n in dup:
                 add(section + (i,), f"{what} lists {n!r} twice")
@@ -469,7 +494,9 @@ def _check_meaning(spec: Spec) -> list[Issue]:
             for i, n in enumerate(m.draft.fc_input):
                 p = spec.captures[n]
                 if p.position is None:
-                    add(("draft", "fc_input", i), f"{n!r} is {p}: an fc input must be a residual-stream state (embed or layer_out[k]); engines capture final_norm as the returned hidden state, not an aux input")
+                    add(("draft", "fc_input", i),
+                        f"{n!r} is {p}: an fc input must be a residual-stream state (embed or layer_out[k]); "
+                        "engines capture final_norm as the returned hidden state, not an aux input")
 
     if m.dumps is not None:
         slots = spec.dump_slots
@@ -478,26 +505,34 @@ def _check_meaning(spec: Spec) -> list[Issue]:
             try:
                 layout.slots(slots, [spec.captures[n] for n in slots], L)
             except NotExpressible as e:
-                add(("dumps", "slots") if m.dumps.slots is not None else ("dumps", "layout"), f"a {layout.name} dump cannot hold these slots truthfully: {e}")
+                where = ("dumps", "slots") if m.dumps.slots is not None else ("dumps", "layout")
+                add(where, f"a {layout.name} dump cannot hold these slots truthfully: {e}")
 
     if m.engines is not None:
-        for engine in ("sglang", "vllm"):
-            pin: EnginePin | None = getattr(m.engines, engine)
-            if pin is None:
-                continue
-            if pin.version is not None:
-                try:
-                    SpecifierSet(pin.version)
-                except InvalidSpecifier:
-                    add(("engines", engine, "version"), f"{pin.version!r} is not a PEP 440 version range (e.g. '==0.5.23' or '>=0.5.20,<0.6')")
-            if pin.offset is not None:
-                try:
-                    parse_offset(pin.offset)
-                except OffsetError as e:
-                    add(("engines", engine, "offset"), str(e))
-            if pin.model_file is not None and (pin.model_file.startswith("/") or ".." in Path(pin.model_file).parts):
-                add(("engines", engine, "model_file"), "model_file must be relative to the engine package and stay inside it")
+        _check_pin_syntax(m.engines, add)
     return issues
+
+
+def _check_pin_syntax(engines: Engines, add: Callable[[tuple, str], None]) -> None:
+    """The pins' own well-formedness (a version range, an offset rule, a relative model file), which
+    needs no engine; whether they still hold for the installed engine is wiring.pins' check."""
+    for engine in ("sglang", "vllm"):
+        pin: EnginePin | None = getattr(engines, engine)
+        if pin is None:
+            continue
+        if pin.version is not None:
+            try:
+                SpecifierSet(pin.version)
+            except InvalidSpecifier:
+                add(("engines", engine, "version"),
+                    f"{pin.version!r} is not a PEP 440 version range (e.g. '==0.5.23' or '>=0.5.20,<0.6')")
+        if pin.offset is not None:
+            try:
+                parse_offset(pin.offset)
+            except OffsetError as e:
+                add(("engines", engine, "offset"), str(e))
+        if pin.model_file is not None and (pin.model_file.startswith("/") or ".." in Path(pin.model_file).parts):
+            add(("engines", engine, "model_file"), "model_file must be relative to the engine package and stay inside it")
 
 
 def sweep_spec_text(name: str, architecture: str, num_layers: int, hidden_size: int) -> str:

@@ -15,8 +15,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from surgeon.core.idrules import (Branch, Bypass, ClassConvention, DefaultTerm, EngineProbe, FirstIdEquals, IdRule,
-                                  MaxIdEquals)
+from surgeon.core.idrules import Branch, Bypass, ClassConvention, DefaultTerm, EngineProbe, FirstIdEquals, IdRule, MaxIdEquals
 from surgeon.engines.source import SourceIndex
 
 FORMAT = 1

@@ -11,6 +11,7 @@ import ast
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from surgeon.core.errors import BadInput
 from surgeon.core.idrules import Engine
@@ -71,7 +72,8 @@ def locate_engine(engine: str, root: str | Path | None = None) -> EngineLocation
         package_dir = _find_installed(layout)
     else:
         package_dir = _package_dir_under(Path(root), layout)
-    return EngineLocation(engine=engine, root=package_dir, version=read_version(package_dir, layout))  # type: ignore[arg-type]
+    known = cast(Engine, engine)  # layout_of accepted the name, so it is one of Engine's
+    return EngineLocation(engine=known, root=package_dir, version=read_version(package_dir, layout))
 
 
 def _package_dir_under(root: Path, layout: EngineLayout) -> Path:

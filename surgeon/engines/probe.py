@@ -15,16 +15,17 @@ the content of every model file and on the probe's own code (:mod:`surgeon.engin
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import cast
 
+from surgeon.core.idrules import ClassConvention, Engine, EngineProbe
 from surgeon.engines import cache as _cache
 from surgeon.engines import probe_sglang as _sglang
 from surgeon.engines import probe_vllm as _vllm
 from surgeon.engines.capture import CaptureAnalyzer
 from surgeon.engines.classify import Classifier, Target
 from surgeon.engines.locate import EngineLocation, ProbeError, layout_of, locate_engine
-from surgeon.core.idrules import ClassConvention, EngineProbe
 from surgeon.engines.source import SourceIndex
 
 __all__ = ["probe_engine", "locate_engine", "EngineLocation", "ProbeError", "EngineProbe", "ClassConvention"]
@@ -63,18 +64,19 @@ def probe_engine(engine: str, root: str | Path | None = None, *, progress: Progr
     return probe
 
 
-def _probe(engine: str, location: EngineLocation, index: SourceIndex, progress: Progress | None) -> EngineProbe:
-    mod = _ENGINES[engine]
+def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Progress | None) -> EngineProbe:
+    mod = _ENGINES[name]
+    engine = cast(Engine, name)  # _ENGINES holds exactly the Engine names, and it knew this one
     targets, files = mod.select(index)
     if progress:
         progress(0, len(targets))
-    classifier = Classifier(engine, index, mod.hooks(index), CaptureAnalyzer(index), mod.extra_notes(index))  # type: ignore[arg-type]
+    classifier = Classifier(engine, index, mod.hooks(index), CaptureAnalyzer(index), mod.extra_notes(index))
     interface_problem = _vllm.check_interface(index) if engine == "vllm" else None
     conventions: list[tuple[Target, ClassConvention]] = []
     for i, target in enumerate(targets):
         if interface_problem:
             info = index.class_info(target.key)
-            cc = ClassConvention(engine=engine, path=target.key[0], class_name=target.key[1],  # type: ignore[arg-type]
+            cc = ClassConvention(engine=engine, path=target.key[0], class_name=target.key[1],
                                  line=info.line if info else 0, status="unclassified", reason=interface_problem)
         else:
             cc = classifier.classify(target)
@@ -82,7 +84,7 @@ def _probe(engine: str, location: EngineLocation, index: SourceIndex, progress: 
         if progress:
             progress(i + 1, len(targets))
     exported = mod.exported(index, files)
-    probe = EngineProbe(engine=engine, version=location.version, root=str(location.root),  # type: ignore[arg-type]
+    probe = EngineProbe(engine=engine, version=location.version, root=str(location.root),
                         files_scanned=len(index.model_files))
     keys = _keys(conventions, set(exported.values()))
     for (target, cc), k in zip(conventions, keys):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 from surgeon.core.conventions import EngineConvention, builtin_convention
 from surgeon.core.errors import BadInput
@@ -44,17 +44,22 @@ class EngineView:
         if self.probe is None:
             return builtin_convention(self.engine, model_class)
         if model_class is None:
-            raise BadInput(f"{self.engine}: name the model class (--model-class, engines.{self.engine}.model_class or target.architecture)")
+            raise BadInput(
+                f"{self.engine}: name the model class "
+                f"(--model-class, engines.{self.engine}.model_class or target.architecture)"
+            )
         cc = self.probe.get(model_class)
         if cc is None:
             known = sorted(self.probe.classes)
             hint = difflib.get_close_matches(model_class, known, n=3)
             raise BadInput(
                 f"{self.engine} {self.probe.version} has no model class {model_class!r} with aux hidden-state capture"
-                + (f"; did you mean {', '.join(hint)}?" if hint else f" ({len(known)} classes: see `surgeon conventions --engine {self.engine}`)")
+                + (f"; did you mean {', '.join(hint)}?" if hint
+                   else f" ({len(known)} classes: see `surgeon conventions --engine {self.engine}`)")
             )
         if cc.status != "classified":
-            what = "the source shows it cannot capture aux hidden states" if cc.no_capture else "the probe cannot tell what its ids mean"
+            what = ("the source shows it cannot capture aux hidden states" if cc.no_capture
+                    else "the probe cannot tell what its ids mean")
             raise BadInput(f"{self.engine} {self.probe.version} {model_class} ({cc.path}:{cc.line}): {what}: {cc.reason}")
         return cc
 

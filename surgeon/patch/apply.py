@@ -27,9 +27,9 @@ from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from surgeon.core.errors import BadInput
-from surgeon.patch.manifest import ApplyResult, FileChange, PatchError, PatchManager, RevertResult, PatchStatus
-from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
 from surgeon.core.spec import Spec, load_spec
+from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
+from surgeon.patch.manifest import ApplyResult, FileChange, PatchError, PatchManager, PatchStatus, RevertResult
 
 __all__ = [
     "ApplyOutcome", "PatchPlan", "plan_patch", "apply_spec", "revert_patch", "patch_status",
@@ -140,8 +140,8 @@ def _spec_positions(spec: Spec, mode: str) -> tuple[set[int], bool]:
         p = spec.captures[n]
         if p.kind == "final_norm":
             final = True
-        elif p.kind == "layer_out" or p.kind == "embed":
-            positions.add(p.position)  # type: ignore[arg-type]
+        elif p.position is not None:  # embed or layer_out: the kinds on the residual stream
+            positions.add(p.position)
         else:  # layer_delta: the layer's own output without the residual; the rewriter reads sums
             raise BadInput(f"{spec.file}: capture {n!r} is {p}: a patch captures the residual stream "
                            f"(embed, layer_out[k], final_norm), not a layer's delta")

@@ -218,7 +218,10 @@ def _file_task(args) -> list[ClassCoverage]:
 
         checker = Checker(module, relpath=relpath, class_name=cls, recipe=recipe, source_bytes=source)
 
-        def attempt(positions: set[int], final: bool, guard: bool = False) -> tuple[str | None, bool]:
+        # checker is bound as a default: these closures are called within this iteration only, and the
+        # binding keeps that true if they ever outlive it
+        def attempt(positions: set[int], final: bool, guard: bool = False,
+                    checker: Checker = checker) -> tuple[str | None, bool]:
             """(refusal or None, whether the refusal is a decoder-layer bypass)"""
             try:
                 checker.check(positions, final, guard_bypass=guard)

@@ -257,7 +257,7 @@ class CapturePlanner:
         loops count iterations in COUNTER, from the slice start)."""
         lp = a.loop
         assert lp.call_stmt is not None and lp.index is not None
-        last = lp.node.body.body[-1]  # type: ignore[attr-defined]  # an IndentedBlock (the anatomy checked)
+        last = lp.node.body.body[-1]  # an IndentedBlock (the anatomy checked)
         if lp.counter:
             assert lp.start is not None
             # COUNTER is the index of the layer the iteration runs until its end, then one more

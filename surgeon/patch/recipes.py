@@ -92,16 +92,27 @@ class Recipe(BaseModel):
 
     name: str = Field(min_length=1)
     engine: Literal["sglang", "vllm"] | None = None
-    file: str | None = Field(default=None, description="model file relative to the engine package, e.g. srt/models/llama.py; None: any file")
+    file: str | None = Field(
+        default=None, description="model file relative to the engine package, e.g. srt/models/llama.py; None: any file"
+    )
     class_name: str | None = Field(default=None, description="decoder model class; None: any class")
     method: str = Field(default="forward", description="method holding the decoder-layer loop")
     layers_attr: str = Field(default="layers", description="attribute of self holding the decoder layers")
-    index: str | None = Field(default=None, description="global layer index expression inside the loop; None: the loop variable")
-    residual: str | None = Field(default=None, description="expression of the separately carried residual; 'none': the layer returns the sum; None: auto")
-    num_tokens: str | None = Field(default=None, description="expression for begin_step's token count; None: positions.shape[-1] or input_ids.shape[0]")
+    index: str | None = Field(
+        default=None, description="global layer index expression inside the loop; None: the loop variable"
+    )
+    residual: str | None = Field(
+        default=None,
+        description="expression of the separately carried residual; 'none': the layer returns the sum; None: auto",
+    )
+    num_tokens: str | None = Field(
+        default=None,
+        description="expression for begin_step's token count; None: positions.shape[-1] or input_ids.shape[0]",
+    )
     final_norm: list[str] = Field(
         default_factory=lambda: ["norm", "final_layernorm", "ln_f", "final_norm", "norm_f", "model_norm"],
-        description="attributes of self that are the final norm; the final-norm anchor is the one assignment after the loop that uses one",
+        description="attributes of self that are the final norm; "
+                    "the final-norm anchor is the one assignment after the loop that uses one",
     )
     refuse: str | None = Field(default=None, description="always refuse, with this reason")
     notes: str | None = None

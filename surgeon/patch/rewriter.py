@@ -82,6 +82,8 @@ __all__ = [
     "rewrite",
 ]
 
+# what a Module's body holds: the statements _splice_edit reads back byte for byte
+TopStatement = cst.SimpleStatementLine | cst.BaseCompoundStatement
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -94,7 +96,7 @@ class RewriteResult:
 
 
 class _Insert(cst.CSTTransformer):
-    def __init__(self, before, after, import_after: cst.CSTNode | None, import_stmt: cst.BaseStatement):
+    def __init__(self, before, after, import_after: cst.CSTNode | None, import_stmt: TopStatement):
         self.before, self.after = before, after
         self.import_after, self.import_stmt = import_after, import_stmt
 
@@ -116,7 +118,7 @@ class _Insert(cst.CSTTransformer):
 
 
 
-def _stmt_code(module: cst.Module, stmt: cst.CSTNode) -> bytes:
+def _stmt_code(module: cst.Module, stmt: TopStatement) -> bytes:
     """The bytes a top-level statement occupies in ``module``'s code (its leading lines included)."""
     return cst.Module(body=[stmt], default_indent=module.default_indent,
                       default_newline=module.default_newline).code.encode(module.encoding)
@@ -186,8 +188,8 @@ def _last_import(module: cst.Module) -> cst.SimpleStatementLine | None:
 
 
 def _splice_edit(module: cst.Module, source_bytes: bytes, src_lines: list[int], line: int,
-                 old_node: cst.CSTNode, new_node: cst.CSTNode | None,
-                 import_stmt: cst.BaseStatement) -> tuple[int, int, bytes] | None:
+                 old_node: TopStatement, new_node: TopStatement | None,
+                 import_stmt: TopStatement) -> tuple[int, int, bytes] | None:
     """The byte range of ``old_node`` in ``source_bytes`` (starting at ``line``) and what replaces
     it: its new code (``new_node``), or, for the last import (``new_node`` None), the hooks import
     inserted right after it. None where the node's code is not found there byte for byte."""
@@ -208,7 +210,7 @@ def _splice_edit(module: cst.Module, source_bytes: bytes, src_lines: list[int], 
 
 def _splice(module: cst.Module, source_bytes: bytes, planner: CapturePlanner, cls: cst.ClassDef,
             new_cls: cst.ClassDef, last_import: cst.SimpleStatementLine,
-            import_stmt: cst.BaseStatement) -> bytes | None:
+            import_stmt: TopStatement) -> bytes | None:
     """Splice by lines: the class and the last import without their leading lines (emptied where
     the parse was reduced), and without the class's trailing blank lines (its footer there).
     None where that is not exact."""
@@ -231,7 +233,7 @@ def _splice(module: cst.Module, source_bytes: bytes, planner: CapturePlanner, cl
 
 
 def _regenerate(module: cst.Module, cls: cst.ClassDef, new_cls: cst.ClassDef, last_import: cst.CSTNode,
-                import_stmt: cst.BaseStatement) -> bytes:
+                import_stmt: TopStatement) -> bytes:
     """The whole module's code with the class replaced and the hooks import added."""
     body: list[cst.BaseStatement] = []
     for s in module.body:

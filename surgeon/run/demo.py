@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from surgeon.core.errors import BadInput
+
+if TYPE_CHECKING:  # harness imports torch; the demo imports it only when it runs the check
+    from surgeon.verify.harness import HarnessResult
 
 DEMO_SPEC = Path(__file__).resolve().parents[2] / "specs" / "demo-tiny-llama-eagle3.yaml"
 PROMPT = [1, 41, 293, 90, 28, 114, 105, 75, 272, 178, 39, 287, 15, 56, 302, 45, 136, 34, 29, 103, 76,
@@ -45,8 +49,8 @@ class DemoResult:
     heatmap_right: Path
     engine_root: Path
     model_file: str
-    right: object = None  # HarnessResult of the spec's wiring
-    wrong: object = None  # HarnessResult of the mis-wired labels
+    right: HarnessResult | None = None  # the spec's wiring
+    wrong: HarnessResult | None = None  # the mis-wired labels
     reverted_identical: bool = False
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -63,6 +67,11 @@ class DemoResult:
             "wrong": self.wrong.to_json() if self.wrong is not None else None,
             "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
         }
+
+
+def _reverted_byte_identical(model_file: Path, original_sha: str, hooks_file: Path) -> bool:
+    """Whether the revert restored the model file byte for byte and removed the hooks module it added."""
+    return hashlib.sha256(model_file.read_bytes()).hexdigest() == original_sha and not hooks_file.exists()
 
 
 def _wrong_spec_text(text: str) -> str:
@@ -82,12 +91,12 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     title of each step as it starts, ``note`` with one-line details."""
     import torch
 
-    from surgeon.verify.harness import match, plot_heatmap
-    from surgeon.patch.apply import apply_spec, manager_for, revert_patch
-    from surgeon.verify.reference import capture_reference, save_reference
     from surgeon.core.spec import load_spec
+    from surgeon.patch.apply import apply_spec, manager_for, revert_patch
     from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
     from surgeon.run.vllm_runner import run_vllm
+    from surgeon.verify.harness import match, plot_heatmap
+    from surgeon.verify.reference import capture_reference, save_reference
 
     work = Path(workdir)
     if work.exists() and any(work.iterdir()):
@@ -142,7 +151,7 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
         t0 = time.perf_counter()
         revert_patch(plan.name, engine="vllm", engine_root=engine_root)
         t["revert"] = time.perf_counter() - t0
-    identical = hashlib.sha256(model_file.read_bytes()).hexdigest() == original_sha and not (manager.root / plan.hooks_file).exists()
+    identical = _reverted_byte_identical(model_file, original_sha, manager.root / plan.hooks_file)
     note(f"{plan.model_file} is byte-identical to before: {identical}")
     dump = run.dumps[0]
 

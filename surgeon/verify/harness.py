@@ -9,20 +9,19 @@ file (:mod:`surgeon.verify.fingerprint`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from surgeon.capture.tensorfiles import safetensors_kind
 from surgeon.core.conventions import EAGLE, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.verify.subjects import Subject, align, read_subject
-from surgeon.capture.tensorfiles import safetensors_kind
-
-
 
 
 def parse_input_ids(text: str | None) -> torch.Tensor | None:

@@ -23,7 +23,8 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "surgeon_wiring(spec, subject=..., reference=..., slots=(), input_ids=None): verify a dump against a spec's declared wiring",
+        "surgeon_wiring(spec, subject=..., reference=..., slots=(), input_ids=None): "
+        "verify a dump against a spec's declared wiring",
     )
 
 
@@ -49,14 +50,14 @@ def surgeon_verify(request: pytest.FixtureRequest):
     returns the harness result when every slot is what the spec declares and fails the test with
     each wrong slot's true point otherwise. Without arguments it takes them from the test's
     ``surgeon_wiring`` marker. Relative paths resolve against the test file's folder."""
-    from surgeon.verify.harness import match
     from surgeon.core.spec import load_spec
+    from surgeon.verify.harness import match
 
     base = Path(str(request.node.fspath)).parent
     marker = request.node.get_closest_marker("surgeon_wiring")
 
-    def resolve(p: str | None) -> str | None:
-        if p is None or p.startswith("hf:") and Path(p[3:]).is_absolute():
+    def resolve(p: str) -> str:
+        if p.startswith("hf:") and Path(p[3:]).is_absolute():
             return p
         if p.startswith("hf:"):
             return "hf:" + str(base / p[3:])
@@ -74,7 +75,8 @@ def surgeon_verify(request: pytest.FixtureRequest):
             input_ids = input_ids or marker.kwargs.get("input_ids")
         if subject is None or reference is None:
             raise pytest.UsageError("surgeon_verify needs subject= and reference=")
-        result = match(resolve(subject), resolve(reference), spec=load_spec(resolve(spec)), slots=slots, input_ids=input_ids)
+        result = match(resolve(subject), resolve(reference), spec=load_spec(resolve(spec)), slots=slots,
+                       input_ids=input_ids)
         if not result.ok:
             raise WiringError(_format(result))
         return result

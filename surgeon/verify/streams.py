@@ -6,7 +6,7 @@ Shared by identification and streaming fingerprinting (both many short memory-bo
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

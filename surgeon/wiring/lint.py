@@ -3,15 +3,15 @@ exactly what it declares (expressible, in an order the engine keeps), per the in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from surgeon.core.conventions import NotExpressible
-from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
 from surgeon.core.errors import BadInput
-from surgeon.wiring.pins import check_pins
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
+from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
+from surgeon.wiring.pins import check_pins
 
 
 @dataclass
@@ -82,7 +82,9 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
     return result
 
 
-def lint_files(paths: Sequence[str | Path], *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None) -> list[LintResult]:
+def lint_files(
+    paths: Sequence[str | Path], *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None
+) -> list[LintResult]:
     out = []
     for path in paths:
         try:

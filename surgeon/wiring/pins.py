@@ -17,9 +17,10 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from surgeon.core.conventions import EngineConvention, OffsetError, builtin_convention, parse_offset
-from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Issue, Spec, load_spec
+from surgeon.engines.view import EngineView, model_class_for, open_engine
+
 
 def _slot_diffs(spec: Spec, captured: list) -> list[str]:
     out = []
@@ -58,14 +59,19 @@ def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple
         captured = conv.decode(pin.ids, spec.num_layers)
         diffs = _slot_diffs(spec, captured)
         if diffs:
-            issues.append(spec.issue(base + ("ids",), f"pinned ids {pin.ids} with offset '{pin.offset}' do not capture the spec's fc input: " + "; ".join(diffs)))
+            issues.append(spec.issue(
+                base + ("ids",),
+                f"pinned ids {pin.ids} with offset '{pin.offset}' do not capture the spec's fc input: " + "; ".join(diffs),
+            ))
         else:
             checked.append(f"{engine}: pinned ids {pin.ids} with offset '{pin.offset}' capture the spec's fc input")
 
     # 2. against the installed engine
     view = view or open_engine(engine)
     if view.probe is None:
-        checked.append(f"{engine}: engine check did not run: {engine} is not installed (pass --engine-root to check against a copy)")
+        checked.append(
+            f"{engine}: engine check did not run: {engine} is not installed (pass --engine-root to check against a copy)"
+        )
         return issues, checked
     version = view.probe.version
     where = f"{engine} {version}"
@@ -75,7 +81,11 @@ def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple
         except InvalidVersion:
             inside = False
         if not inside:
-            issues.append(spec.issue(base + ("version",), f"installed {where} is outside the pinned range '{pin.version}': check the convention again and re-pin (surgeon render --engine {engine} --pin)"))
+            issues.append(spec.issue(
+                base + ("version",),
+                f"installed {where} is outside the pinned range '{pin.version}': "
+                f"check the convention again and re-pin (surgeon render --engine {engine} --pin)",
+            ))
             return issues, checked
     try:
         cc = view.class_convention(cls)
@@ -86,13 +96,20 @@ def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple
         issues.append(spec.issue(base + ("model_file",), f"{where}: {cls} is defined in {cc.path}, not {pin.model_file}"))
     actual = cc.id_rule.name if cc.id_rule else "?"
     if pinned_rule is not None and pinned_rule.name != actual:
-        issues.append(spec.issue(base + ("offset",), f"{where} {cls} ({cc.setter_owner}) turns ids into capture indices by '{actual}', the pin says '{pinned_rule.name}'"))
+        issues.append(spec.issue(
+            base + ("offset",),
+            f"{where} {cls} ({cc.setter_owner}) turns ids into capture indices by '{actual}', "
+            f"the pin says '{pinned_rule.name}'",
+        ))
     if pin.ids is not None and spec.model.draft is not None:
         conv = EngineConvention(cc, view.origin)
         captured = conv.decode(pin.ids, spec.num_layers)
         diffs = _slot_diffs(spec, captured)
         if diffs:
-            issues.append(spec.issue(base + ("ids",), f"{where} {cls}: pinned ids {pin.ids} no longer capture the spec's fc input: " + "; ".join(diffs)))
+            issues.append(spec.issue(
+                base + ("ids",),
+                f"{where} {cls}: pinned ids {pin.ids} no longer capture the spec's fc input: " + "; ".join(diffs),
+            ))
         else:
             checked.append(f"{engine}: pinned ids {pin.ids} capture the spec's fc input on {where} {cls} (offset '{actual}')")
     return issues, checked
@@ -108,8 +125,9 @@ def pin_values(spec: Spec, engine: str, *, engine_root=None, model_class: str | 
     cls = model_class_for(spec, engine, model_class)
     cc = view.class_convention(cls)
     lst = fc_ids(spec, engine, engine_root=engine_root, model_class=model_class, view=view)
-    if not lst.ok:
+    if lst.ids is None:
         raise BadInput(f"{spec.file}: cannot pin {engine}: {lst.error}")
+    assert cc.id_rule is not None  # fc_ids just encoded through this class's rule
     return {"version": f"=={view.probe.version}", "model_file": cc.path, "model_class": cls,
             "ids": list(lst.ids), "offset": cc.id_rule.name}
 

@@ -7,14 +7,14 @@ captures exactly the spec's points, in fc order, or rendering refuses with the r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 from surgeon.core.conventions import DUMP_LAYOUTS, EAGLE, HF, EngineConvention, NotExpressible
-from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
+from surgeon.engines.view import EngineView, model_class_for, open_engine
 
 RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 
@@ -43,7 +43,9 @@ def _engine_ids(conv: EngineConvention, points: Sequence[Point], num_layers: int
     return IdList(conv.name, conv.origin, ids, None, [str(p) for p in replay])
 
 
-def fc_ids(spec: Spec, target: str, *, engine_root=None, model_class: str | None = None, view: EngineView | None = None) -> IdList:
+def fc_ids(
+    spec: Spec, target: str, *, engine_root=None, model_class: str | None = None, view: EngineView | None = None
+) -> IdList:
     """The ids ``target`` needs so that the draft's fc receives the spec's ``fc_input`` points."""
     points, L = spec.fc_points, spec.num_layers
     if target in ("sglang", "vllm"):
@@ -104,7 +106,9 @@ def _single(fn, point: Point, num_layers: int) -> int | str:
         return f"not expressible: {e.reason}"
 
 
-def explain(spec: Spec, *, roots: dict[str, str | None] | None = None, model_classes: dict[str, str] | None = None) -> Explanation:
+def explain(
+    spec: Spec, *, roots: dict[str, str | None] | None = None, model_classes: dict[str, str] | None = None
+) -> Explanation:
     roots, model_classes = roots or {}, model_classes or {}
     L = spec.num_layers
     fc_names = spec.fc_names
@@ -131,7 +135,7 @@ def explain(spec: Spec, *, roots: dict[str, str | None] | None = None, model_cla
         if lst is None:
             continue
         fc_lists[engine] = lst
-        if lst.ok:
+        if lst.ids is not None:  # lst.ok, spelled so that the type narrows
             for name, p in zip(fc_names, spec.fc_points):
                 per_fc.setdefault(name, {})[engine] = _id_for(conv, lst.ids, p, L)
         else:
@@ -155,7 +159,8 @@ def explain(spec: Spec, *, roots: dict[str, str | None] | None = None, model_cla
             else:
                 ids[engine] = _single(lambda p, n, c=conv: c.encode([p], n)[0], point, L)
         ids["eagle"] = _single(EAGLE.to_id, point, L)
-        rows.append(CaptureRow(name, str(point), fc_names.index(name) if name in fc_names else None, dump_labels.get(name), ids))
+        fc_slot = fc_names.index(name) if name in fc_names else None
+        rows.append(CaptureRow(name, str(point), fc_slot, dump_labels.get(name), ids))
     return Explanation(spec.name, spec.file, spec.sha256, L, spec.hidden_size, conventions, rows, fc_lists, notes)
 
 
@@ -163,6 +168,7 @@ def _id_for(conv: EngineConvention, ids: list[int], point: Point, num_layers: in
     """Which id of a verified list yields ``point``: replay the list with each id's capture
     index (the rule applies to the whole list, so the index is the id plus the branch's offset)."""
     indices = conv.cc.capture_indices(ids, num_layers)
+    assert point.position is not None  # an fc point is on the residual stream (the spec check refuses others)
     return ids[indices.index(point.position)]
 
 
@@ -196,7 +202,9 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         raise BadInput(f"{spec.file}: the spec has no draft section, so there is no fc input to render")
     kind = spec.model.draft.kind
     if kind == "mtp":
-        raise BadInput(f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render")
+        raise BadInput(
+            f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render"
+        )
     if kind == "dflash" and target != "vllm":
         raise BadInput(f"{spec.file}: DFlash drafts are rendered for vLLM only (dflash_config.target_layer_ids); "
                        f"{target}'s DFlash path is not modelled yet, and its EAGLE-3 ids would not be read")
@@ -206,7 +214,8 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     view = open_engine(engine, engine_root) if engine else None
     cls = model_class_for(spec, engine, model_class) if engine else None
     lst = fc_ids(spec, target, engine_root=engine_root, model_class=model_class, view=view)
-    if not lst.ok:
+    ids = lst.ids
+    if ids is None:
         raise BadInput(f"{spec.file}: cannot render for {target}: {lst.error}")
     notes: list[str] = []
     if view is not None:
@@ -214,13 +223,14 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         for b in cc.bypasses:
             notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
         if view.probe is None:
-            notes.append(f"{engine} is not installed here: ids follow the built-in table; install it or pass --engine-root to render against its source")
+            notes.append(f"{engine} is not installed here: ids follow the built-in table; "
+                         "install it or pass --engine-root to render against its source")
     captures = [
         {"fc_slot": i, "name": n, "point": str(p), "captured": lst.captures[i]}
         for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))
     ]
-    ids = lst.ids
     dump = None
+    draft_config: dict[str, object]  # the fragment each target's draft config reads
     if target == "sglang":
         draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         flags = ["--speculative-algorithm EAGLE3", "--speculative-draft-model-path <DRAFT>"]
@@ -228,11 +238,11 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     elif kind == "dflash":  # vLLM adds 1 to DFlash's output-of-layer ids when it reads them
         draft_config = {"dflash_config": {"target_layer_ids": [i - 1 for i in ids]}}
         flags = ["--speculative-config", '{"method": "dflash", "model": "<DRAFT>", "num_speculative_tokens": 3}']
-        notes.append("vLLM reads dflash_config.target_layer_ids + 1 only when the draft config has no eagle_aux_hidden_state_layer_ids and no eagle_config")
+        notes.append("vLLM reads dflash_config.target_layer_ids + 1 only when the draft config has "
+                     "no eagle_aux_hidden_state_layer_ids and no eagle_config")
     elif target == "vllm" or target == "speculators":
         draft_config = {"eagle_aux_hidden_state_layer_ids": ids}
-        method = "eagle3"
-        flags = ["--speculative-config", '{"method": "%s", "model": "<DRAFT>", "num_speculative_tokens": 3}' % method]
+        flags = ["--speculative-config", '{"method": "eagle3", "model": "<DRAFT>", "num_speculative_tokens": 3}']
         notes.append("vLLM sorts and de-duplicates the ids; they are written ascending, in fc order")
         if target == "speculators":
             last = f"layer_out[{spec.num_layers - 1}]"

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 import surgeon.capture.dumps as dumps
 from surgeon.capture.dumps import read_dump
 from surgeon.capture.dumpwriter import DumpWriter, list_shards
-from surgeon.core.errors import BadInput
 from surgeon.capture.exporters import export_specforge, export_speculators
+from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, layer_out
 from surgeon.core.spec import load_spec
 from surgeon.verify.subjects import read_subject
@@ -201,7 +201,8 @@ def test_specforge_refuses_out_of_layer_order(tmp_path):
 def test_speculators_refuses_without_pre_norm_last_layer(tmp_path):
     spec = make_spec(tmp_path)
     out, _ = write_steps(tmp_path, spec, [step(spec, 3, 0, names=["a", "b", "c", "post"])])  # final_norm only
-    one_line_refusal(lambda: export_speculators(out, tmp_path / "sp", spec=spec), f"layer_out[{L - 1}]", "final_norm is not a substitute")
+    one_line_refusal(lambda: export_speculators(out, tmp_path / "sp", spec=spec),
+                     f"layer_out[{L - 1}]", "final_norm is not a substitute")
 
 
 def test_speculators_refuses_missing_fc_capture(tmp_path):
@@ -239,10 +240,12 @@ def test_exporters_refuse_spec_of_another_model_and_empty_dir(tmp_path):
 def test_submit_refuses_captures_the_spec_does_not_declare(tmp_path):
     spec = make_spec(tmp_path)
     with DumpWriter(tmp_path / "d", spec=spec) as w:
-        one_line_refusal(lambda: w.submit([("a", layer_out(1), torch.zeros(2, H))], torch.zeros(2, dtype=torch.long)), "'a'", "layer_out[0]")
+        one_line_refusal(lambda: w.submit([("a", layer_out(1), torch.zeros(2, H))], torch.zeros(2, dtype=torch.long)),
+                         "'a'", "layer_out[0]")
         one_line_refusal(lambda: w.submit([("zz", EMBED, torch.zeros(2, H))], torch.zeros(2, dtype=torch.long)), "'zz'")
         one_line_refusal(lambda: w.submit([("e", EMBED, torch.zeros(3, H))], torch.zeros(2, dtype=torch.long)), "[2, 8]")
-        one_line_refusal(lambda: w.submit([("post", FINAL_NORM, torch.zeros(2, H + 1))], torch.zeros(2, dtype=torch.long)), "[2, 8]")
+        one_line_refusal(lambda: w.submit([("post", FINAL_NORM, torch.zeros(2, H + 1))], torch.zeros(2, dtype=torch.long)),
+                         "[2, 8]")
     assert list_shards(tmp_path / "d") == []
 
 

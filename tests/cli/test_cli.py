@@ -131,13 +131,15 @@ def make_draft(tmp_path, config, fc_shape=(64, 192)):
     d = tmp_path / "draft"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(config))
-    save_file({"fc.weight": torch.zeros(fc_shape), "midlayer.input_layernorm.weight": torch.zeros(64)}, str(d / "model.safetensors"))
+    save_file({"fc.weight": torch.zeros(fc_shape), "midlayer.input_layernorm.weight": torch.zeros(64)},
+              str(d / "model.safetensors"))
     return d
 
 
 def test_check_draft_ok(tmp_path):
     f = tiny_spec(tmp_path)
-    d = make_draft(tmp_path, {"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}})
+    d = make_draft(tmp_path, {"eagle_aux_hidden_state_layer_ids": [2, 4, 6],
+                              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}})
     assert run_json("check-draft", f, d, "--engine", "vllm")["ok"] is True
     assert run_json("check-draft", f, d, "--engine", "sglang")["ok"] is True
 
@@ -265,7 +267,10 @@ def test_real_process_exit_codes(tmp_path):
     bad.write_text("spec: 1\nname: x\ntarget: {architecture: A, num_layers: 4, hidden_size: 8}\ncaptures:\n  a: layer_out[-1]\n")
     p = subprocess.run([sys.executable, "-m", "surgeon", "lint", str(bad)], capture_output=True, text=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip() == f"{bad}:5:16: captures.a: negative layer index in 'layer_out[-1]': -1 means the embedding in SGLang ids but the last layer in Python; write 'embed' or 'layer_out[3]'"
+    assert p.stderr.strip() == (
+        f"{bad}:5:16: captures.a: negative layer index in 'layer_out[-1]': -1 means the embedding in SGLang ids "
+        "but the last layer in Python; write 'embed' or 'layer_out[3]'"
+    )
     p = subprocess.run([sys.executable, "-m", "surgeon", "schema"], capture_output=True, text=True)
     assert p.returncode == 0 and json.loads(p.stdout)["title"] == "surgeon spec v1"
 

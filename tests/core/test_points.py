@@ -1,7 +1,8 @@
 """Points: the spec's vocabulary. Property tests for the parser and its refusals."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from surgeon.core.points import EMBED, FINAL_NORM, Point, PointError, all_points, layer_out, parse_point
 

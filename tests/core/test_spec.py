@@ -5,7 +5,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from surgeon.core.points import FINAL_NORM, layer_out
 from surgeon.core.spec import SpecError, json_schema, load_spec
@@ -127,7 +128,8 @@ def test_duplicate_points(tmp_path):
 
 @pytest.mark.parametrize("name", ["2low", "low-1", "class", "'lo w'"])
 def test_non_identifier_names(tmp_path, name):
-    bad(tmp_path, GOOD.replace("  low: layer_out[2]", f"  {name}: layer_out[2]").replace("[low, mid", "[mid"), 5, 3, "not an identifier")
+    text = GOOD.replace("  low: layer_out[2]", f"  {name}: layer_out[2]").replace("[low, mid", "[mid")
+    bad(tmp_path, text, 5, 3, "not an identifier")
 
 
 def test_fc_width(tmp_path):
@@ -147,7 +149,8 @@ def test_fc_input_final_norm(tmp_path):
 
 
 def test_anchors_and_aliases_are_refused(tmp_path):
-    bad(tmp_path, GOOD.replace("low: layer_out[2]", "low: &a layer_out[2]").replace("mid: layer_out[30]", "mid: *a"), 5, 8, "anchors")
+    text = GOOD.replace("low: layer_out[2]", "low: &a layer_out[2]").replace("mid: layer_out[30]", "mid: *a")
+    bad(tmp_path, text, 5, 8, "anchors")
 
 
 def test_speculators_dump_needs_pre_norm_last_slot(tmp_path):
@@ -229,6 +232,7 @@ def test_any_text_loads_or_is_a_located_spec_error(text):
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=12))
 def test_any_yaml_document_loads_or_is_a_spec_error(doc):
     import tempfile
+
     import yaml
 
     with tempfile.TemporaryDirectory() as d:
@@ -254,7 +258,8 @@ def test_spec_version_must_be_the_integer_1(tmp_path, value):
 
 def test_names_cannot_end_in_a_newline(tmp_path):
     bad(tmp_path, GOOD.replace("name: kimi-k2.5-eagle3", 'name: "kimi\\n"'), 2, 7, "spec name")
-    bad(tmp_path, GOOD.replace("  low: layer_out[2]", '  "low\\n": layer_out[2]').replace("[low, mid", "[mid"), 5, 3, "not an identifier")
+    text = GOOD.replace("  low: layer_out[2]", '  "low\\n": layer_out[2]').replace("[low, mid", "[mid")
+    bad(tmp_path, text, 5, 3, "not an identifier")
 
 
 def test_unicode_digits_are_not_layer_indices(tmp_path):
@@ -262,7 +267,8 @@ def test_unicode_digits_are_not_layer_indices(tmp_path):
 
 
 def test_non_string_capture_keys_are_located_at_the_key(tmp_path):
-    bad(tmp_path, GOOD.replace("  low: layer_out[2]", "  12: layer_out[2]").replace("[low, mid", "[mid"), 5, 3, "key must be a string")
+    text = GOOD.replace("  low: layer_out[2]", "  12: layer_out[2]").replace("[low, mid", "[mid")
+    bad(tmp_path, text, 5, 3, "key must be a string")
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev"])

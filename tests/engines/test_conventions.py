@@ -7,10 +7,18 @@ probes of the real installed sources.
 """
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from surgeon.core.conventions import (
-    BUILTIN, DUMP_LAYOUTS, EAGLE, HF, EngineConvention, InvalidId, NotExpressible, builtin_convention,
+    BUILTIN,
+    DUMP_LAYOUTS,
+    EAGLE,
+    HF,
+    EngineConvention,
+    InvalidId,
+    NotExpressible,
+    builtin_convention,
 )
 from surgeon.core.points import EMBED, FINAL_NORM, Point, layer_out
 

@@ -248,15 +248,16 @@ def _spec_text(name: str, embed: bool, final: bool) -> str:
     if final:
         caps["fin"] = "final_norm"
     body = ", ".join(f"{k}: '{v}'" for k, v in caps.items())
-    return f"spec: 1\nname: {name}\ntarget: {{architecture: AnyForCausalLM, num_layers: 4, hidden_size: 64}}\ncaptures: {{{body}}}\n"
+    return (f"spec: 1\nname: {name}\ntarget: {{architecture: AnyForCausalLM, num_layers: 4, hidden_size: 64}}\n"
+            f"captures: {{{body}}}\n")
 
 
 def _round_trip_classes(args):
     """apply -> compile -> status -> revert -> byte-identical, through the patch manager, for each
     class of one engine (run in a worker process on its own engine copy)."""
     engine, classes, root = args
-    from surgeon.patch.apply import apply_spec, patch_status, revert_patch
     from surgeon.core.spec import load_spec
+    from surgeon.patch.apply import apply_spec, patch_status, revert_patch
 
     root = Path(root)
     before = tree_digest(root)
@@ -275,7 +276,8 @@ def _round_trip_classes(args):
             assert tree_digest(root) == before, "not byte-identical after revert"
         except Exception as e:  # collect, so one run names every failing class
             failures.append(f"{engine} {path}:{cls}: {type(e).__name__}: {e}")
-            revert_patch(engine=engine, engine_root=root, all=True, force=True) if patch_status(engine=engine, engine_root=root) else None
+            if patch_status(engine=engine, engine_root=root):
+                revert_patch(engine=engine, engine_root=root, all=True, force=True)
     return len(classes), failures
 
 

@@ -25,7 +25,6 @@ from surgeon.patch.coverage import (
 )
 from surgeon.patch.rewriter import GENERIC, find_recipe, load_recipes, parse, rewrite
 
-
 pytestmark = pytest.mark.engine  # the real installed engines; missing ones fail, never skip
 FLOOR = 0.90  # issue 3: at least 90% of the decoder-layer-loop classes patchable in each engine
 

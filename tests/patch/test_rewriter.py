@@ -12,7 +12,12 @@ import pytest
 
 from surgeon.engines.locate import locate_engine
 from surgeon.patch.rewriter import (
-    GENERIC, PatchApplicationError, Recipe, find_recipe, load_recipes, rewrite,
+    GENERIC,
+    PatchApplicationError,
+    Recipe,
+    find_recipe,
+    load_recipes,
+    rewrite,
 )
 
 # The engines' sources as installed (read, never imported), found as every command finds them; a
@@ -262,8 +267,9 @@ def test_snippet_vllm_enumerate_islice_without_start_offsets_the_index():
             hidden_states = layer(positions, hidden_states)
         """
     res = rewrite(_wrap(loop).encode(), relpath="granite.py", class_name="M", positions={3}, capture_final=False)
-    assert (f"            hidden_states = layer(positions, hidden_states)\n"
-            f"            {H}.capture_position(self, self.start_layer + idx + 1, hidden_states, None)\n") in res.new_bytes.decode()
+    want = (f"            hidden_states = layer(positions, hidden_states)\n"
+            f"            {H}.capture_position(self, self.start_layer + idx + 1, hidden_states, None)\n")
+    assert want in res.new_bytes.decode()
 
 
 def test_snippet_vllm_islice_of_enumerate():
@@ -790,7 +796,8 @@ X = 1
 
 @pytest.mark.parametrize("variant", ["lf", "crlf", "cookie", "tabs-first"])
 def test_reduced_parse_gives_the_whole_file_bytes(variant):
-    from surgeon.patch.rewriter import GENERIC as G, _rewrite, parse
+    from surgeon.patch.rewriter import GENERIC as G
+    from surgeon.patch.rewriter import _rewrite, parse
 
     src = _TRICKY
     if variant == "cookie":

@@ -45,12 +45,12 @@ def test_relabelling_a_self_describing_dump_is_said_in_the_notes(tmp_path: Path)
     spec's labels (that is its job) and says they replace the dump's own."""
     import torch
 
-    from surgeon.run.demo import DEMO_SPEC, _wrong_spec_text
     from surgeon.capture.dumps import write_dump
+    from surgeon.core.spec import load_spec
+    from surgeon.run.demo import DEMO_SPEC, _wrong_spec_text
+    from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
     from surgeon.verify.harness import match
     from surgeon.verify.reference import capture_reference, save_reference
-    from surgeon.core.spec import load_spec
-    from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
 
     right = load_spec(DEMO_SPEC)
     model = make_tiny_model("llama", tmp_path / "m", num_layers=8, hidden_size=128, residual_scale=GAP_SCALES["llama"])

@@ -4,6 +4,7 @@ on a real (tiny, random) HF DeepSeek-V3-style model."""
 
 import json
 import textwrap
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -11,9 +12,9 @@ from safetensors.torch import save_file
 
 from surgeon.cli import main
 from surgeon.core.points import EMBED, FINAL_NORM, layer_out
+from surgeon.run.tinymodels import make_tiny_model
 from surgeon.verify.reference import capture_reference, save_reference
 from surgeon.verify.subjects import read_subject
-from surgeon.run.tinymodels import make_tiny_model
 
 IDS = list(range(3, 35))
 
@@ -182,7 +183,9 @@ def test_dump_round_trip_info_and_match(tmp_path, kimi):
     f = write_dump(tmp_path / "d.safetensors", caps, input_ids=ref.input_ids, num_layers=61, spec=spec,
                    engine="hf", engine_version="5", model="tiny")
     d = read_dump(f)
-    assert [(n, str(p)) for n, p, _ in d.captures] == [("a", "layer_out[2]"), ("b", "layer_out[30]"), ("c", "layer_out[58]"), ("d", "final_norm")]
+    assert [(n, str(p)) for n, p, _ in d.captures] == [
+        ("a", "layer_out[2]"), ("b", "layer_out[30]"), ("c", "layer_out[58]"), ("d", "final_norm")
+    ]
     assert all(torch.equal(t, c[2]) for (_, _, t), c in zip(d.captures, caps))
     assert d.meta["spec.sha256"] == spec.sha256 and d.meta["tokens"] == str(len(IDS))
     info = json.loads(run("dump-info", f, "--json").stdout)
@@ -197,7 +200,8 @@ def test_a_sweep_dump_is_a_reference(tmp_path, kimi):
 
     _, ref, _ = kimi
     sweep = tmp_path / "sweep.yaml"
-    run("sweep-spec", "--name", "kimi-sweep", "--architecture", "DeepseekV3ForCausalLM", "--num-layers", 61, "--hidden-size", 64, "-o", sweep)
+    run("sweep-spec", "--name", "kimi-sweep", "--architecture", "DeepseekV3ForCausalLM", "--num-layers", 61,
+        "--hidden-size", 64, "-o", sweep)
     run("sweep-spec", "--name", "kimi-sweep", "--architecture", "X", "--num-layers", 61, "--hidden-size", 64, "-o", sweep, code=2)
     s = load_spec(sweep)
     assert len(s.captures) == 63

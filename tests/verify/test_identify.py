@@ -10,13 +10,19 @@ import pytest
 import torch
 
 from surgeon.core.errors import BadInput
+from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
+from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
 from surgeon.verify.fingerprint import (
-    Fingerprint, effective_dim, fingerprint, fingerprint_file, load_fingerprint, projection_matrix, save_fingerprint,
+    Fingerprint,
+    effective_dim,
+    fingerprint,
+    fingerprint_file,
+    load_fingerprint,
+    projection_matrix,
+    save_fingerprint,
 )
 from surgeon.verify.identify import MAX_REL_ERR, MIN_MARGIN, identify
-from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
 from surgeon.verify.reference import capture_reference, save_reference
-from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
 
 L = 6
 IDS = list(range(3, 35))

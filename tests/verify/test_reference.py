@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from surgeon.core.errors import BadInput  # noqa: E402
 from surgeon.core.points import EMBED, FINAL_NORM, Point, layer_out  # noqa: E402
+from surgeon.run.tinymodels import FAMILIES, GAP_SCALES, make_tiny_model  # noqa: E402
 from surgeon.verify.reference import (  # noqa: E402
     Reference,
     adjacent_layer_gap,
@@ -28,7 +29,6 @@ from surgeon.verify.reference import (  # noqa: E402
     save_reference,
     sweep_points,
 )
-from surgeon.run.tinymodels import FAMILIES, GAP_SCALES, make_tiny_model  # noqa: E402
 
 IDS = [5, 17, 42, 99, 3, 250, 7, 128, 64, 11, 200, 31]
 L = 4
@@ -110,7 +110,8 @@ def test_deepseek_v3_at_kimi_depth_with_realistic_gaps(tmp_path):
     model = make_tiny_model("deepseek_v3", tmp_path / "dsv3", num_layers=61, residual_scale=GAP_SCALES["deepseek_v3"])
     config = json.loads((model / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["num_hidden_layers"] == 61
-    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"]) == (512, 64, 128, 128)
+    dims = (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"])
+    assert dims == (512, 64, 128, 128)
     assert (config["topk_method"], config["scoring_func"], config["first_k_dense_replace"]) == ("noaux_tc", "sigmoid", 1)
     ref = capture_reference(model, IDS)
     assert ref.num_layers == 61

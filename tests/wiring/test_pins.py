@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from surgeon.cli import main
+from surgeon.core.conventions import parse_offset
+from surgeon.core.spec import SpecError, load_spec
 from surgeon.engines.view import open_engine
 from surgeon.wiring.lint import lint_files
-from surgeon.core.conventions import parse_offset
 from surgeon.wiring.pins import check_pins, pin_values, write_pins
-from surgeon.core.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = sorted((ROOT / "specs").glob("*.yaml"))
@@ -33,7 +33,8 @@ def cli(*args, code=None):
     return res
 
 
-@pytest.mark.parametrize("offset", ["+1", "+0", "-2", "+1 if ids[0] == 1 else +0", "+0 if max(ids) == L else +1", "+1 if max(ids) == L//2-1 else +0"])
+@pytest.mark.parametrize("offset", ["+1", "+0", "-2", "+1 if ids[0] == 1 else +0", "+0 if max(ids) == L else +1",
+                                    "+1 if max(ids) == L//2-1 else +0"])
 def test_offset_names_round_trip(offset):
     assert parse_offset(offset).name == offset
 
@@ -80,8 +81,8 @@ def test_render_pin_keeps_comments_and_order(tmp_path):
 
 def test_inconsistent_pins_fail_without_any_engine(tmp_path):
     f = tmp_path / "s.yaml"
-    f.write_text((ROOT / "specs/kimi-k2.5-eagle3.yaml").read_text().replace("ids: [3, 31, 59], offset: '+1 if ids[0] == 1 else +0'",
-                                                                            "ids: [2, 30, 58], offset: '+1 if ids[0] == 1 else +0'", 1))
+    f.write_text((ROOT / "specs/kimi-k2.5-eagle3.yaml").read_text().replace(
+        "ids: [3, 31, 59], offset: '+1 if ids[0] == 1 else +0'", "ids: [2, 30, 58], offset: '+1 if ids[0] == 1 else +0'", 1))
     s = load_spec(f)
     issues, _ = check_pins(s, "sglang", open_engine("sglang"))
     assert issues and "'low' (fc slot 0, layer_out[2]) would be layer_out[1]" in str(issues[0])
@@ -131,7 +132,7 @@ def test_write_pins_refuses_to_write_a_broken_spec(tmp_path):
     f = tmp_path / "s.yaml"
     text = (ROOT / "specs/llama-3.1-8b-eagle3.yaml").read_text()
     f.write_text(text)
-    with pytest.raises(Exception):
+    with pytest.raises(SpecError, match="not a PEP 440 version range"):
         write_pins(f, "sglang", {"version": "not a range!"})
     assert f.read_text() == text
 
@@ -139,7 +140,8 @@ def test_write_pins_refuses_to_write_a_broken_spec(tmp_path):
 def test_review_shows_pin_changes_as_their_own_section(tmp_path):
     old = tmp_path / "old.yaml"
     new = ROOT / "specs/kimi-k2.5-eagle3.yaml"
-    old.write_text(new.read_text().replace("ids: [3, 31, 59], offset: '+1 if ids[0] == 1 else +0'", "ids: [2, 30, 58], offset: '+1'"))
+    old.write_text(new.read_text().replace("ids: [3, 31, 59], offset: '+1 if ids[0] == 1 else +0'",
+                                           "ids: [2, 30, 58], offset: '+1'"))
     md = cli("review", old, new, code=0).output
     section = md.split("#### Engine pins")[1]
     assert "| sglang | `ids` | `[2, 30, 58]` | `[3, 31, 59]` |" in section
@@ -149,6 +151,7 @@ def test_review_shows_pin_changes_as_their_own_section(tmp_path):
 
 def test_an_offset_dividing_by_zero_is_bad_input(tmp_path):
     f = tmp_path / "s.yaml"
-    f.write_text((ROOT / "specs/llama-3.1-8b-eagle3.yaml").read_text().replace("offset: '+1'", "offset: '+1 if max(ids) == L//0 else +0'", 1))
+    f.write_text((ROOT / "specs/llama-3.1-8b-eagle3.yaml").read_text().replace(
+        "offset: '+1'", "offset: '+1 if max(ids) == L//0 else +0'", 1))
     res = cli("lint", f, code=2)
     assert "engines.sglang.offset" in res.stderr and "divides by zero" in res.stderr
