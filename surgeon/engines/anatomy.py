@@ -19,6 +19,13 @@ disagreed (which calls merely look at the layer list, for one). Here, once per c
 * **which paths bypass the loop** (:meth:`ClassAnatomy.bypasses`), with one table of the calls
   that only look at the layer list (:data:`LAYER_LIST_CALLS`).
 
+The probe (:class:`surgeon.engines.capture.CaptureAnalyzer`) asks a wider question of the same
+method, through the same readers: every loop whose body runs a layer (:func:`layer_loops`: its
+loop variables, its layer call, the names bound to a layer), since it must see each capture test
+and each path that runs layers without one, including loops the rewriter cannot instrument. Where
+the two readings differ it is a parameter here, with the reason beside it: ``any_subscript`` of
+:func:`layer_callee`, ``follow_second_loops`` of :func:`hands_layers_on`.
+
 Refusals are :class:`AnatomyRefusal` (an anchor and a reason); the planner turns them into
 ``PatchApplicationError`` naming the file. Each part is computed on first use and kept, refusal
 included, so asking again (coverage checks several position sets) costs nothing and raises the
@@ -76,8 +83,9 @@ _ZERO = cst.Integer("0")
 
 # Calls that take the decoder-layer list (or a slice of it) without running a layer. "inspects":
 # they only read the list; "iterates": they build an iterable whose consumer (a loop) runs the
-# layers. The probe finds second layer loops itself, so it skips both kinds; the rewriter's planner
-# does not follow an iterable to its loop, so an iterator outside the capture loop stays a bypass.
+# layers. Whether an "iterates" call is a bypass is one question with two answers, asked through
+# hands_layers_on(follow_second_loops=...): the probe reads every layer loop (layer_loops) and so
+# follows the iterable to its loop; the rewriter's planner does not, so for it the call is a bypass.
 LAYER_LIST_CALLS: dict[str, tuple[str, str]] = {
     "len": ("inspects", "the layer count"),
     "isinstance": ("inspects", "a type test"),
