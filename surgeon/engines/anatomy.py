@@ -19,6 +19,13 @@ disagreed (which calls merely look at the layer list, for one). Here, once per c
 * **which paths bypass the loop** (:meth:`ClassAnatomy.bypasses`), with one table of the calls
   that only look at the layer list (:data:`LAYER_LIST_CALLS`).
 
+The probe (:class:`surgeon.engines.capture.CaptureAnalyzer`) asks a wider question of the same
+method, through the same readers: every loop whose body runs a layer (:func:`layer_loops`: its
+loop variables, its layer call, the names bound to a layer), since it must see each capture test
+and each path that runs layers without one, including loops the rewriter cannot instrument. Where
+the two readings differ it is a parameter here, with the reason beside it: ``any_subscript`` of
+:func:`layer_callee`, ``follow_second_loops`` of :func:`hands_layers_on`.
+
 Refusals are :class:`AnatomyRefusal` (an anchor and a reason); the planner turns them into
 ``PatchApplicationError`` naming the file. Each part is computed on first use and kept, refusal
 included, so asking again (coverage checks several position sets) costs nothing and raises the
@@ -32,7 +39,7 @@ for a libcst parse.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
@@ -47,15 +54,21 @@ __all__ = [
     "AnatomyRefusal",
     "ClassAnatomy",
     "DecoderLoop",
+    "Finder",
+    "LayerLoop",
     "LoopBypass",
     "ModuleIndex",
     "StreamReader",
     "assigned_names",
     "ast_span",
     "code",
+    "find_in",
+    "hands_layers_on",
     "index_offset",
     "is_self_attr",
     "layer_callee",
+    "loop_layer_call",
+    "layer_loops",
     "layer_list_call_kind",
     "loop_vars",
     "loops_over_ast",
@@ -70,8 +83,9 @@ _ZERO = cst.Integer("0")
 
 # Calls that take the decoder-layer list (or a slice of it) without running a layer. "inspects":
 # they only read the list; "iterates": they build an iterable whose consumer (a loop) runs the
-# layers. The probe finds second layer loops itself, so it skips both kinds; the rewriter's planner
-# does not follow an iterable to its loop, so an iterator outside the capture loop stays a bypass.
+# layers. Whether an "iterates" call is a bypass is one question with two answers, asked through
+# hands_layers_on(follow_second_loops=...): the probe reads every layer loop (layer_loops) and so
+# follows the iterable to its loop; the rewriter's planner does not, so for it the call is a bypass.
 LAYER_LIST_CALLS: dict[str, tuple[str, str]] = {
     "len": ("inspects", "the layer count"),
     "isinstance": ("inspects", "a type test"),
@@ -716,6 +730,80 @@ def layers_loops(idx: ModuleIndex, fn: cst.FunctionDef, attr: str,
 
 
 # ---------------------------------------------------------------------------------------------
+# Layer loops as the probe reads them (any loop whose body runs a layer)
+# ---------------------------------------------------------------------------------------------
+Finder = Callable[[m.BaseMatcherNode, cst.CSTNode], list[cst.CSTNode]]
+
+
+def find_in(matcher: m.BaseMatcherNode, within: cst.CSTNode) -> list[cst.CSTNode]:
+    """Nodes under ``within`` (nested definitions included) matching ``matcher``, in source order:
+    the default :data:`Finder`; the probe hands its flat per-function index instead (faster)."""
+    return [n for n in walk(within, into_defs=True) if m.matches(n, matcher)]
+
+
+@dataclass(frozen=True)
+class LayerLoop:
+    """A ``for`` whose body runs a decoder layer, as the probe reads it (:func:`layer_loops`)."""
+
+    node: cst.For
+    index_var: str | None  # ``i`` of ``for i in ...`` / ``for i, layer in ...``; None: index-less
+    elem_var: str | None  # ``layer`` of ``for i, layer in ...``
+    call: cst.Call  # the first layer call in the body
+    layer_vars: frozenset[str]  # names bound to a layer in the body (the callee's locals)
+
+
+def loop_layer_call(loop: cst.For, attr: str, find: Finder = find_in) -> tuple[cst.Call | None, frozenset[str]]:
+    """The first layer call in ``loop``'s body and the names bound to a layer there (the element
+    variable; with an index variable, locals assigned from ``self.<attr>[...]``).
+
+    The callee is :func:`layer_callee` with ``any_subscript``: unlike :func:`read_loop`, which
+    rewrites a loop and so must know that ``self.<attr>[i]`` is *this iteration's* layer, the probe
+    only asks whether the body runs layers at all; what index a capture is taken under it reads
+    from the capture test itself (:func:`index_offset`)."""
+    idx, elem = loop_vars(loop)
+    names = {elem} if elem else set()
+    if idx:
+        bound = m.Assign(targets=[m.AssignTarget(target=m.Name())], value=_layers_sub(attr))
+        for a in find(bound, loop.body):
+            names.add(a.targets[0].target.value)  # type: ignore[attr-defined]  # matched Assign to a Name
+    calls = find(m.Call(func=layer_callee(attr, names, any_subscript=True)), loop.body)
+    return (calls[0] if calls else None), frozenset(names)  # type: ignore[return-value]  # matched Call nodes
+
+
+def layer_loops(fn: cst.FunctionDef, attr: str, find: Finder = find_in) -> list[LayerLoop]:
+    """Every ``for`` in ``fn`` (nested definitions included: a local helper's loop runs layers
+    too) whose body calls a decoder layer, in source order.
+
+    This is the probe's question, wider than :func:`layers_loops` (the loops the rewriter can
+    instrument): a loop over anything (the capture ids, a zip of layers with caches) counts when
+    its body runs a layer, since the probe must see every capture test and every path that runs
+    layers without one."""
+    out = []
+    for node in find(m.For(), fn):
+        assert isinstance(node, cst.For)
+        call, names = loop_layer_call(node, attr, find)
+        if call is not None:
+            idx, elem = loop_vars(node)
+            out.append(LayerLoop(node, idx, elem, call, names))
+    return out
+
+
+def hands_layers_on(func: cst.BaseExpression, *, follow_second_loops: bool) -> bool:
+    """Whether a call of ``func`` that takes the layer list outside the capture loop may run
+    layers there (a bypass).
+
+    Calls that only look at the list (:data:`LAYER_LIST_CALLS` "inspects") never do. Those that
+    build an iterable ("iterates": ``enumerate``, ``zip``...) feed a second loop: the probe reads
+    every layer loop itself (:func:`layer_loops`) and reports that loop, so it follows the
+    iterable (``follow_second_loops=True``) and does not count the call; the rewriter's planner
+    does not follow an iterable to its consumer, so for it the call is the bypass."""
+    kind = layer_list_call_kind(func)
+    if kind == "inspects":
+        return False
+    return not (kind == "iterates" and follow_second_loops)
+
+
+# ---------------------------------------------------------------------------------------------
 # Bypasses
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -785,7 +873,7 @@ def _bypass_kind(n: cst.CSTNode, attr: str, single: dict[str, cst.BaseExpression
         return "runs a slice of the decoder layers outside the capture loop", None, None
     if not isinstance(n, cst.Call):
         return None
-    if any(is_self_attr(a.value, attr) for a in n.args) and layer_list_call_kind(n.func) != "inspects":
+    if any(is_self_attr(a.value, attr) for a in n.args) and hands_layers_on(n.func, follow_second_loops=False):
         return "hands the decoder layers to another call outside the capture loop", cst.Integer("0"), len_of(attr)
     if isinstance(n.func, cst.Subscript) and m.matches(n.func, _layers_sub(attr)):
         sl = n.func.slice[0].slice if len(n.func.slice) == 1 else None

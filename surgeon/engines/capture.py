@@ -32,10 +32,10 @@ import libcst.matchers as m
 from surgeon.core.idrules import Bypass, CapturedValue, CaptureSite
 from surgeon.engines.anatomy import (
     STREAM_SNAPSHOT_CALLS,
+    LayerLoop,
+    hands_layers_on,
     index_offset,
-    layer_callee,
-    layer_list_call_kind,
-    loop_vars,
+    layer_loops,
 )
 from surgeon.engines.source import ClassKey, CstFunction, SourceIndex, code, key_str
 
@@ -129,19 +129,7 @@ def _member_of(attr: str) -> m.Comparison:
     return m.Comparison(comparisons=[m.ComparisonTarget(operator=m.In(), comparator=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))])
 
 
-def _layer_call(fn: CstFunction, loop: cst.For, idx: str | None, elem: str | None) -> tuple[cst.Call | None, set[str]]:
-    """The first layer call in ``loop``'s body, and the names bound to a layer there (the element
-    variable, locals assigned from ``self.layers[...]``): the anatomy's layer callee, any subscript."""
-    layer_vars = {elem} if elem else set()
-    if idx:
-        for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=m.Name())], value=m.Subscript(value=_SELF_LAYERS)),
-                            within=loop.body):
-            layer_vars.add(a.targets[0].target.value)  # type: ignore[attr-defined]  # matched Assign to a Name
-    calls = fn.findall(m.Call(func=layer_callee("layers", layer_vars, any_subscript=True)), within=loop.body)
-    return (calls[0] if calls else None), layer_vars  # type: ignore[return-value]  # matched Call nodes
-
-
-def _flag_tests(fn: CstFunction, body: cst.CSTNode, flags: Sequence[str], layer_vars: set[str]) -> list[cst.CSTNode]:
+def _flag_tests(fn: CstFunction, body: cst.CSTNode, flags: Sequence[str], layer_vars: frozenset[str]) -> list[cst.CSTNode]:
     if not flags:
         return []
     flag = m.SimpleString(value=m.MatchIfTrue(lambda s: s.strip("'\"") in flags))
@@ -236,6 +224,7 @@ class CaptureAnalyzer:
     def __init__(self, index: SourceIndex) -> None:
         self.index = index
         self._cache: dict[tuple, CaptureResult] = {}
+        self._layer_loops: dict[tuple[ClassKey, str], list[LayerLoop]] = {}
         self.layer_keywords = LayerKeywords(index)
         self.surroundings = LoopSurroundings(index)
 
@@ -245,6 +234,15 @@ class CaptureAnalyzer:
         if key not in self._cache:
             self._cache[key] = self._analyze(holder, attr, tuple(sorted(flags)))
         return self._cache[key]
+
+    def layer_loops(self, fn: CstFunction) -> list[LayerLoop]:
+        """The anatomy's layer loops of one method (:func:`surgeon.engines.anatomy.layer_loops`),
+        read once per (file, class, method) in a probe run: several holders share a base's
+        ``forward``, and one holder is analysed for each capture attribute and flag set."""
+        key = (fn.owner, fn.name)
+        if key not in self._layer_loops:
+            self._layer_loops[key] = layer_loops(fn.node, "layers", fn.findall)
+        return self._layer_loops[key]
 
     # -- internals ---------------------------------------------------------------------------
     def _methods(self, holder: ClassKey) -> list[tuple[ClassKey, str]]:
@@ -320,7 +318,8 @@ class CaptureAnalyzer:
             heads += h
             tails += t
             collectors = set().union(*(self.surroundings.collectors(fn, lp, helpers) for lp in loop_nodes))
-            result.bypasses.extend(self.surroundings.bypasses(fn, holder, attr, flags, loop_nodes, collectors))
+            result.bypasses.extend(self.surroundings.bypasses(fn, holder, attr, loop_nodes, collectors,
+                                                              self.layer_loops(fn)))
         if not loops and readers:
             result.problem = (f"{', '.join(readers)} test{'s' if len(readers) == 1 else ''} self.{attr} outside a "
                               f"decoder-layer loop the probe recognises")
@@ -364,25 +363,22 @@ class CaptureAnalyzer:
     def _loops_in(self, fn: CstFunction, holder: ClassKey, attr: str, flags: tuple[str, ...],
                   helpers: dict[str, _Helper]) -> list[tuple[LoopCapture, cst.For]]:
         out = []
-        for loop in fn.findall(m.For()):
-            assert isinstance(loop, cst.For)
-            lc = self._loop(fn, loop, holder, attr, flags, helpers)
+        for ll in self.layer_loops(fn):  # a loop whose body runs no layer (over the ids: a setter) is not one
+            lc = self._loop(fn, ll, holder, attr, flags, helpers)
             if lc is not None:
-                out.append((lc, loop))
+                out.append((lc, ll.node))
         return out
 
-    def _loop(self, fn: CstFunction, loop: cst.For, holder: ClassKey, attr: str, flags: tuple[str, ...],
+    def _loop(self, fn: CstFunction, ll: LayerLoop, holder: ClassKey, attr: str, flags: tuple[str, ...],
               helpers: dict[str, _Helper]) -> LoopCapture | None:
-        idx, elem = loop_vars(loop)
-        call, layer_vars = _layer_call(fn, loop, idx, elem)
+        """What the capture tests in one layer loop capture (None: the loop tests nothing)."""
+        loop, idx, call = ll.node, ll.index_var, ll.call
         member = fn.findall(_member_of(attr), within=loop.body)
-        flag_tests = _flag_tests(fn, loop.body, flags, layer_vars)
+        flag_tests = _flag_tests(fn, loop.body, flags, ll.layer_vars)
         helper_calls = [c for c in fn.findall(m.Call(func=m.Attribute(value=m.Name("self"))), within=loop.body)
                         if c.func.attr.value in helpers]  # type: ignore[attr-defined]
         if not (member or flag_tests or helper_calls):
             return None
-        if call is None:
-            return None  # a loop over the ids themselves (a setter), not over the layers
         if idx is None:
             return LoopCapture(fn, loop, None, "unknown", "", problem=f"cannot tell the layer index of `for {code(loop.target)} in ...`")
         try:
@@ -801,8 +797,10 @@ class LoopSurroundings:
         out.discard(None)  # type: ignore[arg-type]
         return out
 
-    def bypasses(self, fn: CstFunction, holder: ClassKey, attr: str, flags: Sequence[str],
-                  loops: list[cst.For], collectors: set[str]) -> list[Bypass]:
+    def bypasses(self, fn: CstFunction, holder: ClassKey, attr: str, loops: list[cst.For], collectors: set[str],
+                 layer_loops: list[LayerLoop]) -> list[Bypass]:
+        """Paths in ``fn`` that run decoder layers outside the capture ``loops`` without the
+        ``self.<attr>`` test: the layer list handed to a call, and the other ``layer_loops``."""
         out: list[Bypass] = []
 
         def in_capture_loop(node: cst.CSTNode) -> bool:
@@ -814,8 +812,8 @@ class LoopSurroundings:
             if in_capture_loop(c):
                 continue
             fname = code(c.func)
-            if layer_list_call_kind(c.func) is not None:
-                continue  # it only looks at the list, or builds an iterable (a second loop is found below)
+            if not hands_layers_on(c.func, follow_second_loops=True):
+                continue  # it only looks at the list, or builds an iterable (its loop is one of layer_loops)
             if any(isinstance(a.value, cst.Name) and a.value.value in collectors for a in c.args):
                 continue  # it is handed the capture collector: it captures itself
             conds = self._conditions(fn, c)
@@ -830,13 +828,8 @@ class LoopSurroundings:
                 layers=self._describe_layers(arg.value, conds, fn, holder),
                 path=fn.path,
             ))
-        for lp in fn.findall(m.For()):
-            assert isinstance(lp, cst.For)
+        for lp in (ll.node for ll in layer_loops):
             if lp in loops or in_capture_loop(lp):
-                continue
-            idx, elem = loop_vars(lp)
-            call, _ = _layer_call(fn, lp, idx, elem)
-            if call is None:
                 continue
             conds = self._conditions(fn, lp)
             if any(f"self.{attr}" in t for t in conds):

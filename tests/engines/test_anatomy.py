@@ -16,8 +16,10 @@ from surgeon.engines.anatomy import (
     ClassAnatomy,
     ModuleIndex,
     code,
+    hands_layers_on,
     index_offset,
     layer_list_call_kind,
+    layer_loops,
     layers_loops,
     loops_over_ast,
 )
@@ -112,6 +114,30 @@ def test_one_table_of_calls_that_only_look_at_the_layer_list():
         ("inspects", "iterates", None, None)
 
 
+@pytest.mark.parametrize("func, probe, rewriter", [
+    ("len", False, False),  # only looks at the list: never a bypass
+    ("enumerate", False, True),  # feeds a second loop: the probe reads that loop, the rewriter cannot
+    ("zip", False, True),
+    ("run_stages", True, True),  # handed to another call: it may run layers
+    ("self.model_forward_stages", True, True),
+])
+def test_the_probe_follows_iterables_to_their_loop_the_rewriter_counts_the_call(func, probe, rewriter):
+    f = cst.parse_expression(func)
+    assert hands_layers_on(f, follow_second_loops=True) is probe
+    assert hands_layers_on(f, follow_second_loops=False) is rewriter
+
+
+def test_the_probe_reads_any_loop_whose_body_runs_a_layer():
+    src = _forward("for cache, layer in zip(caches, self.layers):\n    hidden_states = layer(hidden_states, cache)\n"
+                   "for k in order:\n    hidden_states = self.layers[k + 1](hidden_states)\n"
+                   "for i in ids:\n    self.aux.append(i)")
+    a = _anatomy(src)
+    loops = layer_loops(a.fn, "layers")  # the loop over the ids runs no layer
+    assert [(ll.index_var, ll.elem_var, code(ll.call.func)) for ll in loops] == [
+        ("cache", "layer", "layer"), ("k", None, "self.layers[k + 1]")]
+    assert a.loops == []  # neither maps its variable to the global index: the rewriter has no decoder loop
+
+
 def test_bypasses_outside_the_loop_with_their_bounds():
     a = _anatomy(_forward(
         "for i in range(self.start_layer, end):\n    hidden_states = self.layers[i](hidden_states)",
@@ -199,6 +225,19 @@ def test_sglang_deepseek_two_batch_overlap_is_a_bypass_with_bounds():
     [b] = a.bypasses()
     assert "model_forward_stages" in b.text or "self.layers[" in b.text
     assert b.first is not None and "end_layer" in code(b.last)
+
+
+@pytest.mark.parametrize("engine, rel, cls, index_var, callee", [
+    ("sglang", "srt/models/llama.py", "LlamaModel", "i", "self.layers[i]"),
+    ("sglang", "srt/models/deepseek_v2.py", "DeepseekV2Model", "i", "layer"),
+    ("vllm", "model_executor/models/llama.py", "LlamaModel", "idx", "layer"),
+])
+def test_the_probe_and_the_rewriter_read_the_same_decoder_loop(engine, rel, cls, index_var, callee):
+    a = _anatomy(_engine_file(engine, rel), cls)
+    [ll] = layer_loops(a.fn, "layers")
+    assert ll.node is a.loop.node  # one loop, found once, for both readers
+    assert ll.index_var == index_var and code(ll.call.func) == callee
+    assert a.idx.enclosing_stmt(ll.call) is a.loop.call_stmt
 
 
 def test_vllm_llama_model_loop_is_index_less_with_a_counter():

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from surgeon.core.idrules import Branch, DefaultTerm, EngineProbe, FirstIdEquals, IdRule, MaxIdEquals
 from surgeon.engines.locate import layout_of
 from surgeon.engines.probe import EngineLocation, ProbeError, locate_engine, probe_engine
-from surgeon.core.idrules import Branch, DefaultTerm, EngineProbe, FirstIdEquals, IdRule, MaxIdEquals
 
 pytestmark = pytest.mark.engine
 
@@ -167,6 +167,26 @@ def test_sglang_deepseek_conditional_rule_and_bypass(sg):
     assert bypass.path == "srt/models/deepseek_v2.py" and bypass.line > 0
     text = (locate_engine("sglang").root / bypass.path).read_text().splitlines()
     assert "model_forward_stages(" in text[bypass.line - 1]
+
+
+def test_capture_analysis_reads_each_methods_layer_loops_once_from_the_anatomy(monkeypatch):
+    # the probe asks the anatomy (surgeon.engines.anatomy.layer_loops) for a method's layer loops
+    # once per (file, class, method) in a run, however many capture attributes and flags it tests
+    from surgeon.engines import capture
+    from surgeon.engines.source import SourceIndex
+
+    loc, layout = _installed("sglang"), layout_of("sglang")
+    read: list[str] = []
+    real = capture.layer_loops
+    monkeypatch.setattr(capture, "layer_loops", lambda fn, *a: read.append(fn.name.value) or real(fn, *a))
+    analyzer = capture.CaptureAnalyzer(SourceIndex(loc.root, layout.package, layout.models_dir))
+    holder = ("srt/models/deepseek_v2.py", "DeepseekV2Model")
+    first = analyzer.analyze(holder, "layers_to_capture")
+    again = analyzer.analyze(holder, "layers_to_capture", ("capture_flag",))
+    assert read.count("forward") == 1
+    assert (first.site, again.site) == ("entry", "entry")
+    assert [b.description.split("(")[0] for b in first.bypasses] == ["model_forward_stages"]
+    assert first.bypasses and first.bypasses == again.bypasses
 
 
 def test_sglang_deepseek_v3_inherits_the_setter(sg):
