@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from surgeon.capture.tensorfiles import read_safetensors, safetensors_kind
+from surgeon.capture.tensorfiles import is_safetensors, read_safetensors, safetensors_kind
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, layer_out, parse_point
 
@@ -129,7 +129,8 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
     n = len(named) or None
     with open(p, "rb") as f:
         head = f.read(8)
-    is_zip_or_pickle = head[:2] == b"PK" or head[:1] == b"\x80"
+    # safetensors first: its header length can start with the pickle magic (see is_safetensors)
+    is_zip_or_pickle = not is_safetensors(p) and (head[:2] == b"PK" or head[:1] == b"\x80")
     if is_zip_or_pickle:
         read = _read_pickled(p, n)
     elif safetensors_kind(p) == "dump":

@@ -4,6 +4,7 @@ on a real (tiny, random) HF DeepSeek-V3-style model."""
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,46 @@ def test_a_sweep_dump_is_a_reference(tmp_path, kimi):
 def test_sweep_spec_refuses_hostile_names():
     res = run("sweep-spec", "--name", "x\ncaptures: {}", "--architecture", "A", "--num-layers", 2, "--hidden-size", 8, code=2)
     assert "spec name" in res.stderr
+
+
+def _with_header_start(write, start: bytes, pads) -> Path:
+    """The first file ``write(pad)`` writes whose bytes begin with ``start``."""
+    for pad in pads:
+        f = write(pad)
+        if f.read_bytes().startswith(start):
+            return f
+        f.unlink()
+    pytest.fail(f"no header starting with {start!r}")
+
+
+# 80 03: a protocol-3 pickle's magic (header 0x380 bytes); PK: a zip's (header 0x4b50 bytes)
+@pytest.mark.parametrize("magic,near", [(b"\x80\x03", 0x380), (b"PK", 0x4B50)])
+def test_a_safetensors_header_that_starts_like_a_pickle_is_still_read_as_safetensors(tmp_path, magic, near):
+    """The first byte of a safetensors file is the low byte of its header length: a dump whose header
+    is 0x380 bytes starts with ``80 03``, a protocol-3 pickle's magic. Found by the demo on a fresh
+    clone (the work folder's path, in the dump's metadata, set the length): the dump was read as a
+    plain file, slots in alphabetical order, and the spec's right wiring failed verify."""
+    from surgeon.capture.dumps import write_dump
+
+    H, T = 8, 3
+    caps = [(name, layer_out(i), torch.full((T, H), float(i))) for i, name in enumerate(["low", "mid", "high", "last"])]
+    ids = torch.arange(T)
+
+    def dump(pad: int) -> Path:  # the model name's length moves the header length
+        return write_dump(tmp_path / f"d{pad}.safetensors", caps, input_ids=ids, num_layers=4, model="m" * pad)
+
+    base = int.from_bytes(dump(0).read_bytes()[:8], "little")
+    f = _with_header_start(dump, magic, range(max(0, near - base - 16), near - base + 16))
+    s = read_subject(f)
+    assert s.layout == "surgeon"
+    assert [(n, str(p)) for n, p, _ in s.slots] == [(n, f"layer_out[{i}]") for i, (n, _, _) in enumerate(caps)]
+    assert all(torch.equal(t, c[2]) for (_, _, t), c in zip(s.slots, caps))
+
+    def plain(pad: int) -> Path:  # a plain safetensors file with such a header: safetensors too
+        g = tmp_path / f"plain{pad}.safetensors"
+        save_file({"a": torch.zeros(T, H)}, str(g), metadata={"pad": "x" * pad})
+        return g
+
+    base = int.from_bytes(plain(0).read_bytes()[:8], "little")
+    g = _with_header_start(plain, magic, range(max(0, near - base - 16), near - base + 16))
+    assert read_subject(g, slots=["a=embed"]).layout == "plain"
