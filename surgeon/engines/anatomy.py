@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 __all__ = [
     "COUNTER",
@@ -207,8 +207,10 @@ def loop_vars(loop: cst.For) -> tuple[str | None, str | None]:
     t = loop.target
     if isinstance(t, cst.Name):
         return t.value, None
-    if isinstance(t, cst.Tuple) and len(t.elements) == 2 and all(isinstance(e.value, cst.Name) for e in t.elements):
-        return t.elements[0].value.value, t.elements[1].value.value  # type: ignore[attr-defined]
+    if isinstance(t, cst.Tuple) and len(t.elements) == 2:
+        first, second = t.elements[0].value, t.elements[1].value
+        if isinstance(first, cst.Name) and isinstance(second, cst.Name):
+            return first.value, second.value
     return None, None
 
 
@@ -324,7 +326,7 @@ class ModuleIndex:
 
     def __init__(self, module: cst.Module, source: bytes | None):
         self.module, self.source = module, source
-        self.pos: dict[cst.CSTNode, object] = {}
+        self.pos: dict[cst.CSTNode, CodeRange] = {}
         self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
         self._offsets: dict[cst.CSTNode, int] = {}
         self._indexed: set[int] = set()
@@ -412,7 +414,7 @@ class ModuleIndex:
             return
         self._indexed.add(id(fn))
         positions = MetadataWrapper(self._sub([fn]), unsafe_skip_copy=True).resolve(PositionProvider)
-        offset = start - positions[fn].start.line  # type: ignore[attr-defined]  # CodeRange
+        offset = start - positions[fn].start.line
         for node, rng in positions.items():
             self.pos[node] = rng
             self._offsets[node] = offset
@@ -423,10 +425,10 @@ class ModuleIndex:
     def line(self, node: cst.CSTNode) -> int:
         if node not in self.pos and isinstance(node, cst.ClassDef) and id(node) in self.ast_lines():
             return self.ast_lines()[id(node)]
-        return self.pos[node].start.line + self._offsets[node]  # type: ignore[attr-defined]  # CodeRange
+        return self.pos[node].start.line + self._offsets[node]
 
     def end_line(self, node: cst.CSTNode) -> int:
-        return self.pos[node].end.line + self._offsets[node]  # type: ignore[attr-defined]  # CodeRange
+        return self.pos[node].end.line + self._offsets[node]
 
     # -- structure --------------------------------------------------------------------------
     def innermost_loop(self, node: cst.CSTNode) -> cst.CSTNode | None:
@@ -540,11 +542,19 @@ def _enumerate_seq_start(seq: cst.BaseExpression, attr: str) -> tuple[cst.BaseEx
     """(global index of the enumerated sequence's first layer (None: 0), problem)."""
     if is_self_attr(seq, attr):
         return None, None
-    if m.matches(seq, m.Call(func=m.Name("islice"))) and len(seq.args) >= 3 and is_self_attr(seq.args[0].value, attr):  # type: ignore[attr-defined]  # matched Call
-        return seq.args[1].value, None  # type: ignore[attr-defined]  # matched Call
-    if m.matches(seq, _layers_sub(attr)) and len(seq.slice) == 1 and isinstance(seq.slice[0].slice, cst.Slice):  # type: ignore[attr-defined]  # matched Subscript
-        return seq.slice[0].slice.lower, None  # type: ignore[attr-defined]  # matched Subscript
+    if (isinstance(seq, cst.Call) and m.matches(seq.func, m.Name("islice")) and len(seq.args) >= 3
+            and is_self_attr(seq.args[0].value, attr)):
+        return seq.args[1].value, None
+    if (isinstance(seq, cst.Subscript) and m.matches(seq, _layers_sub(attr)) and len(seq.slice) == 1
+            and isinstance(seq.slice[0].slice, cst.Slice)):
+        return seq.slice[0].slice.lower, None
     return cst.Name("?"), f"enumerate over {code(seq)}: cannot tell whether the index is the global layer index"
+
+
+def _pair_names(tgt: cst.Tuple) -> tuple[str, str]:
+    """The two names of a loop target that matched :data:`_PAIR` (``for idx, layer in ...``)."""
+    first, second = (cst.ensure_type(e.value, cst.Name).value for e in tgt.elements)
+    return first, second
 
 
 def _enumerate_index(loop: cst.For, attr: str) -> _Index | None:
@@ -553,8 +563,8 @@ def _enumerate_index(loop: cst.For, attr: str) -> _Index | None:
     seq = it.args[0].value
     if not mentions_self_attr(seq, attr):
         return None
-    idx_name = tgt.elements[0].value.value  # type: ignore[attr-defined]  # matched Name
-    names = {tgt.elements[1].value.value}  # type: ignore[attr-defined]  # matched Name
+    idx_name, elem_name = _pair_names(tgt)
+    names = {elem_name}
     start = next((a.value for a in it.args[1:] if a.keyword is None or a.keyword.value == "start"), None)
     seq_start, problem = _enumerate_seq_start(seq, attr)
     offset_index: cst.BaseExpression | None = None
@@ -583,8 +593,8 @@ def _islice_enumerate_index(loop: cst.For) -> _Index:
     it, tgt = loop.iter, loop.target
     assert isinstance(it, cst.Call) and isinstance(tgt, cst.Tuple)
     start = it.args[1].value if len(it.args) == 3 and _positional(it.args) else None
-    return _Index(cst.Name(tgt.elements[0].value.value), start,  # type: ignore[attr-defined]  # matched Name
-                  {tgt.elements[1].value.value})  # type: ignore[attr-defined]  # matched Name
+    idx_name, elem_name = _pair_names(tgt)
+    return _Index(cst.Name(idx_name), start, {elem_name})
 
 
 def sequence_start(seq: cst.BaseExpression, attr: str) -> cst.BaseExpression | None:
@@ -765,9 +775,11 @@ def loop_layer_call(loop: cst.For, attr: str, find: Finder = find_in) -> tuple[c
     if idx:
         bound = m.Assign(targets=[m.AssignTarget(target=m.Name())], value=_layers_sub(attr))
         for a in find(bound, loop.body):
-            names.add(a.targets[0].target.value)  # type: ignore[attr-defined]  # matched Assign to a Name
-    calls = find(m.Call(func=layer_callee(attr, names, any_subscript=True)), loop.body)
-    return (calls[0] if calls else None), frozenset(names)  # type: ignore[return-value]  # matched Call nodes
+            target = cst.ensure_type(a, cst.Assign).targets[0].target
+            names.add(cst.ensure_type(target, cst.Name).value)
+    found = find(m.Call(func=layer_callee(attr, names, any_subscript=True)), loop.body)
+    calls = [c for c in found if isinstance(c, cst.Call)]
+    return (calls[0] if calls else None), frozenset(names)
 
 
 def layer_loops(fn: cst.FunctionDef, attr: str, find: Finder = find_in) -> list[LayerLoop]:
@@ -919,17 +931,17 @@ class _Once:
     """A value computed on first use and kept, a refusal included (raised again each time)."""
 
     def __init__(self) -> None:
-        self._got: dict[str, tuple[bool, object]] = {}
+        self._got: dict[str, tuple[object, AnatomyRefusal | None]] = {}
 
     def get(self, key: str, compute):
         if key not in self._got:
             try:
-                self._got[key] = (True, compute())
+                self._got[key] = (compute(), None)
             except AnatomyRefusal as exc:
-                self._got[key] = (False, exc)
-        ok, value = self._got[key]
-        if not ok:
-            raise value  # type: ignore[misc]  # an AnatomyRefusal kept above
+                self._got[key] = (None, exc)
+        value, refusal = self._got[key]
+        if refusal is not None:
+            raise refusal
         return value
 
 
@@ -1018,7 +1030,9 @@ class ClassAnatomy:
                         and code(imp.module) == SGLANG_RESIDUAL_PKG and not isinstance(imp.names, cst.ImportStar)):
                     for alias in imp.names:
                         if m.matches(alias.name, m.Name("batch")):
-                            return alias.asname.name.value if alias.asname else "batch"  # type: ignore[union-attr]  # AsName of a Name
+                            if alias.asname is None:
+                                return "batch"
+                            return cst.ensure_type(alias.asname.name, cst.Name).value  # `as` names a Name here
         return None
 
     def reader(self) -> StreamReader:

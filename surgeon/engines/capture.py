@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -37,7 +38,7 @@ from surgeon.engines.anatomy import (
     index_offset,
     layer_loops,
 )
-from surgeon.engines.source import ClassKey, CstFunction, SourceIndex, code, key_str
+from surgeon.engines.source import ClassKey, CstFunction, FuncInfo, SourceIndex, code, key_str
 
 _SELF_LAYERS = m.Attribute(value=m.Name("self"), attr=m.Name("layers"))
 
@@ -126,7 +127,8 @@ def _balanced(text: str) -> bool:
 
 def _member_of(attr: str) -> m.Comparison:
     """``<x> in self.<attr>``."""
-    return m.Comparison(comparisons=[m.ComparisonTarget(operator=m.In(), comparator=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))])
+    container = m.Attribute(value=m.Name("self"), attr=m.Name(attr))
+    return m.Comparison(comparisons=[m.ComparisonTarget(operator=m.In(), comparator=container)])
 
 
 def _flag_tests(fn: CstFunction, body: cst.CSTNode, flags: Sequence[str], layer_vars: frozenset[str]) -> list[cst.CSTNode]:
@@ -134,7 +136,8 @@ def _flag_tests(fn: CstFunction, body: cst.CSTNode, flags: Sequence[str], layer_
         return []
     flag = m.SimpleString(value=m.MatchIfTrue(lambda s: s.strip("'\"") in flags))
     is_layer = m.Name(value=m.MatchIfTrue(lambda v: v in layer_vars))
-    found = fn.findall(m.Call(func=m.Name("getattr"), args=[m.Arg(value=is_layer), m.Arg(value=flag), m.ZeroOrMore()]), within=body)
+    getattr_flag = m.Call(func=m.Name("getattr"), args=[m.Arg(value=is_layer), m.Arg(value=flag), m.ZeroOrMore()])
+    found = fn.findall(getattr_flag, within=body)
     found += fn.findall(m.Attribute(value=is_layer, attr=m.Name(value=m.MatchIfTrue(lambda v: v in flags))), within=body)
     return found
 
@@ -159,8 +162,8 @@ def _residual_names(fn: CstFunction, call: cst.Call, loop: cst.For) -> tuple[set
     separate: bool | None = None
     if residual and hidden:
         after = fn.end(loop)
-        used = [{a.value.value for a in c.args if isinstance(a.value, cst.Name)}  # type: ignore[attr-defined]
-                for c in fn.findall(m.Call()) if fn.order(c) > after]
+        used = [{a.value.value for a in c.args if isinstance(a.value, cst.Name)}
+                for c in fn.findall_of(cst.Call, m.Call()) if fn.order(c) > after]
         if any(u & hidden and u & residual for u in used):
             separate = True
         elif any(u & hidden for u in used):
@@ -176,8 +179,9 @@ def _origin(fn: CstFunction, value: cst.BaseExpression, body: cst.CSTNode) -> cs
     one assignment that does not read ``v`` itself is where the value comes from."""
     if not isinstance(value, cst.Name):
         return value
-    origins = [a.value for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=m.Name(value.value))]), within=body)  # type: ignore[attr-defined]
-               if not fn.findall(m.Name(value.value), within=a.value)]  # type: ignore[attr-defined]
+    binds = m.Assign(targets=[m.AssignTarget(target=m.Name(value.value))])
+    origins = [a.value for a in fn.findall_of(cst.Assign, binds, within=body)
+               if not fn.findall(m.Name(value.value), within=a.value)]
     return origins[0] if len(origins) == 1 else value
 
 
@@ -199,8 +203,9 @@ def _ifexp_target(ifexp: cst.IfExp, call: cst.Call | None, fn: CstFunction) -> t
 def _snapshot_names(fn: CstFunction, body: cst.CSTNode) -> set[str]:
     """Names bound from a stream-snapshot API inside ``body``."""
     out: set[str] = set()
-    for a in fn.findall(m.Assign(value=m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in STREAM_SNAPSHOT_CALLS))))), within=body):
-        t = a.targets[0].target  # type: ignore[attr-defined]
+    snapshot_call = m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in STREAM_SNAPSHOT_CALLS))))
+    for a in fn.findall_of(cst.Assign, m.Assign(value=snapshot_call), within=body):
+        t = a.targets[0].target
         if isinstance(t, cst.Name):
             out.add(t.value)
         elif isinstance(t, cst.Tuple) and t.elements and isinstance(t.elements[-1].value, cst.Name):
@@ -218,6 +223,12 @@ def _bind_helper(h: _Helper, call: cst.Call) -> dict[str, cst.BaseExpression]:
         elif i < len(params) and not arg.star:
             bound[params[i]] = arg.value
     return bound
+
+
+def _called_method(call: cst.Call) -> str:
+    """``name`` of a ``<x>.name(...)`` call; "" when the callee is not an attribute (no helper or
+    method has that name, so lookups by it simply miss)."""
+    return call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
 
 
 class CaptureAnalyzer:
@@ -245,11 +256,11 @@ class CaptureAnalyzer:
         return self._layer_loops[key]
 
     # -- internals ---------------------------------------------------------------------------
-    def _methods(self, holder: ClassKey) -> list[tuple[ClassKey, str]]:
+    def _methods(self, holder: ClassKey) -> list[tuple[ClassKey, FuncInfo]]:
         """The methods an instance of ``holder`` runs: the most derived definition of each name,
         and a base's definition too when the override calls ``super().<name>(...)``."""
         chained: dict[str, bool] = {}  # name -> the last included definition calls super()
-        out = []
+        out: list[tuple[ClassKey, FuncInfo]] = []
         for k in self.index.mro(holder):
             info = self.index.class_info(k)
             if info is None:
@@ -257,34 +268,34 @@ class CaptureAnalyzer:
             for name, fi in info.functions.items():
                 if name in chained and not chained[name]:
                     continue
-                out.append((k, name))
+                out.append((k, fi))
                 chained[name] = f"super().{name}(" in self.index.function_text(k, fi)
         return out
 
     def _helpers(self, holder: ClassKey, attr: str) -> dict[str, _Helper]:
         helpers: dict[str, _Helper] = {}
-        for owner, name in self._methods(holder):
-            info = self.index.class_info(owner)
-            text = self.index.function_text(owner, info.functions[name])  # type: ignore[union-attr]
+        for owner, fi in self._methods(holder):
+            name = fi.name
+            text = self.index.function_text(owner, fi)
             if f"self.{attr}" not in text or ".append(" not in text:
                 continue
             fn = self.index.function(owner, name)
             if fn is None or fn.findall(m.For()):
                 continue  # a helper tests one index; a method with a loop is a loop owner
             params = [p.name.value for p in fn.node.params.params]
-            for test in fn.findall(m.If(test=_member_of(attr))):
-                assert isinstance(test, cst.If)
-                left = test.test.left  # type: ignore[attr-defined]
+            for test in fn.findall_of(cst.If, m.If(test=_member_of(attr))):
+                left = cst.ensure_type(test.test, cst.Comparison).left
                 if not isinstance(left, cst.Name) or left.value not in params:
                     continue
-                appended = fn.findall(m.Call(func=m.Attribute(attr=m.Name("append"))), within=test.body)
+                appended = fn.findall_of(cst.Call, m.Call(func=m.Attribute(attr=m.Name("append"))), within=test.body)
                 if len(appended) != 1:
                     continue
-                value = appended[0].args[0].value  # type: ignore[attr-defined]
+                value = appended[0].args[0].value
                 # ``value = expr; aux.append(value)``: look through one local assignment.
                 if isinstance(value, cst.Name):
-                    for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=m.Name(value.value))]), within=test.body):
-                        value = a.value  # type: ignore[attr-defined]
+                    binds = m.Assign(targets=[m.AssignTarget(target=m.Name(value.value))])
+                    for a in fn.findall_of(cst.Assign, binds, within=test.body):
+                        value = a.value
                 helpers[name] = _Helper(owner, name, params, left.value, value)
         return helpers
 
@@ -297,12 +308,14 @@ class CaptureAnalyzer:
         readers: list[str] = []  # methods that test the capture list or flags at all
         reads = re.compile(rf"\bin\s+self\.{re.escape(attr)}\b" + "".join(f"|{re.escape(f)}" for f in flags)
                            + "".join(rf"|self\.{re.escape(h)}\(" for h in helpers))
-        for owner, name in self._methods(holder):
+        for owner, fi in self._methods(holder):
+            name = fi.name
             if name in helpers:
                 continue
-            info = self.index.class_info(owner)
-            text = self.index.function_text(owner, info.functions[name])  # type: ignore[union-attr]
-            if f"self.{attr}" not in text and not any(f in text for f in flags) and not any(f"self.{h}(" in text for h in helpers):
+            text = self.index.function_text(owner, fi)
+            mentioned = (f"self.{attr}" in text or any(f in text for f in flags)
+                         or any(f"self.{h}(" in text for h in helpers))
+            if not mentioned:
                 continue
             fn = self.index.function(owner, name)
             if fn is None:
@@ -373,22 +386,23 @@ class CaptureAnalyzer:
               helpers: dict[str, _Helper]) -> LoopCapture | None:
         """What the capture tests in one layer loop capture (None: the loop tests nothing)."""
         loop, idx, call = ll.node, ll.index_var, ll.call
-        member = fn.findall(_member_of(attr), within=loop.body)
+        member = fn.findall_of(cst.Comparison, _member_of(attr), within=loop.body)
         flag_tests = _flag_tests(fn, loop.body, flags, ll.layer_vars)
-        helper_calls = [c for c in fn.findall(m.Call(func=m.Attribute(value=m.Name("self"))), within=loop.body)
-                        if c.func.attr.value in helpers]  # type: ignore[attr-defined]
+        self_calls = fn.findall_of(cst.Call, m.Call(func=m.Attribute(value=m.Name("self"))), within=loop.body)
+        helper_calls = [c for c in self_calls if _called_method(c) in helpers]
         if not (member or flag_tests or helper_calls):
             return None
         if idx is None:
-            return LoopCapture(fn, loop, None, "unknown", "", problem=f"cannot tell the layer index of `for {code(loop.target)} in ...`")
+            return LoopCapture(fn, loop, None, "unknown", "",
+                               problem=f"cannot tell the layer index of `for {code(loop.target)} in ...`")
         try:
             return self._loop_events(fn, loop, holder, attr, flags, helpers, idx, call, member, flag_tests, helper_calls)
         except _LoopProblem as e:
             return LoopCapture(fn, loop, None, "unknown", "", problem=str(e), no_capture=True)
 
     def _loop_events(self, fn: CstFunction, loop: cst.For, holder: ClassKey, attr: str, flags: tuple[str, ...],
-                     helpers: dict[str, _Helper], idx: str, call: cst.Call, member: list, flag_tests: list,
-                     helper_calls: list) -> LoopCapture | None:
+                     helpers: dict[str, _Helper], idx: str, call: cst.Call, member: list[cst.Comparison],
+                     flag_tests: list[cst.CSTNode], helper_calls: list[cst.Call]) -> LoopCapture | None:
         residual = _residual_names(fn, call, loop)
         events: list[tuple[str, int, CapturedValue, str]] = []  # (where, index offset, value, how)
         problems: list[str] = []
@@ -399,9 +413,9 @@ class CaptureAnalyzer:
             return "before" if fn.order(node) < fn.order(call) else "after"
 
         for cmp in member:
-            k = index_offset(cmp.left, idx)  # type: ignore[attr-defined]
+            k = index_offset(cmp.left, idx)
             if k is None:
-                problems.append(f"captures under index `{code(cmp.left)}`, not a fixed offset of the loop index {idx}")  # type: ignore[attr-defined]
+                problems.append(f"captures under index `{code(cmp.left)}`, not a fixed offset of the loop index {idx}")
                 continue
             ev = self._consumer(fn, cmp, call, holder, residual)
             if ev is None:
@@ -415,7 +429,7 @@ class CaptureAnalyzer:
             kind, value, how = ev
             events.append((kind if kind == "in-layer" else place(test), 0, value, how + " (per-layer flag)"))
         for hc in helper_calls:
-            h = helpers[hc.func.attr.value]  # type: ignore[attr-defined]
+            h = helpers[_called_method(hc)]
             bound = _bind_helper(h, hc)
             if h.index_param not in bound:
                 continue
@@ -448,10 +462,11 @@ class CaptureAnalyzer:
         handed to the layer call, else "inline"."""
         for anc in fn.ancestors(test):
             if isinstance(anc, cst.If) and (anc.test is test or fn.inside(test, anc.test)):
-                appended = fn.findall(m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in ("append", "capture"))))), within=anc.body)
+                collects = m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in ("append", "capture")))))
+                appended = fn.findall_of(cst.Call, collects, within=anc.body)
                 if not appended:
                     return None
-                value = appended[0].args[0].value if appended[0].args else None  # type: ignore[attr-defined]
+                value = appended[0].args[0].value if appended[0].args else None
                 if value is None:
                     return None
                 value = _origin(fn, value, anc.body)
@@ -463,15 +478,16 @@ class CaptureAnalyzer:
                     return None
                 kind, kw = target
                 if kind == "in-layer" and call is not None:
-                    value, how, problem = self.layer_keywords.read(holder, kw)
+                    captured, how, problem = self.layer_keywords.read(holder, kw)
                     if problem:
                         raise _LoopProblem(problem)
-                    return "in-layer", value, how
+                    return "in-layer", captured, how
                 return None
         return None
 
     def _value_kind(self, expr: cst.BaseExpression, subst: dict[str, cst.BaseExpression],
-                    names: tuple[set[str], set[str], bool | None], fn: CstFunction, snapshots: set[str] = frozenset()) -> CapturedValue:  # type: ignore[assignment]
+                    names: tuple[set[str], set[str], bool | None], fn: CstFunction,
+                    snapshots: AbstractSet[str] = frozenset()) -> CapturedValue:
         hidden, residual, separate = names
 
         def resolve(e: cst.BaseExpression) -> cst.BaseExpression:
@@ -584,7 +600,7 @@ class LayerKeywords:
                     queue.extend((path, n.id) for n in ast.walk(mod.assigns[name]) if isinstance(n, ast.Name))
         return found_classes
 
-    def _called_classes(self, owner: ClassKey, ctor: ast.FunctionDef, stmts: list[ast.AST],
+    def _called_classes(self, owner: ClassKey, ctor: ast.FunctionDef | ast.AsyncFunctionDef, stmts: Sequence[ast.AST],
                         mro: list[ClassKey]) -> list[tuple[str, str]]:
         """(module, name) pairs that may name the class called to build each layer."""
         nested = {n.name: n for n in ast.walk(ctor) if isinstance(n, ast.FunctionDef) and n is not ctor}
@@ -606,9 +622,9 @@ class LayerKeywords:
             """Names a value expression may evaluate to (``a or b``: ``a`` when it names something)."""
             if isinstance(expr, ast.BoolOp) and isinstance(expr.op, ast.Or):
                 for v in expr.values:
-                    got = value_names(v, path)
-                    if any(isinstance(self.index.resolve(p, n), tuple) for p, n in got):
-                        return got
+                    named = value_names(v, path)
+                    if any(isinstance(self.index.resolve(p, n), tuple) for p, n in named):
+                        return named
                 return []
             if isinstance(expr, ast.Name):
                 return name_values(expr.id, path)
@@ -632,7 +648,9 @@ class LayerKeywords:
                     passed = self._passed_up(owner, name, mro)
                     expanding.add(("param", name))
                     try:
-                        return value_names(passed[1], passed[0]) if passed is not None else value_names(defaults[name], path)
+                        if passed is not None:
+                            return value_names(passed[1], passed[0])
+                        return value_names(defaults[name], path)
                     finally:
                         expanding.discard(("param", name))
             return [(path, name)]
@@ -646,7 +664,9 @@ class LayerKeywords:
                 if isinstance(sub, ast.Name) and sub.id in nested:
                     todo.append(nested[sub.id])  # a local helper handed to make_layers(...)
                 if isinstance(sub, ast.Call) and isinstance(sub.func, (ast.Name, ast.Attribute)):
-                    if isinstance(sub.func, ast.Attribute) and not (isinstance(sub.func.value, ast.Name) and sub.func.value.id == "self"):
+                    other_method = isinstance(sub.func, ast.Attribute) and not (
+                        isinstance(sub.func.value, ast.Name) and sub.func.value.id == "self")
+                    if other_method:
                         continue  # ``X.stage_facts(...)`` and other method calls do not build a layer
                     out.extend(value_names(sub.func, owner[0]))
         return out
@@ -674,16 +694,16 @@ class LayerKeywords:
                         return k[0], kwd.value
         return None
 
-    def _forwards(self, key: ClassKey) -> list[ClassKey]:
+    def _forwards(self, key: ClassKey) -> list[tuple[ClassKey, FuncInfo]]:
         """Owners of the ``forward`` definitions a call runs: the most derived one, and the next
         along the MRO while a definition hands ``**kwargs`` on to ``super().forward(...)``."""
-        out: list[ClassKey] = []
+        out: list[tuple[ClassKey, FuncInfo]] = []
         after: ClassKey | None = None
         while True:
             found = self.index.find_function(key, "forward", after=after)
             if found is None:
                 return out
-            out.append(found[0])
+            out.append(found)
             args = found[1].node.args
             text = self.index.function_text(found[0], found[1])
             if args.kwarg is None or not re.search(rf"super\(\)\.forward\([^)]*\*\*{args.kwarg.arg}\b", text, re.DOTALL):
@@ -691,8 +711,7 @@ class LayerKeywords:
             after = found[0]
 
     def _forward_takes(self, key: ClassKey, kw: str) -> bool:
-        for owner in self._forwards(key):
-            fi = self.index.class_info(owner).functions["forward"]  # type: ignore[union-attr]
+        for owner, fi in self._forwards(key):
             args = fi.node.args
             if kw in {a.arg for a in [*args.args, *args.kwonlyargs, *args.posonlyargs]}:
                 return True
@@ -703,7 +722,7 @@ class LayerKeywords:
         return False
 
     def _boundary_capture(self, layer: ClassKey, kw: str) -> bool:
-        for owner in self._forwards(layer):
+        for owner, _ in self._forwards(layer):
             fn = self.index.function(owner, "forward")
             if fn is None:
                 continue
@@ -713,9 +732,11 @@ class LayerKeywords:
                 m.Call(func=m.Attribute(value=m.Name(kwargs_name or "\0"), attr=m.Name("get")),
                        args=[m.Arg(value=m.SimpleString(m.MatchIfTrue(lambda s: s.strip("'\"") == kw))), m.ZeroOrMore()]),
             )
+            receiver = m.Attribute(attr=m.Name(m.MatchRegex(_BOUNDARY_RECEIVER)))
+            capture_kw = m.Name(m.MatchIfTrue(lambda v: v in BOUNDARY_CAPTURE_KWARGS))
             prepare = m.Call(
-                func=m.Attribute(value=m.Attribute(attr=m.Name(m.MatchRegex(_BOUNDARY_RECEIVER))), attr=m.Name(BOUNDARY_PREPARE)),
-                args=[m.ZeroOrMore(), m.Arg(keyword=m.Name(m.MatchIfTrue(lambda v: v in BOUNDARY_CAPTURE_KWARGS)), value=passes_kw), m.ZeroOrMore()],
+                func=m.Attribute(value=receiver, attr=m.Name(BOUNDARY_PREPARE)),
+                args=[m.ZeroOrMore(), m.Arg(keyword=capture_kw, value=passes_kw), m.ZeroOrMore()],
             )
             if fn.findall(prepare):
                 return True
@@ -730,7 +751,7 @@ class LoopSurroundings:
         self.index = index
 
     def captures(self, fn: CstFunction, attr: str, helpers: dict[str, _Helper],
-                               loops: list[cst.For]) -> tuple[list[str], list[str]]:
+                 loops: list[cst.For]) -> tuple[list[str], list[str]]:
         first = min(fn.order(lp) for lp in loops)
         last = max(fn.end(lp) for lp in loops)
         heads: dict[str, list[int]] = {}  # used as ordered sets
@@ -740,14 +761,15 @@ class LoopSurroundings:
             return any(fn.inside(node, lp) for lp in loops)
 
         probes: list[tuple[cst.CSTNode, cst.BaseExpression, str]] = []
-        for cmp in fn.findall(_member_of(attr)):
-            probes.append((cmp, cmp.left, f"`{code(cmp)}`"))  # type: ignore[attr-defined]
-        for hc in fn.findall(m.Call(func=m.Attribute(value=m.Name("self")))):
-            name = hc.func.attr.value  # type: ignore[attr-defined]
+        for cmp in fn.findall_of(cst.Comparison, _member_of(attr)):
+            probes.append((cmp, cmp.left, f"`{code(cmp)}`"))
+        for hc in fn.findall_of(cst.Call, m.Call(func=m.Attribute(value=m.Name("self")))):
+            name = _called_method(hc)
             if name in helpers:
-                bound = _bind_helper(helpers[name], hc)  # type: ignore[arg-type]
+                bound = _bind_helper(helpers[name], hc)
                 if helpers[name].index_param in bound:
-                    probes.append((hc, bound[helpers[name].index_param], f"{name}(..., {code(bound[helpers[name].index_param])}, ...)"))
+                    index_arg = bound[helpers[name].index_param]
+                    probes.append((hc, index_arg, f"{name}(..., {code(index_arg)}, ...)"))
         for node, index_expr, text in probes:
             if in_loop(node):
                 continue
@@ -756,7 +778,8 @@ class LoopSurroundings:
             if fn.order(node) < first and which == "start":
                 heads.setdefault(f"index 0 (the embedding) is captured before the loop by {text} in {fn.label}", [])
             elif fn.order(node) > last and which == "end":
-                tails.setdefault(f"index L (the last layer's output, before the final norm) is captured after the loop by {text} in {fn.label}", [])
+                tails.setdefault(f"index L (the last layer's output, before the final norm) is captured after the "
+                                 f"loop by {text} in {fn.label}", [])
         return list(heads), list(tails)
 
     @staticmethod
@@ -771,8 +794,8 @@ class LoopSurroundings:
         if m.matches(expr, end):
             return "end"
         if isinstance(expr, cst.Name):  # a local bound to one of those
-            for a in fn.findall(m.Assign(targets=[m.AssignTarget(target=m.Name(expr.value))])):
-                if m.matches(a.value, end):  # type: ignore[attr-defined]
+            for a in fn.findall_of(cst.Assign, m.Assign(targets=[m.AssignTarget(target=m.Name(expr.value))])):
+                if m.matches(a.value, end):
                     return "end"
         return None
 
@@ -780,22 +803,22 @@ class LoopSurroundings:
     def collectors(fn: CstFunction, loop: cst.For, helpers: dict[str, _Helper]) -> set[str]:
         """Names of the capture collectors a loop fills (``aux.append(...)``, ``aux.capture``
         handed to a layer, a helper's list argument)."""
-        out: set[str] = set()
 
         def root(e: cst.BaseExpression) -> str | None:
             while isinstance(e, (cst.Attribute, cst.Subscript)):
                 e = e.value
             return e.value if isinstance(e, cst.Name) else None
 
-        for c in fn.findall(m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in ("append", "capture", "extend"))))), within=loop.body):
-            out.add(root(c.func.value))  # type: ignore[attr-defined, arg-type]
-        for e in fn.findall(m.IfExp(), within=loop.body):
-            out.add(root(e.body))  # type: ignore[attr-defined, arg-type]
-        for c in fn.findall(m.Call(func=m.Attribute(value=m.Name("self"))), within=loop.body):
-            if c.func.attr.value in helpers and c.args:  # type: ignore[attr-defined]
-                out.add(root(c.args[0].value))  # type: ignore[attr-defined]
-        out.discard(None)  # type: ignore[arg-type]
-        return out
+        roots: list[str | None] = []
+        fills = m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in ("append", "capture", "extend")))))
+        for c in fn.findall_of(cst.Call, fills, within=loop.body):
+            roots.append(root(cst.ensure_type(c.func, cst.Attribute).value))
+        for e in fn.findall_of(cst.IfExp, m.IfExp(), within=loop.body):
+            roots.append(root(e.body))
+        for c in fn.findall_of(cst.Call, m.Call(func=m.Attribute(value=m.Name("self"))), within=loop.body):
+            if _called_method(c) in helpers and c.args:
+                roots.append(root(c.args[0].value))
+        return {r for r in roots if r is not None}
 
     def bypasses(self, fn: CstFunction, holder: ClassKey, attr: str, loops: list[cst.For], collectors: set[str],
                  layer_loops: list[LayerLoop]) -> list[Bypass]:
@@ -806,9 +829,8 @@ class LoopSurroundings:
         def in_capture_loop(node: cst.CSTNode) -> bool:
             return node in loops or any(fn.inside(node, lp) for lp in loops)
 
-        layers_arg = m.OneOf(_SELF_LAYERS, m.Subscript(value=_SELF_LAYERS))
-        for c in fn.findall(m.Call(args=[m.ZeroOrMore(), m.Arg(value=layers_arg), m.ZeroOrMore()])):
-            assert isinstance(c, cst.Call)
+        layers_arg: m.OneOf[m.BaseExpression] = m.OneOf(_SELF_LAYERS, m.Subscript(value=_SELF_LAYERS))
+        for c in fn.findall_of(cst.Call, m.Call(args=[m.ZeroOrMore(), m.Arg(value=layers_arg), m.ZeroOrMore()])):
             if in_capture_loop(c):
                 continue
             fname = code(c.func)
@@ -837,7 +859,8 @@ class LoopSurroundings:
             out.append(Bypass(
                 line=fn.line(lp),
                 description=f"a second layer loop in {fn.label} runs decoder layers without the self.{attr} test",
-                layers=f"layers iterated by `for {code(lp.target)} in {code(lp.iter)}`" + (f" when {' and '.join(conds)}" if conds else ""),
+                layers=(f"layers iterated by `for {code(lp.target)} in {code(lp.iter)}`"
+                        + (f" when {' and '.join(conds)}" if conds else "")),
                 path=fn.path,
             ))
         return out
@@ -863,7 +886,7 @@ class LoopSurroundings:
     def _describe_layers(self, arg: cst.BaseExpression, conds: list[str], fn: CstFunction, holder: ClassKey) -> str:
         if m.matches(arg, _SELF_LAYERS):
             text = "all layers"
-            bounds: list[str] = []
+            bounds: list[cst.Name] = []
         else:
             assert isinstance(arg, cst.Subscript)
             sl = arg.slice[0].slice
@@ -871,21 +894,21 @@ class LoopSurroundings:
                 lo = code(sl.lower) if sl.lower is not None else "0"
                 hi = code(sl.upper) if sl.upper is not None else "L"
                 text = f"layers {lo} <= i < {hi}"
-                bounds = [b for b in (sl.lower, sl.upper) if isinstance(b, cst.Name)]  # type: ignore[misc]
+                bounds = [b for b in (sl.lower, sl.upper) if isinstance(b, cst.Name)]
             else:
                 text = f"layer {code(sl)}"
                 bounds = []
         if conds:
             text += " when " + " and ".join(conds)
         for b in bounds:
-            name = b.value  # type: ignore[attr-defined]
+            name = b.value
             assigns = []
-            for a in fn.findall(m.Assign()):
-                targets = [t.target for t in a.targets]  # type: ignore[attr-defined]
+            for a in fn.findall_of(cst.Assign, m.Assign()):
+                targets = [t.target for t in a.targets]
                 if any(m.matches(t, m.Name(name)) for t in targets):
                     when = self._conditions(fn, a)
-                    value = code(a.value)  # type: ignore[attr-defined]
-                    value += self._config_source(a.value, holder)  # type: ignore[attr-defined]
+                    value = code(a.value)
+                    value += self._config_source(a.value, holder)
                     assigns.append(f"{value}" + (f" if {' and '.join(when)}" if when else " initially"))
             if assigns:
                 text += f"; {name} = " + "; = ".join(assigns)
@@ -893,9 +916,9 @@ class LoopSurroundings:
 
     def _config_source(self, expr: cst.BaseExpression, holder: ClassKey) -> str:
         """`` (config.x)`` when ``self.x`` is set from the config in the holder's constructor."""
-        if not m.matches(expr, m.Attribute(value=m.Name("self"))):
+        if not (isinstance(expr, cst.Attribute) and m.matches(expr.value, m.Name("self"))):
             return ""
-        attr = expr.attr.value  # type: ignore[attr-defined]
+        attr = expr.attr.value
         for k in self.index.mro(holder):
             info = self.index.class_info(k)
             if info is None or "__init__" not in info.functions:

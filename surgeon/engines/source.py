@@ -6,8 +6,9 @@
    imports and each function's line range. Cheap, and enough to resolve names and inheritance
    across files.
 3. :mod:`libcst` (only the functions the analysis actually reads): a method's lines are parsed on
-   their own, and :class:`~libcst.metadata.PositionProvider` lines are shifted back to the file's. libcst is ~15x slower than ast, so parsing whole files would make a
-   full probe take tens of seconds; parsing functions keeps it to a few.
+   their own, and :class:`~libcst.metadata.PositionProvider` lines are shifted back to the file's.
+   libcst is ~15x slower than ast, so parsing whole files would make a full probe take tens of
+   seconds; parsing functions keeps it to a few.
 
 Nothing here imports engine code.
 """
@@ -18,10 +19,11 @@ import ast
 import dataclasses
 import hashlib
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TypeVar
 
 import libcst as cst
 import libcst.matchers as m
@@ -31,6 +33,7 @@ ClassKey = tuple[str, str]  # (path relative to the package dir, class name)
 
 _CLASS_HEADER = re.compile(r"^class[ \t]+(\w+)[ \t]*(?:\(((?:[^()]|\((?:[^()]|\([^()]*\))*\))*)\))?[ \t]*:", re.M)
 _WORD = re.compile(r"[A-Za-z_]\w*")
+_Node = TypeVar("_Node", bound=cst.CSTNode)
 
 
 def key_str(key: ClassKey) -> str:
@@ -173,14 +176,25 @@ class CstFunction:
         i = self._order.get(node, -1)
         return self._order.get(container, -2) < i <= self._end.get(container, -2) if i >= 0 else False
 
-    def findall(self, matcher: "m.BaseMatcherNode", within: cst.CSTNode | None = None) -> list[cst.CSTNode]:
+    def findall(self, matcher: m.BaseMatcherNode, within: cst.CSTNode | None = None) -> list[cst.CSTNode]:
         """Nodes matching ``matcher`` (in source order), optionally inside ``within``."""
         node_type = getattr(cst, type(matcher).__name__, None)
-        pool = self._by_type.get(node_type, []) if isinstance(node_type, type) and issubclass(node_type, cst.CSTNode) else self._all
+        if isinstance(node_type, type) and issubclass(node_type, cst.CSTNode):
+            pool = self._by_type.get(node_type, [])
+        else:
+            pool = self._all
         if within is not None:
             lo, hi = self._order.get(within, 0), self._end.get(within, -1)
             pool = [n for n in pool if lo <= self._order[n] <= hi]
         return [n for n in pool if m.matches(n, matcher)]
+
+    def findall_of(self, kind: type[_Node], matcher: m.BaseMatcherNode,
+                   within: cst.CSTNode | None = None) -> list[_Node]:
+        """:meth:`findall` typed as the node class ``kind`` that ``matcher`` matches (``m.Call``:
+        ``cst.Call``), so callers read the matched node's fields with the type checker's help
+        instead of ignoring it. Nodes of another class are dropped, which a matcher of ``kind``
+        never yields anyway."""
+        return [n for n in self.findall(matcher, within) if isinstance(n, kind)]
 
     # -- lines -------------------------------------------------------------------------------
     def _pos(self, node: cst.CSTNode) -> CodeRange | None:
@@ -271,7 +285,7 @@ class SourceIndex:
         changed = True
         while changed:
             changed = False
-            for path, classes in headers.items():
+            for classes in headers.values():
                 for name, bases in classes:
                     if name not in names and bases & names:
                         names.add(name)
@@ -361,7 +375,8 @@ class SourceIndex:
             elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None:
                 assigns[item.target.id] = item.value
         start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-        return ClassInfo(path, node.name, node.lineno, start, node.end_lineno or node.lineno, list(node.bases), functions, assigns)
+        end = node.end_lineno or node.lineno
+        return ClassInfo(path, node.name, node.lineno, start, end, list(node.bases), functions, assigns)
 
     def class_info(self, key: ClassKey) -> ClassInfo | None:
         mod = self.module(key[0])
@@ -484,7 +499,7 @@ class SourceIndex:
                 module = cst.parse_module(source)
                 klass = module.body[-1]
                 assert isinstance(klass, cst.ClassDef)
-                fdef = klass.body.body[0]  # type: ignore[index]
+                fdef = klass.body.body[0]
                 if isinstance(fdef, cst.FunctionDef):
                     result = CstFunction(owner, owner[0], name, module, fdef, fi.start - 2)
                     self.lines_parsed_cst += fi.end - fi.start + 1
