@@ -56,9 +56,9 @@ def make_model(out: Path, hidden: int, layers: int, intermediate: int) -> Path:
     cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=64,
                       max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    from surgeon.run.tinymodels import _quiet_transformers
+    from surgeon.verify.reference import quiet_transformers
 
-    with torch.random.fork_rng(devices=[]), _quiet_transformers():
+    with torch.random.fork_rng(devices=[]), quiet_transformers():
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).eval()
         out.mkdir(parents=True, exist_ok=True)

@@ -232,3 +232,36 @@ def oversized() -> list[str]:
 def test_no_class_over_400_lines_or_function_over_80_without_a_size_comment():
     big = oversized()
     assert not big, "\n".join(big)
+
+
+# -- (d) layer order ---------------------------------------------------------------------------------
+# The packages are the layers of the README's layout table, in this order: a module imports (at module
+# level or inside a function) only from its own layer or the layers before it, so each layer can be
+# read, tested and reused without the ones after it.
+LAYERS = ["core", "engines", "capture", "wiring", "patch", "verify", "run", "commands", "cli"]
+
+
+def _layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] == "__main__":
+        return None
+    return "cli" if parts[1] in ("cli", "cli_render") else parts[1]
+
+
+def test_every_module_belongs_to_a_layer():
+    unplaced = sorted(m for m in import_graph() if m != "surgeon" and _layer_of(m) not in LAYERS + [None])
+    assert not unplaced, f"modules outside the layers {LAYERS}: {unplaced}"
+
+
+def test_layers_import_only_from_themselves_and_the_layers_before_them():
+    graph = import_graph()
+    upward = []
+    for module, imported in sorted(graph.items()):
+        here = _layer_of(module)
+        if here is None:
+            continue
+        for other in sorted(imported):
+            there = _layer_of(other)
+            if there is not None and LAYERS.index(there) > LAYERS.index(here):
+                upward.append(f"{module} ({here}) imports {other} ({there})")
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)

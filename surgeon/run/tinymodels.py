@@ -23,7 +23,6 @@ adjacent-layer gap (:func:`surgeon.verify.reference.adjacent_layer_gap`) in 1-3%
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -140,23 +139,6 @@ def _cast(model, dtype) -> None:
     model.config.dtype = dtype
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """Silence transformers' progress bars and info logs for the duration."""
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    level = hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def make_tiny_model(
     family: str,
     out_dir: str | Path,
@@ -173,12 +155,14 @@ def make_tiny_model(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from surgeon.verify.reference import quiet_transformers
+
     config = tiny_config(family, num_layers=num_layers, hidden_size=hidden_size, dtype=dtype)
     if residual_scale is not None:
         if isinstance(residual_scale, bool) or not isinstance(residual_scale, (int, float)) or not residual_scale > 0:
             raise BadInput(f"residual_scale must be a positive number, not {residual_scale!r}")
     out = Path(out_dir)
-    with torch.random.fork_rng(devices=[]), _quiet_transformers():
+    with torch.random.fork_rng(devices=[]), quiet_transformers():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if residual_scale is not None:

@@ -18,6 +18,7 @@ A :class:`Reference` saves to one safetensors file: one tensor per ``str(point)`
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -130,17 +131,33 @@ def _to_state(t: torch.Tensor) -> torch.Tensor:
     return t.to(device="cpu", dtype=torch.float32).clone()
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """Silence transformers' progress bars and info logs for the duration."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    level = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _load_model(model_dir: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from surgeon.run.tinymodels import _quiet_transformers
 
     if not model_dir.is_dir():
         raise BadInput(f"{model_dir}: not a model directory")
     if not (model_dir / "config.json").is_file():
         raise BadInput(f"{model_dir}: no config.json (expected a transformers save_pretrained folder)")
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
