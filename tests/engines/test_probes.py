@@ -297,6 +297,7 @@ def test_vllm_coverage(vl, vl_run):
 
 
 # -- the probe reads the source: edited copies change the result --------------------------------
+@pytest.mark.slow  # a whole probe of an edited engine copy: 6-8 s each
 def test_sglang_edited_conventions_change_the_probe(tmp_path, engine_copy):
     root, models = _copy_engine(engine_copy, tmp_path, "sglang")
     _edit(models / "deepseek_v2.py",
@@ -330,6 +331,7 @@ def test_sglang_edited_conventions_change_the_probe(tmp_path, engine_copy):
     assert _classified(probe, "Qwen2ForCausalLM").id_rule == PLUS_1  # untouched files keep theirs
 
 
+@pytest.mark.slow  # a whole probe of an edited engine copy: 6-8 s each
 def test_sglang_edited_capture_site_and_bypass(tmp_path, engine_copy):
     root, models = _copy_engine(engine_copy, tmp_path, "sglang")
     # deepseek: give the TBO stage the capture collector -> the bypass is no longer reported
@@ -360,6 +362,7 @@ def test_sglang_edited_capture_site_and_bypass(tmp_path, engine_copy):
     assert longcat.capture_site == "exit" and longcat.reachable(8) == range(0, 9)
 
 
+@pytest.mark.slow  # a whole probe of an edited engine copy: 6-8 s each
 def test_vllm_edited_conventions_change_the_probe(tmp_path, engine_copy):
     root, models = _copy_engine(engine_copy, tmp_path, "vllm")
     _edit(models / "interfaces.py", "self.aux_hidden_state_layers = tuple(sorted(set(layers)))",
@@ -400,6 +403,7 @@ def test_probe_speed(sg_run, vl_run):
     assert sg_run.seconds < 30 and vl_run.seconds < 30, (sg_run.seconds, vl_run.seconds)
 
 
+@pytest.mark.slow  # two whole probes (cold, then from the cache): about 7 s
 def test_cache_round_trip(tmp_path, monkeypatch, sg):
     from surgeon.engines import cache
 
