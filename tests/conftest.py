@@ -27,6 +27,38 @@ def installed_engine(engine: str) -> EngineLocation:
         pytest.fail(f"{engine} is not installed ({e}): run ./scripts/setup", pytrace=False)
 
 
+RELEASES_DIR = Path(__file__).resolve().parents[1] / ".engines"
+RELEASES_LIST = Path(__file__).resolve().parents[1] / "scripts" / "engine-releases.txt"
+
+
+def engine_releases() -> list[tuple[str, str]]:
+    """(distribution, version) of every release in scripts/engine-releases.txt, in file order."""
+    out = []
+    for line in RELEASES_LIST.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            dist, version = line.split()
+            out.append((dist, version))
+    return out
+
+
+def release_engine(dist: str, version: str) -> Path:
+    """The package directory of an engine release fetched as sources by scripts/fetch-engines
+    (``.engines/vllm-0.33.0/vllm``); fails (not skips) when it was not fetched."""
+    folder = RELEASES_DIR / f"{dist}-{version}"
+    if not (folder / ".complete").exists():
+        pytest.fail(f"{dist} {version} sources are not in {folder}: run ./scripts/setup", pytrace=False)
+    return folder / dist.split("-")[0]
+
+
+def engine_matrix() -> list[tuple[str, str, Path | None]]:
+    """(engine, label, root) for the installed engines (root None) and every fetched release."""
+    rows: list[tuple[str, str, Path | None]] = [("vllm", "vllm-installed", None), ("sglang", "sglang-installed", None)]
+    for dist, version in engine_releases():
+        rows.append((dist.split("-")[0], f"{dist}-{version}", RELEASES_DIR / f"{dist}-{version}" / dist.split("-")[0]))
+    return rows
+
+
 @pytest.fixture
 def engine_copy(tmp_path: Path) -> Callable[..., Path]:
     """``engine_copy(engine, dest=None, metadata=True)``: a writable site-packages-like copy of
