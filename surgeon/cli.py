@@ -67,9 +67,10 @@ def main() -> None:
 
 
 def _show(result: Any, as_json: bool, print_text: Any) -> Any:
-    """Render ``result`` (its JSON, or ``print_text(result)``) and hand it back for the exit code."""
+    """Render ``result`` (its JSON under the verb's format number, or ``print_text(result)``) and
+    hand it back for the exit code."""
     if as_json:
-        emit_json(result.to_json())
+        emit_json(commands.json_output(click.get_current_context().info_name or "", result))
     else:
         print_text(result)
     return result
@@ -77,9 +78,14 @@ def _show(result: Any, as_json: bool, print_text: Any) -> Any:
 
 # --------------------------------------------------------------------------------------------- specs
 @main.command()
-def schema() -> Any:
-    """Print the JSON Schema of spec v1 (for editors' completion and validation)."""
-    return _show(commands.schema(), True, None)
+@click.option("--output", "output", default="spec", show_default=True, type=click.Choice(["spec", *commands.FORMATS]),
+              help="spec: the spec v1 file format; a command name: the shape of that command's --json output.")
+def schema(output: str) -> Any:
+    """Print a JSON Schema: of spec v1 (for editors' completion and validation), or of a command's
+    --json output (its "format" number included)."""
+    result = commands.schema(output=output)
+    emit_json(result.to_json())
+    return result
 
 
 @main.command()

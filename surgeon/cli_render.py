@@ -103,7 +103,7 @@ def print_rendering(r: Any) -> None:
         out.print(f"  fc slot {c['fc_slot']}: {c['name']} = {c['point']}  (replayed: {c['captured']})")
     out.print("draft config fragment:")
     out.print(json.dumps(r.draft_config, indent=2), markup=False)
-    out.print("launch: " + " ".join(r.launch_flags), markup=False)
+    out.print("launch: " + r.launch_shell, markup=False)
     if r.dump:
         out.print("dump: " + json.dumps(r.dump), markup=False)
     for n in r.notes:
@@ -165,7 +165,7 @@ def print_match(result: Any) -> None:
     style = {"ok": "green", "mismatch": "red", "no_match": "red", "unlabelled": "yellow"}
     for s in result.report.slots:
         table.add_row(s.name, str(s.declared or "-"), str(s.matched or "none"), f"{s.rel_err:.4f}",
-                      f"{s.margin:.1f}x", f"[{style.get(s.verdict, 'white')}]{s.verdict}[/]")
+                      s.margin_text, f"[{style.get(s.verdict, 'white')}]{s.verdict}[/]")
     out.print(f"{escape(result.subject.source)} ({result.subject.layout}) vs {escape(str(result.reference_source))}; "
               f"tokens: {escape(result.alignment)}")
     out.print(table)

@@ -10,7 +10,8 @@ How a command says something went wrong, one way each:
 * Before there is a report (bad input, an engine that failed, a broken promise of surgeon's
   own), it raises a :class:`surgeon.core.errors.SurgeonError`, whose ``exit_code`` the CLI
   exits with.
-* A report is always returned. Its ``to_json()`` is exactly what ``--json`` prints; its verdict
+* A report is always returned. ``json_output(verb, report)`` is exactly what ``--json`` prints
+  (``to_json()`` under the output's ``"format"`` number, its shape ``schema(output=verb)``); its verdict
   is ``exit_code`` (absent means 0; :func:`exit_code_of` reads it): 3 when the checked wiring
   differs (check-draft, verify, check-hooks, status, demo), 2 when lint finds invalid specs.
   A report with a ``problem`` also names it in one line.
@@ -27,7 +28,7 @@ from surgeon.commands.demo_command import demo
 from surgeon.commands.harness_commands import fingerprint, match, reference, verify
 from surgeon.commands.patch_commands import apply, coverage, diff, revert, status
 from surgeon.commands.progress import QUIET, Progress
-from surgeon.commands.results import exit_code_of
+from surgeon.commands.results import FORMATS, exit_code_of, json_output
 from surgeon.commands.spec_commands import check_draft, conventions, explain, lint, render, review, schema, sweep_spec
 
 # Every CLI verb and the one function behind it (tests check the CLI has no other verbs).
@@ -40,7 +41,7 @@ COMMANDS: dict[str, Callable[..., object]] = {
     "demo": demo,
 }
 
-__all__ = ["COMMANDS", "QUIET", "Progress", "exit_code_of",
+__all__ = ["COMMANDS", "FORMATS", "QUIET", "Progress", "exit_code_of", "json_output",
            "schema", "lint", "explain", "render", "check_draft", "review", "conventions", "sweep_spec",
            "reference", "fingerprint", "match", "verify", "hooks", "check_hooks", "dump_info", "export",
            "apply", "revert", "status", "diff", "coverage", "demo"]

@@ -1,7 +1,10 @@
 """What the command functions return when the library has no result object of its own.
 
-Every result has ``to_json()`` (the exact object ``--json`` prints) and may have ``exit_code``
-(0 when absent): the command's verdict on its report, which the CLI exits with after rendering.
+Every result has ``to_json()`` and may have ``exit_code`` (0 when absent): the command's verdict
+on its report, which the CLI exits with after rendering. ``--json`` prints
+:func:`json_output`: ``{"format": N, **result.to_json()}``, where N is the output's format number
+(:data:`FORMATS`) and the shape is the JSON Schema ``surgeon schema --output NAME`` prints
+(:mod:`surgeon.commands.outputs`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,20 @@ from surgeon.core.errors import BadInput
 def exit_code_of(result: object) -> int:
     """The exit status a command's result asks for: 0 unless the result says otherwise."""
     return int(getattr(result, "exit_code", 0))
+
+
+#: The format number of every ``--json`` output, by CLI verb. A number changes when a key is
+#: removed or renamed or changes its type or meaning; adding a key keeps it. Scripts check it.
+FORMATS: dict[str, int] = {
+    "lint": 1, "explain": 1, "render": 1, "check-draft": 1, "review": 1, "conventions": 1,
+    "match": 1, "verify": 1, "dump-info": 1, "export": 1, "check-hooks": 1,
+    "apply": 1, "revert": 1, "status": 1, "diff": 1, "coverage": 1, "demo": 1,
+}
+
+
+def json_output(command: str, result: Any) -> dict:
+    """What ``surgeon COMMAND --json`` prints: the result's JSON under its format number."""
+    return {"format": FORMATS[command], **result.to_json()}
 
 
 @dataclass
@@ -151,14 +168,33 @@ class Verification:
         return self.result.to_json()
 
 
+_DUMP_KEYS = ("surgeon.kind", "surgeon.format", "spec.name", "spec.sha256", "engine", "engine.version", "model",
+              "num_layers", "hidden_size", "tokens", "dtype")
+
+
+def _number(text: str | None) -> int | None:
+    """A count from the dump's (string-only) safetensors metadata; None when absent or not a number."""
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
 @dataclass
 class DumpInfo:
     file: str
-    meta: dict  # the dump's metadata, without its captures list
+    meta: dict  # the dump's metadata, without its captures list (safetensors metadata: all strings)
     captures: list[dict]  # name, point, shape per capture
 
     def to_json(self) -> dict:
-        return {"file": self.file, **self.meta, "captures": self.captures}
+        m = self.meta
+        text = lambda k: m.get(k) or None  # an empty field is "not recorded"
+        return {"file": self.file, "dump_format": _number(m.get("surgeon.format")),
+                "spec": {"name": text("spec.name"), "sha256": text("spec.sha256")},
+                "engine": text("engine"), "engine_version": text("engine.version"), "model": text("model"),
+                "num_layers": _number(m.get("num_layers")), "hidden_size": _number(m.get("hidden_size")),
+                "tokens": _number(m.get("tokens")), "dtype": text("dtype"), "captures": self.captures,
+                "other_metadata": {k: v for k, v in m.items() if k not in _DUMP_KEYS}}
 
 
 @dataclass

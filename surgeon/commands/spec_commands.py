@@ -29,11 +29,16 @@ def engine_roots(engine: str | None, engine_root: str | None) -> dict[str, str |
     return {engine: engine_root} if engine and engine_root else {}
 
 
-def schema() -> SchemaResult:
-    """The JSON Schema of spec v1."""
-    from surgeon.core.spec import json_schema
+def schema(*, output: str = "spec") -> SchemaResult:
+    """A JSON Schema: of spec v1 (``output="spec"``), or of the ``--json`` output of the command
+    ``output`` (one of :data:`surgeon.commands.results.FORMATS`)."""
+    if output == "spec":
+        from surgeon.core.spec import json_schema
 
-    return SchemaResult(json_schema())
+        return SchemaResult(json_schema())
+    from surgeon.commands.outputs import output_schema
+
+    return SchemaResult(output_schema(output))
 
 
 def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,

@@ -9,6 +9,7 @@ file (:mod:`surgeon.verify.fingerprint`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -97,9 +98,14 @@ class HarnessResult:
         def pt(p: Point | None) -> str | None:
             return None if p is None else str(p)
 
+        def number(x: float) -> float | None:  # JSON has no infinity: an unbounded value is null
+            return float(x) if math.isfinite(x) else None
+
         return {
-            "slots": [{"name": s.name, "declared": pt(s.declared), "matched": pt(s.matched) or "none",
-                       "rel_err": float(s.rel_err), "margin": float(s.margin), "verdict": s.verdict}
+            "ok": self.ok,
+            "slots": [{"name": s.name, "declared": pt(s.declared), "matched": pt(s.matched),
+                       "rel_err": number(s.rel_err), "margin": number(s.margin), "exact": s.exact,
+                       "verdict": s.verdict}
                       for s in self.report.slots],
             "diagnosis": [{"kind": d.kind, "detail": d.detail} for d in self.report.diagnosis],
             "suggested": {"captures": {k: str(v) for k, v in self.report.suggested_captures.items()},

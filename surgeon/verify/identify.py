@@ -64,7 +64,6 @@ MAX_REL_ERR = 0.20
 MIN_MARGIN = 2.0
 TOKEN_REL_ERR = 0.5
 MIN_TOKEN_FRACTION = 0.9
-MARGIN_CAP = 1e6  # margin of an exact (zero-error) match; keeps JSON finite
 SCREEN_TOKENS = 128
 CONFIRM_TOP = 2  # best and runner-up, exactly (plus the declared point)
 SHIFTS = 4  # token shifts tried when diagnosing a buffer that matches nothing
@@ -77,10 +76,20 @@ class SlotResult:
     declared: Point | None
     matched: Point | None  # None: nothing fits
     rel_err: float  # of the best candidate
-    margin: float  # runner-up rel_err / best rel_err (>= 1; larger = surer)
+    margin: float  # runner-up rel_err / best rel_err (>= 1; larger = surer; inf for an exact match)
     verdict: str  # "ok" | "mismatch" | "no_match" | "unlabelled"
     ranking: list[tuple[Point, float]]  # all candidates, best first
     token_fraction: float = 0.0  # share of tokens whose own error vs the best candidate is small
+
+    @property
+    def exact(self) -> bool:
+        """The slot equals its best candidate bit for bit (rel err 0): no margin to speak of."""
+        return self.rel_err == 0.0
+
+    @property
+    def margin_text(self) -> str:
+        """The margin for people: ``exact``, or the ratio (``12.3x``)."""
+        return "exact" if self.exact else f"{self.margin:.1f}x"
 
 
 @dataclass
@@ -333,9 +342,9 @@ def identify(slots: Sequence[tuple[str, Point | None, torch.Tensor]], reference,
         if not math.isfinite(best_err):
             margin = 1.0
         elif best_err == 0.0:
-            margin = MARGIN_CAP
+            margin = math.inf if runner > 0.0 else 1.0  # exact; two candidates both exact tell nothing apart
         else:
-            margin = max(1.0, min(MARGIN_CAP, runner / best_err))
+            margin = max(1.0, runner / best_err)
         tr = s.tok_rel.get(best)
         frac = float((tr <= TOKEN_REL_ERR).double().mean()) if tr is not None and tr.numel() else 0.0
         fits = (s.nonfinite == 0 and best_err <= MAX_REL_ERR and margin >= MIN_MARGIN

@@ -37,7 +37,7 @@ def _format(result) -> str:
     for s in result.report.slots:
         if s.verdict != "ok":
             lines.append(f"  {s.name}: declared {s.declared}, is {s.matched or 'nothing known'} "
-                         f"(rel err {s.rel_err:.4f}, margin {s.margin:.1f}x, {s.verdict})")
+                         f"(rel err {s.rel_err:.4f}, margin {s.margin_text}, {s.verdict})")
     lines += [f"  {d.kind}: {d.detail}" for d in result.report.diagnosis]
     if result.engine_ids:
         lines.append(f"  corrected engine ids: {result.engine_ids}")

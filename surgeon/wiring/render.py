@@ -7,6 +7,7 @@ captures exactly the spec's points, in fc order, or rendering refuses with the r
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -185,12 +186,19 @@ class Rendering:
     ids: list[int]
     captures: list[dict]  # fc slot, name, point, what the ids capture (replayed)
     draft_config: dict
-    launch_flags: list[str]
+    launch_flags: list[str]  # argv: one argument per item, for the engine's launch command
     dump: dict | None
     notes: list[str]
 
+    @property
+    def launch_shell(self) -> str:
+        """The launch flags quoted for a POSIX shell (``<DRAFT>`` is a placeholder to replace)."""
+        return shlex.join(self.launch_flags)
+
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["launch"] = {"argv": data.pop("launch_flags"), "shell": self.launch_shell}
+        return data
 
 
 def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None = None) -> Rendering:
@@ -233,7 +241,7 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     draft_config: dict[str, object]  # the fragment each target's draft config reads
     if target == "sglang":
         draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
-        flags = ["--speculative-algorithm EAGLE3", "--speculative-draft-model-path <DRAFT>"]
+        flags = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "<DRAFT>"]
         notes.append("SGLang reads the ids from the draft config's eagle_config only; top-level ids are ignored there")
     elif kind == "dflash":  # vLLM adds 1 to DFlash's output-of-layer ids when it reads them
         draft_config = {"dflash_config": {"target_layer_ids": [i - 1 for i in ids]}}
@@ -251,7 +259,8 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
                     "note": f"the last slot is {last}, before the final norm"}
     else:  # specforge
         draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
-        flags = ["scripts/prepare_hidden_states.py --enable-aux-hidden-states --draft-model-config <DRAFT>/config.json"]
+        flags = ["scripts/prepare_hidden_states.py", "--enable-aux-hidden-states", "--draft-model-config",
+                 "<DRAFT>/config.json"]
         dump = {"layout": "specforge", "aux_hidden_state": [c["point"] for c in captures], "hidden_state": "final_norm"}
         notes.append("SpecForge ids are layer outputs (id k = layer_out[k]); it refuses -1, so embed cannot be an fc input")
     conv_name = lst.convention

@@ -96,7 +96,9 @@ def test_render_returns_the_rendering_the_cli_prints():
     r = commands.render(spec=KIMI, target="vllm")
     assert r.rendering.ids == [3, 31, 59] and r.pinned is None
     assert commands.exit_code_of(r) == 0
-    assert json.loads(json.dumps(r.to_json(), default=str)) == cli_json("render", KIMI, "--engine", "vllm")
+    printed = cli_json("render", KIMI, "--engine", "vllm")
+    assert json.loads(json.dumps(commands.json_output("render", r), default=str)) == printed
+    assert printed["format"] == commands.FORMATS["render"] and {**r.to_json(), "format": printed["format"]} == printed
 
 
 def test_render_pin_outside_engines_is_bad_input():
@@ -236,7 +238,7 @@ def test_every_deliberate_error_is_a_surgeon_error_with_its_exit_code():
 
 
 def _cli_with_schema_raising(monkeypatch, error: BaseException):
-    def fail():
+    def fail(**kwargs):
         raise error
 
     monkeypatch.setattr(commands, "schema", fail)

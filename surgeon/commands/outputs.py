@@ -1,0 +1,460 @@
+"""The shape of every ``--json`` output, as typed models: ``surgeon schema --output NAME`` prints
+the JSON Schema generated from them, and the tests validate each command's real output against it.
+
+One model per output (:data:`OUTPUTS`, keyed by CLI verb), each with the ``format`` number of
+:data:`surgeon.commands.results.FORMATS`. Objects are closed (``additionalProperties: false``): a
+key a command prints is a key documented here, so a new key is added here with the code that
+prints it (the format number stays; it changes when a key is removed, renamed or retyped).
+Numbers are JSON numbers; a value that is not known or not finite is ``null``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from surgeon.commands.results import FORMATS
+
+Point = str  # a physical point: "embed", "layer_out[k]", "layer_delta[k]", "final_norm"
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Output(_Closed):
+    format: int = Field(description="format number of this output; changes when a key is removed, renamed or retyped")
+
+
+# -- specs -----------------------------------------------------------------------------------------
+class Issue(_Closed):
+    file: str
+    line: int = Field(description="1-based; 0 when the issue has no place in the file")
+    col: int
+    severity: Literal["error", "warning"]
+    path: str = Field(description="dotted key path in the spec, e.g. captures.low; empty for the whole spec")
+    message: str
+
+
+class LintedSpec(_Closed):
+    file: str
+    ok: bool
+    checked: list[str] = Field(description="what was checked and passed, one line each")
+    issues: list[Issue]
+
+
+class LintOutput(_Output):
+    ok: bool = Field(description="every spec is valid (warnings allowed); exit 2 otherwise")
+    specs: list[LintedSpec]
+
+
+class IdList(_Closed):
+    convention: str
+    origin: str = Field(description="where the rule was read: a probe of the engine source, or the built-in table")
+    ids: list[int] | None = Field(description="null: not expressible (see error)")
+    error: str | None
+    captures: list[Point] = Field(description="what the ids capture, replayed through the engine's setter")
+
+
+class ExplainRow(_Closed):
+    name: str
+    point: Point
+    fc_slot: int | None
+    dump_slot: str | None
+    ids: dict[str, int | str] = Field(description="convention -> id, or 'not expressible: why'")
+
+
+class ExplainOutput(_Output):
+    spec: str
+    file: str
+    sha256: str
+    num_layers: int
+    hidden_size: int
+    conventions: dict[str, str] = Field(description="column -> the convention's rule and where it was read")
+    rows: list[ExplainRow]
+    fc_lists: dict[str, IdList]
+    notes: list[str]
+
+
+class RenderedCapture(_Closed):
+    fc_slot: int
+    name: str
+    point: Point
+    captured: Point | None = Field(description="what the rendered ids capture, replayed")
+
+
+class Launch(_Closed):
+    argv: list[str] = Field(description="the launch flags, one argument per item (<DRAFT>: the draft's path)")
+    shell: str = Field(description="the same, quoted for a POSIX shell (shlex.join)")
+
+
+class RenderOutput(_Output):
+    spec: str
+    target: Literal["sglang", "vllm", "specforge", "speculators"]
+    model_class: str | None
+    convention: str
+    origin: str
+    ids: list[int]
+    captures: list[RenderedCapture]
+    draft_config: dict[str, Any] = Field(description="the fragment to merge into the draft's config.json")
+    launch: Launch
+    dump: dict[str, Any] | None = Field(description="the dump layout the target reads, where it has one")
+    notes: list[str]
+
+
+class DraftFinding(_Closed):
+    severity: Literal["error", "warning", "info"]
+    kind: str
+    detail: str
+
+
+class CheckDraftOutput(_Output):
+    ok: bool = Field(description="no error finding: the engine feeds the fc the spec's points; exit 3 otherwise")
+    spec: str
+    draft: str
+    engine: str
+    model_class: str | None
+    origin: str
+    config_rule: str
+    ids_found: dict[str, Any] = Field(description="where in the config -> the ids there")
+    ids_used: list[int] | None = Field(description="what the engine passes to its setter; null: its default")
+    captured: list[Point | None]
+    expected: list[Point]
+    fc_weight: dict[str, Any] | None
+    findings: list[DraftFinding]
+
+
+class ReviewCapture(_Closed):
+    name: str
+    was: Point | None
+    now: Point | None
+
+
+class ReviewIds(_Closed):
+    target: str
+    before: list[int] | None
+    after: list[int] | None
+
+
+class ReviewOutput(_Output):
+    old: str
+    new: str
+    fc_changed: bool = Field(description="the draft's fc input changed physically")
+    captures: list[ReviewCapture]
+    ids: list[ReviewIds]
+    markdown: str = Field(description="the pull-request comment (GitHub-flavoured Markdown)")
+
+
+class CoverageCounts(_Closed):
+    total: int
+    classified: int
+    no_capture: int
+    unclassified: int
+
+
+class ProbedBypass(_Closed):
+    line: int
+    description: str
+    layers: str
+    path: str | None
+
+
+class ProbedClass(_Closed):
+    engine: str
+    path: str
+    class_name: str
+    line: int
+    status: Literal["classified", "unclassified"]
+    reason: str | None
+    setter: str | None
+    setter_owner: str | None
+    id_rule: str | None
+    default: list[str] | None
+    default_through_rule: bool
+    sorts: bool
+    dedups: bool
+    emit_order: str
+    capture_site: str
+    captured_value: str
+    loop_owner: str | None
+    bypasses: list[ProbedBypass]
+    tail_capture: bool
+    no_capture: bool
+
+
+class ConventionsOutput(_Output):
+    coverage: dict[str, CoverageCounts]
+    engine: str
+    version: str
+    root: str
+    files_scanned: int
+    classified: int
+    unclassified: int
+    architectures: dict[str, str] = Field(description="registered architecture -> probed class")
+    classes: list[ProbedClass]
+
+
+# -- the wiring harness -----------------------------------------------------------------------------
+class MatchedSlot(_Closed):
+    name: str
+    declared: Point | None
+    matched: Point | None = Field(description="the point the slot holds; null: no point fits")
+    rel_err: float | None = Field(description="relative error of the best candidate; null: not finite (NaN/Inf)")
+    margin: float | None = Field(description="runner-up error / best error; null when exact")
+    exact: bool = Field(description="the slot equals its best candidate bit for bit")
+    verdict: Literal["ok", "mismatch", "no_match", "unlabelled"]
+
+
+class Diagnosis(_Closed):
+    kind: str
+    detail: str
+
+
+class Suggested(_Closed):
+    captures: dict[str, Point]
+    engine_ids: dict[str, list[int] | str] = Field(description="engine -> ids for the corrected captures, or why none")
+
+
+class MatchResult(_Closed):
+    """A match or verify result (the demo nests two, without a format of their own)."""
+
+    ok: bool = Field(description="every slot is its declared point (verify exits 3 otherwise)")
+    slots: list[MatchedSlot]
+    diagnosis: list[Diagnosis] = Field(description="what went wrong, the explanation covering the most slots first")
+    suggested: Suggested
+    subject: str
+    layout: str
+    reference: str
+    alignment: str
+    notes: list[str]
+
+
+class MatchOutput(_Output, MatchResult):
+    pass
+
+
+class VerifyOutput(_Output, MatchResult):
+    pass
+
+
+# -- capture code and dumps ---------------------------------------------------------------------------
+class DumpCapture(_Closed):
+    name: str
+    point: Point
+    shape: list[int] | None
+
+
+class DumpSpec(_Closed):
+    name: str | None
+    sha256: str | None
+
+
+class DumpInfoOutput(_Output):
+    file: str
+    dump_format: int | None = Field(description="the dump file's own format number")
+    spec: DumpSpec
+    engine: str | None
+    engine_version: str | None
+    model: str | None
+    num_layers: int | None
+    hidden_size: int | None
+    tokens: int | None
+    dtype: str | None = Field(description="the captures' dtypes, comma-separated")
+    captures: list[DumpCapture]
+    other_metadata: dict[str, str] = Field(description="metadata keys this surgeon does not interpret")
+
+
+class ExportOutput(_Output):
+    layout: Literal["specforge", "speculators"]
+    written: list[str]
+
+
+class HookFinding(_Closed):
+    file: str
+    line: int
+    col: int
+    rule: str
+    message: str
+
+
+class CheckHooksOutput(_Output):
+    ok: bool = Field(description="no finding (exit 3 otherwise)")
+    findings: list[HookFinding]
+
+
+# -- patches --------------------------------------------------------------------------------------------
+class SpecRef(_Closed):
+    name: str
+    sha256: str
+
+
+class ApplyOutput(_Output):
+    patch: str
+    engine: str
+    engine_version: str
+    engine_root: str
+    model_file: str
+    loop_class: str | None
+    hooks_file: str
+    hooks_module: str
+    mode: Literal["dump", "aux"]
+    max_tokens: int
+    recipe: str
+    anchors: list[str]
+    spec: SpecRef
+    dry_run: bool
+    changed: bool | None = Field(description="null on a dry run")
+    files_written: list[str]
+    replaced: list[str]
+    recovered: str | None
+    diff: str | None = Field(None, description="present with --diff")
+
+
+class EngineRevert(_Closed):
+    engine: str
+    engine_root: str
+    reverted: list[str]
+    restored: list[str]
+    warnings: list[str]
+    recovered: str | None
+
+
+class RevertOutput(_Output):
+    reverted: list[EngineRevert]
+
+
+class PatchedFile(_Closed):
+    relpath: str
+    state: str
+    created: bool
+    sha256_before: str
+    sha256_after: str
+
+
+class AppliedPatch(_Closed):
+    engine: str
+    engine_root: str
+    name: str
+    state: str = Field(description="applied, drifted or missing")
+    spec: SpecRef
+    engine_version: str
+    created: str
+    files: list[PatchedFile]
+
+
+class StatusOutput(_Output):
+    ok: bool = Field(description="every patched file is as applied (exit 3 otherwise)")
+    patches: list[AppliedPatch]
+
+
+class DiffFile(_Closed):
+    relpath: str
+    created: bool
+    state: str
+
+
+class PatchDiff(_Closed):
+    engine: str
+    name: str
+    state: str
+    files: list[DiffFile]
+    diff: str
+
+
+class DiffOutput(_Output):
+    patches: list[PatchDiff]
+
+
+class ClassCoverage(_Closed):
+    path: str
+    class_name: str
+    method: str
+    line: int
+    decoder: bool
+    layers: bool
+    embed: bool
+    final_norm: bool
+    reason: str | None
+    embed_reason: str | None
+    final_norm_reason: str | None
+    recipe: str | None
+    native: list[str]
+    with_guard: bool
+    patchable: bool
+    patchable_with_guard: bool
+
+
+class CoverageFigures(_Closed):
+    patchable: int
+    total: int
+    fraction: float
+    patchable_with_guard: int
+    fraction_with_guard: float
+
+
+class UnparsedFile(_Closed):
+    path: str
+    reason: str
+
+
+class EngineCoverage(_Closed):
+    engine: str
+    version: str
+    root: str
+    files: int
+    files_parsed: int
+    seconds: float
+    probe_error: str | None
+    unparsed: list[UnparsedFile]
+    decoder: CoverageFigures
+    all: CoverageFigures
+    native: int
+    final_norm: int
+    classes: list[ClassCoverage]
+
+
+class CoverageOutput(_Output):
+    seconds: float
+    engines: list[EngineCoverage]
+
+
+# -- demo -------------------------------------------------------------------------------------------------
+class DemoOutput(_Output):
+    ok: bool = Field(description="the spec's wiring verified, the mis-wiring was caught, the revert is byte-identical")
+    workdir: str
+    model: str
+    spec: str
+    wrong_spec: str
+    reference: str
+    dump: str
+    heatmap: str
+    heatmap_right: str
+    engine_root: str
+    model_file: str
+    reverted_byte_identical: bool
+    right: MatchResult | None
+    wrong: MatchResult | None
+    timings_s: dict[str, float]
+
+
+OUTPUTS: dict[str, type[_Output]] = {
+    "lint": LintOutput, "explain": ExplainOutput, "render": RenderOutput, "check-draft": CheckDraftOutput,
+    "review": ReviewOutput, "conventions": ConventionsOutput, "match": MatchOutput, "verify": VerifyOutput,
+    "dump-info": DumpInfoOutput, "export": ExportOutput, "check-hooks": CheckHooksOutput,
+    "apply": ApplyOutput, "revert": RevertOutput, "status": StatusOutput, "diff": DiffOutput,
+    "coverage": CoverageOutput, "demo": DemoOutput,
+}
+
+
+def output_schema(name: str) -> dict:
+    """The JSON Schema (draft 2020-12) of ``surgeon NAME --json``, its format number fixed."""
+    from surgeon.core.errors import BadInput
+
+    model = OUTPUTS.get(name)
+    if model is None:
+        raise BadInput(f"no --json output named {name!r}; one of: spec, {', '.join(OUTPUTS)}")
+    schema = model.model_json_schema()
+    schema["properties"]["format"]["const"] = FORMATS[name]
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": f"surgeon:output/{name}/{FORMATS[name]}",
+            **schema, "title": f"surgeon {name} --json, format {FORMATS[name]}"}
