@@ -209,7 +209,7 @@ def reference(model: str, input_ids: str, output: str) -> Any:
 def fingerprint(ref: str, output: str, input_ids: str | None, dim: int, seed: int) -> Any:
     """Write a small fingerprint of REF (hf:DIR or a reference file) that identification can use
     instead of the full tensors: keep it next to the spec."""
-    fp = commands.fingerprint(ref=ref, output=output, input_ids=input_ids, dim=dim, seed=seed)
+    fp = commands.fingerprint(ref=ref, output=output, input_ids=input_ids, dim=dim, seed=seed, progress=RichProgress())
     show.out.print(f"wrote {escape(fp.output)}: {fp.points} points x {fp.tokens} tokens, dim {fp.dim}, seed {fp.seed}")
     return fp
 
@@ -231,7 +231,8 @@ def _harness_options(f):
 def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
           plot: str | None) -> Any:
     """Which physical point each slot of SUBJECT really is, how sure, and what is wrong."""
-    result = commands.match(subject=subject, ref=ref, spec=spec, slots=slots, input_ids=input_ids, plot=plot)
+    result = commands.match(subject=subject, ref=ref, spec=spec, slots=slots, input_ids=input_ids, plot=plot,
+                            progress=RichProgress(as_json))
     _show(result, as_json, show.print_match)
     if not as_json and plot:
         show.out.print(f"heatmap: {escape(plot)}")
@@ -246,7 +247,8 @@ def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], inpu
 def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
            plot: str | None) -> Any:
     """Exit 0 when every slot of SUBJECT is what SPEC declares, 3 when not, 2 on bad input."""
-    v = commands.verify(spec=spec, subject=subject, ref=ref, slots=slots, input_ids=input_ids, plot=plot)
+    v = commands.verify(spec=spec, subject=subject, ref=ref, slots=slots, input_ids=input_ids, plot=plot,
+                        progress=RichProgress(as_json))
     _show(v, as_json, lambda v: show.print_match(v.result))
     if not as_json:
         show.out.print("[green]wiring verified[/]" if v.ok else "[red]wiring differs from the spec[/]")

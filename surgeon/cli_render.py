@@ -11,8 +11,10 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from surgeon.commands.progress import HEARTBEAT_S, Heartbeat
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -25,27 +27,35 @@ def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
-def spinner(text: str, as_json: bool) -> contextlib.AbstractContextManager[Any]:
-    """A rich spinner on a terminal; nothing under --json or in a log."""
-    return err.status(text, spinner="dots") if err.is_terminal and not as_json else contextlib.nullcontext()
-
-
 class RichProgress:
-    """The commands' progress shown on stderr: bars for probes and HF runs, spinners for the rest
-    (not under --json); nothing at all when stderr is not a terminal."""
+    """The commands' progress on stderr, each step with its elapsed time: on a terminal a live bar
+    (probes, HF runs) or spinner (the rest), cleared when the step ends. Nothing under ``--json``
+    for the commands that ask so, and nothing in a log, where a command's stderr is its problem
+    lines only (the demo, minutes long, keeps a log alive with :func:`demo_display`)."""
 
-    def __init__(self, as_json: bool = False):
+    def __init__(self, as_json: bool = False, console: Console | None = None):
         self.as_json = as_json
+        self.console = console or err
+
+    @contextlib.contextmanager
+    def _live(self, label: str, *columns: Any) -> Iterator[Callable[..., None]]:
+        if self.as_json or not self.console.is_terminal:
+            yield lambda **kw: None
+        else:
+            with Progress(SpinnerColumn(), TextColumn(escape(label)), *columns, TimeElapsedColumn(),
+                          console=self.console, transient=True) as live:
+                task = live.add_task(label, total=None)
+                yield lambda **kw: live.update(task, **kw)
 
     @contextlib.contextmanager
     def bar(self, label: str) -> Iterator[Callable[[int, int], None]]:
-        with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True, disable=not err.is_terminal) as bar:
-            task = bar.add_task("task", total=None)
-            yield lambda done, total: bar.update(task, completed=done, total=total)
+        with self._live(label, BarColumn(), MofNCompleteColumn()) as update:
+            yield lambda done, total: update(completed=done, total=total)
 
-    def spinner(self, label: str) -> contextlib.AbstractContextManager[Any]:
-        return spinner(label, self.as_json)
+    @contextlib.contextmanager
+    def spinner(self, label: str) -> Iterator[None]:
+        with self._live(label):
+            yield
 
 
 def print_generated(result: Any) -> None:
@@ -257,22 +267,37 @@ def print_coverage(report: Any, show_all: bool) -> None:
 
 # --------------------------------------------------------------------------------------------- demo
 @contextlib.contextmanager
-def demo_display(as_json: bool, started: float) -> Iterator[tuple[Callable[[str], None], Callable[[str], None]]]:
-    """The demo's (step, note) callbacks: numbered steps with elapsed time, under a spinner."""
+def demo_display(as_json: bool, started: float, console: Console | None = None, heartbeat_s: float | None = None
+                 ) -> Iterator[tuple[Callable[[str], None], Callable[[str], None]]]:
+    """The demo's (step, note) callbacks: each step's line with the time since the start, then,
+    while it runs, its elapsed time (a live spinner on a terminal, a line every HEARTBEAT_S seconds
+    in a log), so the minute-long vLLM start-up is never silent."""
     import time
 
+    console = console or err
     n = [0]
-    status = spinner("", as_json)
-    with status:
+    with contextlib.ExitStack() as stack:
+        live: Progress | None = None
+        heartbeat: Heartbeat | None = None
+        if console.is_terminal and not as_json:
+            live = stack.enter_context(Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                                console=console, transient=True))
+            task = live.add_task("", total=None)
+        else:
+            beat = lambda what, s: console.print(f"      ... {escape(what)}: {s:.0f} s", highlight=False)
+            heartbeat = stack.enter_context(Heartbeat(beat, HEARTBEAT_S if heartbeat_s is None else heartbeat_s))
+
         def step(title: str) -> None:
             n[0] += 1
             line = f"[{n[0]}/7] {title}"
-            if hasattr(status, "update"):
-                status.update(escape(line))
-            err.print(f"[bold]{escape(line)}[/]  [dim]{time.perf_counter() - started:5.1f} s[/]")
+            console.print(f"[bold]{escape(line)}[/]  [dim]{time.perf_counter() - started:5.1f} s[/]")
+            if live is not None:
+                live.reset(task, description=escape(line))
+            if heartbeat is not None:
+                heartbeat.step(f"still at step {n[0]}/7")
 
         def note(text: str) -> None:
-            err.print(f"      {escape(text)}")
+            console.print(f"      {escape(text)}")
 
         yield step, note
 

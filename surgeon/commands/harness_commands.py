@@ -23,7 +23,7 @@ def reference(*, model: str, input_ids: str, output: str, progress: Progress = Q
 
 
 def fingerprint(*, ref: str, output: str, input_ids: str | None = None, dim: int = 64,
-                seed: int = 0) -> FingerprintWritten:
+                seed: int = 0, progress: Progress = QUIET) -> FingerprintWritten:
     """Write a small fingerprint of ``ref`` (hf:DIR or a reference file) to ``output``."""
     from surgeon.verify.fingerprint import Fingerprint, fingerprint_file, save_fingerprint
     from surgeon.verify.fingerprint import fingerprint as make_fingerprint
@@ -31,30 +31,35 @@ def fingerprint(*, ref: str, output: str, input_ids: str | None = None, dim: int
 
     if dim < 8 or dim > 4096:
         raise BadInput("--dim must be between 8 and 4096")
-    if not ref.startswith("hf:") and Path(ref).is_file():
-        fp = fingerprint_file(ref, dim=dim, seed=seed)
-    else:
-        loaded = load_reference_arg(ref, parse_input_ids(input_ids))
-        fp = loaded if isinstance(loaded, Fingerprint) else make_fingerprint(loaded, dim=dim, seed=seed)
+    with progress.spinner("fingerprinting the reference"):
+        if not ref.startswith("hf:") and Path(ref).is_file():
+            fp = fingerprint_file(ref, dim=dim, seed=seed)
+        else:
+            loaded = load_reference_arg(ref, parse_input_ids(input_ids))
+            fp = loaded if isinstance(loaded, Fingerprint) else make_fingerprint(loaded, dim=dim, seed=seed)
     save_fingerprint(fp, output)
     return FingerprintWritten(output, len(fp.proj), fp.input_ids.numel(), fp.dim, fp.seed)
 
 
 def match(*, subject: str, ref: str, spec: str | None = None, slots: Sequence[str] = (),
-          input_ids: str | None = None, plot: str | None = None) -> Any:
+          input_ids: str | None = None, plot: str | None = None, progress: Progress = QUIET) -> Any:
     """Which physical point each slot of ``subject`` really is (a HarnessResult); ``plot`` also
     writes the slots x points heatmap there."""
     from surgeon.core.spec import load_spec
     from surgeon.verify.harness import match as match_subject
     from surgeon.verify.harness import plot_heatmap
 
-    result = match_subject(subject, ref, spec=load_spec(spec) if spec else None, slots=slots, input_ids=input_ids)
+    loaded = load_spec(spec) if spec else None
+    with progress.spinner("identifying each slot against the reference"):
+        result = match_subject(subject, ref, spec=loaded, slots=slots, input_ids=input_ids)
     if plot:
-        plot_heatmap(result, plot)
+        with progress.spinner("drawing the heatmap"):
+            plot_heatmap(result, plot)
     return result
 
 
 def verify(*, spec: str, subject: str, ref: str, slots: Sequence[str] = (), input_ids: str | None = None,
-           plot: str | None = None) -> Verification:
+           plot: str | None = None, progress: Progress = QUIET) -> Verification:
     """Is every slot of ``subject`` what ``spec`` declares? Not: a mismatch (exit 3)."""
-    return Verification(match(subject=subject, ref=ref, spec=spec, slots=slots, input_ids=input_ids, plot=plot))
+    return Verification(match(subject=subject, ref=ref, spec=spec, slots=slots, input_ids=input_ids, plot=plot,
+                              progress=progress))

@@ -197,34 +197,51 @@ def match(subject_path: str | Path, reference: str, *, spec: Spec | None = None,
 
 def plot_heatmap(result: HarnessResult, path: str | Path) -> Path:
     """Slots x candidate points, colour = log10 relative error; declared points boxed, matches
-    dotted. The wrong wiring is visible at a glance: a slot's dark cell sits off its box."""
+    dotted, exact matches starred. The wrong wiring is visible at a glance: a slot's dark cell sits
+    off its box."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure(result)
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def heatmap_figure(result: HarnessResult):
+    """The heatmap as a matplotlib figure (:func:`plot_heatmap` saves it)."""
     import matplotlib.pyplot as plt
 
     rep = result.report
     errs = rep.errors.float().clamp_min(1e-6).log10().numpy()
     cands = [str(c) for c in rep.candidates]
     fig_w = max(8.0, 0.12 * len(cands) + 3)
-    fig, ax = plt.subplots(figsize=(fig_w, 1.2 + 0.55 * len(rep.slots)))
+    fig, ax = plt.subplots(figsize=(fig_w, 1.9 + 0.55 * len(rep.slots)))
     im = ax.imshow(errs, aspect="auto", cmap="viridis_r", vmin=-3, vmax=0.3, interpolation="nearest")
     step = max(1, len(cands) // 40)
     ax.set_xticks(range(0, len(cands), step))
     ax.set_xticklabels(cands[::step], rotation=90, fontsize=7)
     ax.set_yticks(range(len(rep.slots)))
     ax.set_yticklabels([f"{s.name} ({s.declared or '?'})" for s in rep.slots], fontsize=8)
+    ax.set_xlabel("reference point, in forward-pass order (layer_delta[k]: layer k without the residual)", fontsize=8)
+    ax.set_ylabel("subject slot (declared point)", fontsize=8)
     for i, s in enumerate(rep.slots):
         if s.declared is not None and str(s.declared) in cands:
             j = cands.index(str(s.declared))
             ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
         if s.matched is not None:
-            ax.plot(cands.index(str(s.matched)), i, "w.", markersize=6)
+            j = cands.index(str(s.matched))
+            if s.exact:
+                ax.plot(j, i, marker="*", color="white", markeredgecolor="black", markersize=11, linestyle="none",
+                        label="exact")
+            else:
+                ax.plot(j, i, "w.", markersize=6, label="matched")
     ax.set_title(f"{Path(result.subject.source).name} vs {Path(str(result.reference_source)).name}: "
-                 "log10 relative error (red box: declared, white dot: matched)", fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01)
+                 "log10 relative error (red box: declared, white dot: matched, star: exact match)", fontsize=9)
+    bar = fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01)
+    bar.set_label("log10 relative error", fontsize=8)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig

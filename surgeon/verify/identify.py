@@ -472,16 +472,22 @@ def _depth_gap(a: Point | None, b: Point | None, L: int) -> float | None:
 
 
 def _diagnose(results: list[SlotResult], subjects: list[_Subject], errs, scale, cands, reference, is_fp, L) -> list[Diagnosis]:
-    """Name what went wrong, most specific explanation first: a slot explained by a swap is not
-    also reported as off by k or as a wrong point (``covered``)."""
+    """Name what went wrong, the explanation that covers the most mismatched slots first, each slot
+    explained once: a slot explained by a swap or by shifted labels is not also reported as off by
+    k. Of explanations covering as many slots, a swap comes before shifted labels, and those before
+    off by k (the one that says what happened rather than what it amounts to)."""
     mism = [i for i, r in enumerate(results) if r.verdict == "mismatch"]
     covered: set[int] = set()
-    out = _diagnose_swaps(results, mism, covered)
-    out += _diagnose_off_by_k(results, mism, covered)
+    out: list[Diagnosis] = []
+    while True:
+        left = [i for i in mism if i not in covered]
+        options = _swaps(results, left) + _labels_shifted(results, left, L) + _off_by_k(results, left)
+        if not options:
+            break
+        diagnosis, slots = max(options, key=lambda o: len(o[1]))  # max keeps the first of equals
+        out.append(diagnosis)
+        covered |= slots
     out += _diagnose_wrong_points(results, mism, covered, L)
-    shifted = _labels_shifted(results, mism, L)
-    if shifted is not None:
-        out.append(shifted)
     out += _diagnose_duplicates(results)
     for i, r in enumerate(results):
         if r.verdict == "no_match":
@@ -491,7 +497,10 @@ def _diagnose(results: list[SlotResult], subjects: list[_Subject], errs, scale, 
     return out
 
 
-def _swap_cycle(results: list[SlotResult], mism: list[int], covered: set[int], start: int) -> list[int]:
+Option = tuple[Diagnosis, set[int]]  # a diagnosis and the mismatched slots it explains
+
+
+def _swap_cycle(results: list[SlotResult], left: list[int], taken: set[int], start: int) -> list[int]:
     """Mismatched slots from ``start`` on, each holding the next one's declared point, back to
     ``start``; empty when the chain does not close."""
     path, cur = [start], start
@@ -499,40 +508,41 @@ def _swap_cycle(results: list[SlotResult], mism: list[int], covered: set[int], s
         m = results[cur].matched
         if len(path) >= 2 and m == results[start].declared:
             return path
-        nxt = next((j for j in mism if j not in path and j not in covered and results[j].declared == m), None)
+        nxt = next((j for j in left if j not in path and j not in taken and results[j].declared == m), None)
         if nxt is None:
             return []
         path.append(nxt)
         cur = nxt
 
 
-def _diagnose_swaps(results: list[SlotResult], mism: list[int], covered: set[int]) -> list[Diagnosis]:
+def _swaps(results: list[SlotResult], left: list[int]) -> list[Option]:
     """Swapped: slots whose matches are a permutation of their declared points."""
-    out: list[Diagnosis] = []
-    for start in mism:
-        if start in covered:
+    out: list[Option] = []
+    taken: set[int] = set()
+    for start in left:
+        if start in taken:
             continue
-        path = _swap_cycle(results, mism, covered, start)
+        path = _swap_cycle(results, left, taken, start)
         if path:
-            covered.update(path)
+            taken.update(path)
             parts = [f"{results[j].name!r} (declared {results[j].declared}) holds {results[j].matched}" for j in path]
             names = " and ".join(repr(results[j].name) for j in path) if len(path) == 2 else \
                 ", ".join(repr(results[j].name) for j in path)
             what = "are swapped" if len(path) == 2 else "hold a permutation of their declared points"
-            out.append(Diagnosis("swapped", f"slots {names} {what}: " + "; ".join(parts)
-                                 + ". The captures are right, their order is not: fix the slot order (or the labels)."))
+            out.append((Diagnosis("swapped", f"slots {names} {what}: " + "; ".join(parts)
+                                  + ". The captures are right, their order is not: fix the slot order (or the labels)."),
+                        set(path)))
     return out
 
 
-def _diagnose_off_by_k(results: list[SlotResult], mism: list[int], covered: set[int]) -> list[Diagnosis]:
+def _off_by_k(results: list[SlotResult], left: list[int]) -> list[Option]:
     """Off by k: layer for layer, grouped by k."""
-    out: list[Diagnosis] = []
+    out: list[Option] = []
     by_k: dict[int, list[int]] = {}
-    for i in mism:
+    for i in left:
         declared, matched = _layer_index(results[i].declared), _layer_index(results[i].matched)
-        if i not in covered and declared is not None and matched is not None:
+        if declared is not None and matched is not None:
             by_k.setdefault(matched - declared, []).append(i)
-            covered.add(i)
     for k, idx in sorted(by_k.items()):
         parts = "; ".join(f"{results[i].name!r} is declared {results[i].declared} but holds {results[i].matched}" for i in idx)
         layers = "layer" if abs(k) == 1 else "layers"
@@ -543,7 +553,7 @@ def _diagnose_off_by_k(results: list[SlotResult], mism: list[int], covered: set[
                    "by the other land one layer off.")
         else:
             why = "Too far for a numbering convention: a wrong id list, or labels that do not belong to these tensors."
-        out.append(Diagnosis("off_by_k", f"off by {k:+d} {layers} (k = {k:+d}): {parts}. {why}"))
+        out.append((Diagnosis("off_by_k", f"off by {k:+d} {layers} (k = {k:+d}): {parts}. {why}"), set(idx)))
     return out
 
 
@@ -607,25 +617,36 @@ def _diagnose_duplicates(results: list[SlotResult]) -> list[Diagnosis]:
     return out
 
 
-def _labels_shifted(results: list[SlotResult], mism: list[int], L: int) -> Diagnosis | None:
-    """Slot i holds about what slot i+s is labelled (|depth gap| <= 1) for all but one mismatched
-    slot, at least one of them far off its own label: the labels belong to a list one longer or
-    shorter than the dump (the case that started this project: an uncaptured embed at the front)."""
-    if len(mism) < 2:
-        return None
-    gaps = [_depth_gap(results[i].matched, results[i].declared, L) for i in mism]
-    if not any(g is not None and g > 2 for g in gaps):
-        return None
+def _labels_shifted(results: list[SlotResult], left: list[int], L: int) -> list[Option]:
+    """Slot i holds about what slot i+s is labelled (depth gap <= 1, closer than its own label) for
+    all but one mismatched slot: the labels belong to a list one longer or shorter than the dump
+    (the case that started this project: an uncaptured embed at the front). The one slot left at
+    the end the labels moved away from is explained too: its own label fell off the list."""
+    if len(left) < 2:
+        return []
+    out: list[Option] = []
     for s in (1, -1):
-        hits = [i for i in mism if 0 <= i + s < len(results)
-                and (g := _depth_gap(results[i].matched, results[i + s].declared, L)) is not None and g <= 1]
-        if len(hits) >= 2 and len(hits) >= len(mism) - 1:
-            parts = "; ".join(f"{results[i].name!r} holds {results[i].matched}, next to the label of "
-                              f"{results[i + s].name!r} ({results[i + s].declared})" for i in hits)
-            cause = ("a label with no tensor behind it near the front of the list (e.g. an embed that was never "
-                     "captured) moved every later label one slot down" if s == 1 else
-                     "a tensor with no label near the front of the list moved every later label one slot up")
-            return Diagnosis("labels_shifted",
-                f"the labels look shifted by one slot against the data: {parts}. Likely {cause}: relabel from the "
-                "matches (suggested captures).")
-    return None
+        hits = []
+        for i in left:
+            if not 0 <= i + s < len(results):
+                continue
+            near = _depth_gap(results[i].matched, results[i + s].declared, L)
+            own = _depth_gap(results[i].matched, results[i].declared, L)
+            if near is not None and own is not None and near <= 1 and near < own:
+                hits.append(i)
+        if len(hits) < 2 or len(hits) < len(left) - 1:
+            continue
+        rest = [i for i in left if i not in hits]
+        edge = [i for i in rest if (i > max(hits) if s == 1 else i < min(hits))]
+        parts = [f"{results[i].name!r} holds {results[i].matched}, the label of {results[i + s].name!r} "
+                 f"({results[i + s].declared})" for i in hits]
+        for i in edge:
+            parts.append(f"{results[i].name!r} holds {results[i].matched}, "
+                         + ("whose label was pushed off the end of the list" if s == 1 else "a tensor with no label"))
+        cause = ("a label with no tensor behind it near the front of the list (e.g. an embed that was never "
+                 "captured) moved every later label one slot down" if s == 1 else
+                 "a tensor with no label near the front of the list moved every later label one slot up")
+        out.append((Diagnosis("labels_shifted",
+            f"the labels are shifted by one slot against the data: {'; '.join(parts)}. Likely {cause}: relabel from "
+            "the matches (suggested captures)."), set(hits) | set(edge)))
+    return out

@@ -28,8 +28,24 @@ def _md(value: object) -> str:
     return str(value).replace("\\", "\\\\").replace("`", "'").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
-def _ids_text(lst: IdList) -> str:
-    return f"`{lst.ids}`" if lst.ok else f"not expressible ({_md(lst.error)})"
+class _Notes:
+    """Footnotes of a table: each distinct text once, numbered in order of first use, written as
+    an ordered list after the table (a line right under a table would be one more row on GitHub)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def ref(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"note {self.texts.index(text) + 1}"
+
+    def lines(self) -> list[str]:
+        return [f"{i}. {t}" for i, t in enumerate(self.texts, 1)] + ([""] if self.texts else [])
+
+
+def _ids_text(lst: IdList, notes: _Notes) -> str:
+    return f"`{lst.ids}`" if lst.ok else f"not expressible ({notes.ref(_md(lst.error))})"
 
 
 def _fc_ids(spec: Spec, target: str, root) -> IdList | None:
@@ -125,25 +141,30 @@ def _fc_section(fc_old: list, fc_new: list, lines: list[str]) -> None:
 
 
 def _engine_ids_section(old: Spec, new: Spec, roots: dict[str, str | None], lines: list[str]) -> list[dict]:
-    """Each consumer's ids before and after (appended to ``lines``); returns the rows as data."""
+    """Each consumer's ids before and after (appended to ``lines``), then the notes the cells refer
+    to and where each engine's rule was read, below the table; returns the rows as data."""
     lines.append("#### Engine ids")
     lines.append("| consumer | before | after |")
     lines.append("|---|---|---|")
     ids_rows = []
-    origins: set[str] = set()
+    origins: list[str] = []
+    notes = _Notes()
     for target, label in _TARGETS:
         root = roots.get(target)
         before = _fc_ids(old, target, root)
         after = _fc_ids(new, target, root)
         either = after or before
         conv = either.convention if either else target
-        lines.append(f"| {label} (`{conv}`) | {_ids_text(before) if before else '—'} | {_ids_text(after) if after else '—'} |")
+        cells = [_ids_text(x, notes) if x else "—" for x in (before, after)]
+        lines.append(f"| {label} (`{conv}`) | {cells[0]} | {cells[1]} |")
         ids_rows.append({"target": target, "before": before.ids if before else None, "after": after.ids if after else None})
-        if target in ("sglang", "vllm") and after is not None and after.origin:
-            origins.add(after.origin)  # where each engine's rule was read: a probe, or the built-in table
-    for o in sorted(origins):
-        lines.append(f"<sub>{_md(o)}</sub>")
+        if target in ("sglang", "vllm") and after is not None and after.origin and after.origin not in origins:
+            origins.append(after.origin)  # where each engine's rule was read: a probe, or the built-in table
     lines.append("")
+    lines.extend(notes.lines())
+    if origins:
+        lines.append("<sub>engine rules read from: " + "; ".join(_md(o) for o in origins) + "</sub>")
+        lines.append("")
     return ids_rows
 
 
