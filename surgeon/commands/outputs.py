@@ -181,6 +181,11 @@ class ProbedClass(_Closed):
     bypasses: list[ProbedBypass]
     tail_capture: bool
     no_capture: bool
+    # being added next to this (issue 14): the capture sites read and whether the answer is verified
+    sites: list[dict[str, Any]] | None = None
+    verified: bool | None = None
+    unverified_reason: str | None = None
+    evidence: list[dict[str, Any]] | None = None
 
 
 class ConventionsOutput(_Output):
@@ -193,6 +198,10 @@ class ConventionsOutput(_Output):
     unclassified: int
     architectures: dict[str, str] = Field(description="registered architecture -> probed class")
     classes: list[ProbedClass]
+    # being added next to this (issue 14): the platform answered for, per-platform dispatch, the runner read
+    platform: str | None = None
+    dispatch: dict[str, Any] | None = None
+    runner: dict[str, Any] | None = None
 
 
 # -- the wiring harness -----------------------------------------------------------------------------
@@ -346,6 +355,10 @@ class AppliedPatch(_Closed):
 class StatusOutput(_Output):
     ok: bool = Field(description="every patched file is as applied (exit 3 otherwise)")
     patches: list[AppliedPatch]
+    # being added next to this (issue 14): patched files no manifest records, interrupted transactions
+    unrecorded: list[dict[str, Any]] | None = None
+    recovered: list[str] | None = None
+    pending: list[str] | None = None
 
 
 class DiffFile(_Closed):
@@ -412,6 +425,11 @@ class EngineCoverage(_Closed):
     native: int
     final_norm: int
     classes: list[ClassCoverage]
+    # being added next to this (issue 14): the platform, per-directory counts, non-decoder classes apart
+    platform: str | None = None
+    trees: list[dict[str, Any]] | None = None
+    non_decoder: dict[str, Any] | None = None
+    decoder_failures: list[str] | None = None
 
 
 class CoverageOutput(_Output):
