@@ -12,6 +12,7 @@ spec; 1 internal error; 130 interrupted. A command's error carries its code
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import click
@@ -21,6 +22,7 @@ from surgeon import __version__, commands
 from surgeon import cli_render as show
 from surgeon.cli_render import RichProgress, emit_json
 from surgeon.core.errors import SurgeonError
+from surgeon.core.optional import missing_dependency
 from surgeon.patch.apply import DEFAULT_MAX_TOKENS
 
 ENGINE_CHOICE = click.Choice(["sglang", "vllm"])
@@ -32,8 +34,17 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             result = super().invoke(ctx)
+            sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
+        except BrokenPipeError:  # `surgeon explain ... | head`: the reader has what it wanted
+            _drop_stdout()
+            ctx.exit(0)
+        except SystemExit as e:  # rich's Console turns a broken pipe into SystemExit(1)
+            if not isinstance(e.__context__, BrokenPipeError):
+                raise
+            _drop_stdout()
+            ctx.exit(0)
         except SurgeonError as e:
             for line in e.report_lines():
                 click.echo(line, err=True)
@@ -42,6 +53,9 @@ class _Group(click.Group):
             click.echo("surgeon: interrupted", err=True)
             ctx.exit(130)
         except Exception as e:  # internal error: one line, unless asked for the traceback
+            if (missing := missing_dependency(e)) is not None:  # an optional extra not installed: bad input
+                click.echo(f"surgeon: {missing}", err=True)
+                ctx.exit(missing.exit_code)
             if os.environ.get("SURGEON_DEBUG"):
                 raise
             click.echo(f"surgeon: internal error: {type(e).__name__}: {e} (SURGEON_DEBUG=1 shows the traceback)", err=True)
@@ -53,6 +67,17 @@ class _Group(click.Group):
         if code:
             ctx.exit(code)
         return result
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush into the closed pipe is
+    silent (what the Python docs recommend for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor behind stdout (a test runner)
+        pass
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -44,7 +44,11 @@ def match(*, subject: str, ref: str, spec: str | None = None, slots: Sequence[st
           input_ids: str | None = None, plot: str | None = None) -> Any:
     """Which physical point each slot of ``subject`` really is (a HarnessResult); ``plot`` also
     writes the slots x points heatmap there."""
+    from surgeon.core.optional import require
     from surgeon.core.spec import load_spec
+
+    if plot:
+        require("matplotlib")  # before the work, not after it
     from surgeon.verify.harness import match as match_subject
     from surgeon.verify.harness import plot_heatmap
 
