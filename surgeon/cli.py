@@ -208,13 +208,18 @@ def sweep_spec(name: str, architecture: str, num_layers: int, hidden_size: int, 
 
 # --------------------------------------------------------------------------------------------- the wiring harness
 @main.command()
-@click.argument("model", type=click.Path(file_okay=False))
+@click.argument("model")
 @click.option("--input-ids", required=True, help="Token ids to run, comma- or space-separated.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Reference file to write (safetensors).")
-def reference(model: str, input_ids: str, output: str) -> Any:
-    """Run an HF model folder on INPUT_IDS and record every physical point (embed, each
-    layer_out and layer_delta, final_norm) into a reference file."""
-    r = commands.reference(model=model, input_ids=input_ids, output=output, progress=RichProgress())
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Run the model in this dtype (the recorded states are stored as float32).")
+@click.option("--device", default="cpu", show_default=True, help="Run the model on this torch device (cpu, cuda, cuda:1, ...).")
+def reference(model: str, input_ids: str, output: str, dtype: str, device: str) -> Any:
+    """Run an HF model (a folder, hf:DIR, or hf:ORG/NAME from the local Hugging Face cache, never
+    downloaded) on INPUT_IDS and record every physical point (embed, each layer_out and
+    layer_delta, final_norm) into a reference file."""
+    r = commands.reference(model=model, input_ids=input_ids, output=output, dtype=dtype, device=device,
+                           progress=RichProgress())
     show.out.print(f"wrote {escape(r.output)}: {r.points} points x {r.tokens} tokens, L={r.num_layers}, H={r.hidden_size}")
     return r
 
@@ -244,7 +249,8 @@ def _harness_options(f):
 
 @main.command()
 @click.argument("subject", type=click.Path(dir_okay=False))
-@click.option("--reference", "ref", required=True, help="hf:DIR, a reference file, or a fingerprint file.")
+@click.option("--reference", "ref", required=True,
+              help="hf:DIR, hf:ORG/NAME (local Hugging Face cache), a reference file, or a fingerprint file.")
 @click.option("--spec", type=click.Path(dir_okay=False), help="Spec declaring the slots (its dump slots, in order).")
 @_harness_options
 def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
@@ -260,7 +266,8 @@ def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], inpu
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--subject", required=True, type=click.Path(dir_okay=False))
-@click.option("--reference", "ref", required=True, help="hf:DIR, a reference file, or a fingerprint file.")
+@click.option("--reference", "ref", required=True,
+              help="hf:DIR, hf:ORG/NAME (local Hugging Face cache), a reference file, or a fingerprint file.")
 @_harness_options
 def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
            plot: str | None) -> Any:
