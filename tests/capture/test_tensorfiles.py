@@ -247,3 +247,27 @@ def test_dumps_of_0_tokens_or_with_lying_shapes_are_bad_input(files):
     assert "has shape [4, 9], expected [4, 8]" in cli("export", tmp / "wide.st", "--spec", files["spec"], "--layout", "specforge",
                                     "-o", tmp / "o")
     assert not (tmp / "o").exists()
+
+
+def test_a_subject_is_sniffed_once(files, monkeypatch):
+    """read_subject used to open a file three times to tell its format; the gate's one open is the sniff."""
+    from surgeon.verify.subjects import read_subject
+
+    tmp = files["tmp"]
+    ckpt = tmp / "data_0.ckpt"
+    torch.save({"input_ids": IDS[None], "aux_hidden_state": torch.randn(1, T, 2 * H), "hidden_state": torch.randn(1, T, H)},
+               ckpt)
+    plain = tmp / "plain.safetensors"
+    save_file({"x": torch.randn(T, H), "input_ids": IDS}, str(plain))
+    real_open, opened = os.open, []
+
+    def counting(path, *a, **k):
+        opened.append(Path(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", counting)
+    for path, layout, n in ((files["dump"], "surgeon", 4), (ckpt, "specforge", 3), (plain, "plain", 1)):
+        opened.clear()
+        s = read_subject(path)
+        assert (s.layout, len(s.slots)) == (layout, n)
+        assert opened.count(path) == 1, (path, opened)
