@@ -271,3 +271,22 @@ def test_a_subject_is_sniffed_once(files, monkeypatch):
         s = read_subject(path)
         assert (s.layout, len(s.slots)) == (layout, n)
         assert opened.count(path) == 1, (path, opened)
+
+
+def test_check_draft_reads_the_fc_shape_through_the_gate(tmp_path):
+    """A draft's weights pass the same gate: a FIFO among them is named (it was skipped in silence),
+    a truncated file is refused before any read, and a sound one gives its fc shape from the header."""
+    root = Path(__file__).resolve().parents[2]
+    spec = root / "specs" / "llama-3.1-8b-eagle3.yaml"
+    d = tmp_path / "draft"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}))
+    save_file({"fc.weight": torch.zeros(4, 12)}, str(d / "model.safetensors"))
+    res = CliRunner().invoke(main, ["check-draft", str(spec), str(d), "--engine", "sglang", "--json"])
+    assert json.loads(res.stdout)["fc_weight"]["shape"] == [4, 12], res.output
+    os.mkfifo(d / "a.safetensors")
+    p, _ = surgeon("check-draft", spec, d, "--engine", "sglang")
+    assert p.returncode == 2 and p.stderr == f"surgeon: {d / 'a.safetensors'}: is a FIFO (named pipe), not a tensor file\n"
+    (d / "a.safetensors").unlink()
+    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-8])
+    assert "truncated?" in cli("check-draft", spec, d, "--engine", "sglang")
