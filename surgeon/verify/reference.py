@@ -190,7 +190,10 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BadInput(f"{model_dir}: cannot load as a causal LM: {first}") from e
     try:
-        return model.to(torch.device(device))
+        dev = torch.device(device)
+        if dev.type == "meta":
+            raise ValueError("the meta device holds no values to record")
+        return model.to(dev)
     except (RuntimeError, AssertionError, ValueError) as e:  # a device torch does not know or cannot reach
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise BadInput(f"--device {device}: not usable here ({first})") from None

@@ -110,9 +110,10 @@ def test_reference_dtype_and_device(cache, tmp_path):
     assert y.dtype == torch.float32 and not torch.equal(x, y)  # run in bf16, stored as float32
     assert float((x - y).norm() / x.norm()) < 0.05
     assert all(torch.equal(v, v.to(torch.bfloat16).float()) for v in b.states.values())  # bf16 values, exactly
-    res = CliRunner().invoke(main, ["reference", str(model), "--input-ids", "5", "-o", str(tmp_path / "x"),
-                                    "--device", "nope"])
-    assert res.exit_code == 2 and "--device nope: not usable here" in res.stderr, res.output
+    for device in ("nope", "meta"):
+        res = CliRunner().invoke(main, ["reference", str(model), "--input-ids", "5", "-o", str(tmp_path / "x"),
+                                        "--device", device])
+        assert res.exit_code == 2 and f"--device {device}: not usable here" in res.stderr, res.output
     assert not (tmp_path / "x").exists()
 
 
