@@ -12,6 +12,7 @@ spec; 1 internal error; 130 interrupted. A command's error carries its code
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import click
@@ -21,6 +22,7 @@ from surgeon import __version__, commands
 from surgeon import cli_render as show
 from surgeon.cli_render import RichProgress, emit_json
 from surgeon.core.errors import SurgeonError
+from surgeon.core.optional import missing_dependency
 from surgeon.patch.apply import DEFAULT_MAX_TOKENS
 
 ENGINE_CHOICE = click.Choice(["sglang", "vllm"])
@@ -32,8 +34,17 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             result = super().invoke(ctx)
+            sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
+        except BrokenPipeError:  # `surgeon explain ... | head`: the reader has what it wanted
+            _drop_stdout()
+            ctx.exit(0)
+        except SystemExit as e:  # rich's Console turns a broken pipe into SystemExit(1)
+            if not isinstance(e.__context__, BrokenPipeError):
+                raise
+            _drop_stdout()
+            ctx.exit(0)
         except SurgeonError as e:
             for line in e.report_lines():
                 click.echo(line, err=True)
@@ -42,6 +53,9 @@ class _Group(click.Group):
             click.echo("surgeon: interrupted", err=True)
             ctx.exit(130)
         except Exception as e:  # internal error: one line, unless asked for the traceback
+            if (missing := missing_dependency(e)) is not None:  # an optional extra not installed: bad input
+                click.echo(f"surgeon: {missing}", err=True)
+                ctx.exit(missing.exit_code)
             if os.environ.get("SURGEON_DEBUG"):
                 raise
             click.echo(f"surgeon: internal error: {type(e).__name__}: {e} (SURGEON_DEBUG=1 shows the traceback)", err=True)
@@ -53,6 +67,17 @@ class _Group(click.Group):
         if code:
             ctx.exit(code)
         return result
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush into the closed pipe is
+    silent (what the Python docs recommend for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor behind stdout (a test runner)
+        pass
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -189,13 +214,18 @@ def sweep_spec(name: str, architecture: str, num_layers: int, hidden_size: int, 
 
 # --------------------------------------------------------------------------------------------- the wiring harness
 @main.command()
-@click.argument("model", type=click.Path(file_okay=False))
+@click.argument("model")
 @click.option("--input-ids", required=True, help="Token ids to run, comma- or space-separated.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Reference file to write (safetensors).")
-def reference(model: str, input_ids: str, output: str) -> Any:
-    """Run an HF model folder on INPUT_IDS and record every physical point (embed, each
-    layer_out and layer_delta, final_norm) into a reference file."""
-    r = commands.reference(model=model, input_ids=input_ids, output=output, progress=RichProgress())
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Run the model in this dtype (the recorded states are stored as float32).")
+@click.option("--device", default="cpu", show_default=True, help="Run the model on this torch device (cpu, cuda, cuda:1, ...).")
+def reference(model: str, input_ids: str, output: str, dtype: str, device: str) -> Any:
+    """Run an HF model (a folder, hf:DIR, or hf:ORG/NAME from the local Hugging Face cache, never
+    downloaded) on INPUT_IDS and record every physical point (embed, each layer_out and
+    layer_delta, final_norm) into a reference file."""
+    r = commands.reference(model=model, input_ids=input_ids, output=output, dtype=dtype, device=device,
+                           progress=RichProgress())
     show.out.print(f"wrote {escape(r.output)}: {r.points} points x {r.tokens} tokens, L={r.num_layers}, H={r.hidden_size}")
     return r
 
@@ -225,7 +255,8 @@ def _harness_options(f):
 
 @main.command()
 @click.argument("subject", type=click.Path(dir_okay=False))
-@click.option("--reference", "ref", required=True, help="hf:DIR, a reference file, or a fingerprint file.")
+@click.option("--reference", "ref", required=True,
+              help="hf:DIR, hf:ORG/NAME (local Hugging Face cache), a reference file, or a fingerprint file.")
 @click.option("--spec", type=click.Path(dir_okay=False), help="Spec declaring the slots (its dump slots, in order).")
 @_harness_options
 def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
@@ -242,7 +273,8 @@ def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], inpu
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--subject", required=True, type=click.Path(dir_okay=False))
-@click.option("--reference", "ref", required=True, help="hf:DIR, a reference file, or a fingerprint file.")
+@click.option("--reference", "ref", required=True,
+              help="hf:DIR, hf:ORG/NAME (local Hugging Face cache), a reference file, or a fingerprint file.")
 @_harness_options
 def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
            plot: str | None) -> Any:

@@ -28,12 +28,14 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from surgeon.capture.tensorfiles import unreadable
+from surgeon.capture.tensorfiles import TensorFile, gated_safetensors, unreadable
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, parse_point
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "1"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -58,6 +60,7 @@ class Dump:
 def write_dump(path: str | Path, captures: Sequence[tuple[str, Point, torch.Tensor]], *, input_ids: torch.Tensor,
                num_layers: int, spec=None, engine: str = "", engine_version: str = "", model: str = "") -> Path:
     """Write one dump shard atomically. ``captures``: (name, point, [T, H] tensor) in slot order."""
+    import torch
     from safetensors.torch import save_file
 
     if not captures:
@@ -95,44 +98,67 @@ def write_dump(path: str | Path, captures: Sequence[tuple[str, Point, torch.Tens
     return out
 
 
-def read_dump(path: str | Path, *, load: bool = True) -> Dump:
-    """Read a dump (``load=False``: metadata and shapes only, for `dump-info`). Anything malformed
-    is BadInput with one line."""
+@dataclass
+class DumpHeader:
+    """What a dump declares, read from its header alone (no tensor loaded, no torch needed)."""
+
+    path: Path
+    captures: list[tuple[str, Point, list[int]]]  # name, point, shape [T, H], in slot order
+    meta: dict[str, str]
+    num_layers: int
+    hidden_size: int
+    tokens: int
+
+
+def read_dump_header(path: str | Path | TensorFile) -> DumpHeader:
+    """The declared captures of a dump, checked against its tensors' shapes (each [T, H], T >= 1
+    tokens, H the declared hidden size); anything malformed or degenerate is BadInput, one line."""
+    gated = gated_safetensors(path)
+    p, meta = gated.path, gated.metadata
+    if meta.get("surgeon.kind") != "dump":
+        raise BadInput(f"{p}: not a surgeon dump (surgeon.kind is {meta.get('surgeon.kind')!r})")
+    if meta.get("surgeon.format") != FORMAT:
+        raise BadInput(f"{p}: dump format {meta.get('surgeon.format')!r}; this surgeon reads format {FORMAT}")
+    try:
+        listed = json.loads(meta["captures"])
+        L, H = int(meta["num_layers"]), int(meta["hidden_size"])
+        if not (isinstance(listed, list) and all(isinstance(c, dict) for c in listed) and L >= 1 and H >= 1):
+            raise ValueError
+    except (KeyError, ValueError):
+        raise BadInput(f"{p}: dump metadata 'captures'/'num_layers'/'hidden_size' is malformed") from None
+    if "input_ids" not in gated.tensors:
+        raise BadInput(f"{p}: dump has no input_ids tensor")
+    ids_shape = gated.shape("input_ids")
+    if len(ids_shape) != 1 or ids_shape[0] < 1:
+        raise BadInput(f"{p}: dump input_ids has shape {ids_shape}: a dump holds at least one token")
+    T = ids_shape[0]
+    if not listed:
+        raise BadInput(f"{p}: dump lists no captures")
+    captures = []
+    for c in listed:
+        name, text = c.get("name"), c.get("point")
+        if not isinstance(name, str) or name not in gated.tensors or name == "input_ids":
+            raise BadInput(f"{p}: capture {name!r} is listed but has no tensor")
+        try:
+            point = parse_point(text, L)
+        except PointError as e:
+            raise BadInput(f"{p}: capture {name!r}: {e.message}") from None
+        shape = gated.shape(name)
+        if shape != [T, H]:
+            raise BadInput(f"{p}: capture {name!r} has shape {shape}, expected [{T}, {H}] ({T} tokens, hidden size {H})")
+        captures.append((name, point, shape))
+    return DumpHeader(p, captures, meta, L, H, T)
+
+
+def read_dump(path: str | Path | TensorFile) -> Dump:
+    """Read a dump: its header checked first (:func:`read_dump_header`), then its tensors."""
     from safetensors import safe_open
 
-    p = Path(path)
+    head = read_dump_header(path)
     try:
-        with safe_open(str(p), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            if meta.get("surgeon.kind") != "dump":
-                raise BadInput(f"{p}: not a surgeon dump (surgeon.kind is {meta.get('surgeon.kind')!r})")
-            if meta.get("surgeon.format") != FORMAT:
-                raise BadInput(f"{p}: dump format {meta.get('surgeon.format')!r}; this surgeon reads format {FORMAT}")
-            try:
-                listed = json.loads(meta["captures"])
-                L = int(meta["num_layers"])
-                assert isinstance(listed, list) and all(isinstance(c, dict) for c in listed)
-            except (KeyError, ValueError, AssertionError):
-                raise BadInput(f"{p}: dump metadata 'captures'/'num_layers' is malformed") from None
-            names = set(f.keys())
-            if "input_ids" not in names:
-                raise BadInput(f"{p}: dump has no input_ids tensor")
-            ids = f.get_tensor("input_ids") if load else torch.empty(0, dtype=torch.int64)
-            captures = []
-            shapes: dict[str, list[int]] = {}
-            for c in listed:
-                name, text = c.get("name"), c.get("point")
-                if not isinstance(name, str) or name not in names:
-                    raise BadInput(f"{p}: capture {name!r} is listed but has no tensor")
-                try:
-                    point = parse_point(text, L)
-                except PointError as e:
-                    raise BadInput(f"{p}: capture {name!r}: {e.message}") from None
-                shapes[name] = list(f.get_slice(name).get_shape())
-                t = f.get_tensor(name) if load else torch.empty(0)
-                captures.append((name, point, t))
-    except BadInput:
-        raise
+        with safe_open(str(head.path), framework="pt") as f:
+            ids = f.get_tensor("input_ids")
+            captures = [(name, point, f.get_tensor(name)) for name, point, _ in head.captures]
     except Exception as e:
-        raise unreadable(p, e) from None
-    return Dump(captures, ids, meta, shapes)
+        raise unreadable(head.path, e) from None
+    return Dump(captures, ids, head.meta, {name: shape for name, _, shape in head.captures})

@@ -24,10 +24,11 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from surgeon.capture.dumps import Dump, read_dump
+from surgeon.capture.dumps import Dump, DumpHeader, read_dump, read_dump_header
 from surgeon.core.conventions import EAGLE, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point, layer_out
@@ -71,12 +72,12 @@ def _fc(spec, layout: str) -> list[tuple[str, Point]]:
     return [(n, spec.captures[n]) for n in spec.fc_names]
 
 
-def _by_point(dump: Dump, path: Path, spec, layout: str) -> dict[Point, torch.Tensor]:
+def _by_point(dump: Dump | DumpHeader, path: Path, spec, layout: str) -> dict[Point, Any]:
     if dump.num_layers != spec.num_layers:
         raise BadInput(f"{path}: dump is of a {dump.num_layers}-layer target, spec {spec.name} of {spec.num_layers}")
     if dump.hidden_size != spec.hidden_size:
         raise BadInput(f"{path}: dump hidden size {dump.hidden_size}, spec {spec.name} says {spec.hidden_size}")
-    found: dict[Point, torch.Tensor] = {}
+    found: dict[Point, Any] = {}  # tensors, or shapes for a header
     for name, point, t in dump.captures:
         want = spec.captures.get(name)
         if want is not None and want != point:
@@ -135,7 +136,7 @@ def _export(dump_paths, out_dir: str | Path, spec, layout: str, needs: list[tupl
     each through ``build(index, dump, needed tensors, out_dir, path)``."""
     paths = _expand(dump_paths)
     for path in paths:
-        found = _by_point(read_dump(path, load=False), path, spec, layout)
+        found = _by_point(read_dump_header(path), path, spec, layout)
         for point, what in needs:
             _need(found, point, what, path, layout)
     out = Path(out_dir)

@@ -1,14 +1,161 @@
-"""Reading safetensors files as bad-input-safe one-liners: the one place that turns a broken or
-foreign file into a located BadInput, shared by every reader (references, fingerprints, dumps,
-subjects, draft checkpoints)."""
+"""The one gate every tensor file passes before anything reads it, and safetensors readers built
+on it: dumps, subjects of ``match``/``verify``, references, fingerprints, SpecForge ``.ckpt`` and
+speculators files all come through :func:`open_tensor_file`.
+
+The gate (torch-free, so a bad file is refused before torch is even imported):
+
+* the path names a *regular* file: a FIFO would block the reader forever, a device (``/dev/zero``)
+  would feed it endless bytes, a directory is not a file; each is refused by name. The file is
+  opened with ``O_NONBLOCK`` and checked with ``fstat``, so even a FIFO swapped in after the
+  ``stat`` cannot block the gate itself;
+* its header is sane before any tensor is read: a safetensors file's 8-byte header length fits
+  the file and safetensors' 100 MB limit, the header is a JSON object whose entries have a
+  dtype, non-negative integer dims and data offsets that lie inside the file and match the shape
+  (a truncated file is refused here, not halfway through a read); a ``torch.save`` file starts
+  with the zip magic (and holds a ``data.pkl``) or a pickle protocol 2-5 opcode.
+
+Everything else is :class:`BadInput` (exit 2), one line naming the file.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import stat
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from surgeon.core.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
+
+SAFETENSORS, PICKLE, ZIP = "safetensors", "pickle", "zip"  # torch.save: legacy pickle, or zip (torch >= 1.6)
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+                "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+@dataclass(frozen=True)
+class TensorFile:
+    """A file that passed the gate: its format and, for safetensors, its parsed header."""
+
+    path: Path
+    format: str  # SAFETENSORS, PICKLE or ZIP
+    size: int
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # safetensors: name -> {dtype, shape, data_offsets}
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str | None:
+        """The ``surgeon.kind`` a safetensors file declares (reference, fingerprint, dump), else None."""
+        return self.metadata.get("surgeon.kind")
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[name]["shape"])
+
+
+def _describe(mode: int) -> str | None:
+    return next((what for test, what in _NOT_REGULAR if test(mode)), None if stat.S_ISREG(mode) else "not a regular file")
+
+
+def open_tensor_file(path: str | Path, *, formats: tuple[str, ...] = (SAFETENSORS, PICKLE, ZIP)) -> TensorFile:
+    """Check ``path`` is a regular file with a sane header of one of ``formats``; BadInput (one
+    line naming the file) for anything else. Nothing but the header is read."""
+    p = Path(path)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        raise BadInput(f"{p}: no such file") from None
+    except OSError as e:
+        raise BadInput(f"{p}: cannot read: {e.strerror or e}") from None
+    if (what := _describe(mode)) is not None:
+        raise BadInput(f"{p}: is {what}, not a tensor file")
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise BadInput(f"{p}: cannot read: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if (what := _describe(st.st_mode)) is not None:  # swapped since the stat
+            raise BadInput(f"{p}: is {what}, not a tensor file")
+        return _sniff(p, f, st.st_size, formats)
+
+
+def _sniff(p: Path, f, size: int, formats: tuple[str, ...]) -> TensorFile:
+    names = " or ".join(([SAFETENSORS] if SAFETENSORS in formats else [])
+                        + (["torch.save"] if {PICKLE, ZIP} & set(formats) else []))
+
+    def bad(why: str) -> BadInput:
+        return BadInput(f"{p}: not a readable {names} file ({why})")
+
+    if size == 0:
+        raise bad("it is empty")
+    head = f.read(9)
+    # safetensors first: its header length can start with the pickle magic (0x380 bytes -> 80 03)
+    if SAFETENSORS in formats and len(head) == 9 and head[8:9] == b"{":
+        return _safetensors(p, f, size, int.from_bytes(head[:8], "little"), bad)
+    if ZIP in formats and head[:4] == b"PK\x03\x04":
+        return _zip(p, f, size, bad)
+    if PICKLE in formats and head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
+        return TensorFile(p, PICKLE, size)
+    raise bad(f"it starts with {head[:8].hex(' ')}")
+
+
+def _safetensors(p: Path, f, size: int, n: int, bad) -> TensorFile:
+    if n > size - 8:
+        raise bad(f"its header declares {n} bytes but the file has {size - 8} after the length: truncated?")
+    if n > MAX_HEADER_BYTES:
+        raise bad(f"its header declares {n} bytes, over safetensors' limit of {MAX_HEADER_BYTES}")
+    f.seek(8)
+    try:
+        header = json.loads(f.read(n))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"its header is not JSON: {str(e)[:120]}") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise bad("its __metadata__ is not a map of strings")
+    data_bytes = size - 8 - n
+    for name, entry in header.items():
+        _check_entry(name, entry, data_bytes, bad)
+    return TensorFile(p, SAFETENSORS, size, header, meta)
+
+
+def _check_entry(name: str, entry: Any, data_bytes: int, bad) -> None:
+    """One tensor's header entry: a dtype, non-negative integer dims, offsets inside the data that
+    match the shape."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        raise bad(f"tensor {name!r} has no dtype")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise bad(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        raise bad(f"tensor {name!r} has data offsets {offsets!r} outside the {data_bytes} data bytes: truncated?")
+    width = _DTYPE_BYTES.get(entry["dtype"])
+    if width is not None and offsets[1] - offsets[0] != math.prod(shape) * width:
+        raise bad(f"tensor {name!r} is {entry['dtype']} {shape} but holds {offsets[1] - offsets[0]} bytes")
+
+
+def _zip(p: Path, f, size: int, bad) -> TensorFile:
+    f.seek(0)
+    try:
+        with zipfile.ZipFile(f) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise bad(f"a damaged zip: {str(e)[:120]}") from None
+    if not any(i.filename == "data.pkl" or i.filename.endswith("/data.pkl") for i in infos):
+        raise bad("a zip without the data.pkl of torch.save")
+    if any(i.header_offset + i.compress_size > size for i in infos):
+        raise bad("a zip whose entries run past its end: truncated?")
+    return TensorFile(p, ZIP, size)
 
 
 def unreadable(path: str | Path, error: BaseException) -> BadInput:
@@ -17,47 +164,21 @@ def unreadable(path: str | Path, error: BaseException) -> BadInput:
     return BadInput(f"{path}: not a readable safetensors file ({first})")
 
 
-def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor and the string metadata of a safetensors file."""
+def gated_safetensors(path: str | Path | TensorFile) -> TensorFile:
+    """``path`` through the gate as a safetensors file (a file that already passed it as one, as is)."""
+    if isinstance(path, TensorFile) and path.format == SAFETENSORS:
+        return path
+    return open_tensor_file(path.path if isinstance(path, TensorFile) else path, formats=(SAFETENSORS,))
+
+
+def read_safetensors(path: str | Path | TensorFile) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor and the string metadata of a safetensors file (through the gate)."""
     from safetensors import safe_open
 
-    p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"{p}: no such file")
+    gated = gated_safetensors(path)
     try:
-        with safe_open(str(p), framework="pt") as f:
+        with safe_open(str(gated.path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
     except Exception as e:  # SafetensorError and friends
-        raise unreadable(p, e) from None
+        raise unreadable(gated.path, e) from None
 
-
-def is_safetensors(path: str | Path) -> bool:
-    """Whether ``path`` has the safetensors structure: an 8-byte little-endian header length N, then
-    N bytes of JSON (``{`` first) inside the file.
-
-    Sniff this before pickle magic: the first byte of a safetensors file is the low byte of its
-    header length, so a header of 0x380 bytes starts with ``80 03``, which is also how a protocol-3
-    pickle starts. Checking for pickle first read such a dump as a plain file whose slots come in
-    key order (alphabetical), silently, for one header length in 256."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-            size = f.seek(0, 2)
-    except OSError:
-        return False
-    if len(head) < 9:
-        return False
-    n = int.from_bytes(head[:8], "little")
-    return 2 <= n <= size - 8 and head[8:9] == b"{"
-
-
-def safetensors_kind(path: str | Path) -> str | None:
-    """The ``surgeon.kind`` a safetensors file declares (reference, fingerprint, dump), or None for
-    anything else, including files that are not safetensors at all."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("surgeon.kind")
-    except Exception:
-        return None

@@ -36,12 +36,12 @@ def check_hooks(*, files: Sequence[str]) -> HookCheck:
 
 
 def dump_info(*, dump: str) -> DumpInfo:
-    """What a surgeon dump says it is, read without loading its tensors."""
-    from surgeon.capture.dumps import read_dump
+    """What a surgeon dump says it is, read from its header alone (no tensor loaded, no torch)."""
+    from surgeon.capture.dumps import read_dump_header
 
-    d = read_dump(dump, load=False)
+    d = read_dump_header(dump)
     return DumpInfo(dump, {k: v for k, v in d.meta.items() if k != "captures"},
-                    [{"name": n, "point": str(p), "shape": d.shapes.get(n)} for n, p, _ in d.captures])
+                    [{"name": n, "point": str(p), "shape": shape} for n, p, shape in d.captures])
 
 
 def export(*, dumps: Sequence[str], spec: str, layout: str, out_dir: str) -> Exported:

@@ -10,14 +10,23 @@ from surgeon.commands.progress import QUIET, Progress
 from surgeon.commands.results import FingerprintWritten, ReferenceWritten, Verification
 from surgeon.core.errors import BadInput
 
+DTYPES = ("float32", "bfloat16", "float16")
 
-def reference(*, model: str, input_ids: str, output: str, progress: Progress = QUIET) -> ReferenceWritten:
-    """Run the HF model folder ``model`` on ``input_ids`` and write every physical point to ``output``."""
+
+def reference(*, model: str, input_ids: str, output: str, dtype: str = "float32", device: str = "cpu",
+              progress: Progress = QUIET) -> ReferenceWritten:
+    """Run the HF model ``model`` (a folder, ``hf:DIR`` or ``hf:ORG/NAME`` from the local Hugging Face
+    cache) on ``input_ids`` in ``dtype`` on ``device``, and write every physical point to ``output``."""
+    import torch
+
     from surgeon.verify.harness import parse_input_ids
     from surgeon.verify.reference import capture_reference, save_reference
 
+    if dtype not in DTYPES:
+        raise BadInput(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    model = model[3:] if model.startswith("hf:") else model
     with progress.bar("running the HF reference"):
-        ref = capture_reference(model, parse_input_ids(input_ids))
+        ref = capture_reference(model, parse_input_ids(input_ids), dtype=getattr(torch, dtype), device=device)
     save_reference(ref, output)
     return ReferenceWritten(output, len(ref.states), ref.input_ids.numel(), ref.num_layers, ref.hidden_size)
 
@@ -45,7 +54,11 @@ def match(*, subject: str, ref: str, spec: str | None = None, slots: Sequence[st
           input_ids: str | None = None, plot: str | None = None, progress: Progress = QUIET) -> Any:
     """Which physical point each slot of ``subject`` really is (a HarnessResult); ``plot`` also
     writes the slots x points heatmap there."""
+    from surgeon.core.optional import require
     from surgeon.core.spec import load_spec
+
+    if plot:
+        require("matplotlib")  # before the work, not after it
     from surgeon.verify.harness import match as match_subject
     from surgeon.verify.harness import plot_heatmap
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from surgeon.capture.tensorfiles import read_safetensors, unreadable
+from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file, read_safetensors, unreadable
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, all_points, parse_point
 from surgeon.verify.streams import run_streams
@@ -162,9 +162,7 @@ def fingerprint_file(path: str | os.PathLike, *, dim: int = 64, first_k: int = 5
     reopens every ``window_bytes``, so working memory is bounded by ``workers`` x (chunk +
     window), not by T. ``workers`` (default: torch's thread count) readers run in parallel, each
     single-threaded; torch's thread count is restored afterwards."""
-    path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"{path}: no such file")
+    path = open_tensor_file(Path(path), formats=(SAFETENSORS,)).path  # the gate, before any read
     head = _read_reference_header(path)
     T, H = int(head.input_ids.numel()), head.hidden_size
     dim, first_k = _check_sizes(dim, first_k, H)

@@ -10,6 +10,7 @@ file (:mod:`surgeon.verify.fingerprint`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from surgeon.capture.tensorfiles import safetensors_kind
+from surgeon.capture.tensorfiles import open_tensor_file
 from surgeon.core.conventions import EAGLE, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
@@ -46,9 +47,9 @@ def load_reference_arg(ref: str, input_ids: torch.Tensor | None):
             raise BadInput("an hf: reference needs input ids: the subject carries none, so pass --input-ids")
         return capture_reference(ref[3:], input_ids)
     path = Path(ref)
-    if not path.is_file():
-        raise BadInput(f"--reference {ref}: no such file (use hf:DIR for a model folder)")
-    kind = safetensors_kind(path)
+    if path.is_dir() or not os.path.lexists(path):
+        raise BadInput(f"--reference {ref}: {'a directory' if path.is_dir() else 'no such file'} (use hf:DIR for a model folder)")
+    kind = open_tensor_file(path).kind  # the gate: a regular file with a sane header, before any read
     if kind == "reference":
         from surgeon.verify.reference import load_reference
 

@@ -19,6 +19,7 @@ A :class:`Reference` saves to one safetensors file: one tensor per ``str(point)`
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -148,9 +149,35 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _load_model(model_dir: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
+
+def resolve_model(model: str | Path) -> tuple[Path, str]:
+    """(local folder, label) of a model argument: an HF model folder, else ``ORG/NAME`` looked up
+    in the local Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``; never downloaded, so it
+    works offline). A model that is in neither is BadInput saying how to fetch it."""
+    path = Path(model)
+    if path.is_dir():
+        return path, f"hf:{path.resolve()}"
+    text = str(model)
+    if path.exists() or not _REPO_ID.fullmatch(text) or text.endswith((".json", ".safetensors")):
+        raise BadInput(f"{model}: not a model directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(text, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        raise BadInput(f"{model}: no such directory, and not in the local Hugging Face cache ({HF_HUB_CACHE}); fetch it "
+                       f"with `hf download {text}` (or `huggingface-cli download {text}`), then run this again") from None
+    except (HFValidationError, ValueError) as e:
+        raise BadInput(f"{model}: not a model directory nor a Hugging Face repo id ({str(e).splitlines()[0][:120]})") from None
+    return folder, f"hf:{text}@{folder.name}"
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
 
     if not model_dir.is_dir():
         raise BadInput(f"{model_dir}: not a model directory")
@@ -158,18 +185,28 @@ def _load_model(model_dir: Path, dtype: torch.dtype):
         raise BadInput(f"{model_dir}: no config.json (expected a transformers save_pretrained folder)")
     try:
         with quiet_transformers():
-            return AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BadInput(f"{model_dir}: cannot load as a causal LM: {first}") from e
+    try:
+        dev = torch.device(device)
+        if dev.type == "meta":
+            raise ValueError("the meta device holds no values to record")
+        return model.to(dev)
+    except (RuntimeError, AssertionError, ValueError) as e:  # a device torch does not know or cannot reach
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise BadInput(f"--device {device}: not usable here ({first})") from None
 
 
-def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dtype = torch.float32) -> Reference:
-    """Run one forward pass of the local model at ``model_dir`` on ``input_ids`` (a batch of
-    one) and record every point of :func:`sweep_points` with hooks."""
+def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dtype = torch.float32,
+                      device: str = "cpu") -> Reference:
+    """Run one forward pass of the local model at ``model_dir`` (a folder, or ``ORG/NAME`` in the
+    local Hugging Face cache) on ``input_ids`` (a batch of one), in ``dtype`` on ``device``, and
+    record every point of :func:`sweep_points` with hooks (stored as float32 on the CPU)."""
     ids = _as_input_ids(input_ids)
-    model_dir = Path(model_dir)
-    model = _load_model(model_dir, dtype)
+    model_dir, source = resolve_model(model_dir)
+    model = _load_model(model_dir, dtype, device)
     model.eval()
     layers, norm = _checked_structure(model, model_dir, ids)
     L = len(layers)
@@ -186,7 +223,7 @@ def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dty
         input_ids=ids,
         num_layers=L,
         hidden_size=H,
-        source=f"hf:{model_dir.resolve()}",
+        source=source,
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from surgeon.capture.tensorfiles import is_safetensors, read_safetensors, safetensors_kind
+from surgeon.capture.tensorfiles import SAFETENSORS, TensorFile, open_tensor_file, read_safetensors
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, layer_out, parse_point
 
@@ -122,21 +122,16 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
     """Read ``path`` as named slots. ``slots`` (``--slots``) names them in order and may declare
     points; ``num_layers`` lets layouts with fixed semantics declare theirs (speculators' last
     slot)."""
-    p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"{p}: no such file")
+    gated = open_tensor_file(path)  # the one sniff: a regular file, its format and header
+    p = gated.path
     named = parse_slot_names(slots, num_layers)
     n = len(named) or None
-    with open(p, "rb") as f:
-        head = f.read(8)
-    # safetensors first: its header length can start with the pickle magic (see is_safetensors)
-    is_zip_or_pickle = not is_safetensors(p) and (head[:2] == b"PK" or head[:1] == b"\x80")
-    if is_zip_or_pickle:
+    if gated.format != SAFETENSORS:
         read = _read_pickled(p, n)
-    elif safetensors_kind(p) == "dump":
-        read = _read_dump(p)
+    elif gated.kind == "dump":
+        read = _read_dump(gated)
     else:
-        read = _read_safetensors_slots(p, n, num_layers)
+        read = _read_safetensors_slots(gated, n, num_layers)
     if not read.tensors:
         raise BadInput(f"{p}: holds no hidden-state tensors")
     names, declared = _apply_slot_names(p, named, read)
@@ -159,6 +154,9 @@ def _check_shapes(p: Path, tensors: list[torch.Tensor], ids: torch.Tensor | None
     Hs = {t.shape[1] for t in tensors}
     if len(T) != 1 or len(Hs) != 1:
         raise BadInput(f"{p}: slots disagree in shape ({sorted(T)} tokens, {sorted(Hs)} hidden)")
+    if 0 in T or 0 in Hs:
+        raise BadInput(f"{p}: slots of shape [{next(iter(T))}, {next(iter(Hs))}]: nothing to identify in 0 tokens "
+                       "or a hidden size of 0")
     if ids is not None and ids.numel() != next(iter(T)):
         raise BadInput(f"{p}: {ids.numel()} input ids for {next(iter(T))} tokens")
 
@@ -200,6 +198,8 @@ def _read_specforge(p: Path, data: dict, n: int | None) -> _FileSlots:
         if n is None:
             raise BadInput(f"{p}: no hidden_state to tell the width; pass --slots for the aux slots")
         H = aux.shape[-1] // n
+    if H < 1 or aux.shape[-1] < 1:
+        raise BadInput(f"{p}: aux_hidden_state width {aux.shape[-1]} and hidden size {H}: a hidden size of 0 holds no state")
     if aux.shape[-1] % H:
         raise BadInput(f"{p}: aux_hidden_state width {aux.shape[-1]} is not a multiple of hidden {H}")
     k = aux.shape[-1] // H
@@ -215,20 +215,22 @@ def _read_specforge(p: Path, data: dict, n: int | None) -> _FileSlots:
     return read
 
 
-def _read_dump(p: Path) -> _FileSlots:
+def _read_dump(gated: TensorFile) -> _FileSlots:
     """A surgeon dump: its slots are named and declared by the dump itself."""
     from surgeon.capture.dumps import read_dump
 
-    dump = read_dump(p)
+    p = gated.path
+    dump = read_dump(gated)
     note = (f"surgeon dump of spec {dump.meta.get('spec.name') or '-'} on {dump.meta.get('engine') or '?'} "
             f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
     return _FileSlots("surgeon", [n for n, _, _ in dump.captures], [_as_2d(t, f"{p}: {n}") for n, _, t in dump.captures],
                       [pt for _, pt, _ in dump.captures], dump.input_ids, [note])
 
 
-def _read_safetensors_slots(p: Path, n: int | None, num_layers: int | None) -> _FileSlots:
+def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | None) -> _FileSlots:
     """A safetensors file: a surgeon reference, a speculators ``hidden_states`` stack, or plain tensors."""
-    data, meta = read_safetensors(p)
+    p = gated.path
+    data, meta = read_safetensors(gated)
     kind = meta.get("surgeon.kind")
     ids_key = next((k for k in IDS_KEYS if k in data), None)
     ids = _ids(data.pop(ids_key), f"{p}: {ids_key}") if ids_key else None

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from surgeon.capture.tensorfiles import unreadable
+from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
 from surgeon.core.conventions import EAGLE, InvalidId
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, read_regular_file
@@ -140,24 +140,12 @@ def fc_weight_shape(draft: Path) -> dict | None:
     """The fc weight's name, shape and file, from safetensors headers (no tensor is loaded)."""
     if not draft.is_dir():
         return None
-    from safetensors import safe_open
-
-    found = None
     for f in sorted(draft.glob("*.safetensors")):
-        if not f.is_file():
-            continue
-        try:
-            with safe_open(str(f), framework="numpy") as st:
-                for name in st.keys():
-                    if name == "fc.weight" or name.endswith(".fc.weight"):
-                        shape = list(st.get_slice(name).get_shape())
-                        found = {"file": f.name, "tensor": name, "shape": shape}
-                        break
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise unreadable(f, e) from None
-        if found:
-            break
-    return found
+        gated = open_tensor_file(f, formats=(SAFETENSORS,))  # the tensor-file gate: its header, checked, is all we need
+        for name in sorted(gated.tensors):
+            if name == "fc.weight" or name.endswith(".fc.weight"):
+                return {"file": f.name, "tensor": name, "shape": gated.shape(name)}
+    return None
 
 
 def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None, model_class: str | None = None) -> DraftReport:
