@@ -100,7 +100,13 @@ def print_rendering(r: Any) -> None:
     out.print(f"convention: {escape(r.convention)} ({escape(r.origin)})")
     out.print(f"ids: {r.ids}")
     for c in r.captures:
-        out.print(f"  fc slot {c['fc_slot']}: {c['name']} = {c['point']}  (replayed: {c['captured']})")
+        where = f", captured at {c['site']}" if c.get("site") else ""
+        caveat = "" if c.get("verified", True) else " [yellow]unverified[/]"
+        out.print(f"  fc slot {c['fc_slot']}: {c['name']} = {c['point']}  (replayed: {c['captured']}{where}){caveat}")
+    if not getattr(r, "verified", True):
+        out.print(f"[yellow]unverified:[/] {escape(r.unverified_reason or '')}")
+    for e in getattr(r, "evidence", []):
+        out.print(f"[dim]evidence: {escape(e)}[/]")
     out.print("draft config fragment:")
     out.print(json.dumps(r.draft_config, indent=2), markup=False)
     out.print("launch: " + " ".join(r.launch_flags), markup=False)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, Engine, IdRule
+from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, Engine, Evidence, IdRule
 from surgeon.engines.capture import CaptureAnalyzer, CaptureResult
 from surgeon.engines.interp import (
     Const,
@@ -199,12 +199,14 @@ class Classifier:
     def _classify(self, target: Target, base: dict) -> ClassConvention:
         key, entry = target.key, target.entry
         notes: list[str] = []
+        evidence: list[Evidence] = []
         setter_owner = None
         if entry.setter is not None:
             found = self.index.find_function(key, entry.setter)
             if found is None:
                 raise Unclassifiable(f"no {entry.setter} in the class hierarchy")
             setter_owner = key_str(found[0])
+            evidence.append(Evidence("setter", found[0][0], found[1].line, f"{found[0][1]}.{entry.setter}"))
             leaves, raised = self._leaves(key, entry.setter, [Seq(None)], "explicit ids")
             if raised and not leaves:
                 raise Unclassifiable(f"with explicit ids the setter {raised[0]}", no_capture=True)
@@ -233,6 +235,12 @@ class Classifier:
         notes.extend(cap.notes)
         if self.extra_notes:
             notes.extend(self.extra_notes(key))
+        if cap.loop_line is not None:
+            evidence.append(Evidence("loop", cap.loop_line[0], cap.loop_line[1], f"decoder-layer loop of {cap.loop_owner}"))
+        evidence.extend(Evidence("capture_site", s.path, s.line, f"{s.where}: {s.expression}") for s in cap.sites)
+        unverified = [s.unverified_reason or f"{s.path}:{s.line}: not read" for s in cap.sites if not s.verified]
+        if cap.value == "unknown" and not unverified:
+            unverified.append(f"the value {cap.loop_owner} captures was not read to the residual stream or a layer output")
         return ClassConvention(
             status="classified",
             reason="; ".join(dict.fromkeys(notes)) or None,
@@ -248,6 +256,10 @@ class Classifier:
             loop_owner=cap.loop_owner,
             bypasses=tuple(cap.bypasses),
             tail_capture=bool(cap.tail and cap.site == "entry"),
+            sites=tuple(cap.sites),
+            verified=not unverified,
+            unverified_reason="; ".join(dict.fromkeys(unverified)) or None,
+            evidence=tuple(evidence),
             **base,
         )
 
