@@ -282,6 +282,20 @@ class ClassConvention:
                 return s
         return None
 
+    def unverified_for(self, positions: Sequence[int] | None = None, num_layers: int | None = None) -> str | None:
+        """Why an answer about ``positions`` rests on code the probe did not read (None: it does
+        not). Only the capture sites those positions use count: an unread capture after the loop
+        does not make an answer about layers inside it unverified. Without positions, or without
+        recorded sites: the class as a whole (``verified``)."""
+        if positions is None or num_layers is None or not self.sites:
+            return None if self.verified else (self.unverified_reason or "not read")
+        reasons: list[str] = []
+        for p in positions:
+            site = self.site_for(p, num_layers)
+            if site is not None and not site.verified:
+                reasons.append(site.unverified_reason or f"{site.path}:{site.line}: not read")
+        return "; ".join(dict.fromkeys(reasons)) or None
+
     def evidence_of(self, role: EvidenceRole) -> list[Evidence]:
         return [e for e in self.evidence if e.role == role]
 

@@ -38,6 +38,7 @@ from surgeon.engines.anatomy import (
     index_offset,
     layer_loops,
 )
+from surgeon.engines.follow import HelperFollower
 from surgeon.engines.source import ClassKey, CstFunction, FuncInfo, SourceIndex, code, key_str
 
 _SELF_LAYERS = m.Attribute(value=m.Name("self"), attr=m.Name("layers"))
@@ -645,10 +646,12 @@ class CaptureAnalyzer:
 
 class LayerKeywords:
     """What the decoder layers do with a capture keyword handed to them (the layer classes the
-    holder builds, their forwards, their attention boundary)."""
+    holder builds, their forwards, their attention boundary, or a helper object from another
+    engine module that they hand it to: :mod:`surgeon.engines.follow`)."""
 
     def __init__(self, index: SourceIndex) -> None:
         self.index = index
+        self.follower = HelperFollower(index)
 
     def read(self, holder: ClassKey, kw: str) -> tuple[CapturedValue, str, str | None]:
         """What the layers do with a capture keyword: (value, how, problem)."""
@@ -662,6 +665,14 @@ class LayerKeywords:
                                    f"never read{'s' if len(ignore) == 1 else ''} it (its forward takes no such argument"
                                    f" and does not look it up in **kwargs): captures on those layers silently do not happen")
         bad = [k for k in layers if not self._boundary_capture(k, kw)]
+        followed = {k: self.follower.follow(k, kw) for k in bad}
+        if bad and all(f is not None and f.verified for f in followed.values()):
+            reads = "; ".join(dict.fromkeys(f.how for f in followed.values() if f is not None))
+            return "residual_stream", f"hands `{kw}` to {names}: {reads}", None
+        unread = [f for f in followed.values() if f is not None and not f.verified]
+        if unread:
+            return "unknown", (f"hands `{kw}` to {names}: " + "; ".join(dict.fromkeys(f"{f.how}: unverified: {f.reason}"
+                                                                                         for f in unread))), None
         if bad:
             return "unknown", (f"hands `{kw}` to {names}; {', '.join(sorted(k[1] for k in bad))} does not pass it to "
                                f"its attention boundary's {BOUNDARY_PREPARE}()"), None

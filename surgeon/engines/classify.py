@@ -68,6 +68,7 @@ class _Leaf:
     flags: tuple  # (flag, offset) armed on the holder's layers
     where: str
     notes: list[str] = field(default_factory=list)
+    store_at: tuple[str, int] | None = None  # (path, line) of the store that keeps the ids
 
 
 class Classifier:
@@ -130,8 +131,9 @@ class Classifier:
                 for f in out.effects if isinstance(f, FlagMark) and f.holder.path == chosen.holder.path
             ))
             # every store kept in ``stores`` holds a Seq (the isinstance test above)
+            at = (chosen.site.fn.path, chosen.line) if chosen.site.fn is not None else None
             leaves.append(_Leaf(preds, others, chosen.holder, chosen.attr, cast(Seq, chosen.value), flags, chosen.where,
-                                list(out.notes)))
+                                list(out.notes), at))
         return leaves, raised
 
     def _capture_store(self, stores: list[Store]) -> Store:
@@ -220,6 +222,10 @@ class Classifier:
             leaf = _Leaf((), {}, Obj(key, "self"), entry.attr or "", Seq(None), (), key_str(key))
             setter_owner = key_str(key)
         holder, attr, seq = leaf.holder, leaf.attr, leaf.seq
+        if leaf.store_at is not None and entry.setter is not None:
+            evidence.append(Evidence("setter", leaf.store_at[0], leaf.store_at[1],
+                                     f"stores the ids into {holder.cls[1]}.{attr}" + (", sorted" if seq.sorted else "")
+                                     + (", de-duplicated" if seq.dedup else "")))
         if holder.cls != key:
             notes.append(f"ids stored in {holder.path}.{attr}, a {holder.cls[1]} ({holder.cls[0]})")
 

@@ -220,10 +220,15 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
         findings.append(Finding("error", "never_captured",
                                 f"ids {ids} include an index the {engine} engine cannot capture; "
                                 "that capture silently does not happen or fails: " + "; ".join(why)))
-    if not conv.cc.verified:
+    try:
+        used = [i for i in conv.cc.capture_indices(ids, L) if i in conv.cc.reachable(L)]
+    except ValueError:
+        used = []
+    unverified = conv.cc.unverified_for(used, L)
+    if unverified is not None:
         findings.append(Finding("warning", "unverified",
-                                f"{conv.cc.class_name} ({conv.cc.path}:{conv.cc.line}): {conv.cc.unverified_reason}"))
-    for note in engine_notes(conv.cc, [], L):
+                                f"{conv.cc.class_name} ({conv.cc.path}:{conv.cc.line}): {unverified}"))
+    for note in engine_notes(conv.cc, used, L):
         if not note.startswith("unverified"):
             findings.append(Finding("info", "engine", note))
     return captured, origin, cls

@@ -19,18 +19,21 @@ from surgeon.core.idrules import ClassConvention, SiteRecord
 EXTRA_NOTES: list[Callable[[ClassConvention, Sequence[int], int], list[str]]] = []
 
 
-def unverified_note(cc: ClassConvention) -> str | None:
-    """``unverified: <reason>`` when part of the answer rests on code the probe did not read."""
-    if cc.verified:
+def unverified_note(cc: ClassConvention, positions: Sequence[int] | None = None,
+                    num_layers: int | None = None) -> str | None:
+    """``unverified: <reason>`` when the answer about ``positions`` rests on code the probe did
+    not read (all of the class's sites when no positions are given)."""
+    why = cc.unverified_for(positions, num_layers)
+    if why is None:
         return None
-    return f"unverified: {cc.class_name} ({cc.path}:{cc.line}): {cc.unverified_reason or 'not read'}"
+    return f"unverified: {cc.class_name} ({cc.path}:{cc.line}): {why}"
 
 
 def order_note(cc: ClassConvention) -> str | None:
     """How the engine orders and de-duplicates captures, from the setter and loop read."""
     setter = cc.evidence_of("setter")
     loop = cc.evidence_of("loop")
-    where_setter = f"{setter[0].path}:{setter[0].line}" if setter else (cc.setter_owner or cc.path)
+    where_setter = ", storing at ".join(f"{e.path}:{e.line}" for e in setter[:2]) if setter else (cc.setter_owner or cc.path)
     where_loop = f"{loop[0].path}:{loop[0].line}" if loop else (cc.loop_owner or cc.path)
     if cc.sorts:
         return (f"{cc.engine}: the setter ({where_setter}) sorts the ids, and the loop ({where_loop}) captures each "
@@ -64,7 +67,8 @@ def evidence_lines(cc: ClassConvention, positions: Sequence[int] = (), num_layer
 def engine_notes(cc: ClassConvention, positions: Sequence[int] = (), num_layers: int | None = None) -> list[str]:
     """Every note an answer about ``cc`` carries: unverified first, then ordering and the extra
     readers' notes (runner)."""
-    notes = [n for n in (unverified_note(cc), order_note(cc)) if n]
+    notes = [n for n in (unverified_note(cc, positions if num_layers is not None else None, num_layers),
+                         order_note(cc)) if n]
     if num_layers is not None:
         for make in EXTRA_NOTES:
             notes.extend(make(cc, positions, num_layers))

@@ -71,18 +71,19 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
             result.issues.append(spec.issue(("target", "architecture"), str(e), severity="error" if explicit else "warning"))
             continue
         result.checked.append(f"{engine}: {conv.name} via {conv.origin}")
-        if not conv.cc.verified:
+        positions = [p.position for p in spec.fc_points if p.position is not None]
+        unverified = conv.cc.unverified_for(positions, spec.num_layers)
+        if unverified is not None:
             result.issues.append(spec.issue(
-                fc_path, f"{engine}: unverified: {conv.cc.class_name} ({conv.cc.path}:{conv.cc.line}): "
-                         f"{conv.cc.unverified_reason}", severity="error" if strict else "warning"))
+                fc_path, f"{engine}: unverified: {conv.cc.class_name} ({conv.cc.path}:{conv.cc.line}): {unverified}",
+                severity="error" if strict else "warning"))
         try:
             ids = conv.encode(spec.fc_points, spec.num_layers)
         except NotExpressible as e:
             result.issues.append(spec.issue(fc_path, f"{engine}: {e}"))
             continue
         result.checked.append(f"{engine}: ids {ids} capture {', '.join(str(p) for p in spec.fc_points)}"
-                              + ("" if conv.cc.verified else " (unverified)"))
-        positions = [p.position for p in spec.fc_points if p.position is not None]
+                              + ("" if unverified is None else " (unverified)"))
         result.checked.extend(n if n.startswith(f"{engine}:") else f"{engine}: {n}"
                               for n in engine_notes(conv.cc, positions, spec.num_layers) if not n.startswith("unverified"))
         result.checked.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, spec.num_layers))

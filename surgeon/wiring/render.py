@@ -125,10 +125,11 @@ def explain(
             notes.append(f"{engine}: {e}")
             continue
         engines[engine] = conv
-        conventions[engine] = f"{conv.name} ({conv.origin})" + ("" if conv.cc.verified else " (unverified)")
+        positions = [p.position for p in spec.fc_points if p.position is not None]
+        conventions[engine] = f"{conv.name} ({conv.origin})" + (
+            "" if conv.cc.unverified_for(positions, L) is None else " (unverified)")
         for b in conv.cc.bypasses:
             notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
-        positions = [p.position for p in spec.fc_points if p.position is not None]
         notes.extend(f"{engine}: {n}" if not n.startswith(f"{engine}:") else n
                      for n in engine_notes(conv.cc, positions, L))
         notes.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, L))
@@ -233,7 +234,8 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         positions = [p.position for p in spec.fc_points if p.position is not None]
         notes.extend(engine_notes(cc, positions, spec.num_layers))
         evidence = evidence_lines(cc, positions, spec.num_layers)
-        verified, unverified_reason = cc.verified, cc.unverified_reason
+        unverified_reason = cc.unverified_for(positions, spec.num_layers)
+        verified = unverified_reason is None
         for b in cc.bypasses:
             notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
         if view.probe is None:
@@ -247,7 +249,7 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         for c, p in zip(captures, spec.fc_points):
             site = cc.site_for(p.position, spec.num_layers) if p.position is not None else None
             c["site"] = None if site is None else f"{site.path}:{site.line}"
-            c["verified"] = verified and (site is None or site.verified)
+            c["verified"] = p.position is not None and cc.unverified_for([p.position], spec.num_layers) is None
     dump = None
     draft_config: dict[str, object]  # the fragment each target's draft config reads
     if target == "sglang":
