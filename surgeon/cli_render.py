@@ -154,6 +154,9 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
         for b in c.bypasses:
             out.print(f"[yellow]bypass[/] {c.class_name} ({escape(b.path or c.path)}:{b.line}): "
                       f"{escape(b.description)} (when: {escape(b.layers)})")
+    for c in probe.classified:
+        if not c.verified:
+            out.print(f"[yellow]unverified[/] {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.unverified_reason or '')}")
     for c in probe.unclassified:
         tag = "[yellow]no capture[/]" if c.no_capture else "[red]unclassified[/]"
         out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")

@@ -120,3 +120,13 @@ def test_unverified_answer_and_lint_strict(tmp_path):
     assert "unverified" in strict.output
     invoke("lint", inner, "--engine", "sglang", "--strict", code=0)
     assert json.loads(invoke("render", inner, "--engine", "sglang", "--json", code=0).stdout)["verified"] is True
+
+
+def test_conventions_say_unverified_in_text_and_json():
+    text = invoke("conventions", "--engine", "sglang", code=0).output
+    assert re.search(r"unverified GptOssForCausalLM \(srt/models/gpt_oss\.py:\d+\): srt/models/gpt_oss\.py:\d+", text)
+    data = json.loads(invoke("conventions", "--engine", "sglang", "--json", code=0).stdout)
+    oss = next(c for c in data["classes"] if c["class_name"] == "GptOssForCausalLM")
+    assert oss["verified"] is False and oss["unverified_reason"]
+    assert {s["where"] for s in oss["sites"]} >= {"loop_entry", "after_loop"}
+    assert any(e["role"] == "setter" for e in oss["evidence"])
