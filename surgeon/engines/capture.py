@@ -249,6 +249,10 @@ def _first_index_fails(fn: CstFunction, expr: cst.BaseExpression, subst: dict[st
     name = _unguarded_residual(expr, subst, residual)
     if name is None:
         return None
+    for anc in fn.ancestors(expr):  # a statement-level guard: ``if residual is not None: aux.append(h + r)``
+        if isinstance(anc, (cst.If, cst.IfExp)) and re.search(rf"\b{re.escape(name)}\s+is\s+(not\s+)?None\b",
+                                                             code(anc.test)):
+            return None
     none = m.Assign(targets=[m.AssignTarget(target=m.Name(name))], value=m.Name("None"))
     sets = [a for a in fn.findall_of(cst.Assign, none) if fn.order(a) < fn.order(before)]
     if not sets:
