@@ -228,16 +228,20 @@ def _unguarded_residual(expr: cst.BaseExpression, subst: dict[str, cst.BaseExpre
     if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add):
         for o in (expr.left, expr.right):
             o = subst.get(o.value, o) if isinstance(o, cst.Name) else o
+            while isinstance(o, cst.Call) and isinstance(o.func, cst.Attribute) and o.func.attr.value in _SAME_VALUE:
+                o = o.func.value  # ``residual.to(dtype)`` is still the residual
             if isinstance(o, cst.Name) and o.value in residual:
                 return o.value
             inner = _unguarded_residual(o, {}, residual)
             if inner is not None:
                 return inner
         return None
-    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and \
-            expr.func.attr.value in ("to", "clone", "contiguous", "float"):
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in _SAME_VALUE:
         return _unguarded_residual(expr.func.value, subst, residual)
     return None
+
+
+_SAME_VALUE = ("to", "clone", "contiguous", "float")  # methods that return the same values
 
 
 def _first_index_fails(fn: CstFunction, expr: cst.BaseExpression, subst: dict[str, cst.BaseExpression],

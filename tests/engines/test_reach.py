@@ -217,3 +217,27 @@ def test_reachable_is_the_union_of_the_sites(num_layers, wheres, first_fails):
         if why is not None:
             assert "m.py:10" in why or "no capture site" in why
     assert reach == expected
+
+
+# -- the None-guard reading, on generated expressions ----------------------------------------
+_wrap = st.sampled_from(["{}", "({})", "{}.clone()", "({}).to(dtype)", "{}.contiguous()"])
+
+
+@given(_wrap, _wrap, st.booleans(), st.sampled_from(["none", "ifexp_not", "ifexp_is"]))
+def test_unguarded_residual_reads_sums_and_guards(w1, w2, swap, guard):
+    import libcst as cst
+
+    from surgeon.engines.capture import _unguarded_residual
+
+    a, b = w1.format("hidden_states"), w2.format("residual")
+    total = f"{b} + {a}" if swap else f"{a} + {b}"
+    if guard == "ifexp_not":
+        text = f"{total} if residual is not None else hidden_states"
+    elif guard == "ifexp_is":
+        text = f"hidden_states if residual is None else {total}"
+    else:
+        text = total
+    got = _unguarded_residual(cst.parse_expression(text), {}, {"residual"})
+    # a bare residual operand (possibly parenthesised) is the unguarded sum; a wrapped residual
+    # (``residual.clone()``) is read through; any conditional expression is a guard
+    assert got == ("residual" if guard == "none" else None)
