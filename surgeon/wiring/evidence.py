@@ -17,6 +17,19 @@ from surgeon.core.idrules import ClassConvention, SiteRecord
 # Extra note makers (convention, capture indices, layer count) -> notes, e.g. from the model
 # runner's reading; each is called for every answer about an engine class.
 EXTRA_NOTES: list[Callable[[ClassConvention, Sequence[int], int], list[str]]] = []
+# Extra refusers (convention, capture indices, layer count) -> why the engine cannot serve those
+# indices (with file:line), or None; render and lint refuse on the first reason (the model runner's
+# reading plugs in here: a release whose runner ignores the draft's ids).
+EXTRA_REFUSALS: list[Callable[[ClassConvention, Sequence[int], int], str | None]] = []
+
+
+def refusal(cc: ClassConvention, positions: Sequence[int], num_layers: int) -> str | None:
+    """The first reason an extra reader (the runner) gives why ``positions`` cannot be served."""
+    for refuse in EXTRA_REFUSALS:
+        why = refuse(cc, positions, num_layers)
+        if why is not None:
+            return why
+    return None
 
 
 def unverified_note(cc: ClassConvention, positions: Sequence[int] | None = None,

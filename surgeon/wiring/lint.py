@@ -11,7 +11,7 @@ from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
 from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
-from surgeon.wiring.evidence import engine_notes, evidence_lines
+from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.pins import check_pins
 
 
@@ -72,6 +72,10 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
             continue
         result.checked.append(f"{engine}: {conv.name} via {conv.origin}")
         positions = [p.position for p in spec.fc_points if p.position is not None]
+        refused = refusal(conv.cc, positions, spec.num_layers)
+        if refused is not None:
+            result.issues.append(spec.issue(fc_path, f"{engine}: {refused}"))
+            continue
         unverified = conv.cc.unverified_for(positions, spec.num_layers)
         if unverified is not None:
             result.issues.append(spec.issue(

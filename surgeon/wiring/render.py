@@ -15,7 +15,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.engines.view import EngineView, model_class_for, open_engine
-from surgeon.wiring.evidence import engine_notes, evidence_lines
+from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 
 RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 
@@ -232,6 +232,9 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     if view is not None:
         cc = view.class_convention(cls)
         positions = [p.position for p in spec.fc_points if p.position is not None]
+        refused = refusal(cc, positions, spec.num_layers)
+        if refused is not None:
+            raise BadInput(f"{spec.file}: cannot render for {target}: {refused}")
         notes.extend(engine_notes(cc, positions, spec.num_layers))
         evidence = evidence_lines(cc, positions, spec.num_layers)
         unverified_reason = cc.unverified_for(positions, spec.num_layers)
