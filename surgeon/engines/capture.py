@@ -261,8 +261,8 @@ def _first_index_fails(fn: CstFunction, expr: cst.BaseExpression, subst: dict[st
     sets = [a for a in fn.findall_of(cst.Assign, none) if fn.order(a) < fn.order(before)]
     if not sets:
         return None
-    return (f"`{name}` is None before layer 0 ({fn.path}:{fn.line(sets[0])}: `{name} = None` on the first "
-            f"pipeline rank) and the sum is not guarded, so the first forward raises TypeError")
+    return (f"`{name}` is None before layer 0 ({fn.path}:{fn.line(sets[0])}: `{name} = None`, on the rank that "
+            f"runs layer 0) and the sum is not guarded, so the first forward raises TypeError")
 
 
 def _snapshot_names(fn: CstFunction, body: cst.CSTNode) -> set[str]:
