@@ -20,7 +20,7 @@ from surgeon.core.conventions import EAGLE, InvalidId
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, read_regular_file
 from surgeon.engines.view import model_class_for, open_engine
-from surgeon.wiring.evidence import engine_notes
+from surgeon.wiring.evidence import engine_notes, refusal
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 MAX_CONFIG_BYTES = 16 << 20
@@ -224,6 +224,9 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
         used = [i for i in conv.cc.capture_indices(ids, L) if i in conv.cc.reachable(L)]
     except ValueError:
         used = []
+    refused = refusal(conv.cc, used, L)
+    if refused is not None:
+        findings.append(Finding("error", "runner", refused))
     unverified = conv.cc.unverified_for(used, L)
     if unverified is not None:
         findings.append(Finding("warning", "unverified",

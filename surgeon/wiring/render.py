@@ -130,6 +130,9 @@ def explain(
             "" if conv.cc.unverified_for(positions, L) is None else " (unverified)")
         for b in conv.cc.bypasses:
             notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
+        refused = refusal(conv.cc, positions, L)
+        if refused is not None:
+            notes.append(f"{engine}: cannot serve this wiring: {refused}")
         notes.extend(f"{engine}: {n}" if not n.startswith(f"{engine}:") else n
                      for n in engine_notes(conv.cc, positions, L))
         notes.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, L))

@@ -31,3 +31,12 @@ def test_an_extra_refusal_stops_render_and_lint(monkeypatch):
     assert seen[0] == ("DeepseekV3ForCausalLM", [3, 31, 59], 61)
     result = lint_spec(spec, engines=["vllm"])
     assert not result.ok and any("runner ignores" in i.message for i in result.issues)
+
+
+def test_explain_says_an_extra_refusal(monkeypatch):
+    from surgeon.wiring.render import explain
+
+    spec = load_spec(KIMI)
+    monkeypatch.setattr(evidence, "EXTRA_REFUSALS", [lambda cc, p, n: "runner.py:7: not served"])
+    notes = explain(spec).notes
+    assert "vllm: cannot serve this wiring: runner.py:7: not served" in notes
