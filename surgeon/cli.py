@@ -118,13 +118,16 @@ def schema(output: str) -> Any:
 @click.option("--engine", "engines", multiple=True, type=ENGINE_CHOICE,
               help="Check this engine (repeatable; default: the spec's engines section, else all).")
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe (with a single --engine).")
+@click.option("--strict", is_flag=True, help="An unverified engine answer (resting on code not read) is an error.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, as_json: bool) -> Any:
+def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, strict: bool, as_json: bool) -> Any:
     """Validate specs, and check each engine can feed the draft exactly what they declare.
 
-    Exit 0 when every spec is clean (warnings allowed), 2 when any has an error.
+    Exit 0 when every spec is clean (warnings allowed), 2 when any has an error; with --strict an
+    unverified engine answer is an error too (exit 2).
     """
-    report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, progress=RichProgress())
+    report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, strict=strict,
+                           progress=RichProgress())
     return _show(report, as_json, show.print_lint)
 
 

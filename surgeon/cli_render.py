@@ -110,7 +110,13 @@ def print_rendering(r: Any) -> None:
     out.print(f"convention: {escape(r.convention)} ({escape(r.origin)})")
     out.print(f"ids: {r.ids}")
     for c in r.captures:
-        out.print(f"  fc slot {c['fc_slot']}: {c['name']} = {c['point']}  (replayed: {c['captured']})")
+        where = f", captured at {c['site']}" if c.get("site") else ""
+        caveat = "" if c.get("verified", True) else " [yellow]unverified[/]"
+        out.print(f"  fc slot {c['fc_slot']}: {c['name']} = {c['point']}  (replayed: {c['captured']}{where}){caveat}")
+    if not getattr(r, "verified", True):
+        out.print(f"[yellow]unverified:[/] {escape(r.unverified_reason or '')}")
+    for e in getattr(r, "evidence", []):
+        out.print(f"[dim]evidence: {escape(e)}[/]")
     out.print("draft config fragment:")
     out.print(json.dumps(r.draft_config, indent=2), markup=False)
     out.print("launch: " + r.launch_shell, markup=False)
@@ -158,6 +164,9 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
         for b in c.bypasses:
             out.print(f"[yellow]bypass[/] {c.class_name} ({escape(b.path or c.path)}:{b.line}): "
                       f"{escape(b.description)} (when: {escape(b.layers)})")
+    for c in probe.classified:
+        if not c.verified:
+            out.print(f"[yellow]unverified[/] {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.unverified_reason or '')}")
     for c in probe.unclassified:
         tag = "[yellow]no capture[/]" if c.no_capture else "[red]unclassified[/]"
         out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")

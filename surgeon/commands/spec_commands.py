@@ -42,15 +42,16 @@ def schema(*, output: str = "spec") -> SchemaResult:
 
 
 def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,
-         progress: Progress = QUIET) -> LintReport:
-    """Validate ``specs`` and check each engine can feed the draft what they declare."""
+         strict: bool = False, progress: Progress = QUIET) -> LintReport:
+    """Validate ``specs`` and check each engine can feed the draft what they declare. ``strict``:
+    an unverified engine answer is an error (exit 2)."""
     from surgeon.wiring.lint import lint_files
 
     if engine_root and len(engines) != 1:
         raise BadInput("--engine-root needs exactly one --engine")
     roots: dict[str, str | None] = {engines[0]: engine_root} if engine_root else {}
     open_engines(sorted(set(engines) or set(ENGINES)), roots, progress)
-    return LintReport(lint_files(specs, engines=tuple(engines), roots=roots))
+    return LintReport(lint_files(specs, engines=tuple(engines), roots=roots, strict=strict))
 
 
 def explain(*, spec: str, engine: str | None = None, engine_root: str | None = None,

@@ -268,14 +268,9 @@ class EngineConvention:
                 "patch the capture to add the residual, or train on what it captures",
                 point,
             )
-        if point.position not in self.cc.reachable(num_layers):
-            raise NotExpressible(
-                self.name,
-                f"{engine} captures at the entry of a layer, so the output of the last layer "
-                f"(the entry of layer {num_layers}, which does not exist) is never captured"
-                if self.cc.capture_site == "entry" else f"position {point.position} is past the last layer",
-                point,
-            )
+        refused = self.cc.refusal(point.position, num_layers)
+        if refused is not None:
+            raise NotExpressible(self.name, f"{engine} cannot capture {point}: {refused}", point)
         return point.position
 
     def encode(self, points: Sequence[Point], num_layers: int) -> list[int]:

@@ -22,6 +22,55 @@ from typing import Literal
 Engine = Literal["sglang", "vllm"]
 CaptureSite = Literal["entry", "exit"]
 CapturedValue = Literal["residual_stream", "layer_output_without_residual", "unknown"]
+# Where a capture site sits relative to the decoder-layer loop: before it (index start_layer, the
+# embedding on the first rank), in it before the layer call (indices start..end-1), in it after the
+# layer call (indices start+1..end), after it (index end_layer, the last layer's output).
+SiteWhere = Literal["before_loop", "loop_entry", "loop_exit", "after_loop"]
+EvidenceRole = Literal["setter", "default", "loop", "capture_site", "runner"]
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    """One capture site as read in the engine source: where it is, which indices it can see and
+    what expression it appends. ``first_index_fails``: why the expression cannot be evaluated at
+    the first index the site sees (``hidden_states + residual`` while ``residual`` is still None
+    before layer 0), with the line that sets it None; None when it evaluates there."""
+
+    where: SiteWhere
+    path: str
+    line: int
+    expression: str
+    value: CapturedValue
+    first_index_fails: str | None = None
+    verified: bool = True
+    unverified_reason: str | None = None  # what was not read, when not verified
+
+    def covers(self, position: int, num_layers: int) -> bool:
+        lo, hi = {"before_loop": (0, 0), "loop_entry": (0, num_layers - 1),
+                  "loop_exit": (1, num_layers), "after_loop": (num_layers, num_layers)}[self.where]
+        return lo <= position <= hi
+
+    def first_index(self, num_layers: int) -> int:
+        return {"before_loop": 0, "loop_entry": 0, "loop_exit": 1, "after_loop": num_layers}[self.where]
+
+    def describe(self, num_layers: int | None = None) -> str:
+        span = {"before_loop": "index 0 (before the loop)", "loop_entry": "indices start..end-1 (at each layer's entry)",
+                "loop_exit": "indices start+1..end (after each layer)", "after_loop": "index L (after the loop)"}[self.where]
+        return f"{self.path}:{self.line}: {span}: {self.expression}"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A source line an answer rests on: the setter, the default, the loop, a capture site, the
+    model runner's call (filled by :mod:`surgeon.engines.runner` where it reads one)."""
+
+    role: EvidenceRole
+    path: str
+    line: int
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.role}: {self.path}:{self.line}: {self.what}"
 
 
 @dataclass(frozen=True)
@@ -163,6 +212,14 @@ class ClassConvention:
     # or nothing reads the stored ids, or its layers ignore the capture argument). A finding about
     # the engine, as opposed to a class the probe cannot read.
     no_capture: bool = False
+    # The capture sites read (empty: the built-in table, or a probe that recorded none; then
+    # reachability falls back to capture_site/tail_capture).
+    sites: tuple[SiteRecord, ...] = ()
+    # False when part of the answer rests on code the probe could not read (a captured value it
+    # cannot tell, a helper in a module it could not follow); the reason says what.
+    verified: bool = True
+    unverified_reason: str | None = None
+    evidence: tuple[Evidence, ...] = ()
 
     # -- the executable part -------------------------------------------------------------
     def capture_indices(self, ids: Sequence[int] | None, num_layers: int) -> list[int]:
@@ -179,13 +236,68 @@ class ClassConvention:
             indices = self.id_rule.apply(list(ids), num_layers)
         return indices
 
-    def reachable(self, num_layers: int) -> range:
-        """Capture indices the loop can actually hit: entry captures see layers 0..L-1 (and L when
-        the model also captures after its loop, ``tail_capture``), exit captures see 0 (before the
-        loop) and 1..L (after each layer)."""
-        if self.capture_site == "entry":
-            return range(0, num_layers + 1) if self.tail_capture else range(0, num_layers)
-        return range(0, num_layers + 1)
+    def reachable(self, num_layers: int) -> frozenset[int]:
+        """Capture indices the engine can actually capture: covered by a capture site whose
+        expression evaluates there. Without recorded sites: entry captures see layers 0..L-1
+        (and L when the model also captures after its loop, ``tail_capture``), exit captures see
+        0 (before the loop) and 1..L (after each layer)."""
+        if not self.sites:
+            hi = num_layers + 1 if self.capture_site == "exit" or self.tail_capture else num_layers
+            return frozenset(range(0, hi))
+        return frozenset(p for p in range(0, num_layers + 1) if self.refusal(p, num_layers) is None)
+
+    def refusal(self, position: int, num_layers: int) -> str | None:
+        """Why capture index ``position`` cannot be captured (file:line of the capture site and the
+        reason), or None when a site captures it."""
+        if not self.sites:
+            if position in self.reachable(num_layers):
+                return None
+            return (f"{self.path}:{self.line}: captures at the entry of a layer, so index {position} (the entry of "
+                    f"layer {position}, which does not exist) is never captured" if self.capture_site == "entry"
+                    else f"index {position} is past the last layer")
+        covering = [s for s in self.sites if s.covers(position, num_layers)]
+        if not covering:
+            read = "; ".join(s.describe() for s in self.sites)
+            what = f"index {position}"
+            if position == num_layers:
+                what += f" (layer_out[{num_layers - 1}], the last layer's output)"
+            elif position == 0:
+                what += " (embed)"
+            if position == num_layers and any(s.where == "loop_entry" for s in self.sites):
+                return (f"the loop captures at the entry of a layer, so {what}, the entry of layer {num_layers} "
+                        f"(which does not exist), is never captured, and nothing captures after the loop; "
+                        f"the sites read are {read}")
+            return f"no capture site reaches {what}: the sites read are {read}"
+        failing = [s for s in covering if s.first_index_fails and s.first_index(num_layers) == position]
+        if len(failing) == len(covering):
+            s = failing[0]
+            return (f"{s.path}:{s.line}: {s.expression} cannot be evaluated at index {position}: "
+                    f"{s.first_index_fails}")
+        return None
+
+    def site_for(self, position: int, num_layers: int) -> SiteRecord | None:
+        """The capture site that captures ``position`` (None: none, or no sites recorded)."""
+        for s in self.sites:
+            if s.covers(position, num_layers) and not (s.first_index_fails and s.first_index(num_layers) == position):
+                return s
+        return None
+
+    def unverified_for(self, positions: Sequence[int] | None = None, num_layers: int | None = None) -> str | None:
+        """Why an answer about ``positions`` rests on code the probe did not read (None: it does
+        not). Only the capture sites those positions use count: an unread capture after the loop
+        does not make an answer about layers inside it unverified. Without positions, or without
+        recorded sites: the class as a whole (``verified``)."""
+        if positions is None or num_layers is None or not self.sites:
+            return None if self.verified else (self.unverified_reason or "not read")
+        reasons: list[str] = []
+        for p in positions:
+            site = self.site_for(p, num_layers)
+            if site is not None and not site.verified:
+                reasons.append(site.unverified_reason or f"{site.path}:{site.line}: not read")
+        return "; ".join(dict.fromkeys(reasons)) or None
+
+    def evidence_of(self, role: EvidenceRole) -> list[Evidence]:
+        return [e for e in self.evidence if e.role == role]
 
     def capture(self, ids: Sequence[int] | None, num_layers: int) -> list[int | None]:
         """Stream positions the engine emits, in the order it emits them. An index the loop never

@@ -15,7 +15,18 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from surgeon.core.idrules import Branch, Bypass, ClassConvention, DefaultTerm, EngineProbe, FirstIdEquals, IdRule, MaxIdEquals
+from surgeon.core.idrules import (
+    Branch,
+    Bypass,
+    ClassConvention,
+    DefaultTerm,
+    EngineProbe,
+    Evidence,
+    FirstIdEquals,
+    IdRule,
+    MaxIdEquals,
+    SiteRecord,
+)
 from surgeon.engines.source import SourceIndex
 
 FORMAT = 1
@@ -103,6 +114,8 @@ def _decode_class(c: dict) -> ClassConvention:
     if c.get("default") is not None:
         c["default"] = tuple(DefaultTerm(**t) for t in c["default"])
     c["bypasses"] = tuple(Bypass(**b) for b in c.get("bypasses", ()))
+    c["sites"] = tuple(SiteRecord(**x) for x in c.get("sites", ()))
+    c["evidence"] = tuple(Evidence(**x) for x in c.get("evidence", ()))
     return ClassConvention(**c)
 
 

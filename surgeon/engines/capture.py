@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from surgeon.core.idrules import Bypass, CapturedValue, CaptureSite
+from surgeon.core.idrules import Bypass, CapturedValue, CaptureSite, SiteRecord, SiteWhere
 from surgeon.engines.anatomy import (
     STREAM_SNAPSHOT_CALLS,
     LayerLoop,
@@ -38,6 +38,7 @@ from surgeon.engines.anatomy import (
     index_offset,
     layer_loops,
 )
+from surgeon.engines.follow import HelperFollower
 from surgeon.engines.source import ClassKey, CstFunction, FuncInfo, SourceIndex, code, key_str
 
 _SELF_LAYERS = m.Attribute(value=m.Name("self"), attr=m.Name("layers"))
@@ -59,6 +60,7 @@ class LoopCapture:
     how: str
     problem: str | None = None
     no_capture: bool = False
+    site_record: SiteRecord | None = None  # the capture site read (None with a problem)
 
     @property
     def owner(self) -> str:  # "path:Class.method"
@@ -80,6 +82,23 @@ class CaptureResult:
     notes: list[str] = field(default_factory=list)
     problem: str | None = None  # why the capture cannot be described
     no_capture: bool = False  # the problem is that nothing captures (a finding, not a probe gap)
+    sites: list[SiteRecord] = field(default_factory=list)  # every capture site read, with file:line
+    loop_line: tuple[str, int] | None = None  # (path, line) of the loop_owner's capture loop
+
+
+@dataclass
+class _Event:
+    """One capture test in a layer loop: where it sits relative to the layer call, its index
+    offset, what it appends, and whether that evaluates at the first index."""
+
+    where: str  # "before", "after", "in-layer"
+    k: int
+    value: CapturedValue
+    how: str
+    node: cst.CSTNode
+    expression: str
+    first_fails: str | None = None
+    unverified: str | None = None
 
 
 @dataclass
@@ -198,6 +217,52 @@ def _ifexp_target(ifexp: cst.IfExp, call: cst.Call | None, fn: CstFunction) -> t
             if arg.keyword is not None and m.matches(arg.value, m.Name(var)):
                 return "in-layer", arg.keyword.value
     return None
+
+
+def _unguarded_residual(expr: cst.BaseExpression, subst: dict[str, cst.BaseExpression],
+                        residual: set[str]) -> str | None:
+    """The residual name ``expr`` adds without a None guard (``hidden_states + residual``), or None
+    (a conditional expression is a guard: ``h + r if r is not None else h``)."""
+    if isinstance(expr, cst.Name) and expr.value in subst:
+        return _unguarded_residual(subst[expr.value], {}, residual)
+    if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add):
+        for o in (expr.left, expr.right):
+            o = subst.get(o.value, o) if isinstance(o, cst.Name) else o
+            while isinstance(o, cst.Call) and isinstance(o.func, cst.Attribute) and o.func.attr.value in _SAME_VALUE:
+                o = o.func.value  # ``residual.to(dtype)`` is still the residual
+            if isinstance(o, cst.Name) and o.value in residual:
+                return o.value
+            inner = _unguarded_residual(o, {}, residual)
+            if inner is not None:
+                return inner
+        return None
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in _SAME_VALUE:
+        return _unguarded_residual(expr.func.value, subst, residual)
+    return None
+
+
+_SAME_VALUE = ("to", "clone", "contiguous", "float")  # methods that return the same values
+
+
+def _first_index_fails(fn: CstFunction, expr: cst.BaseExpression, subst: dict[str, cst.BaseExpression],
+                       names: tuple[set[str], set[str], bool | None], before: cst.CSTNode) -> str | None:
+    """Why ``expr`` raises at the first index a site before/at the entry of the loop sees: it adds
+    a residual that ``fn`` sets to None before ``before`` (the first pipeline rank's path)."""
+    _hidden, residual, _separate = names
+    residual = residual | {"residual"}
+    name = _unguarded_residual(expr, subst, residual)
+    if name is None:
+        return None
+    for anc in fn.ancestors(expr):  # a statement-level guard: ``if residual is not None: aux.append(h + r)``
+        if isinstance(anc, (cst.If, cst.IfExp)) and re.search(rf"\b{re.escape(name)}\s+is\s+(not\s+)?None\b",
+                                                             code(anc.test)):
+            return None
+    none = m.Assign(targets=[m.AssignTarget(target=m.Name(name))], value=m.Name("None"))
+    sets = [a for a in fn.findall_of(cst.Assign, none) if fn.order(a) < fn.order(before)]
+    if not sets:
+        return None
+    return (f"`{name}` is None before layer 0 ({fn.path}:{fn.line(sets[0])}: `{name} = None`, on the rank that "
+            f"runs layer 0) and the sum is not guarded, so the first forward raises TypeError")
 
 
 def _snapshot_names(fn: CstFunction, body: cst.CSTNode) -> set[str]:
@@ -327,9 +392,10 @@ class CaptureAnalyzer:
                 continue
             loops.extend(lc for lc, _ in found)
             loop_nodes = [node for _, node in found]
-            h, t = self.surroundings.captures(fn, attr, helpers, loop_nodes)
+            h, t, around = self.surroundings.captures(fn, attr, helpers, loop_nodes)
             heads += h
             tails += t
+            result.sites.extend(self._around_sites(fn, holder, helpers, found[0][1], around))
             collectors = set().union(*(self.surroundings.collectors(fn, lp, helpers) for lp in loop_nodes))
             result.bypasses.extend(self.surroundings.bypasses(fn, holder, attr, loop_nodes, collectors,
                                                               self.layer_loops(fn)))
@@ -348,6 +414,9 @@ class CaptureAnalyzer:
             result.problem = "; ".join(f"{lc.owner}:{lc.line}: {lc.problem}" for lc in bad)
             result.no_capture = all(lc.no_capture for lc in bad)
             return result
+        for lc in loops:
+            if lc.site_record is not None and lc.site_record not in result.sites:
+                result.sites.append(lc.site_record)
         kinds = {(lc.site, lc.value) for lc in loops}
         if len({s for s, _ in kinds}) > 1:
             result.problem = "layer loops disagree on the capture site: " + "; ".join(
@@ -361,6 +430,8 @@ class CaptureAnalyzer:
                 f"{lc.owner}:{lc.line} {lc.value}" for lc in loops))
         owners = sorted({lc.owner for lc in loops})
         result.loop_owner = owners[0]
+        first = next(lc for lc in loops if lc.owner == owners[0])
+        result.loop_line = (first.fn.path, first.line)
         if len(owners) > 1:
             result.notes.append(f"also captured in {', '.join(owners[1:])}")
         result.notes.extend(sorted({lc.how for lc in loops}))
@@ -371,6 +442,38 @@ class CaptureAnalyzer:
             result.problem = ("captures after each layer but nothing before the loop: index 0 (the embedding) "
                               "is never captured, which the exit convention assumes")
         return result
+
+    def _around_sites(self, fn: CstFunction, holder: ClassKey, helpers: dict[str, _Helper], loop: cst.For,
+                      around: list[tuple[SiteWhere, cst.CSTNode]]) -> list[SiteRecord]:
+        """Site records of the captures before / after the loop: what they append, and whether it
+        evaluates at index 0 (a residual still None there)."""
+        call = next((ll.call for ll in self.layer_loops(fn) if ll.node is loop), None)
+        names = _residual_names(fn, call, loop) if call is not None else (set(), {"residual"}, None)
+        out: list[SiteRecord] = []
+        for where, node in around:
+            expr: cst.BaseExpression | None = None
+            subst: dict[str, cst.BaseExpression] = {}
+            value: CapturedValue = "unknown"
+            text = ""
+            if isinstance(node, cst.Call) and _called_method(node) in helpers:
+                h = helpers[_called_method(node)]
+                subst = _bind_helper(h, node)
+                expr = h.value
+                value = self._value_kind(expr, subst, names, fn)
+                text = f"`{code(expr)}` in {h.name} ({key_str(h.owner)})"
+            else:
+                ev = self._consumer(fn, node, None, holder, names)
+                if ev is not None and ev[3] is not None:
+                    expr, value = ev[3], ev[1]
+                    text = f"`{code(expr)}`"
+            if expr is None:
+                out.append(SiteRecord(where, fn.path, fn.line(node), f"`{code(node)}`", "unknown", None, False,
+                                      f"{fn.path}:{fn.line(node)}: what is appended there was not read"))
+                continue
+            fails = _first_index_fails(fn, expr, subst, names, node) if where == "before_loop" else None
+            unverified = None if value != "unknown" else f"{fn.path}:{fn.line(node)}: {text} was not read to a value"
+            out.append(SiteRecord(where, fn.path, fn.line(node), text, value, fails, unverified is None, unverified))
+        return out
 
     # -- loops -------------------------------------------------------------------------------
     def _loops_in(self, fn: CstFunction, holder: ClassKey, attr: str, flags: tuple[str, ...],
@@ -404,7 +507,7 @@ class CaptureAnalyzer:
                      helpers: dict[str, _Helper], idx: str, call: cst.Call, member: list[cst.Comparison],
                      flag_tests: list[cst.CSTNode], helper_calls: list[cst.Call]) -> LoopCapture | None:
         residual = _residual_names(fn, call, loop)
-        events: list[tuple[str, int, CapturedValue, str]] = []  # (where, index offset, value, how)
+        events: list[_Event] = []
         problems: list[str] = []
 
         def place(node: cst.CSTNode) -> str:
@@ -420,14 +523,14 @@ class CaptureAnalyzer:
             ev = self._consumer(fn, cmp, call, holder, residual)
             if ev is None:
                 continue
-            kind, value, how = ev
-            events.append((kind if kind == "in-layer" else place(cmp), k, value, how))
+            events.append(self._event(fn, loop, cmp, k, ev, place(cmp), residual))
         for test in flag_tests:
             ev = self._consumer(fn, test, call, holder, residual)
             if ev is None:
                 continue
-            kind, value, how = ev
-            events.append((kind if kind == "in-layer" else place(test), 0, value, how + " (per-layer flag)"))
+            kind, value, how, expr = ev
+            events.append(self._event(fn, loop, test, 0, (kind, value, how + " (per-layer flag)", expr), place(test),
+                                      residual))
         for hc in helper_calls:
             h = helpers[_called_method(hc)]
             bound = _bind_helper(h, hc)
@@ -438,15 +541,18 @@ class CaptureAnalyzer:
                 problems.append(f"{h.name} called with index `{code(bound[h.index_param])}`")
                 continue
             value = self._value_kind(h.value, bound, residual, fn)
-            events.append((place(hc), k, value, f"{h.name} ({key_str(h.owner)})"))
+            fails = _first_index_fails(fn, h.value, bound, residual, loop)
+            events.append(_Event(place(hc), k, value, f"{h.name} ({key_str(h.owner)})", hc,
+                                 f"`{code(h.value)}` in {h.name} ({key_str(h.owner)})", fails))
         if problems and not events:
             return LoopCapture(fn, loop, None, "unknown", "", problem="; ".join(problems))
         if not events:
             return None
         if len(events) > 1:
             return LoopCapture(fn, loop, None, "unknown", "", problem=f"{len(events)} captures per layer: "
-                               + "; ".join(f"{w} ({how})" for w, _, _, how in events))
-        kind, k, value, how = events[0]
+                               + "; ".join(f"{e.where} ({e.how})" for e in events))
+        event = events[0]
+        kind, k, value, how = event.where, event.k, event.value, event.how
         if kind in ("before", "in-layer"):
             site: CaptureSite | None = "entry" if k == 0 else None
         else:
@@ -454,10 +560,27 @@ class CaptureAnalyzer:
         if site is None:
             return LoopCapture(fn, loop, None, value, how, problem=(
                 f"captures {kind} the layer call under index {idx}{k:+d}: index and stream position differ"))
-        return LoopCapture(fn, loop, site, value, how)
+        if event.first_fails and site == "exit":
+            event.first_fails = None  # after a layer call the layer has set the residual
+        unverified = event.unverified or (None if value != "unknown" else
+                                       f"what {fn.path}:{fn.line(event.node)} captures ({how}) was not read to a value")
+        record = SiteRecord("loop_entry" if site == "entry" else "loop_exit", fn.path, fn.line(event.node), event.expression,
+                            value, event.first_fails, unverified is None, unverified)
+        return LoopCapture(fn, loop, site, value, how, site_record=record)
+
+    @staticmethod
+    def _event(fn: CstFunction, loop: cst.For, node: cst.CSTNode, k: int,
+               ev: tuple[str, CapturedValue, str, cst.BaseExpression | None], where: str,
+               residual: tuple[set[str], set[str], bool | None]) -> _Event:
+        kind, value, how, expr = ev
+        if kind == "in-layer":
+            return _Event("in-layer", k, value, how, node, how)
+        fails = _first_index_fails(fn, expr, {}, residual, loop) if expr is not None else None
+        return _Event(where, k, value, how, node, f"`{code(expr)}`" if expr is not None else how, fails)
 
     def _consumer(self, fn: CstFunction, test: cst.CSTNode, call: cst.Call | None, holder: ClassKey,
-                  names: tuple[set[str], set[str], bool | None]) -> tuple[str, CapturedValue, str] | None:
+                  names: tuple[set[str], set[str], bool | None]
+                  ) -> tuple[str, CapturedValue, str, cst.BaseExpression | None] | None:
         """What a capture test guards: (kind, value, how). kind is "in-layer" for a collector
         handed to the layer call, else "inline"."""
         for anc in fn.ancestors(test):
@@ -471,7 +594,7 @@ class CaptureAnalyzer:
                     return None
                 value = _origin(fn, value, anc.body)
                 snapshots = _snapshot_names(fn, anc.body)
-                return "inline", self._value_kind(value, {}, names, fn, snapshots), f"appends {code(value)}"
+                return "inline", self._value_kind(value, {}, names, fn, snapshots), f"appends {code(value)}", value
             if isinstance(anc, cst.IfExp):
                 target = _ifexp_target(anc, call, fn)
                 if target is None:
@@ -481,7 +604,7 @@ class CaptureAnalyzer:
                     captured, how, problem = self.layer_keywords.read(holder, kw)
                     if problem:
                         raise _LoopProblem(problem)
-                    return "in-layer", captured, how
+                    return "in-layer", captured, how, None
                 return None
         return None
 
@@ -531,10 +654,12 @@ class CaptureAnalyzer:
 
 class LayerKeywords:
     """What the decoder layers do with a capture keyword handed to them (the layer classes the
-    holder builds, their forwards, their attention boundary)."""
+    holder builds, their forwards, their attention boundary, or a helper object from another
+    engine module that they hand it to: :mod:`surgeon.engines.follow`)."""
 
     def __init__(self, index: SourceIndex) -> None:
         self.index = index
+        self.follower = HelperFollower(index)
 
     def read(self, holder: ClassKey, kw: str) -> tuple[CapturedValue, str, str | None]:
         """What the layers do with a capture keyword: (value, how, problem)."""
@@ -548,6 +673,14 @@ class LayerKeywords:
                                    f"never read{'s' if len(ignore) == 1 else ''} it (its forward takes no such argument"
                                    f" and does not look it up in **kwargs): captures on those layers silently do not happen")
         bad = [k for k in layers if not self._boundary_capture(k, kw)]
+        followed = {k: self.follower.follow(k, kw) for k in bad}
+        if bad and all(f is not None and f.verified for f in followed.values()):
+            reads = "; ".join(dict.fromkeys(f.how for f in followed.values() if f is not None))
+            return "residual_stream", f"hands `{kw}` to {names}: {reads}", None
+        unread = [f for f in followed.values() if f is not None and not f.verified]
+        if unread:
+            return "unknown", (f"hands `{kw}` to {names}: " + "; ".join(dict.fromkeys(f"{f.how}: unverified: {f.reason}"
+                                                                                         for f in unread))), None
         if bad:
             return "unknown", (f"hands `{kw}` to {names}; {', '.join(sorted(k[1] for k in bad))} does not pass it to "
                                f"its attention boundary's {BOUNDARY_PREPARE}()"), None
@@ -751,11 +884,12 @@ class LoopSurroundings:
         self.index = index
 
     def captures(self, fn: CstFunction, attr: str, helpers: dict[str, _Helper],
-                 loops: list[cst.For]) -> tuple[list[str], list[str]]:
+                 loops: list[cst.For]) -> tuple[list[str], list[str], list[tuple[SiteWhere, cst.CSTNode]]]:
         first = min(fn.order(lp) for lp in loops)
         last = max(fn.end(lp) for lp in loops)
         heads: dict[str, list[int]] = {}  # used as ordered sets
         tails: dict[str, list[int]] = {}
+        nodes: list[tuple[SiteWhere, cst.CSTNode]] = []
 
         def in_loop(node: cst.CSTNode) -> bool:
             return any(fn.inside(node, lp) for lp in loops)
@@ -777,10 +911,12 @@ class LoopSurroundings:
             # (no line numbers here: resolving positions for a whole forward costs more than it tells)
             if fn.order(node) < first and which == "start":
                 heads.setdefault(f"index 0 (the embedding) is captured before the loop by {text} in {fn.label}", [])
+                nodes.append(("before_loop", node))
             elif fn.order(node) > last and which == "end":
                 tails.setdefault(f"index L (the last layer's output, before the final norm) is captured after the "
                                  f"loop by {text} in {fn.label}", [])
-        return list(heads), list(tails)
+                nodes.append(("after_loop", node))
+        return list(heads), list(tails), nodes
 
     @staticmethod
     def _boundary_index(expr: cst.BaseExpression, fn: CstFunction) -> str | None:

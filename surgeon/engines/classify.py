@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, Engine, IdRule
+from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, Engine, Evidence, IdRule
 from surgeon.engines.capture import CaptureAnalyzer, CaptureResult
 from surgeon.engines.interp import (
     Const,
@@ -68,6 +68,7 @@ class _Leaf:
     flags: tuple  # (flag, offset) armed on the holder's layers
     where: str
     notes: list[str] = field(default_factory=list)
+    store_at: tuple[str, int] | None = None  # (path, line) of the store that keeps the ids
 
 
 class Classifier:
@@ -130,8 +131,9 @@ class Classifier:
                 for f in out.effects if isinstance(f, FlagMark) and f.holder.path == chosen.holder.path
             ))
             # every store kept in ``stores`` holds a Seq (the isinstance test above)
+            at = (chosen.site.fn.path, chosen.line) if chosen.site.fn is not None else None
             leaves.append(_Leaf(preds, others, chosen.holder, chosen.attr, cast(Seq, chosen.value), flags, chosen.where,
-                                list(out.notes)))
+                                list(out.notes), at))
         return leaves, raised
 
     def _capture_store(self, stores: list[Store]) -> Store:
@@ -199,12 +201,14 @@ class Classifier:
     def _classify(self, target: Target, base: dict) -> ClassConvention:
         key, entry = target.key, target.entry
         notes: list[str] = []
+        evidence: list[Evidence] = []
         setter_owner = None
         if entry.setter is not None:
             found = self.index.find_function(key, entry.setter)
             if found is None:
                 raise Unclassifiable(f"no {entry.setter} in the class hierarchy")
             setter_owner = key_str(found[0])
+            evidence.append(Evidence("setter", found[0][0], found[1].line, f"{found[0][1]}.{entry.setter}"))
             leaves, raised = self._leaves(key, entry.setter, [Seq(None)], "explicit ids")
             if raised and not leaves:
                 raise Unclassifiable(f"with explicit ids the setter {raised[0]}", no_capture=True)
@@ -218,6 +222,10 @@ class Classifier:
             leaf = _Leaf((), {}, Obj(key, "self"), entry.attr or "", Seq(None), (), key_str(key))
             setter_owner = key_str(key)
         holder, attr, seq = leaf.holder, leaf.attr, leaf.seq
+        if leaf.store_at is not None and entry.setter is not None:
+            evidence.append(Evidence("setter", leaf.store_at[0], leaf.store_at[1],
+                                     f"stores the ids into {holder.cls[1]}.{attr}" + (", sorted" if seq.sorted else "")
+                                     + (", de-duplicated" if seq.dedup else "")))
         if holder.cls != key:
             notes.append(f"ids stored in {holder.path}.{attr}, a {holder.cls[1]} ({holder.cls[0]})")
 
@@ -233,6 +241,12 @@ class Classifier:
         notes.extend(cap.notes)
         if self.extra_notes:
             notes.extend(self.extra_notes(key))
+        if cap.loop_line is not None:
+            evidence.append(Evidence("loop", cap.loop_line[0], cap.loop_line[1], f"decoder-layer loop of {cap.loop_owner}"))
+        evidence.extend(Evidence("capture_site", s.path, s.line, f"{s.where}: {s.expression}") for s in cap.sites)
+        unverified = [s.unverified_reason or f"{s.path}:{s.line}: not read" for s in cap.sites if not s.verified]
+        if cap.value == "unknown" and not unverified:
+            unverified.append(f"the value {cap.loop_owner} captures was not read to the residual stream or a layer output")
         return ClassConvention(
             status="classified",
             reason="; ".join(dict.fromkeys(notes)) or None,
@@ -248,6 +262,10 @@ class Classifier:
             loop_owner=cap.loop_owner,
             bypasses=tuple(cap.bypasses),
             tail_capture=bool(cap.tail and cap.site == "entry"),
+            sites=tuple(cap.sites),
+            verified=not unverified,
+            unverified_reason="; ".join(dict.fromkeys(unverified)) or None,
+            evidence=tuple(evidence),
             **base,
         )
 

@@ -20,6 +20,7 @@ from surgeon.core.conventions import EAGLE, InvalidId
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, read_regular_file
 from surgeon.engines.view import model_class_for, open_engine
+from surgeon.wiring.evidence import engine_notes, refusal
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 MAX_CONFIG_BYTES = 16 << 20
@@ -203,9 +204,24 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
         findings.append(Finding("error", "missing_ids", f"the draft config gives {engine} no ids and {e}"))
     captured = [None if p is None else str(p) for p in out]
     if any(p is None for p in out):
+        why = sorted({r for i in conv.cc.capture_indices(ids, L) if (r := conv.cc.refusal(i, L)) is not None})
         findings.append(Finding("error", "never_captured",
-                                f"ids {ids} include an index the {engine} loop never reaches; "
-                                "that capture silently does not happen"))
+                                f"ids {ids} include an index the {engine} engine cannot capture; "
+                                "that capture silently does not happen or fails: " + "; ".join(why)))
+    try:
+        used = [i for i in conv.cc.capture_indices(ids, L) if i in conv.cc.reachable(L)]
+    except ValueError:
+        used = []
+    refused = refusal(conv.cc, used, L)
+    if refused is not None:
+        findings.append(Finding("error", "runner", refused))
+    unverified = conv.cc.unverified_for(used, L)
+    if unverified is not None:
+        findings.append(Finding("warning", "unverified",
+                                f"{conv.cc.class_name} ({conv.cc.path}:{conv.cc.line}): {unverified}"))
+    for note in engine_notes(conv.cc, used, L):
+        if not note.startswith("unverified"):
+            findings.append(Finding("info", "engine", note))
     return captured, origin, cls
 
 

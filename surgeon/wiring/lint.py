@@ -11,6 +11,7 @@ from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
 from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
+from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.pins import check_pins
 
 
@@ -40,7 +41,10 @@ def engines_to_check(spec: Spec, requested: Sequence[str]) -> tuple[list[str], b
     return list(SERVING_ENGINES), False
 
 
-def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None) -> LintResult:
+def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None,
+              strict: bool = False) -> LintResult:
+    """``strict``: an unverified engine answer (one resting on code the probe did not read) is an
+    error, not a warning (so ``surgeon lint --strict`` exits 2 on it)."""
     roots = roots or {}
     result = LintResult(spec.file, spec)
     targets, explicit = engines_to_check(spec, engines)
@@ -67,12 +71,26 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
             result.issues.append(spec.issue(("target", "architecture"), str(e), severity="error" if explicit else "warning"))
             continue
         result.checked.append(f"{engine}: {conv.name} via {conv.origin}")
+        positions = [p.position for p in spec.fc_points if p.position is not None]
+        refused = refusal(conv.cc, positions, spec.num_layers)
+        if refused is not None:
+            result.issues.append(spec.issue(fc_path, f"{engine}: {refused}"))
+            continue
+        unverified = conv.cc.unverified_for(positions, spec.num_layers)
+        if unverified is not None:
+            result.issues.append(spec.issue(
+                fc_path, f"{engine}: unverified: {conv.cc.class_name} ({conv.cc.path}:{conv.cc.line}): {unverified}",
+                severity="error" if strict else "warning"))
         try:
             ids = conv.encode(spec.fc_points, spec.num_layers)
         except NotExpressible as e:
             result.issues.append(spec.issue(fc_path, f"{engine}: {e}"))
             continue
-        result.checked.append(f"{engine}: ids {ids} capture {', '.join(str(p) for p in spec.fc_points)}")
+        result.checked.append(f"{engine}: ids {ids} capture {', '.join(str(p) for p in spec.fc_points)}"
+                              + ("" if unverified is None else " (unverified)"))
+        result.checked.extend(n if n.startswith(f"{engine}:") else f"{engine}: {n}"
+                              for n in engine_notes(conv.cc, positions, spec.num_layers) if not n.startswith("unverified"))
+        result.checked.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, spec.num_layers))
         for b in conv.cc.bypasses:
             result.issues.append(spec.issue(
                 fc_path,
@@ -83,7 +101,8 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
 
 
 def lint_files(
-    paths: Sequence[str | Path], *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None
+    paths: Sequence[str | Path], *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None,
+    strict: bool = False,
 ) -> list[LintResult]:
     out = []
     for path in paths:
@@ -92,5 +111,5 @@ def lint_files(
         except SpecError as e:
             out.append(LintResult(str(path), None, list(e.issues)))
             continue
-        out.append(lint_spec(spec, engines=engines, roots=roots))
+        out.append(lint_spec(spec, engines=engines, roots=roots, strict=strict))
     return out

@@ -16,6 +16,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.engines.view import EngineView, model_class_for, open_engine
+from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 
 RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 
@@ -125,9 +126,17 @@ def explain(
             notes.append(f"{engine}: {e}")
             continue
         engines[engine] = conv
-        conventions[engine] = f"{conv.name} ({conv.origin})"
+        positions = [p.position for p in spec.fc_points if p.position is not None]
+        conventions[engine] = f"{conv.name} ({conv.origin})" + (
+            "" if conv.cc.unverified_for(positions, L) is None else " (unverified)")
         for b in conv.cc.bypasses:
             notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
+        refused = refusal(conv.cc, positions, L)
+        if refused is not None:
+            notes.append(f"{engine}: cannot serve this wiring: {refused}")
+        notes.extend(f"{engine}: {n}" if not n.startswith(f"{engine}:") else n
+                     for n in engine_notes(conv.cc, positions, L))
+        notes.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, L))
 
     fc_lists: dict[str, IdList] = {}
     per_fc: dict[str, dict[str, int | str]] = {}
@@ -189,6 +198,10 @@ class Rendering:
     launch_flags: list[str]  # argv: one argument per item, for the engine's launch command
     dump: dict | None
     notes: list[str]
+    # False when the answer rests on engine code the probe did not read (the reason says what)
+    verified: bool = True
+    unverified_reason: str | None = None
+    evidence: list[str] = field(default_factory=list)  # file:line of the setter, loop, capture sites, runner
 
     @property
     def launch_shell(self) -> str:
@@ -226,8 +239,17 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     if ids is None:
         raise BadInput(f"{spec.file}: cannot render for {target}: {lst.error}")
     notes: list[str] = []
+    verified, unverified_reason, evidence = True, None, []
     if view is not None:
         cc = view.class_convention(cls)
+        positions = [p.position for p in spec.fc_points if p.position is not None]
+        refused = refusal(cc, positions, spec.num_layers)
+        if refused is not None:
+            raise BadInput(f"{spec.file}: cannot render for {target}: {refused}")
+        notes.extend(engine_notes(cc, positions, spec.num_layers))
+        evidence = evidence_lines(cc, positions, spec.num_layers)
+        unverified_reason = cc.unverified_for(positions, spec.num_layers)
+        verified = unverified_reason is None
         for b in cc.bypasses:
             notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
         if view.probe is None:
@@ -237,6 +259,11 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         {"fc_slot": i, "name": n, "point": str(p), "captured": lst.captures[i]}
         for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))
     ]
+    if view is not None:
+        for c, p in zip(captures, spec.fc_points):
+            site = cc.site_for(p.position, spec.num_layers) if p.position is not None else None
+            c["site"] = None if site is None else f"{site.path}:{site.line}"
+            c["verified"] = p.position is not None and cc.unverified_for([p.position], spec.num_layers) is None
     dump = None
     draft_config: dict[str, object]  # the fragment each target's draft config reads
     if target == "sglang":
@@ -251,7 +278,6 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     elif target == "vllm" or target == "speculators":
         draft_config = {"eagle_aux_hidden_state_layer_ids": ids}
         flags = ["--speculative-config", '{"method": "eagle3", "model": "<DRAFT>", "num_speculative_tokens": 3}']
-        notes.append("vLLM sorts and de-duplicates the ids; they are written ascending, in fc order")
         if target == "speculators":
             last = f"layer_out[{spec.num_layers - 1}]"
             dump = {"layout": "speculators", "tensor": "hidden_states [T, n, H]",
@@ -264,4 +290,5 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         dump = {"layout": "specforge", "aux_hidden_state": [c["point"] for c in captures], "hidden_state": "final_norm"}
         notes.append("SpecForge ids are layer outputs (id k = layer_out[k]); it refuses -1, so embed cannot be an fc input")
     conv_name = lst.convention
-    return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes)
+    return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes,
+                     verified, unverified_reason, evidence)

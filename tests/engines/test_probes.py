@@ -222,7 +222,7 @@ def test_sglang_shapes_read_from_source(sg):
     # gpt_oss.py: `if layer_ids and max(layer_ids) == num_layers: raw else +1`, and a capture after the loop
     oss = _classified(sg, "GptOssForCausalLM")
     assert oss.id_rule == IdRule((Branch(0, MaxIdEquals(DefaultTerm(1, 1, 0))), Branch(1)))
-    assert oss.tail_capture and oss.reachable(24) == range(0, 25)
+    assert oss.tail_capture and oss.reachable(24) == frozenset(range(0, 25))
     assert oss.capture([1, 11, 24], 24) == [1, 11, 24] and oss.capture([1, 11, 20], 24) == [2, 12, 21]
     # minimax_m3_vl.py runs the default through its +1
     mm = _classified(sg, "MiniMaxM3SparseForConditionalGeneration")
@@ -359,7 +359,7 @@ def test_sglang_edited_capture_site_and_bypass(tmp_path, engine_copy):
     probe = probe_engine("sglang", root, cache=False)
     assert _classified(probe, "DeepseekV2ForCausalLM").bypasses == ()
     longcat = _classified(probe, "LongcatFlashForCausalLM")
-    assert longcat.capture_site == "exit" and longcat.reachable(8) == range(0, 9)
+    assert longcat.capture_site == "exit" and longcat.reachable(8) == frozenset(range(0, 9))
 
 
 @pytest.mark.slow  # a whole probe of an edited engine copy: 6-8 s each
