@@ -82,6 +82,8 @@ class RenderedCapture(_Closed):
     name: str
     point: Point
     captured: Point | None = Field(description="what the rendered ids capture, replayed")
+    site: str | None = Field(default=None, description="file:line of the capture site the engine uses for this slot")
+    verified: bool | None = Field(default=None, description="false when that site's value was not read")
 
 
 class Launch(_Closed):
@@ -101,6 +103,9 @@ class RenderOutput(_Output):
     launch: Launch
     dump: dict[str, Any] | None = Field(description="the dump layout the target reads, where it has one")
     notes: list[str]
+    verified: bool = Field(default=True, description="false when the answer rests on engine code the probe did not read")
+    unverified_reason: str | None = None
+    evidence: list[str] = Field(default_factory=list, description="file:line of the setter, loop, capture sites, runner")
 
 
 class DraftFinding(_Closed):
