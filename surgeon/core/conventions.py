@@ -284,10 +284,12 @@ class EngineConvention:
             want = ", ".join(str(p) for p in points)
             # the positions are distinct (checked above), so sorting the pairs sorts by position alone
             got = ", ".join(str(p) for _, p in sorted(zip(positions, points), key=lambda pair: pair[0]))
+            why = 'it sorts the ids' if self.cc.sorts else 'captures by layer-loop membership'
+            where = [f"{e.path}:{e.line}" for e in self.cc.evidence if e.role == ("setter" if self.cc.sorts else "loop")]
             raise NotExpressible(
                 self.name,
-                "the engine emits captures in ascending layer order "
-                f"({'it sorts the ids' if self.cc.sorts else 'captures by layer-loop membership'}), "
+                f"the engine emits captures in ascending layer order ({why}"
+                f"{': ' + ', '.join(where) if where else ''}), "
                 f"so fc order [{want}] would reach the fc as [{got}]; order fc_input by layer",
             )
         rule = self.cc.id_rule
