@@ -12,6 +12,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
 from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
 from surgeon.wiring.pins import check_pins
+from surgeon.wiring.runnercheck import runner_refusal
 
 
 @dataclass
@@ -73,6 +74,9 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
             result.issues.append(spec.issue(fc_path, f"{engine}: {e}"))
             continue
         result.checked.append(f"{engine}: ids {ids} capture {', '.join(str(p) for p in spec.fc_points)}")
+        refusal = runner_refusal(view.probe, conv.cc, ids, spec.num_layers)
+        if refusal:
+            result.issues.append(spec.issue(fc_path, f"{engine}: {refusal}"))
         for b in conv.cc.bypasses:
             result.issues.append(spec.issue(
                 fc_path,

@@ -15,6 +15,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.engines.view import EngineView, model_class_for, open_engine
+from surgeon.wiring.runnercheck import runner_refusal
 
 RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 
@@ -220,6 +221,9 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     notes: list[str] = []
     if view is not None:
         cc = view.class_convention(cls)
+        refusal = runner_refusal(view.probe, cc, ids, spec.num_layers)
+        if refusal:
+            raise BadInput(f"{spec.file}: cannot render for {target}: {refusal}")
         for b in cc.bypasses:
             notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
         if view.probe is None:
