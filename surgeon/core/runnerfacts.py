@@ -86,7 +86,7 @@ def summarise(engine: str, version: str, files: tuple[str, ...], calls: tuple[Ru
     if kinds == {"default"}:
         where = ", ".join(f"{c.where} ({c.default_method or 'no ids'})" for c in calls)
         return RunnerModel(engine, version, files, calls, True,
-                           f"the runner ignores the draft's ids: {where} always set the model's default")
+                           f"the runner ignores the draft's ids: {where} always pass the model's default")
     if kinds == {"draft_ids"}:
         return RunnerModel(engine, version, files, calls, True, "the runner passes the draft config's ids")
     both = ", ".join(f"{c.where} ({c.passes})" for c in calls)

@@ -26,7 +26,9 @@ from surgeon.core.runnerfacts import IdSource, RunnerCall, RunnerModel, summaris
 
 SETTERS = {"vllm": ("set_aux_hidden_state_layers",),
            "sglang": ("set_eagle3_layers_to_capture", "set_dflash_layers_to_capture")}
-RUNNER_DIRS = {"vllm": ("v1/worker",), "sglang": ("srt/model_executor", "srt/speculative")}
+# Where the runners and their helpers live (a call found nowhere here is reported, not assumed).
+RUNNER_DIRS = {"vllm": ("v1/worker", "v1/spec_decode", "worker", "spec_decode"),
+               "sglang": ("srt/model_executor", "srt/speculative", "srt/managers")}
 PACKAGE = {"vllm": "vllm", "sglang": "sglang"}
 
 
@@ -42,14 +44,18 @@ class RunnerReader:
         self.engine = engine
         self.root = Path(root)
         self._modules: dict[str, _Module | None] = {}
+        self._files: list[str] | None = None
 
     # -- files -------------------------------------------------------------------------------
     def runner_files(self) -> list[str]:
+        if self._files is not None:
+            return self._files
         out: list[str] = []
         for d in RUNNER_DIRS[self.engine]:
             base = self.root / d
             if base.is_dir():
                 out += sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*.py"))
+        self._files = out
         return out
 
     def module(self, rel: str) -> _Module | None:
