@@ -15,7 +15,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.engines.view import EngineView, model_class_for, open_engine
-from surgeon.wiring.runnercheck import runner_refusal
+from surgeon.wiring.runnercheck import runner_notes, runner_refusal
 
 RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 
@@ -224,6 +224,7 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         refusal = runner_refusal(view.probe, cc, ids, spec.num_layers)
         if refusal:
             raise BadInput(f"{spec.file}: cannot render for {target}: {refusal}")
+        notes.extend(runner_notes(view.probe))
         for b in cc.bypasses:
             notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
         if view.probe is None:

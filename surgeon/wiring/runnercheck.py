@@ -46,3 +46,25 @@ def runner_refusal(probe: EngineProbe | None, cc: ClassConvention, ids: Sequence
     if served == wanted:
         return None
     return f"{ignores}; {cc.class_name} then captures {_points(served)}, the spec needs {_points(wanted)}"
+
+
+def runner_notes(probe: EngineProbe | None) -> list[str]:
+    """What the runner read says about this rendering: each call passing the draft's ids (file:line,
+    the config keys it reads and their offsets), or why the runner is not verified."""
+    runner = probe.runner if probe is not None else None
+    if probe is None or runner is None:
+        return []
+    release = f"{_TITLES.get(probe.engine, probe.engine)} {probe.version}"
+    if not runner.verified:
+        reason = (runner.reason or "").removeprefix("not verified: ")
+        return [f"{release} runner unverified: {reason}"]
+    ignores = runner_ignores_ids(probe)
+    if ignores:  # reached only when the wiring is that default (else runner_refusal refused)
+        return [f"{ignores}: the draft config's ids are not read there, and this wiring is that default"]
+    notes = []
+    for c in runner.calls:
+        if c.passes == "draft_ids":
+            keys = ", ".join(dict.fromkeys(f"{s.key}{f' {s.offset:+d}' if s.offset else ''}" for s in c.sources))
+            notes.append(f"{release} runner {c.where} passes the draft config's ids ({keys})"
+                         + (f", else {c.default_method}()" if c.default_method else ""))
+    return notes

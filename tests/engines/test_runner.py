@@ -69,6 +69,8 @@ def test_sglang_runners_are_not_claimed_verified():
     installed = read_runner("sglang", installed_engine("sglang").root)
     assert not installed.verified and all(c.passes == "passed_in" for c in installed.calls)
     assert "model_runner.py:" in (installed.reason or "")  # the caller is named
+    notes = commands.render(spec=str(LLAMA), target="sglang").rendering.notes
+    assert any(n.startswith("SGLang 0.5.23 runner unverified: srt/model_executor/") for n in notes)
     old_root = release_engine("sglang", "0.5.5")
     old = read_runner("sglang", old_root)
     assert not old.verified and {c.passes for c in old.calls} == {"default", "draft_ids"}
@@ -103,11 +105,16 @@ def test_render_refuses_a_non_default_spec_on_vllm_011(tmp_path):
     assert f"vLLM 0.11.0 ignores the draft's ids: v1/worker/gpu_model_runner.py:{line} always sets " \
            "get_eagle3_aux_hidden_state_layers()" in msg
     assert "the spec needs [layer_out[3], layer_out[15], layer_out[28]]" in msg
-    # the default wiring is exactly what that runner serves: rendered
-    assert commands.render(spec=str(LLAMA), target="vllm", engine_root=str(root)).rendering.ids == [2, 16, 29]
+    # the default wiring is exactly what that runner serves: rendered, saying why
+    served = commands.render(spec=str(LLAMA), target="vllm", engine_root=str(root)).rendering
+    assert served.ids == [2, 16, 29]
+    assert any("ignores the draft's ids" in n and "this wiring is that default" in n for n in served.notes)
     # the same non-default spec renders on a release whose runner passes the ids
     newer = str(release_engine("vllm", "0.33.0"))
-    assert commands.render(spec=str(spec), target="vllm", engine_root=newer).rendering.ids == [4, 16, 29]
+    rendering = commands.render(spec=str(spec), target="vllm", engine_root=newer).rendering
+    assert rendering.ids == [4, 16, 29]
+    assert any("v1/worker/gpu_model_runner.py:" in n and "passes the draft config's ids" in n
+               and "dflash_config.target_layer_ids +1" in n for n in rendering.notes)
 
 
 def test_lint_and_check_draft_see_the_runner(tmp_path):
