@@ -8,16 +8,19 @@ answer carries the file:line of the call, checked here against the file's own te
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
 import pytest
 from conftest import installed_engine, release_engine
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from surgeon import commands
 from surgeon.core.errors import BadInput
 from surgeon.engines.probe import probe_engine
-from surgeon.engines.runner import read_runner
+from surgeon.engines.runner import _config_key, _key_env, read_runner
 
 pytestmark = pytest.mark.engine
 
@@ -150,3 +153,22 @@ def test_vllm_011_classes_are_classified_without_eagle_model_mixin():
     # classes proven unable to capture are decided and say why (their forward never reads the ids)
     no_capture = [c for c in probe.classes.values() if c.no_capture]
     assert no_capture and all(c.reason and "aux_hidden_state_layers" in c.reason for c in no_capture)
+
+
+_KEY = st.from_regex(r"[a-z][a-z_]{0,20}", fullmatch=True)
+
+
+@given(outer=_KEY, key=_KEY, offset=st.integers(-3, 3), nested=st.booleans(), spaced=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_config_key_reads_any_key_and_offset_and_nothing_else(outer, key, offset, nested, spaced):
+    """The reader's expression model: ``getattr(cfg, K)``, ``d.get(K)``/``d[K]`` on a sub-dict bound
+    by ``getattr``, and ``[i + c for i in (... or [])]`` give (key, offset); other shapes give None."""
+    sp = " " if spaced else ""
+    src = f"d = getattr(cfg, {outer!r}, None)\n"
+    inner = f"d.get({key!r})" if nested else f"getattr(cfg,{sp}{key!r},{sp}None)"
+    op = "+" if offset >= 0 else "-"
+    src += f"x = [i{sp}{op}{sp}{abs(offset)} for i in ({inner} or [])]\n"
+    tree = ast.parse(src)
+    expr = tree.body[1].value
+    assert _config_key(expr, _key_env(tree)) == ((f"{outer}.{key}" if nested else key), offset)
+    assert _config_key(ast.parse(f"x = [i * 2 for i in {inner}]").body[0].value, _key_env(tree)) is None
