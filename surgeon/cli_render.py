@@ -170,6 +170,10 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
     for c in probe.unclassified:
         tag = "[yellow]no capture[/]" if c.no_capture else "[red]unclassified[/]"
         out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")
+    runner = getattr(probe, "runner", None)
+    if runner is not None:
+        tag = "[green]runner[/]" if runner.verified else "[yellow]runner (unverified)[/]"
+        out.print(f"{tag}: {escape(runner.reason or '')}")
     for group, n in probe.coverage().items():
         out.print(f"{group}: {n['total']} classes, {n['classified']} classified, "
                   f"{n['no_capture']} shown by the source not to capture, "

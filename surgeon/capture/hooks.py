@@ -38,6 +38,10 @@ Contract of the generated module (``mode`` is ``"aux"`` or ``"dump"``):
   ``writer_rank`` (when ``torch.distributed`` is initialised). The views alias the static buffer:
   the host-side writer must copy them out before the next step. Under raw CUDA-graph replay the
   Python of the forward does not run, so pass the true ``num_tokens`` to ``drain``.
+* Rows: each write records the rows it wrote (``hidden_states.shape[0]``, a host int); ``drain`` and
+  ``aux_hidden_states`` raise when a slot they return got fewer rows than they read back (a
+  sequence-parallel rank's shard of the stream, say): stale rows are never handed out. Host ints
+  only, so the check is graph-safe; under raw graph replay the rows are those of the captured run.
 """
 
 from __future__ import annotations
@@ -67,13 +71,14 @@ _ATTR = "_surgeon_hooks_state"
 
 
 class _State:
-    __slots__ = ("buf", "views", "n", "written", "owner")
+    __slots__ = ("buf", "views", "n", "written", "rows", "owner")
 
     def __init__(self):
         self.buf = None
         self.views = ()
         self.n = 0
         self.written = [False] * NUM_SLOTS
+        self.rows = [0] * NUM_SLOTS  # rows each slot got this step (a host int: a shape)
         self.owner = __name__  # the hooks module whose drain reads this state
 
 
@@ -89,6 +94,7 @@ def begin_step(module, num_tokens: int):
     state = _state(module)
     state.n = num_tokens
     state.written = [False] * NUM_SLOTS  # host-side: a slot an earlier step wrote is not this step's
+    state.rows = [0] * NUM_SLOTS
 
 
 def _write(module, slots, hidden_states, residual):
@@ -109,6 +115,7 @@ def _write(module, slots, hidden_states, residual):
         state.views[s][:n].copy_(first)
     for s in slots:
         state.written[s] = True
+        state.rows[s] = n
 
 
 def capture_position(module, position: int, hidden_states, residual=None):
@@ -143,7 +150,22 @@ def drain(module, num_tokens=None, *, writer_rank: int = 0, group=None):
         if torch.distributed.get_rank(group) != writer_rank:
             return []
     n = state.n if num_tokens is None else num_tokens
+    _check_rows(module, n)
     return [(NAMES[s], POINTS[s], state.views[s][:n]) for s in range(NUM_SLOTS) if state.written[s]]
+
+
+def _check_rows(module, n: int):
+    state = _state(module)
+    # host ints only (shapes recorded at write time): a slot written with fewer rows than are read
+    # back holds stale rows past its end, e.g. a rank's shard of a sequence-parallel stream
+    short = [s for s in range(NUM_SLOTS) if state.written[s] and state.rows[s] < n]
+    if short:
+        s = short[0]
+        raise RuntimeError(
+            f"surgeon hooks: capture {NAMES[s]} ({POINTS[s]}) wrote {state.rows[s]} rows but {n} are read "
+            "back: the captured tensor held only part of the step's tokens (a sequence-parallel shard, or "
+            "a path that splits the stream across ranks); the rest of the slot is stale"
+        )
 '''
 
 # aux: one [max_tokens, n_fc * hidden] buffer whose column blocks are the fc slots, so that
@@ -168,6 +190,7 @@ def aux_hidden_states(module):
     if state.buf is None or not all(state.written):  # host-side flags: a slot this step did not write
         raise RuntimeError("surgeon hooks: not every fc slot was captured in this step (a pipeline-parallel "
                            "rank without all of them, or a path around the layer loop); aux mode needs all")
+    _check_rows(module, state.n)
     return state.buf[:state.n]
 '''
 

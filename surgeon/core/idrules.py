@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from surgeon.core.runnerfacts import RunnerModel
+
 Engine = Literal["sglang", "vllm"]
 CaptureSite = Literal["entry", "exit"]
 CapturedValue = Literal["residual_stream", "layer_output_without_residual", "unknown"]
@@ -336,6 +338,8 @@ class EngineProbe:
     # Architecture name (config.json ``architectures``) -> key of ``classes``, from the engine's
     # registry (SGLang ``EntryClass``, vLLM ``registry.py``), for registered classes probed here.
     architectures: dict[str, str] = field(default_factory=dict)
+    # What the engine's model runner hands the setter (surgeon.engines.runner); None: not read.
+    runner: RunnerModel | None = None
 
     def get(self, class_name: str) -> ClassConvention | None:
         """The convention of a class by key (its name), else by registered architecture name."""
@@ -374,5 +378,6 @@ class EngineProbe:
             "classified": len(self.classified),
             "unclassified": len(self.unclassified),
             "architectures": dict(self.architectures),
+            "runner": None if self.runner is None else self.runner.to_json(),
             "classes": [c.to_json() for c in sorted(self.classes.values(), key=lambda c: (c.path, c.line))],
         }

@@ -26,6 +26,7 @@ from surgeon.engines import probe_vllm as _vllm
 from surgeon.engines.capture import CaptureAnalyzer
 from surgeon.engines.classify import Classifier, Target
 from surgeon.engines.locate import EngineLocation, ProbeError, layout_of, locate_engine
+from surgeon.engines.runner import read_runner
 from surgeon.engines.source import SourceIndex
 
 __all__ = ["probe_engine", "locate_engine", "EngineLocation", "ProbeError", "EngineProbe", "ClassConvention"]
@@ -55,6 +56,7 @@ def probe_engine(engine: str, root: str | Path | None = None, *, progress: Progr
         if hit is not None:
             hit.root = str(location.root)
             hit.version = location.version
+            hit.runner = read_runner(engine, location.root, location.version)  # runner files are not in the cache key
             if progress:
                 progress(len(hit.classes), len(hit.classes))
             return hit
@@ -85,7 +87,7 @@ def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Pr
             progress(i + 1, len(targets))
     exported = mod.exported(index, files)
     probe = EngineProbe(engine=engine, version=location.version, root=str(location.root),
-                        files_scanned=len(index.model_files))
+                        files_scanned=len(index.model_files), runner=read_runner(name, location.root, location.version))
     keys = _keys(conventions, set(exported.values()))
     for (target, cc), k in zip(conventions, keys):
         probe.classes[k] = cc

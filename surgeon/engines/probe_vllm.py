@@ -39,7 +39,19 @@ HOLDER_SETTER = "_set_aux_hidden_state_layers"
 ATTR = "aux_hidden_state_layers"
 TRIGGERS = ("SupportsEagle3", "EagleModelMixin", SETTER, ATTR)
 
+# vLLM 0.11 and earlier name the default ``get_eagle3_aux_hidden_state_layers`` in SupportsEagle3 and
+# have no EagleModelMixin: each model's setter writes its inner model's attribute itself.
+LEGACY_DEFAULT = "get_eagle3_aux_hidden_state_layers"
 OUTER = EntryPoint(setter=SETTER, default_method=DEFAULT, default_through_rule=True)
+
+
+def outer_entry(index: SourceIndex) -> EntryPoint:
+    """How this release drives an outer class: the default method is the one its SupportsEagle3
+    declares (``get_eagle3_default_aux_hidden_state_layers``, or the legacy name in 0.11)."""
+    proto = index.class_info(PROTOCOL)
+    if proto is not None and DEFAULT not in proto.functions and LEGACY_DEFAULT in proto.functions:
+        return EntryPoint(setter=SETTER, default_method=LEGACY_DEFAULT, default_through_rule=True)
+    return OUTER
 
 
 def select(index: SourceIndex) -> tuple[list[Target], list[str]]:
@@ -47,6 +59,7 @@ def select(index: SourceIndex) -> tuple[list[Target], list[str]]:
     targets: list[Target] = []
     holder_entry = EntryPoint(setter=HOLDER_SETTER)
     direct_entry = EntryPoint(setter=None, attr=ATTR)
+    outer_ep = outer_entry(index)
     for ci in index.classes_in(files):
         if ci.name not in names:
             continue
@@ -60,11 +73,11 @@ def select(index: SourceIndex) -> tuple[list[Target], list[str]]:
         bases = set(index.bases(ci.key))
         defines = bool(
             bases & {PROTOCOL, MIXIN}
-            or own & {SETTER, DEFAULT, HOLDER_SETTER}
+            or own & {SETTER, DEFAULT, LEGACY_DEFAULT, HOLDER_SETTER}
             or _init_assigns(index, ci.key, ATTR)
         )
         if outer:
-            targets.append(Target(ci.key, OUTER, defines))
+            targets.append(Target(ci.key, outer_ep, defines))
         elif holder:
             entry = holder_entry if index.find_function(ci.key, HOLDER_SETTER) else direct_entry
             targets.append(Target(ci.key, entry, defines))
@@ -240,13 +253,17 @@ def extra_notes(index: SourceIndex):
 
 
 def check_interface(index: SourceIndex) -> str | None:
-    """Why the installed interfaces.py cannot be used, or None."""
+    """Why the installed interfaces.py cannot be used, or None. A release without EagleModelMixin
+    (vLLM 0.11: each model's own setter writes the holder's attribute, read symbolically like any
+    override) is fine as long as SupportsEagle3 declares the setter and a default method."""
     proto = index.class_info(PROTOCOL)
+    if proto is None:
+        return f"{INTERFACES} defines no SupportsEagle3"
+    default = outer_entry(index).default_method
+    missing = [n for n in (SETTER, default) if n is not None and n not in proto.functions]
     mixin = index.class_info(MIXIN)
-    if proto is None or mixin is None:
-        return f"{INTERFACES} defines no SupportsEagle3/EagleModelMixin"
-    missing = ([n for n in (SETTER, DEFAULT) if n not in proto.functions]
-               + [n for n in (HOLDER_SETTER,) if n not in mixin.functions])
+    if mixin is not None and HOLDER_SETTER not in mixin.functions:
+        missing.append(f"EagleModelMixin.{HOLDER_SETTER}")
     if missing:
         return f"{INTERFACES} no longer defines {', '.join(missing)}"
     return None

@@ -81,6 +81,89 @@ class Plan:
         self.after.setdefault(node, []).append(stmt)
 
 
+def _shape0(expr: cst.BaseExpression) -> cst.BaseExpression | None:
+    """``x`` of ``x.shape[0]`` / ``x.size(0)``, else None."""
+    if (isinstance(expr, cst.Subscript) and len(expr.slice) == 1 and isinstance(expr.slice[0].slice, cst.Index)
+            and _is_zero(expr.slice[0].slice.value) and m.matches(expr.value, m.Attribute(attr=m.Name("shape")))):
+        return cst.ensure_type(expr.value, cst.Attribute).value
+    if (isinstance(expr, cst.Call) and m.matches(expr.func, m.Attribute(attr=m.Name("size")))
+            and len(expr.args) == 1 and _is_zero(expr.args[0].value)):
+        return cst.ensure_type(expr.func, cst.Attribute).value
+    return None
+
+
+@dataclass(frozen=True)
+class SplitStream:
+    """The method tests whether the residual stream holds fewer rows than the step has tokens (a
+    sequence-parallel rank's shard: the stream is split across ranks after a layer) and gathers it:
+    ``<stream>.shape[0] != <tokens>`` at ``line``, gathered by ``gather(x, *extra)[:tokens]`` read
+    from ``gather_line``. ``gather`` None: the split is there but the planner cannot read the gather."""
+
+    line: int
+    test: str
+    tokens: cst.BaseExpression
+    gather: cst.BaseExpression | None = None
+    extra: tuple[cst.Arg, ...] = ()
+    gather_line: int = 0
+
+    def wrap(self, x: cst.BaseExpression) -> cst.BaseExpression:
+        """``(x if x is None or x.shape[0] == tokens else gather(x, ...)[:tokens])``: host ints decide, so it is
+        graph-safe; every tensor-parallel rank takes the same branch (the same shapes)."""
+        assert self.gather is not None
+        gathered = cst.Subscript(
+            value=cst.Call(func=self.gather, args=[cst.Arg(x), *self.extra]),
+            slice=[cst.SubscriptElement(cst.Slice(lower=None, upper=self.tokens))])
+        rows = cst.Subscript(value=cst.Attribute(value=x, attr=cst.Name("shape")),
+                             slice=[cst.SubscriptElement(cst.Index(cst.Integer("0")))])
+        test = cst.BooleanOperation(
+            cst.Comparison(x, [cst.ComparisonTarget(cst.Is(), cst.Name("None"))]), cst.Or(),
+            cst.Comparison(rows, [cst.ComparisonTarget(cst.Equal(), self.tokens)]))
+        return cst.IfExp(test=test, body=x, orelse=gathered,
+                         lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+
+
+def split_stream(idx: ModuleIndex, fn: cst.FunctionDef, streams: tuple[str, ...] = ("hidden_states", "residual")
+                 ) -> SplitStream | None:
+    """Where ``fn`` tests that a stream variable holds fewer rows than there are tokens, and how it
+    gathers the rows back: an ``if`` whose test has ``<stream>.shape[0] != <tokens>`` and whose body
+    assigns ``v = F(x, ...)`` then ``v = v[:<tokens>]``; ``F`` is the method's own gather."""
+    code = cst.Module([]).code_for_node
+    for node in walk(fn.body):
+        if not isinstance(node, cst.If):
+            continue
+        for cmp in (c for c in walk(node.test) if isinstance(c, cst.Comparison)):
+            if len(cmp.comparisons) != 1 or not isinstance(cmp.comparisons[0].operator, cst.NotEqual):
+                continue
+            sides = (cmp.left, cmp.comparisons[0].comparator)
+            for mine, other in (sides, sides[::-1]):
+                held = _shape0(mine)
+                if not (isinstance(held, cst.Name) and held.value in streams) or _shape0(other) is None:
+                    continue
+                found = SplitStream(idx.line(node), code(cmp), other)
+                return _with_gather(idx, node, found) or found
+    return None
+
+
+def _with_gather(idx: ModuleIndex, node: cst.If, found: SplitStream) -> SplitStream | None:
+    code = cst.Module([]).code_for_node
+    tokens = code(found.tokens)
+    calls: dict[str, cst.Call] = {}
+    for stmt in walk(node.body):
+        if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0].target, cst.Name)):
+            continue
+        name = stmt.targets[0].target.value
+        value = stmt.value
+        if isinstance(value, cst.Call) and value.args and value.args[0].keyword is None:
+            calls[name] = value
+        elif (name in calls and isinstance(value, cst.Subscript) and m.matches(value.value, m.Name(name))
+              and len(value.slice) == 1 and isinstance(value.slice[0].slice, cst.Slice)
+              and value.slice[0].slice.lower is None and value.slice[0].slice.upper is not None
+              and code(value.slice[0].slice.upper) == tokens):
+            call = calls[name]
+            return SplitStream(found.line, found.test, found.tokens, call.func, tuple(call.args[1:]), idx.line(call))
+    return None
+
+
 class CapturePlanner:
     """Plans the captures for one class (``class_name``; None: the one class whose recipe method
     loops over the layers) of a parsed module. The anatomy is read once; :meth:`plan` may be
@@ -267,8 +350,19 @@ class CapturePlanner:
             p.anchors.append(f"{a.owner}:counter@{self.line(lp.node)}")
         else:
             pos_expr = cst.BinaryOperation(lp.index, cst.Add(), cst.Integer("1"))
-        stmt: cst.BaseStatement = p.call("capture_position", pos_expr, *reader.args(before_loop=False))
-        if reader.costly:
+        args: tuple[cst.BaseExpression, ...] = reader.args(before_loop=False)
+        split = split_stream(self.idx, a.fn)
+        if split is not None:
+            if split.gather is None:
+                raise self.refuse(f"{a.owner}:split@{split.line}",
+                                  f"the residual stream can be split across ranks here (`{split.test}`, a sequence-"
+                                  f"parallel shard) and the method's gather could not be read: a capture after the "
+                                  f"layer would write one rank's rows")
+            # capture the gathered stream, with the method's own gather (a collective: only where asked)
+            args = tuple(x if m.matches(x, m.Name("None")) else split.wrap(x) for x in args)
+            p.anchors.append(f"{a.owner}:gather@{split.gather_line}")
+        stmt: cst.BaseStatement = p.call("capture_position", pos_expr, *args)
+        if reader.costly or split is not None:
             # reading the stream costs kernels (and a collective under TP): only where asked
             stmt = _if(cst.Comparison(pos_expr, [cst.ComparisonTarget(cst.In(), cst.Set(
                 [cst.Element(cst.Integer(str(q))) for q in later]))]), stmt)

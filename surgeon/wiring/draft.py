@@ -21,6 +21,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, read_regular_file
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, refusal
+from surgeon.wiring.runnercheck import runner_ignores_ids
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 MAX_CONFIG_BYTES = 16 << 20
@@ -197,6 +198,10 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
     cls = model_class_for(spec, "vllm" if engine == "speculators" else engine, model_class)
     conv = view.convention(cls)
     origin = conv.origin
+    ignores = runner_ignores_ids(view.probe)
+    if ignores and ids is not None:  # the config's ids never reach the model: it captures the default
+        findings.append(Finding("error", "runner_ignores_ids", f"{ignores}: the config's ids {ids} are not used"))
+        ids = None
     try:
         out = conv.decode(ids, L)
     except ValueError as e:  # no ids and no default: the engine captures nothing (or fails)

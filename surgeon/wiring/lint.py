@@ -13,6 +13,7 @@ from surgeon.core.spec import Issue, Spec, SpecError, load_spec
 from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.pins import check_pins
+from surgeon.wiring.runnercheck import runner_refusal
 
 
 @dataclass
@@ -91,6 +92,9 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         result.checked.extend(n if n.startswith(f"{engine}:") else f"{engine}: {n}"
                               for n in engine_notes(conv.cc, positions, spec.num_layers) if not n.startswith("unverified"))
         result.checked.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, spec.num_layers))
+        ignored = runner_refusal(view.probe, conv.cc, ids, spec.num_layers)
+        if ignored:
+            result.issues.append(spec.issue(fc_path, f"{engine}: {ignored}"))
         for b in conv.cc.bypasses:
             result.issues.append(spec.issue(
                 fc_path,

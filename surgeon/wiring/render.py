@@ -17,6 +17,7 @@ from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
+from surgeon.wiring.runnercheck import runner_notes, runner_refusal
 
 RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 
@@ -246,7 +247,11 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         refused = refusal(cc, positions, spec.num_layers)
         if refused is not None:
             raise BadInput(f"{spec.file}: cannot render for {target}: {refused}")
+        ignored = runner_refusal(view.probe, cc, ids, spec.num_layers)
+        if ignored:
+            raise BadInput(f"{spec.file}: cannot render for {target}: {ignored}")
         notes.extend(engine_notes(cc, positions, spec.num_layers))
+        notes.extend(runner_notes(view.probe))
         evidence = evidence_lines(cc, positions, spec.num_layers)
         unverified_reason = cc.unverified_for(positions, spec.num_layers)
         verified = unverified_reason is None

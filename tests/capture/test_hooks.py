@@ -480,3 +480,27 @@ def test_aux_handoff_inside_a_compiled_forward_has_zero_graph_breaks():
         for _ in range(6):
             states.append(m.lin(states[-1]))
         assert torch.allclose(aux, torch.cat([states[k] + x for k in (2, 4, 6)], dim=1))
+
+
+@pytest.mark.parametrize("mode", ["dump", "aux"])
+def test_rows_written_short_of_rows_read_raise_instead_of_handing_out_stale_rows(mode):
+    """A sequence-parallel rank holds 1/tp of the step's tokens after a layer: a capture there writes
+    ``hs.shape[0]`` rows while drain (and the aux hand-off) read one row per token. The rest of the
+    slot is an earlier step's: it must raise, never be returned."""
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs/demo-tiny-llama-eagle3.yaml")
+    hooks = load_hooks_module(generate_hooks_module(spec, mode=mode, max_tokens=8), f"_surgeon_hooks_rows_{mode}")
+    positions = (2, 4, 6)  # the fc slots: layer_out[1], [3], [5] (also dump slots of this spec)
+    owner = torch.nn.Module()
+    hooks.begin_step(owner, 8)
+    for pos in positions:
+        hooks.capture_position(owner, pos, torch.ones(8, 128), torch.ones(8, 128))
+    read = hooks.aux_hidden_states(owner) if mode == "aux" else hooks.drain(owner)
+    assert len(read) > 0
+    hooks.begin_step(owner, 8)
+    for pos in positions:  # a shard: 8 tokens over tp=2, 4 rows each
+        hooks.capture_position(owner, pos, torch.full((4, 128), 2.0), torch.zeros(4, 128))
+    with pytest.raises(RuntimeError, match=r"wrote 4 rows but 8 are read back"):
+        hooks.aux_hidden_states(owner) if mode == "aux" else hooks.drain(owner)
+    if mode == "dump":  # reading back only what was written is fine (e.g. the true count under graph padding)
+        assert all(t.shape[0] == 4 and t.eq(2).all() for _, _, t in hooks.drain(owner, 4))
+    assert check_source(generate_hooks_module(spec, mode=mode, max_tokens=8)) == []  # still graph-safe

@@ -1,0 +1,349 @@
+"""Read an engine's model runner: which ids reach the model's capture setter.
+
+The runner files (vLLM ``v1/worker/**``, SGLang ``srt/model_executor/**`` and ``srt/speculative/**``)
+are parsed with ``ast``, never imported. Every call of the capture setter
+(``set_aux_hidden_state_layers``; ``set_eagle3_layers_to_capture``/``set_dflash_layers_to_capture``)
+is classified by what its argument is, read from the source:
+
+* no argument, ``None``, or a call of one of the model's own ``get_*`` methods: the model's default;
+* a local variable: its assignments in the enclosing function, and a helper it is computed by (a
+  method of the same class, a function of the same module or one imported from the engine): each
+  ``getattr(cfg, "key")``, ``x.get("key")``/``x["key"]`` and ``[i + c for i in ...]`` there is an
+  :class:`IdSource` (key, offset, file:line, the enclosing conditions verbatim);
+* a parameter of the enclosing function: passed in; the callers found are named, not followed.
+
+Anything else is "unknown" with the expression, and the model says it is not verified.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from surgeon.core.runnerfacts import IdSource, RunnerCall, RunnerModel, summarise
+
+SETTERS = {"vllm": ("set_aux_hidden_state_layers",),
+           "sglang": ("set_eagle3_layers_to_capture", "set_dflash_layers_to_capture")}
+# Where the runners and their helpers live (a call found nowhere here is reported, not assumed).
+RUNNER_DIRS = {"vllm": ("v1/worker", "v1/spec_decode", "worker", "spec_decode"),
+               "sglang": ("srt/model_executor", "srt/speculative", "srt/managers")}
+PACKAGE = {"vllm": "vllm", "sglang": "sglang"}
+
+
+@dataclass
+class _Module:
+    path: str
+    tree: ast.Module
+    parents: dict[ast.AST, ast.AST]
+
+
+class RunnerReader:
+    def __init__(self, engine: str, root: Path) -> None:
+        self.engine = engine
+        self.root = Path(root)
+        self._modules: dict[str, _Module | None] = {}
+        self._files: list[str] | None = None
+
+    # -- files -------------------------------------------------------------------------------
+    def runner_files(self) -> list[str]:
+        if self._files is not None:
+            return self._files
+        out: list[str] = []
+        for d in RUNNER_DIRS[self.engine]:
+            base = self.root / d
+            if base.is_dir():
+                out += sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*.py"))
+        self._files = out
+        return out
+
+    def module(self, rel: str) -> _Module | None:
+        if rel not in self._modules:
+            try:
+                text = (self.root / rel).read_text(encoding="utf-8")
+                tree = ast.parse(text)
+            except (OSError, SyntaxError, ValueError):
+                self._modules[rel] = None
+                return None
+            parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+            self._modules[rel] = _Module(rel, tree, parents)
+        return self._modules[rel]
+
+    # -- the model ---------------------------------------------------------------------------
+    def read(self, version: str) -> RunnerModel:
+        setters = SETTERS[self.engine]
+        files = self.runner_files()
+        calls: list[RunnerCall] = []
+        for rel in files:
+            try:
+                text = (self.root / rel).read_text(encoding="utf-8")
+            except OSError:
+                continue
+            if not any(s in text for s in setters):
+                continue
+            mod = self.module(rel)
+            if mod is None:
+                continue
+            for node in ast.walk(mod.tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in setters and _enclosing(mod, node) is not None):
+                    fn = _enclosing(mod, node)
+                    assert fn is not None
+                    if fn.name in setters:  # a wrapper forwarding its own argument is a model, not the runner
+                        continue
+                    calls.append(self._call(mod, fn, node))
+        calls.sort(key=lambda c: (c.path, c.line))
+        return summarise(self.engine, version, tuple(files), tuple(calls), setters)
+
+    def _call(self, mod: _Module, fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call) -> RunnerCall:
+        assert isinstance(call.func, ast.Attribute)
+        base: dict[str, Any] = dict(path=mod.path, line=call.lineno, function=_qualname(mod, fn), setter=call.func.attr)
+        arg = call.args[0] if call.args else next((k.value for k in call.keywords), None)
+        if arg is None or (isinstance(arg, ast.Constant) and arg.value is None):
+            return RunnerCall(**base, passes="default", detail="called without ids: the model's setter uses its own default")
+        getter = _model_getter(arg)
+        if getter is not None:
+            return RunnerCall(**base, passes="default", default_method=getter,
+                              detail=f"passes {ast.unparse(arg)}: the model's default, whatever the draft config says")
+        if isinstance(arg, ast.Name):
+            return self._name_arg(mod, fn, arg.id, base)
+        sources = self._expr_sources(mod, fn, arg, {})
+        if sources:
+            return RunnerCall(**base, passes="draft_ids", sources=tuple(sources))
+        return RunnerCall(**base, passes="unknown", detail=f"passes {ast.unparse(arg)}, an expression not modelled")
+
+    def _name_arg(self, mod: _Module, fn: ast.FunctionDef | ast.AsyncFunctionDef, name: str, base: dict[str, Any]) -> RunnerCall:
+        params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+        values = _assigned(fn, name)
+        if not values and name in params:
+            callers = self._callers(fn.name, name)
+            seen = "; ".join(callers) if callers else "no caller found in the runner files"
+            return RunnerCall(**base, passes="passed_in",
+                              detail=f"ids come in as parameter {name!r} of {fn.name} ({seen}); "
+                                     "which draft-config key fills it was not read")
+        default_method = None
+        sources: list[IdSource] = []
+        for value in values:
+            getter = _model_getter(value)
+            if getter is not None:
+                default_method = getter
+                continue
+            if isinstance(value, ast.Constant) and value.value is None:
+                continue
+            found = self._value_sources(mod, fn, value)
+            if found is None:
+                return RunnerCall(**base, passes="unknown",
+                                  detail=f"{name} = {ast.unparse(value)} (line {value.lineno}) is not modelled")
+            sources += found
+        if sources:
+            return RunnerCall(**base, passes="draft_ids", default_method=default_method, sources=tuple(sources),
+                              detail=None if default_method else "without ids in the config the setter gets None "
+                                                                 "(the model's setter default)")
+        if default_method is not None:
+            return RunnerCall(**base, passes="default", default_method=default_method,
+                              detail=f"{name} is only ever the model's {default_method}()")
+        return RunnerCall(**base, passes="unknown", detail=f"{name} has no assignment the reader can follow")
+
+    def _value_sources(self, mod: _Module, fn: ast.FunctionDef | ast.AsyncFunctionDef,
+                       value: ast.expr) -> list[IdSource] | None:
+        """Sources of one assigned value: a helper call (read), or an expression over config reads."""
+        if isinstance(value, ast.Call):
+            helper = self._helper(mod, fn, value.func)
+            if helper is not None:
+                hmod, hfn = helper
+                found: list[IdSource] = []
+                for ret in _returned_names(hfn):
+                    for v in _assigned(hfn, ret):
+                        found += self._expr_sources(hmod, hfn, v, {})
+                return found or None
+        found = self._expr_sources(mod, fn, value, {})
+        return found or None
+
+    def _expr_sources(self, mod: _Module, fn: ast.AST, expr: ast.expr, env: dict[str, str]) -> list[IdSource]:
+        got = _config_key(expr, _key_env(fn))
+        if got is None:
+            return []
+        key, offset = got
+        return [IdSource(key, offset, mod.path, expr.lineno, _conditions(mod, expr, fn))]
+
+    def _helper(self, mod: _Module, fn: ast.AST, func: ast.expr) -> tuple[_Module, ast.FunctionDef] | None:
+        """The function a call resolves to: ``self.m`` in the enclosing class, a module-level
+        function, or one imported ``from <engine>.x import name``."""
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+            cls = mod.parents.get(fn)
+            if isinstance(cls, ast.ClassDef):
+                for item in cls.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == func.attr:
+                        return mod, item
+            return None
+        if not isinstance(func, ast.Name):
+            return None
+        for item in mod.tree.body:
+            if isinstance(item, ast.FunctionDef) and item.name == func.id:
+                return mod, item
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.ImportFrom) and node.module and any(a.name == func.id for a in node.names):
+                parts = node.module.split(".")
+                if parts[0] != PACKAGE[self.engine]:
+                    continue
+                other = self.module("/".join(parts[1:]) + ".py")
+                if other is not None:
+                    for item in other.tree.body:
+                        if isinstance(item, ast.FunctionDef) and item.name == func.id:
+                            return other, item
+        return None
+
+    def _callers(self, function: str, param: str) -> list[str]:
+        out = []
+        for rel in self.runner_files():
+            try:
+                if function not in (self.root / rel).read_text(encoding="utf-8"):
+                    continue
+            except OSError:
+                continue
+            mod = self.module(rel)
+            for node in ast.walk(mod.tree) if mod else ():
+                if isinstance(node, ast.Call) and _callee(node.func) == function:
+                    for kw in node.keywords:
+                        if kw.arg == param:
+                            out.append(f"{rel}:{node.lineno} passes {ast.unparse(kw.value)}")
+        return out
+
+
+# -- ast helpers -------------------------------------------------------------------------------
+def _enclosing(mod: _Module, node: ast.AST) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    cur = mod.parents.get(node)
+    while cur is not None and not isinstance(cur, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        cur = mod.parents.get(cur)
+    return cur
+
+
+def _qualname(mod: _Module, fn: ast.AST) -> str:
+    names = []
+    cur: ast.AST | None = fn
+    while cur is not None:
+        if isinstance(cur, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(cur.name)
+        cur = mod.parents.get(cur)
+    return ".".join(reversed(names))
+
+
+def _callee(func: ast.expr) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def _model_getter(expr: ast.expr) -> str | None:
+    """``<something>.model.get_x()`` / ``eagle3_model.get_x()`` with no arguments: a model's own
+    default getter (``get_eagle3_aux_hidden_state_layers``, ``get_eagle3_default_...``)."""
+    if (isinstance(expr, ast.Call) and not expr.args and not expr.keywords and isinstance(expr.func, ast.Attribute)
+            and expr.func.attr.startswith("get_") and "layers" in expr.func.attr
+            and not (isinstance(expr.func.value, ast.Name) and expr.func.value.id == "self")):
+        return expr.func.attr
+    return None
+
+
+def _assigned(fn: ast.AST, name: str) -> list[ast.expr]:
+    """Values assigned to a local ``name`` in ``fn``, in source order."""
+    out: list[ast.expr] = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            out.append(node.value)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name and node.value:
+            out.append(node.value)
+    return sorted(out, key=lambda v: (v.lineno, v.col_offset))
+
+
+def _returned_names(fn: ast.FunctionDef) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Return) and node.value is not None:
+            for sub in ast.walk(node.value):
+                if isinstance(sub, ast.Name) and sub.id not in names and _assigned(fn, sub.id):
+                    names.append(sub.id)
+    return names
+
+
+def _key_env(fn: ast.AST) -> dict[str, str]:
+    """Local names bound to a sub-dict of the config: ``x = getattr(cfg, "eagle_config", None)`` ->
+    ``{"x": "eagle_config"}``; a loop ``for n in ("a", "b")`` with ``getattr(cfg, n)`` -> ``"{a,b}"``."""
+    loops: dict[str, str] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(node.iter, (ast.Tuple, ast.List)):
+            consts = [e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if consts and len(consts) == len(node.iter.elts):
+                loops[node.target.id] = "{" + ",".join(consts) + "}"
+    env: dict[str, str] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            key = _getattr_key(node.value, loops)
+            if key is not None:
+                env[node.targets[0].id] = key
+    return env
+
+
+def _getattr_key(expr: ast.expr, loops: dict[str, str]) -> str | None:
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr" and len(expr.args) >= 2:
+        arg = expr.args[1]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+        if isinstance(arg, ast.Name) and arg.id in loops:
+            return loops[arg.id]
+    return None
+
+
+def _config_key(expr: ast.expr, env: dict[str, str]) -> tuple[str, int] | None:
+    """(config key, offset) of an expression that reads ids from the draft config, else None."""
+    if isinstance(expr, ast.BoolOp) and isinstance(expr.op, ast.Or):
+        return _config_key(expr.values[0], env)
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ("list", "tuple") and expr.args:
+        return _config_key(expr.args[0], env)
+    key = _getattr_key(expr, {})
+    if key is not None:
+        return key, 0
+    sub: tuple[ast.expr, ast.expr] | None = None
+    if isinstance(expr, ast.Subscript):
+        sub = (expr.value, expr.slice)
+    elif (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "get" and expr.args):
+        sub = (expr.func.value, expr.args[0])
+    if sub is not None:
+        holder, item = sub
+        if isinstance(item, ast.Constant) and isinstance(item.value, str):
+            if isinstance(holder, ast.Name) and holder.id in env:
+                return f"{env[holder.id]}.{item.value}", 0
+            inner = _getattr_key(holder, {})
+            if inner is not None:
+                return f"{inner}.{item.value}", 0
+        return None
+    if isinstance(expr, (ast.ListComp, ast.GeneratorExp)) and len(expr.generators) == 1:
+        gen = expr.generators[0]
+        inner_key = _config_key(gen.iter, env)
+        elt = expr.elt
+        if inner_key is not None and isinstance(gen.target, ast.Name):
+            if isinstance(elt, ast.Name) and elt.id == gen.target.id:
+                return inner_key
+            if (isinstance(elt, ast.BinOp) and isinstance(elt.left, ast.Name) and elt.left.id == gen.target.id
+                    and isinstance(elt.right, ast.Constant) and isinstance(elt.right.value, int)):
+                sign = 1 if isinstance(elt.op, ast.Add) else -1 if isinstance(elt.op, ast.Sub) else None
+                if sign is not None:
+                    return inner_key[0], inner_key[1] + sign * elt.right.value
+    if isinstance(expr, ast.Name) and expr.id in env:
+        return env[expr.id], 0
+    return None
+
+
+def _conditions(mod: _Module, node: ast.AST, stop: ast.AST) -> str | None:
+    """The tests of the ``if`` statements enclosing ``node`` inside ``stop``, outermost first."""
+    tests: list[str] = []
+    child, cur = node, mod.parents.get(node)
+    while cur is not None and cur is not stop:
+        if isinstance(cur, ast.If):
+            text = ast.unparse(cur.test)
+            tests.append(text if child in cur.body else f"not ({text})")
+        child, cur = cur, mod.parents.get(cur)
+    return " and ".join(reversed(tests)) or None
+
+
+def read_runner(engine: str, root: str | Path, version: str = "unknown") -> RunnerModel:
+    """The runner model of the engine package at ``root`` (the ``vllm``/``sglang`` directory)."""
+    return RunnerReader(engine, Path(root)).read(version)

