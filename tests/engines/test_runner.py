@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import installed_engine, release_engine
+from tests.conftest import installed_engine, release_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -9,7 +9,7 @@ import ast
 
 import pytest
 import torch
-from conftest import installed_engine, release_engine
+from tests.conftest import installed_engine, release_engine
 
 from surgeon.capture.hooks import generate_hooks_module, load_hooks_module
 from surgeon.core.spec import load_spec
