@@ -189,6 +189,9 @@ class VllmHooks(Hooks):
         """The attribute assigned inside ``with self._mark_language_model(...)`` in a constructor."""
         mark_call = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_mark_language_model")))
         marker = m.With(items=[m.WithItem(item=mark_call)])
+        memo = self.index.memo.setdefault("language_model", {})  # the source decides: once per class
+        if obj.cls in memo:
+            return self._language_model_value(interp, obj, memo[obj.cls])
         names: list[str] = []
         for k in self.index.mro(obj.cls):
             info = self.index.class_info(k)
@@ -208,6 +211,11 @@ class VllmHooks(Hooks):
                         names.append(target.attr.value)
             if names:
                 break
+        memo[obj.cls] = names
+        return self._language_model_value(interp, obj, names)
+
+    @staticmethod
+    def _language_model_value(interp: InterpBase, obj: Obj, names: list[str]) -> Value:
         if len(names) == 1:
             return interp.load_attr(obj, names[0])
         if not names:

@@ -117,6 +117,18 @@ _TRIVIA = (cst.BaseParenthesizableWhitespace, cst.EmptyLine, cst.TrailingWhitesp
            cst.Colon, cst.Semicolon, cst.AssignEqual)
 
 
+# per concrete type: 2 a node to index, 1 trivia (whitespace, punctuation), 0 not a node. libcst's
+# node bases are ABCs, whose isinstance checks made this walk the probe's costliest loop.
+_KIND: dict[type, int] = {tuple: 3, list: 3}
+
+
+def _kind(t: type) -> int:
+    k = _KIND.get(t)
+    if k is None:
+        k = _KIND[t] = (1 if issubclass(t, _TRIVIA) else 2) if issubclass(t, cst.CSTNode) else 0
+    return k
+
+
 def _child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
     names = _FIELDS.get(type(node))
     if names is None:
@@ -124,11 +136,11 @@ def _child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
     out: list[cst.CSTNode] = []
     for name in names:
         v = getattr(node, name)
-        if isinstance(v, cst.CSTNode):
-            if not isinstance(v, _TRIVIA):
-                out.append(v)
-        elif isinstance(v, (tuple, list)):
-            out.extend(x for x in v if isinstance(x, cst.CSTNode) and not isinstance(x, _TRIVIA))
+        k = _KIND.get(type(v)) or _kind(type(v))
+        if k == 2:
+            out.append(v)
+        elif k == 3:
+            out.extend(x for x in v if (_KIND.get(type(x)) or _kind(type(x))) == 2)
     return out
 
 
@@ -256,6 +268,8 @@ class SourceIndex:
         self._exprs: dict[tuple[str, int, int], cst.BaseExpression | None] = {}
         self._mro: dict[ClassKey, list[ClassKey]] = {}
         self.lines_parsed_cst = 0
+        # results that depend on the source only, shared by every analysis of this index
+        self.memo: dict[str, dict] = {}
 
     # -- tier 1: text ------------------------------------------------------------------------
     @cached_property
