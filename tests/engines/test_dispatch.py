@@ -40,8 +40,18 @@ def resolver(index: SourceIndex) -> DispatchResolver:
 
 
 @pytest.fixture(scope="module")
-def probe33(v33: Path, tmp_path_factory: pytest.TempPathFactory):
-    return probe_engine("vllm", v33, cache=False, platform="cuda")
+def cache_home(tmp_path_factory: pytest.TempPathFactory):
+    """A private probe cache: the CLI tests below reuse the probes the fixtures made."""
+    mp = pytest.MonkeyPatch()
+    mp.delenv("SURGEON_NO_CACHE", raising=False)
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def probe33(v33: Path, cache_home):
+    return probe_engine("vllm", v33, cache=True, platform="cuda")
 
 
 def test_source_index_reads_every_models_dir(index: SourceIndex):
@@ -205,3 +215,65 @@ def test_evaluator_is_sound_three_valued_logic(platforms, expr: str, platform: s
         assert "has_device_capability" in got.why
     else:  # decided despite the unknown: only when the unknown cannot change the answer
         assert truth == {got}
+
+
+# -- through the command line -----------------------------------------------------------------------
+GLM_SPEC = """\
+spec: 1
+name: glm-dsa-eagle3
+target: {architecture: GlmMoeDsaForCausalLM, num_layers: 78, hidden_size: 6144}
+captures:
+  low: layer_out[2]
+  mid: layer_out[38]
+  high: layer_out[77]
+draft: {kind: eagle3, fc_input: [low, mid, high], fc_in_features: 18432}
+"""
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from surgeon.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_render_refuses_on_cuda_what_the_cuda_class_cannot_capture(tmp_path: Path, v33: Path, probe33):
+    spec = tmp_path / "glm.yaml"
+    spec.write_text(GLM_SPEC)
+    res = _cli("render", spec, "--engine", "vllm", "--engine-root", v33, "--platform", "cuda")
+    assert res.exit_code == 2, res.output
+    assert "layer_out[77]" in res.output and "DeepseekV32ForCausalLM" in res.output
+
+
+@pytest.mark.slow  # a second whole probe of vLLM 0.33 (cpu)
+def test_render_on_cpu_names_the_platform_and_the_disagreement(tmp_path: Path, v33: Path, cache_home):
+    spec = tmp_path / "glm.yaml"
+    spec.write_text(GLM_SPEC)
+    res = _cli("render", spec, "--engine", "vllm", "--engine-root", v33, "--platform", "cpu", "--json")
+    assert res.exit_code == 0, res.output
+    import json
+
+    data = json.loads(res.stdout)
+    assert data["ids"] == [3, 39, 78]
+    origin = data["origin"]
+    assert "platform cpu" in origin and f"cpu runs {V2}:" in origin and f"cuda runs {NVIDIA}:" in origin
+    assert "captures differ" in origin
+
+
+def test_coverage_counts_the_models_tree(v33: Path):
+    from surgeon.patch.coverage import coverage
+
+    ec = coverage("vllm", v33, jobs=1, native=False, platform="rocm").engines[0]
+    assert ec.platform == "rocm"
+    trees = {t["dir"]: t for t in ec.trees}
+    assert set(trees) == {"model_executor/models", "models"}
+    new = trees["models"]
+    assert new["files_with_loops"] >= 30 and new["registered_architectures"] >= 35
+    assert any(c.path == NVIDIA for c in ec.classes)
+    assert ec.files == trees["models"]["files"] + trees["model_executor/models"]["files"]
+    data = ec.to_json()
+    # encoder towers are reported apart from decoder failures
+    assert data["non_decoder"]["total"] == sum(not c.decoder for c in ec.classes) > 0
+    encoders = {f"{c.path}:{c.line} {c.class_name}" for c in ec.classes if not c.decoder}
+    assert encoders == set(data["non_decoder"]["classes"]) and not encoders & set(data["decoder_failures"])
