@@ -116,14 +116,16 @@ def _signature(location: EngineLocation) -> tuple:
     """What the source looks like now (names, sizes, mtimes of the model files): a view is reused
     within a process only while this is unchanged, so an edited engine is probed again."""
     sig: list = [location.version]
-    for d in location.models_dirs:
-        try:
-            for entry in sorted(os.scandir(location.root / d), key=lambda e: e.name):
-                if entry.name.endswith(".py"):
-                    st = entry.stat()
-                    sig.append((d, entry.name, st.st_size, st.st_mtime_ns))
-        except OSError:
-            pass
+    for d in location.models_dirs:  # every file, subfolders included (models/<family>/<platform>/)
+        for folder, subdirs, _files in os.walk(location.root / d):
+            subdirs[:] = sorted(x for x in subdirs if x != "__pycache__")
+            try:
+                for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+                    if entry.name.endswith(".py"):
+                        st = entry.stat()
+                        sig.append((folder, entry.name, st.st_size, st.st_mtime_ns))
+            except OSError:
+                pass
     return tuple(sig)
 
 
