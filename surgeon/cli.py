@@ -26,6 +26,9 @@ from surgeon.core.optional import missing_dependency
 from surgeon.patch.apply import DEFAULT_MAX_TOKENS
 
 ENGINE_CHOICE = click.Choice(["sglang", "vllm"])
+PLATFORM_OPTION = click.option(
+    "--platform", type=click.Choice(["cuda", "rocm", "cpu"]), default="cuda", show_default=True,
+    help="The platform the engine answers hold for (vLLM picks some architectures' classes per platform).")
 
 
 class _Group(click.Group):
@@ -120,13 +123,15 @@ def schema(output: str) -> Any:
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe (with a single --engine).")
 @click.option("--strict", is_flag=True, help="An unverified engine answer (resting on code not read) is an error.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, strict: bool, as_json: bool) -> Any:
+@PLATFORM_OPTION
+def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, strict: bool, as_json: bool,
+         platform: str) -> Any:
     """Validate specs, and check each engine can feed the draft exactly what they declare.
 
     Exit 0 when every spec is clean (warnings allowed), 2 when any has an error; with --strict an
     unverified engine answer is an error too (exit 2).
     """
-    report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, strict=strict,
+    report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, strict=strict, platform=platform,
                            progress=RichProgress())
     return _show(report, as_json, show.print_lint)
 
@@ -137,10 +142,12 @@ def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | No
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe.")
 @click.option("--model-class", help="Engine model class (default: the spec's pin, else target.architecture).")
 @click.option("--json", "as_json", is_flag=True)
-def explain(spec: str, engine: str | None, engine_root: str | None, model_class: str | None, as_json: bool) -> Any:
+@PLATFORM_OPTION
+def explain(spec: str, engine: str | None, engine_root: str | None, model_class: str | None, as_json: bool,
+            platform: str) -> Any:
     """Per capture: its point, every convention's id (or why none), fc slot and dump slot."""
     ex = commands.explain(spec=spec, engine=engine, engine_root=engine_root, model_class=model_class,
-                          progress=RichProgress())
+                          platform=platform, progress=RichProgress())
     return _show(ex, as_json, show.print_explanation)
 
 
@@ -152,10 +159,12 @@ def explain(spec: str, engine: str | None, engine_root: str | None, model_class:
 @click.option("--pin", is_flag=True,
               help="Write engines.<engine> pins for the installed engine into SPEC (comments and order kept).")
 @click.option("--json", "as_json", is_flag=True)
-def render(spec: str, target: str, engine_root: str | None, model_class: str | None, pin: bool, as_json: bool) -> Any:
+@PLATFORM_OPTION
+def render(spec: str, target: str, engine_root: str | None, model_class: str | None, pin: bool, as_json: bool,
+           platform: str) -> Any:
     """The draft-config fragment and launch flags for an engine or training tool."""
     report = commands.render(spec=spec, target=target, engine_root=engine_root, model_class=model_class,
-                             pin=pin, progress=RichProgress())
+                             pin=pin, platform=platform, progress=RichProgress())
     if report.pinned is not None:
         show.err.print(f"pinned engines.{target} in {escape(spec)}: {escape(str(report.pinned))}")
     return _show(report, as_json, lambda r: show.print_rendering(r.rendering))
@@ -168,13 +177,15 @@ def render(spec: str, target: str, engine_root: str | None, model_class: str | N
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe.")
 @click.option("--model-class", help="Engine model class (default: the spec's pin, else target.architecture).")
 @click.option("--json", "as_json", is_flag=True)
-def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, model_class: str | None, as_json: bool) -> Any:
+@PLATFORM_OPTION
+def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, model_class: str | None, as_json: bool,
+                platform: str) -> Any:
     """Does DRAFT (a checkpoint folder or its config.json) make ENGINE feed the fc the spec's points?
 
     Exit 0 when it does, 3 when it does not, 2 on bad input.
     """
     verdict = commands.check_draft(spec=spec, draft=draft, engine=engine, engine_root=engine_root,
-                                   model_class=model_class, progress=RichProgress())
+                                   model_class=model_class, platform=platform, progress=RichProgress())
     return _show(verdict, as_json, lambda v: show.print_draft_check(v.report))
 
 
@@ -182,10 +193,11 @@ def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, mod
 @click.argument("old", type=click.Path(dir_okay=False))
 @click.argument("new", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)
-def review(old: str, new: str, as_json: bool) -> Any:
+@PLATFORM_OPTION
+def review(old: str, new: str, as_json: bool, platform: str) -> Any:
     """Markdown for a pull-request comment: what each capture physically was and is, and each
     engine's ids before and after."""
-    report = commands.review(old=old, new=new, progress=RichProgress())
+    report = commands.review(old=old, new=new, platform=platform, progress=RichProgress())
     return _show(report, as_json, lambda r: click.echo(r.markdown, nl=False))
 
 
@@ -195,9 +207,11 @@ def review(old: str, new: str, as_json: bool) -> Any:
               help="Engine package directory (default: the installed package, found without importing it).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--all", "show_all", is_flag=True, help="Also list every classified class in the text report.")
-def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: bool) -> Any:
+@PLATFORM_OPTION
+def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: bool, platform: str) -> Any:
     """What the installed engine's ids mean, per model class, read from its source."""
-    probe = commands.conventions(engine=engine, engine_root=engine_root, progress=RichProgress())
+    probe = commands.conventions(engine=engine, engine_root=engine_root, platform=platform,
+                                 progress=RichProgress())
     return _show(probe, as_json, lambda p: show.print_conventions(engine, p, show_all))
 
 
@@ -361,9 +375,10 @@ def check_hooks(files: tuple[str, ...], as_json: bool) -> Any:
               help="Where decoder layers can run outside the capture loop (SGLang two-batch overlap), insert a runtime guard "
                    "that raises if a captured layer would run there, instead of refusing.")
 @click.option("--json", "as_json", is_flag=True)
+@PLATFORM_OPTION
 def apply(spec: str, engine: str, engine_root: str | None, mode: Any, max_tokens: int, model_file: str | None,
           loop_class: str | None, name: str | None, dry_run: bool, show_diff: bool, replace: bool,
-          guard_bypass: bool, as_json: bool) -> Any:
+          guard_bypass: bool, as_json: bool, platform: str) -> Any:
     """Put SPEC's captures into the engine's real model file, with a generated hooks module next to it.
 
     One journaled transaction: each file ends either original or fully patched; `surgeon revert`
@@ -371,7 +386,7 @@ def apply(spec: str, engine: str, engine_root: str | None, mode: Any, max_tokens
     """
     outcome = commands.apply(spec=spec, engine=engine, engine_root=engine_root, mode=mode, max_tokens=max_tokens,
                              model_file=model_file, loop_class=loop_class, name=name, dry_run=dry_run,
-                             diff=show_diff, replace=replace, guard_bypass=guard_bypass,
+                             diff=show_diff, replace=replace, guard_bypass=guard_bypass, platform=platform,
                              progress=RichProgress(as_json))
     return _show(outcome, as_json, show.print_apply)
 
@@ -418,10 +433,12 @@ def diff(name: str | None, engine: str | None, engine_root: str | None, as_json:
 @click.option("--jobs", type=click.IntRange(1, 64), help="Worker processes (default: 2).")
 @click.option("--all", "show_all", is_flag=True, help="List every loop-owning class, not only the ones that cannot be patched.")
 @click.option("--json", "as_json", is_flag=True)
-def coverage(engine: str, engine_root: str | None, jobs: int | None, show_all: bool, as_json: bool) -> Any:
+@PLATFORM_OPTION
+def coverage(engine: str, engine_root: str | None, jobs: int | None, show_all: bool, as_json: bool, platform: str) -> Any:
     """For every model file and class with a decoder-layer loop: can surgeon patch it, does the engine
     capture natively, and why not when it cannot."""
-    report = commands.coverage(engine=engine, engine_root=engine_root, jobs=jobs, progress=RichProgress(as_json))
+    report = commands.coverage(engine=engine, engine_root=engine_root, jobs=jobs, platform=platform,
+                               progress=RichProgress(as_json))
     return _show(report, as_json, lambda r: show.print_coverage(r, show_all))
 
 

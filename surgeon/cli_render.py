@@ -148,7 +148,8 @@ def _convention_groups(probe: Any) -> dict[tuple, list]:
 
 
 def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
-    out.print(f"[bold]{engine} {escape(probe.version)}[/] at {escape(probe.root)}: {probe.files_scanned} model files")
+    out.print(f"[bold]{engine} {escape(probe.version)}[/] at {escape(probe.root)}: {probe.files_scanned} model files, "
+              f"platform {escape(probe.platform)}")
     table = Table(title="conventions (classes grouped by identical rules)")
     for h in ("id -> capture index", "default", "sorted/dedup", "captured at", "value", "classes"):
         table.add_column(h)
@@ -174,6 +175,10 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
     if runner is not None:
         tag = "[green]runner[/]" if runner.verified else "[yellow]runner (unverified)[/]"
         out.print(f"{tag}: {escape(runner.reason or '')}")
+    for _arch, d in sorted(probe.dispatch.items()):  # registered classes picked per platform
+        if d.disagree or show_all:
+            tag = "[red]unverified[/]" if not d.here.verified else "[yellow]platforms differ[/]" if d.disagree else "dispatch"
+            out.print(f"{tag} {escape(d.text())} ({escape(d.here.evidence)})")
     for group, n in probe.coverage().items():
         out.print(f"{group}: {n['total']} classes, {n['classified']} classified, "
                   f"{n['no_capture']} shown by the source not to capture, "

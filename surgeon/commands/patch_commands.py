@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from surgeon.commands.platform import platform_command
 from surgeon.commands.progress import QUIET, Progress, open_engines
 from surgeon.commands.results import DiffReport, EnginePatch, EngineRevert, PatchDiff, RevertReport, StatusReport
 from surgeon.core.errors import BadInput
@@ -31,10 +32,11 @@ def engines_with_managers(engine: str | None, engine_root: str | None) -> list[t
     return found
 
 
+@platform_command
 def apply(*, spec: str, engine: str, engine_root: str | None = None, mode: Literal["dump", "aux"] = "dump",
           max_tokens: int | None = None, model_file: str | None = None, loop_class: str | None = None,
           name: str | None = None, dry_run: bool = False, diff: bool = False, replace: bool = False,
-          guard_bypass: bool = False, progress: Progress = QUIET) -> Any:
+          guard_bypass: bool = False, platform: str | None = None, progress: Progress = QUIET) -> Any:
     """Put the spec's captures into the engine's model file (one journaled transaction); returns
     the library's ApplyOutcome."""
     from surgeon.core.spec import load_spec
@@ -102,9 +104,10 @@ def diff(*, name: str | None = None, engine: str | None = None, engine_root: str
 
 
 def coverage(*, engine: str, engine_root: str | None = None, jobs: int | None = None,
-             progress: Progress = QUIET) -> Any:
-    """Which loop-owning classes of the engine surgeon can patch (the library's CoverageReport)."""
+             platform: str | None = None, progress: Progress = QUIET) -> Any:
+    """Which loop-owning classes of the engine surgeon can patch (the library's CoverageReport);
+    the native-capture column holds for ``platform``."""
     from surgeon.patch.coverage import coverage as engine_coverage
 
     with progress.spinner(f"reading {engine} model files"):
-        return engine_coverage(engine, Path(engine_root) if engine_root else None, jobs=jobs)
+        return engine_coverage(engine, Path(engine_root) if engine_root else None, jobs=jobs, platform=platform)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from surgeon.commands.platform import platform_command
 from surgeon.commands.progress import QUIET, Progress, open_engines
 from surgeon.commands.results import (
     DraftVerdict,
@@ -41,8 +42,9 @@ def schema(*, output: str = "spec") -> SchemaResult:
     return SchemaResult(output_schema(output))
 
 
+@platform_command
 def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,
-         strict: bool = False, progress: Progress = QUIET) -> LintReport:
+         strict: bool = False, platform: str | None = None, progress: Progress = QUIET) -> LintReport:
     """Validate ``specs`` and check each engine can feed the draft what they declare. ``strict``:
     an unverified engine answer is an error (exit 2)."""
     from surgeon.wiring.lint import lint_files
@@ -54,8 +56,9 @@ def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str 
     return LintReport(lint_files(specs, engines=tuple(engines), roots=roots, strict=strict))
 
 
+@platform_command
 def explain(*, spec: str, engine: str | None = None, engine_root: str | None = None,
-            model_class: str | None = None, progress: Progress = QUIET) -> Any:
+            model_class: str | None = None, platform: str | None = None, progress: Progress = QUIET) -> Any:
     """Per capture: its point, every convention's id (or why none), fc slot and dump slot."""
     from surgeon.core.spec import load_spec
     from surgeon.wiring.render import explain as explain_spec
@@ -66,8 +69,9 @@ def explain(*, spec: str, engine: str | None = None, engine_root: str | None = N
     return explain_spec(s, roots=roots, model_classes={engine: model_class} if engine and model_class else {})
 
 
+@platform_command
 def render(*, spec: str, target: str, engine_root: str | None = None, model_class: str | None = None,
-           pin: bool = False, progress: Progress = QUIET) -> RenderReport:
+           pin: bool = False, platform: str | None = None, progress: Progress = QUIET) -> RenderReport:
     """The draft-config fragment and launch flags for ``target``; ``pin`` also writes the
     installed engine's pins into the spec file."""
     from surgeon.core.spec import load_spec
@@ -88,8 +92,10 @@ def render(*, spec: str, target: str, engine_root: str | None = None, model_clas
     return report
 
 
+@platform_command
 def check_draft(*, spec: str, draft: str, engine: str, engine_root: str | None = None,
-                model_class: str | None = None, progress: Progress = QUIET) -> DraftVerdict:
+                model_class: str | None = None, platform: str | None = None,
+                progress: Progress = QUIET) -> DraftVerdict:
     """Does ``draft`` make ``engine`` feed the fc the spec's points? Not: a mismatch (exit 3)."""
     from surgeon.core.spec import load_spec
     from surgeon.wiring.draft import check_draft as check
@@ -101,7 +107,8 @@ def check_draft(*, spec: str, draft: str, engine: str, engine_root: str | None =
     return DraftVerdict(check(s, draft, engine, engine_root=engine_root, model_class=model_class))
 
 
-def review(*, old: str, new: str, progress: Progress = QUIET) -> ReviewReport:
+@platform_command
+def review(*, old: str, new: str, platform: str | None = None, progress: Progress = QUIET) -> ReviewReport:
     """Markdown for a pull-request comment on the change from spec ``old`` to spec ``new``."""
     from surgeon.core.spec import load_spec
     from surgeon.wiring.review import review as review_specs
@@ -111,7 +118,9 @@ def review(*, old: str, new: str, progress: Progress = QUIET) -> ReviewReport:
     return ReviewReport(review_specs(a, b))
 
 
-def conventions(*, engine: str, engine_root: str | None = None, progress: Progress = QUIET) -> Any:
+@platform_command
+def conventions(*, engine: str, engine_root: str | None = None, platform: str | None = None,
+                progress: Progress = QUIET) -> Any:
     """The installed engine's probe: what its ids mean, per model class, read from its source."""
     from surgeon.engines.view import open_engine
 

@@ -322,6 +322,45 @@ class ClassConvention:
         return data
 
 
+@dataclass(frozen=True)
+class PlatformTarget:
+    """What one registered architecture runs on one platform (read from the package's dispatch)."""
+
+    platform: str  # "cuda", "rocm", "cpu", ...
+    path: str | None  # the file of the class that runs; None when not verified or nothing runs
+    class_name: str
+    line: int
+    evidence: str  # "file:line <the import that decides>"
+    verified: bool
+    reason: str | None = None  # why not verified: the candidates and the unevaluable conditions
+    convention: str | None = None  # key of EngineProbe.classes when that class was probed
+
+    def label(self) -> str:
+        if not self.verified or self.path is None:
+            return f"{self.platform}: unverified ({self.reason})"
+        return f"{self.platform} runs {self.path}:{self.line} {self.class_name}"
+
+
+@dataclass(frozen=True)
+class ArchDispatch:
+    """A registry entry that names a package dispatching per platform (vLLM ``vllm.models.<family>``):
+    what runs on the probe's platform and on the others, and whether they differ."""
+
+    architecture: str
+    module: str  # the registry's module, e.g. "vllm.models.deepseek_v32"
+    platform: str  # the probe's platform (``targets[0]``)
+    targets: tuple[PlatformTarget, ...]
+    disagree: str | None = None  # a sentence when platforms run other classes or capture otherwise
+
+    @property
+    def here(self) -> PlatformTarget:
+        return self.targets[0]
+
+    def text(self) -> str:
+        out = f"{self.architecture}: " + "; ".join(t.label() for t in self.targets)
+        return out + (f": {self.disagree}" if self.disagree else "")
+
+
 @dataclass
 class EngineProbe:
     """Everything one probe run found in one engine root."""
@@ -340,9 +379,19 @@ class EngineProbe:
     architectures: dict[str, str] = field(default_factory=dict)
     # What the engine's model runner hands the setter (surgeon.engines.runner); None: not read.
     runner: RunnerModel | None = None
+    # The platform the answers hold for ("cuda", "rocm", "cpu"; "all" where the engine does not
+    # dispatch per platform), and the registered architectures whose class depends on it.
+    platform: str = "all"
+    dispatch: dict[str, ArchDispatch] = field(default_factory=dict)
 
     def get(self, class_name: str) -> ClassConvention | None:
-        """The convention of a class by key (its name), else by registered architecture name."""
+        """The convention of a class by key (its name), else by registered architecture name. An
+        architecture dispatched per platform is what runs on this probe's platform (None when that
+        is not verified or not a capture class), never a same-named class elsewhere."""
+        routed = self.dispatch.get(class_name)
+        if routed is not None:
+            here = routed.here
+            return self.classes.get(here.convention) if here.verified and here.convention else None
         found = self.classes.get(class_name)
         if found is None and class_name in self.architectures:
             found = self.classes.get(self.architectures[class_name])
@@ -365,8 +414,15 @@ class EngineProbe:
                     "classified": sum(c.status == "classified" for c in classes),
                     "no_capture": sum(c.status != "classified" and c.no_capture for c in classes),
                     "unclassified": sum(c.status != "classified" and not c.no_capture for c in classes)}
-        return {"all classes": count(list(self.classes.values())),
-                "defining classes": count([self.classes[k] for k in sorted(self.defining) if k in self.classes])}
+        defining = [self.classes[k] for k in sorted(self.defining) if k in self.classes]
+        out = {"all classes": count(list(self.classes.values())), "defining classes": count(defining)}
+        # per models directory, where the release has more than one (vLLM 0.32+: models/<family>/...)
+        dirs = sorted({c.path.split("/models/")[0] + "/models" if "/models/" in c.path else c.path.split("/")[0]
+                       for c in self.classes.values()})
+        if len(dirs) > 1:
+            for d in dirs:
+                out[f"defining classes in {d}/"] = count([c for c in defining if c.path.startswith(d + "/")])
+        return out
 
     def to_json(self) -> dict:
         return {
@@ -374,10 +430,12 @@ class EngineProbe:
             "engine": self.engine,
             "version": self.version,
             "root": self.root,
+            "platform": self.platform,
             "files_scanned": self.files_scanned,
             "classified": len(self.classified),
             "unclassified": len(self.unclassified),
             "architectures": dict(self.architectures),
             "runner": None if self.runner is None else self.runner.to_json(),
+            "dispatch": {a: asdict(d) | {"text": d.text()} for a, d in sorted(self.dispatch.items())},
             "classes": [c.to_json() for c in sorted(self.classes.values(), key=lambda c: (c.path, c.line))],
         }

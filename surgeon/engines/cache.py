@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from surgeon.core.idrules import (
+    ArchDispatch,
     Branch,
     Bypass,
     ClassConvention,
@@ -25,11 +26,12 @@ from surgeon.core.idrules import (
     FirstIdEquals,
     IdRule,
     MaxIdEquals,
+    PlatformTarget,
     SiteRecord,
 )
 from surgeon.engines.source import SourceIndex
 
-FORMAT = 1
+FORMAT = 2
 
 
 def directory() -> Path:
@@ -47,12 +49,15 @@ def _code_version() -> str:
     return h.hexdigest()
 
 
-def key(engine: str, index: SourceIndex) -> str | None:
+def key(engine: str, index: SourceIndex, platform: str = "all", support: list[str] | None = None) -> str | None:
+    """The entry's key: engine, platform, the probe's code, and the content of every model file
+    and of the other files it reads (``support``: vLLM's ``platforms/``)."""
     try:
         h = hashlib.sha256()
         h.update(engine.encode())
+        h.update(b"\0platform=" + platform.encode() + b"\0")
         h.update(_code_version().encode())
-        h.update(index.fingerprint(index.model_files).encode())
+        h.update(index.fingerprint([*index.model_files, *(support or [])]).encode())
         return h.hexdigest()[:40]
     except OSError:
         return None
@@ -90,6 +95,8 @@ def _encode(probe: EngineProbe) -> dict:
         "version": probe.version,
         "root": probe.root,
         "files_scanned": probe.files_scanned,
+        "platform": probe.platform,
+        "dispatch": {a: asdict(d) for a, d in probe.dispatch.items()},
         "defining": sorted(probe.defining),
         "architectures": probe.architectures,
         "classes": {k: asdict(c) for k, c in probe.classes.items()},
@@ -101,7 +108,10 @@ def _decode(data: dict) -> EngineProbe:
         raise ValueError("old cache format")
     probe = EngineProbe(engine=data["engine"], version=data["version"], root=data["root"],
                         files_scanned=data["files_scanned"], defining=set(data["defining"]),
-                        architectures=dict(data["architectures"]))
+                        architectures=dict(data["architectures"]), platform=data["platform"])
+    for a, d in data["dispatch"].items():
+        targets = tuple(PlatformTarget(**t) for t in d["targets"])
+        probe.dispatch[a] = ArchDispatch(d["architecture"], d["module"], d["platform"], targets, d["disagree"])
     for k, c in data["classes"].items():
         probe.classes[k] = _decode_class(c)
     return probe

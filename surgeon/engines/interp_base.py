@@ -49,7 +49,8 @@ class InterpBase:
         self.labels: dict = {}
         self.depth = 0
         self._lazy_guard: set = set()
-        self._init_cache: dict[tuple[ClassKey, str], list] = {}
+        # constructor assignments depend on the source only: shared by every run on this index
+        self._init_cache: dict[tuple[ClassKey, str], list] = index.memo.setdefault("init_assignments", {})
 
     # -- forks -------------------------------------------------------------------------------
     def assume(self, key: tuple, options: tuple, label: object) -> Any:

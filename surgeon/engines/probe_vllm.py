@@ -23,7 +23,9 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
+from surgeon.core.idrules import ArchDispatch, ClassConvention, PlatformTarget
 from surgeon.engines.classify import EntryPoint, Target
+from surgeon.engines.dispatch import DEFAULT_PLATFORM, DispatchResolver, Resolution
 from surgeon.engines.interp import ClassRef, Const, Hooks, InterpBase, Obj, Tup, Unknown, Value
 from surgeon.engines.source import ClassKey, CstFunction, SourceIndex
 
@@ -100,24 +102,23 @@ def _init_assigns(index: SourceIndex, key: ClassKey, attr: str) -> bool:
     return False
 
 
-def registry(index: SourceIndex) -> dict[str, ClassKey]:
-    """Architecture name -> class, from ``registry.py``'s tables (read with ast, never imported).
-    ``_VLLM_MODELS`` merges the tables in order, later ones winning; it is honoured when present."""
+def registry_entries(index: SourceIndex) -> dict[str, tuple[str, str]]:
+    """Architecture name -> (module as the registry writes it, class name), from ``registry.py``'s
+    tables (read with ast, never imported). ``_VLLM_MODELS`` merges the tables in order, later
+    ones winning; it is honoured when present."""
     mod = index.module(REGISTRY)
     if mod is None:
         return {}
-    tables: dict[str, dict[str, ClassKey]] = {}
+    tables: dict[str, dict[str, tuple[str, str]]] = {}
     for name, value in mod.assigns.items():
         if isinstance(value, ast.Dict):
-            table: dict[str, ClassKey] = {}
+            table: dict[str, tuple[str, str]] = {}
             for k, v in zip(value.keys, value.values):
                 pair = _str_pair(v)
                 if isinstance(k, ast.Constant) and isinstance(k.value, str) and pair is not None:
-                    module, cls = pair
-                    path = f"{MODELS}/{module.replace('.', '/')}.py"
-                    table[k.value] = (path, cls)
+                    table[k.value] = pair
             tables[name] = table
-    merged: dict[str, ClassKey] = {}
+    merged: dict[str, tuple[str, str]] = {}
     order = []
     combined = mod.assigns.get("_VLLM_MODELS")
     if isinstance(combined, ast.Dict):
@@ -127,15 +128,48 @@ def registry(index: SourceIndex) -> dict[str, ClassKey]:
     return merged
 
 
+def dotted_module(module: str) -> str:
+    """The module a registry entry imports: ``vllm.<...>`` as written (vLLM's
+    ``_resolve_module_name``), else ``vllm.model_executor.models.<module>``."""
+    return module if module.startswith("vllm.") else f"vllm.{MODELS.replace('/', '.')}.{module}"
+
+
+def dispatched(index: SourceIndex) -> dict[str, tuple[str, str]]:
+    """The registry entries whose module is not a flat model file (``vllm.models.<family>``):
+    the ones whose class the release picks per platform."""
+    return {a: (dotted_module(mod), cls) for a, (mod, cls) in registry_entries(index).items()
+            if not dotted_module(mod).startswith(f"vllm.{MODELS.replace('/', '.')}.")}
+
+
+def registry(index: SourceIndex, platform: str = DEFAULT_PLATFORM,
+             resolver: DispatchResolver | None = None) -> dict[str, ClassKey]:
+    """Architecture name -> the class that runs on ``platform``. A flat entry is its file's class;
+    an entry naming a dispatching package (``vllm.models.deepseek_v32``) is followed through the
+    package's ``__init__.py`` (:mod:`surgeon.engines.dispatch`), and left out when the answer is
+    not verified (``EngineProbe.dispatch`` says why)."""
+    resolver = resolver or DispatchResolver(index)
+    routed = dispatched(index)
+    out: dict[str, ClassKey] = {}
+    for arch, (module, cls) in registry_entries(index).items():
+        if arch in routed:
+            target = resolver.resolve(*routed[arch], platform).target
+            if target is not None:
+                out[arch] = target
+        else:
+            out[arch] = (f"{MODELS}/{module.replace('.', '/')}.py", cls)
+    return out
+
+
 class VllmHooks(Hooks):
-    def __init__(self, index: SourceIndex) -> None:
+    def __init__(self, index: SourceIndex, platform: str = DEFAULT_PLATFORM) -> None:
         self.index = index
+        self.platform = platform
         self._registry: dict[str, ClassKey] | None = None
 
     @property
     def table(self) -> dict[str, ClassKey]:
         if self._registry is None:
-            self._registry = registry(self.index)
+            self._registry = registry(self.index, self.platform)
         return self._registry
 
     def call_function(self, interp: InterpBase, name: str, args: list[Value], kwargs: dict[str, Value]) -> Value | None:
@@ -168,6 +202,9 @@ class VllmHooks(Hooks):
         """The attribute assigned inside ``with self._mark_language_model(...)`` in a constructor."""
         mark_call = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_mark_language_model")))
         marker = m.With(items=[m.WithItem(item=mark_call)])
+        memo = self.index.memo.setdefault("language_model", {})  # the source decides: once per class
+        if obj.cls in memo:
+            return self._language_model_value(interp, obj, memo[obj.cls])
         names: list[str] = []
         for k in self.index.mro(obj.cls):
             info = self.index.class_info(k)
@@ -187,6 +224,11 @@ class VllmHooks(Hooks):
                         names.append(target.attr.value)
             if names:
                 break
+        memo[obj.cls] = names
+        return self._language_model_value(interp, obj, names)
+
+    @staticmethod
+    def _language_model_value(interp: InterpBase, obj: Obj, names: list[str]) -> Value:
         if len(names) == 1:
             return interp.load_attr(obj, names[0])
         if not names:
@@ -227,8 +269,8 @@ def _torch_call(node: cst.BaseExpression) -> bool:
     return m.matches(func, m.Name("torch"))
 
 
-def hooks(index: SourceIndex) -> Hooks:
-    return VllmHooks(index)
+def hooks(index: SourceIndex, platform: str = DEFAULT_PLATFORM) -> Hooks:
+    return VllmHooks(index, platform)
 
 
 def extra_notes(index: SourceIndex):
@@ -269,5 +311,51 @@ def check_interface(index: SourceIndex) -> str | None:
     return None
 
 
-def exported(index: SourceIndex, paths: list[str]) -> dict[str, ClassKey]:
-    return registry(index)
+def exported(index: SourceIndex, paths: list[str], platform: str = DEFAULT_PLATFORM) -> dict[str, ClassKey]:
+    return registry(index, platform)
+
+
+COMPARED_PLATFORMS = ("cuda", "rocm", "cpu")
+
+
+def dispatch_table(index: SourceIndex, platform: str, by_class: dict[ClassKey, str],
+                   classes: dict[str, ClassConvention], resolver: DispatchResolver | None = None) -> dict[str, ArchDispatch]:
+    """For each registry entry that names a dispatching package: what runs on ``platform`` and on
+    the other platforms compared, with the import that decides, and a sentence where they differ
+    (another class, or the same ids meaning other captures)."""
+    resolver = resolver or DispatchResolver(index)
+    out: dict[str, ArchDispatch] = {}
+    platforms = (platform, *(p for p in COMPARED_PLATFORMS if p != platform))
+    for arch, (module, cls) in sorted(dispatched(index).items()):
+        targets = tuple(_platform_target(resolver.resolve(module, cls, p), by_class) for p in platforms)
+        out[arch] = ArchDispatch(arch, module, platform, targets, _disagreement(targets, classes))
+    return out
+
+
+def _platform_target(res: Resolution, by_class: dict[ClassKey, str]) -> PlatformTarget:
+    target = res.target
+    if target is not None:
+        c = res.candidates[0]
+        return PlatformTarget(res.platform, c.path, c.class_name, c.line, c.evidence, True, None, by_class.get(target))
+    first = res.candidates[0] if res.candidates else None
+    return PlatformTarget(res.platform, None, res.name, 0, first.evidence if first else "", False, res.reason)
+
+
+def _capture_signature(cc: ClassConvention | None) -> tuple:
+    if cc is None:
+        return ("no capture interface",)
+    return (cc.status, cc.no_capture, cc.id_rule.name if cc.id_rule else None,
+            tuple(str(t) for t in cc.default) if cc.default is not None else None, cc.default_through_rule,
+            cc.sorts, cc.dedups, cc.emit_order, cc.capture_site, cc.captured_value, cc.tail_capture)
+
+
+def _disagreement(targets: tuple[PlatformTarget, ...], classes: dict[str, ClassConvention]) -> str | None:
+    if any(not t.verified for t in targets):
+        unverified = [t.platform for t in targets if not t.verified]
+        return f"not verified on {', '.join(unverified)}"
+    if len({(t.path, t.class_name) for t in targets}) == 1:
+        return None
+    sigs = {_capture_signature(classes.get(t.convention) if t.convention else None) for t in targets}
+    if len(sigs) > 1:
+        return "the platforms run different classes and their captures differ"
+    return "the platforms run different classes with the same captures"

@@ -19,7 +19,7 @@ import ast
 import dataclasses
 import hashlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -92,13 +92,41 @@ class ModuleInfo:
         return self.text.splitlines(keepends=True)
 
     def segment(self, node: ast.AST) -> str:
-        return ast.get_source_segment(self.text, node) or ast.unparse(node)
+        return source_segment(self.lines, node)
+
+
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """The source text of ``node`` from the file's lines (kept ends): what
+    ``ast.get_source_segment`` gives, without splitting the whole file on every call (which made
+    it the probe's costliest call on large model files)."""
+    start, end = getattr(node, "lineno", None), getattr(node, "end_lineno", None)
+    col, end_col = getattr(node, "col_offset", None), getattr(node, "end_col_offset", None)
+    if start is None or end is None or col is None or end_col is None or end > len(lines):
+        return ast.unparse(node)
+    chunk = [ln.encode("utf-8") for ln in lines[start - 1:end]]  # offsets are UTF-8 bytes
+    if start == end:
+        return chunk[0][col:end_col].decode("utf-8", "replace")
+    chunk[0] = chunk[0][col:]
+    chunk[-1] = chunk[-1][:end_col]
+    return b"".join(chunk).decode("utf-8", "replace")
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
 _TRIVIA = (cst.BaseParenthesizableWhitespace, cst.EmptyLine, cst.TrailingWhitespace, cst.Newline, cst.Comment,
            cst.LeftParen, cst.RightParen, cst.Comma, cst.LeftSquareBracket, cst.RightSquareBracket, cst.Dot,
            cst.Colon, cst.Semicolon, cst.AssignEqual)
+
+
+# per concrete type: 2 a node to index, 1 trivia (whitespace, punctuation), 0 not a node. libcst's
+# node bases are ABCs, whose isinstance checks made this walk the probe's costliest loop.
+_KIND: dict[type, int] = {tuple: 3, list: 3}
+
+
+def _kind(t: type) -> int:
+    k = _KIND.get(t)
+    if k is None:
+        k = _KIND[t] = (1 if issubclass(t, _TRIVIA) else 2) if issubclass(t, cst.CSTNode) else 0
+    return k
 
 
 def _child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
@@ -108,11 +136,11 @@ def _child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
     out: list[cst.CSTNode] = []
     for name in names:
         v = getattr(node, name)
-        if isinstance(v, cst.CSTNode):
-            if not isinstance(v, _TRIVIA):
-                out.append(v)
-        elif isinstance(v, (tuple, list)):
-            out.extend(x for x in v if isinstance(x, cst.CSTNode) and not isinstance(x, _TRIVIA))
+        k = _KIND.get(type(v)) or _kind(type(v))
+        if k == 2:
+            out.append(v)
+        elif k == 3:
+            out.extend(x for x in v if (_KIND.get(type(x)) or _kind(type(x))) == 2)
     return out
 
 
@@ -226,23 +254,32 @@ def code(node: cst.CSTNode) -> str:
 class SourceIndex:
     """The files under an engine package directory, read lazily and never imported."""
 
-    def __init__(self, package_dir: Path, package: str, models_dir: str) -> None:
+    def __init__(self, package_dir: Path, package: str, models_dir: str | Sequence[str]) -> None:
         self.package_dir = package_dir
         self.package = package
-        self.models_dir = models_dir.strip("/")
+        dirs = (models_dir,) if isinstance(models_dir, str) else tuple(models_dir)
+        # every models directory of the release (vLLM 0.33: ``model_executor/models`` and the
+        # per-platform ``models/<family>/<platform>/`` tree); the first is the classic one
+        self.models_dirs = tuple(d.strip("/") for d in dirs)
+        self.models_dir = self.models_dirs[0]
         self._texts: dict[str, str | None] = {}
         self._modules: dict[str, ModuleInfo | None] = {}
         self._functions: dict[tuple[ClassKey, str], CstFunction | None] = {}
         self._exprs: dict[tuple[str, int, int], cst.BaseExpression | None] = {}
         self._mro: dict[ClassKey, list[ClassKey]] = {}
         self.lines_parsed_cst = 0
+        # results that depend on the source only, shared by every analysis of this index
+        self.memo: dict[str, dict] = {}
 
     # -- tier 1: text ------------------------------------------------------------------------
     @cached_property
     def model_files(self) -> list[str]:
-        base = self.package_dir / self.models_dir
-        files = sorted(p for p in base.rglob("*.py") if "__pycache__" not in p.parts)
-        return [p.relative_to(self.package_dir).as_posix() for p in files]
+        files: set[Path] = set()
+        for d in self.models_dirs:
+            base = self.package_dir / d
+            if base.is_dir():
+                files.update(p for p in base.rglob("*.py") if "__pycache__" not in p.parts)
+        return sorted(p.relative_to(self.package_dir).as_posix() for p in files)
 
     def text(self, path: str) -> str | None:
         if path not in self._texts:
@@ -310,9 +347,13 @@ class SourceIndex:
         rel = dotted.split(".")[1:]
         for cand in ("/".join(rel) + ".py", "/".join([*rel, "__init__.py"])):
             cand = cand.strip("/")
-            if cand.startswith(self.models_dir + "/") and self.text(cand) is not None:
+            if any(cand.startswith(d + "/") for d in self.models_dirs) and self.text(cand) is not None:
                 return cand
         return None
+
+    def parsed(self, path: str) -> ModuleInfo | None:
+        """The module if it has been parsed already (None otherwise: nothing is parsed here)."""
+        return self._modules.get(path)
 
     def module(self, path: str) -> ModuleInfo | None:
         if path in self._modules:

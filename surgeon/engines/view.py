@@ -7,9 +7,11 @@ An :class:`EngineView` is one engine as surgeon sees it in this environment. Vie
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,6 +22,26 @@ from surgeon.core.idrules import ClassConvention, EngineProbe
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine  # light: no libcst until a probe runs
 
 SERVING_ENGINES = ("sglang", "vllm")
+PLATFORM_CHOICES = ("cuda", "rocm", "cpu")
+
+# The platform the current command asks about (``--platform``); None: each engine's default
+# (vLLM: cuda; SGLang does not dispatch per platform).
+_platform: ContextVar[str | None] = ContextVar("surgeon_platform", default=None)
+
+
+@contextlib.contextmanager
+def platform_scope(platform: str | None) -> Iterator[None]:
+    """Within the block, engines are opened for ``platform`` (what a command's ``--platform``
+    says); every view and answer names it."""
+    token = _platform.set(platform)
+    try:
+        yield
+    finally:
+        _platform.reset(token)
+
+
+def current_platform() -> str | None:
+    return _platform.get()
 
 
 @dataclass
@@ -29,6 +51,10 @@ class EngineView:
     probe: EngineProbe | None
 
     @property
+    def platform(self) -> str:
+        return self.probe.platform if self.probe is not None else (current_platform() or "cuda")
+
+    @property
     def version(self) -> str | None:
         return self.location.version if self.location else None
 
@@ -36,7 +62,15 @@ class EngineView:
     def origin(self) -> str:
         if self.probe is None:
             return f"{self.engine} not installed: built-in table ({builtin_convention(self.engine, None).reason})"
-        return f"probe of {self.engine} {self.probe.version} at {self.probe.root}"
+        return f"probe of {self.engine} {self.probe.version} at {self.probe.root}, platform {self.probe.platform}"
+
+    def dispatch_note(self, model_class: str | None) -> str | None:
+        """Where ``model_class`` is an architecture the engine picks per platform: what runs on
+        each platform and whether that differs (None otherwise)."""
+        if self.probe is None or model_class is None:
+            return None
+        routed = self.probe.dispatch.get(model_class)
+        return routed.text() if routed is not None else None
 
     def class_convention(self, model_class: str | None) -> ClassConvention:
         """The probed convention of ``model_class`` (BadInput when the installed engine has no such
@@ -49,6 +83,15 @@ class EngineView:
                 f"(--model-class, engines.{self.engine}.model_class or target.architecture)"
             )
         cc = self.probe.get(model_class)
+        routed = self.probe.dispatch.get(model_class)
+        if cc is None and routed is not None:
+            here = routed.here
+            if not here.verified:
+                raise BadInput(f"{self.engine} {self.probe.version} {model_class} on {here.platform}: unverified: "
+                               f"which class runs is not decided by what was read: {here.reason}")
+            raise BadInput(f"{self.engine} {self.probe.version} {model_class} on {here.platform} runs "
+                           f"{here.path}:{here.line} {here.class_name} ({here.evidence}), which has no aux "
+                           f"hidden-state capture")
         if cc is None:
             known = sorted(self.probe.classes)
             hint = difflib.get_close_matches(model_class, known, n=3)
@@ -64,29 +107,34 @@ class EngineView:
         return cc
 
     def convention(self, model_class: str | None) -> EngineConvention:
-        return EngineConvention(self.class_convention(model_class), self.origin)
+        note = self.dispatch_note(model_class)
+        origin = f"{self.origin}; {note}" if note else self.origin
+        return EngineConvention(self.class_convention(model_class), origin)
 
 
 def _signature(location: EngineLocation) -> tuple:
     """What the source looks like now (names, sizes, mtimes of the model files): a view is reused
     within a process only while this is unchanged, so an edited engine is probed again."""
     sig: list = [location.version]
-    try:
-        for entry in sorted(os.scandir(location.models_dir), key=lambda e: e.name):
-            if entry.name.endswith(".py"):
-                st = entry.stat()
-                sig.append((entry.name, st.st_size, st.st_mtime_ns))
-    except OSError:
-        pass
+    for d in location.models_dirs:  # every file, subfolders included (models/<family>/<platform>/)
+        for folder, subdirs, _files in os.walk(location.root / d):
+            subdirs[:] = sorted(x for x in subdirs if x != "__pycache__")
+            try:
+                for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+                    if entry.name.endswith(".py"):
+                        st = entry.stat()
+                        sig.append((folder, entry.name, st.st_size, st.st_mtime_ns))
+            except OSError:
+                pass
     return tuple(sig)
 
 
 @lru_cache(maxsize=16)
-def _probe_view(engine: str, location: EngineLocation, signature: tuple) -> EngineView:
+def _probe_view(engine: str, location: EngineLocation, signature: tuple, platform: str | None = None) -> EngineView:
     from surgeon.engines.probe import probe_engine  # libcst: only when an engine is really probed
 
     try:
-        probe = probe_engine(engine, location.root, progress=_progress_hook.get(engine))
+        probe = probe_engine(engine, location.root, progress=_progress_hook.get(engine), platform=platform)
     except ProbeError as e:
         raise BadInput(f"{engine} at {location.root}: {e}") from None
     return EngineView(engine, location, probe)
@@ -99,18 +147,24 @@ def _open(engine: str, root: str | None) -> EngineView:
         if root is not None:
             raise BadInput(f"--engine-root {root}: {e}") from None
         return EngineView(engine, None, None)
-    return _probe_view(engine, location, _signature(location))
+    platform = current_platform() if engine == "vllm" else None
+    return _probe_view(engine, location, _signature(location), platform)
 
 
 _progress_hook: dict[str, Callable[[int, int], None]] = {}
 
 
-def open_engine(engine: str, root: str | Path | None = None, *, progress: Callable[[int, int], None] | None = None) -> EngineView:
+def open_engine(engine: str, root: str | Path | None = None, *, progress: Callable[[int, int], None] | None = None,
+                platform: str | None = None) -> EngineView:
     """The view of ``engine`` at ``root`` (default: the installed package, found without
-    importing it). A bad explicit root is BadInput; a missing installation is a view without a
-    probe, which uses the built-in table and says so."""
+    importing it) for ``platform`` (default: the command's :func:`platform_scope`, else the
+    engine's default). A bad explicit root is BadInput; a missing installation is a view without
+    a probe, which uses the built-in table and says so."""
     if engine not in SERVING_ENGINES:
         raise BadInput(f"unknown engine {engine!r}; expected one of {', '.join(SERVING_ENGINES)}")
+    if platform is not None:
+        with platform_scope(platform):
+            return open_engine(engine, root, progress=progress)
     if progress is not None:
         _progress_hook[engine] = progress
     try:

@@ -107,6 +107,10 @@ class EngineCoverage:
     seconds: float = 0.0
     probe_error: str | None = None
     unparsed: list[tuple[str, str]] = field(default_factory=list)  # (model file, why it does not parse)
+    platform: str = "all"  # what the native column holds for (vLLM picks some classes per platform)
+    # per models directory of the release (vLLM 0.33: model_executor/models and models/): model
+    # files, files with a layer loop, and registered architectures whose registry module is there
+    trees: list[dict] = field(default_factory=list)
 
     def _count(self, decoder_only: bool, guarded: bool = False) -> tuple[int, int]:
         cs = [c for c in self.classes if c.decoder or not decoder_only]
@@ -136,13 +140,17 @@ class EngineCoverage:
         return {
             "engine": self.engine, "version": self.version, "root": self.root,
             "files": self.files, "files_parsed": self.files_parsed, "seconds": round(self.seconds, 3),
-            "probe_error": self.probe_error,
+            "probe_error": self.probe_error, "platform": self.platform, "trees": self.trees,
             "unparsed": [{"path": p, "reason": r} for p, r in self.unparsed],
             "decoder": {"patchable": ok, "total": n, "fraction": round(self.fraction, 4),
                         "patchable_with_guard": ok_g, "fraction_with_guard": round(self.fraction_guarded, 4)},
             "all": {"patchable": ok_all, "total": n_all, "fraction": round(self.fraction_all, 4),
                     "patchable_with_guard": ok_ga,
                     "fraction_with_guard": round(ok_ga / n_all if n_all else 1.0, 4)},
+            "non_decoder": {"total": n_all - n, "patchable": ok_all - ok,
+                            "classes": [f"{c.path}:{c.line} {c.class_name}" for c in self.classes if not c.decoder]},
+            "decoder_failures": [f"{c.path}:{c.line} {c.class_name}" for c in self.classes
+                                 if c.decoder and not c.patchable],
             "native": sum(bool(c.native) for c in self.classes),
             "final_norm": sum(c.final_norm for c in self.classes),
             "classes": [c.to_json() for c in self.classes],
@@ -260,12 +268,13 @@ def _recipes_cached(loader):
     return _RECIPES
 
 
-def _native(engine: str, root: Path) -> tuple[dict[tuple[str, str], list[str]], str | None]:
-    """(loop-owner path, class) -> the probe's classified classes capturing through that loop."""
+def _native(engine: str, root: Path, platform: str | None = None) -> tuple[dict[tuple[str, str], list[str]], str | None]:
+    """(loop-owner path, class) -> the probe's classified classes capturing through that loop
+    (on ``platform``)."""
     try:
         from surgeon.engines.probe import probe_engine
 
-        probe = probe_engine(engine, root)
+        probe = probe_engine(engine, root, platform=platform)
     except Exception as exc:  # the coverage still stands without the native column
         return {}, f"{type(exc).__name__}: {exc}"
     out: dict[tuple[str, str], list[str]] = {}
@@ -280,13 +289,15 @@ def _native(engine: str, root: Path) -> tuple[dict[tuple[str, str], list[str]], 
 # ---------------------------------------------------------------------------------------------
 # The entry point
 # ---------------------------------------------------------------------------------------------
-def _prefilter(engine: str, root: Path, models_dir: Path, recipes,
+def _prefilter(engine: str, root: Path, models_dirs: tuple[str, ...], recipes,
                reduce: bool = True) -> tuple[int, list, list[tuple[str, str]]]:
-    """(model files, libcst tasks, (file, why) for the files that cannot be read or parsed)"""
+    """(model files, libcst tasks, (file, why) for the files that cannot be read or parsed), over
+    every models directory of the release"""
     pairs_default = {("forward", "layers")}
     tasks = []
     unparsed = []
-    files = sorted(models_dir.rglob("*.py"))
+    files = sorted({f for d in models_dirs if (root / d).is_dir() for f in (root / d).rglob("*.py")
+                    if "__pycache__" not in f.parts})
     for f in files:
         relpath = f.relative_to(root).as_posix()
         pairs = set(pairs_default)
@@ -311,10 +322,37 @@ def _why(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _trees(engine: str, loc, tasks: list, nfiles: int) -> list[dict]:
+    """Counts per models directory: model files, files and classes with a layer loop, and (vLLM)
+    the registered architectures whose registry module lives there."""
+    from surgeon.engines import probe_vllm
+    from surgeon.engines.source import SourceIndex
+
+    routed: dict[str, int] = {}
+    if engine == "vllm":
+        index = SourceIndex(loc.root, loc.layout.package, loc.models_dirs)
+        for module, _ in probe_vllm.dispatched(index).values():
+            path = index.path_of(module)
+            d = next((d for d in loc.models_dirs if path and path.startswith(d + "/")), None)
+            if d is not None:
+                routed[d] = routed.get(d, 0) + 1
+    out = []
+    for d in loc.models_dirs:
+        mine = [t for t in tasks if t[2].startswith(d + "/")]
+        files = sum(1 for f in (loc.root / d).rglob("*.py") if "__pycache__" not in f.parts)
+        out.append({"dir": d, "files": files, "files_with_loops": len(mine),
+                    "loop_classes": sum(len(t[3]) for t in mine),
+                    "decoder_classes": sum(1 for t in mine for o in t[3] if o[3]),
+                    "registered_architectures": routed.get(d) if d != loc.layout.models_dir else None})
+    return out
+
+
 def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = None,
-             native: bool = True) -> CoverageReport:
+             native: bool = True, platform: str | None = None) -> CoverageReport:
     """Patch coverage of ``engine`` ("sglang", "vllm" or "all") at ``root`` (package directory or a
-    folder holding it; None: the installed one). ``jobs``: worker processes (default 2; 1: none)."""
+    folder holding it; None: the installed one), over every models directory of the release.
+    ``jobs``: worker processes (default 2; 1: none). ``platform``: what the native column holds
+    for (vLLM; default cuda)."""
     t0 = time.perf_counter()
     engines = ["sglang", "vllm"] if engine == "all" else [engine]
     recipes = load_recipes()
@@ -322,12 +360,12 @@ def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = 
     plans = []
     for e in engines:
         try:
-            layout = layout_of(e)
+            layout_of(e)  # an unknown engine name is the user's input
             loc = locate_engine(e, root)
         except ProbeError as exc:  # a wrong engine or --engine-root: the user's input
             where = f"--engine-root {root}" if root is not None else e
             raise BadInput(f"{where}: {exc}") from None
-        nfiles, tasks, unparsed = _prefilter(e, loc.root, loc.root / layout.models_dir, recipes)
+        nfiles, tasks, unparsed = _prefilter(e, loc.root, loc.models_dirs, recipes)
         plans.append((e, loc, nfiles, tasks, unparsed))
     # biggest files first keeps the two workers even
     all_tasks = [(i, t) for i, (_, _, _, tasks, _) in enumerate(plans) for t in tasks]
@@ -339,10 +377,11 @@ def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = 
             results[i] += _file_task(t)
         if native:
             for i, (e, loc, _, _, _) in enumerate(plans):
-                natives[i] = _native(e, loc.root)
+                natives[i] = _native(e, loc.root, platform if e == "vllm" else None)
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            nat_futs = ({i: pool.submit(_native, e, loc.root) for i, (e, loc, _, _, _) in enumerate(plans)}
+            nat_futs = ({i: pool.submit(_native, e, loc.root, platform if e == "vllm" else None)
+                         for i, (e, loc, _, _, _) in enumerate(plans)}
                         if native else {})
             futs = [(i, pool.submit(_file_task, t)) for i, t in all_tasks]
             for i, fut in futs:
@@ -354,7 +393,9 @@ def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = 
         classes = sorted(results[i], key=lambda c: (c.path, c.line))
         classes = [_with_native(c, nat) for c in classes]
         report.engines.append(EngineCoverage(e, loc.version, str(loc.root), nfiles, len(tasks), classes,
-                                             probe_error=err, unparsed=unparsed))
+                                             probe_error=err, unparsed=unparsed,
+                                             platform=(platform or "cuda") if e == "vllm" else "all",
+                                             trees=_trees(e, loc, tasks, nfiles)))
     report.seconds = time.perf_counter() - t0
     for ec in report.engines:
         ec.seconds = report.seconds
@@ -374,29 +415,48 @@ def _with_native(c: ClassCoverage, nat: dict) -> ClassCoverage:
 # Rendering (for `surgeon coverage`)
 # ---------------------------------------------------------------------------------------------
 def render_coverage_lines(report: CoverageReport, *, all_classes: bool = True) -> list[str]:
+    """Per engine: the counts (decoder classes; encoder towers apart), each models directory, the
+    decoder classes (failures, or all with ``all_classes``), then the non-decoder classes apart:
+    their loops run encoder blocks, not the residual stream a draft reads."""
     lines = []
     for ec in report.engines:
         d = ec.to_json()
-        lines.append(f"{ec.engine} {ec.version}: {d['decoder']['patchable']}/{d['decoder']['total']} decoder "
+        lines.append(f"{ec.engine} {ec.version} (native capture for platform {ec.platform}): "
+                     f"{d['decoder']['patchable']}/{d['decoder']['total']} decoder "
                      f"classes patchable ({ec.fraction:.1%}), {d['decoder']['patchable_with_guard']} with the "
                      f"bypass guard ({ec.fraction_guarded:.1%}); {d['all']['patchable']}/{d['all']['total']} "
                      f"with encoder towers; {ec.files_parsed} of {ec.files} files parsed with libcst")
+        for t in ec.trees:
+            reg = (f", {t['registered_architectures']} registered architectures"
+                   if t["registered_architectures"] is not None else "")
+            lines.append(f"  {t['dir']}/: {t['files']} files, {t['files_with_loops']} with a layer loop "
+                         f"({t['loop_classes']} classes, {t['decoder_classes']} decoders){reg}")
         if ec.probe_error:
             lines.append(f"  native capture unknown: {ec.probe_error}")
         for path, why in ec.unparsed:
             lines.append(f"  ERR {path}: does not parse ({why}): its classes are not counted")
-        for c in ec.classes:
-            if not all_classes and c.patchable:
-                continue
-            what = ",".join(k for k, v in (("layers", c.layers), ("embed", c.embed), ("final_norm", c.final_norm)) if v)
-            tag = "ok " if c.patchable else "GRD" if c.with_guard else "NO "
-            kind = "" if c.decoder else " [encoder]"
-            nat = f" native: {', '.join(c.native)}" if c.native else ""
-            lines.append(f"  {tag}{c.path}:{c.line} {c.class_name}.{c.method}{kind} [{what or '-'}]{nat}")
-            for label, r in (("", c.reason), ("embed: ", c.embed_reason if c.layers else None),
-                             ("final_norm: ", c.final_norm_reason if c.layers else None)):
-                if r:
-                    lines.append(f"       {label}{r}")
+        decoders = [c for c in ec.classes if c.decoder and (all_classes or not c.patchable)]
+        lines += _class_lines(decoders)
+        others = [c for c in ec.classes if not c.decoder and (all_classes or not c.patchable)]
+        if others:
+            lines.append(f"  not decoders ({d['non_decoder']['total']} encoder towers and other loops fed with "
+                         f"features, not counted in the decoder fraction; {d['non_decoder']['patchable']} patchable):")
+            lines += _class_lines(others)
+    return lines
+
+
+def _class_lines(classes: list[ClassCoverage]) -> list[str]:
+    lines = []
+    for c in classes:
+        what = ",".join(k for k, v in (("layers", c.layers), ("embed", c.embed), ("final_norm", c.final_norm)) if v)
+        tag = "ok " if c.patchable else "GRD" if c.with_guard else "NO "
+        kind = "" if c.decoder else " [encoder]"
+        nat = f" native: {', '.join(c.native)}" if c.native else ""
+        lines.append(f"  {tag}{c.path}:{c.line} {c.class_name}.{c.method}{kind} [{what or '-'}]{nat}")
+        for label, r in (("", c.reason), ("embed: ", c.embed_reason if c.layers else None),
+                         ("final_norm: ", c.final_norm_reason if c.layers else None)):
+            if r:
+                lines.append(f"       {label}{r}")
     return lines
 
 

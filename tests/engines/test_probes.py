@@ -282,7 +282,10 @@ def test_vllm_findings_are_flagged_not_guessed(vl):
 def test_vllm_coverage(vl, vl_run):
     """Holders (classes that hold aux hidden states: EagleModelMixin or their own
     ``aux_hidden_state_layers``) are classified, or shown by the source not to capture at all."""
-    holders = {k: c for k, c in sorted(vl.classes.items()) if c.setter != "set_aux_hidden_state_layers"}
+    # the classic model directory; the per-platform tree (models/, read since the dispatch work)
+    # is counted in tests/engines/test_dispatch.py
+    holders = {k: c for k, c in sorted(vl.classes.items())
+               if c.setter != "set_aux_hidden_state_layers" and c.path.startswith("model_executor/")}
     listing = "\n".join(f"  {c.class_name} ({c.path}:{c.line}){' [no capture]' if c.no_capture else ''}: {c.reason}"
                         for c in vl.unclassified)
     decided = [c for c in holders.values() if c.status == "classified" or c.no_capture]

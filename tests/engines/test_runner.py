@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.conftest import installed_engine, release_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +20,7 @@ from surgeon import commands
 from surgeon.core.errors import BadInput
 from surgeon.engines.probe import probe_engine
 from surgeon.engines.runner import _config_key, _key_env, read_runner
+from tests.conftest import installed_engine, release_engine
 
 pytestmark = pytest.mark.engine
 

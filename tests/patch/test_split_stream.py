@@ -9,12 +9,12 @@ import ast
 
 import pytest
 import torch
-from tests.conftest import installed_engine, release_engine
 
 from surgeon.capture.hooks import generate_hooks_module, load_hooks_module
 from surgeon.core.spec import load_spec
 from surgeon.patch.recipes import PatchApplicationError
 from surgeon.patch.rewriter import rewrite
+from tests.conftest import installed_engine, release_engine
 
 pytestmark = pytest.mark.engine
 
