@@ -106,7 +106,8 @@ def print_explanation(ex: Any) -> None:
 
 
 def print_rendering(r: Any) -> None:
-    out.print(f"[bold]{escape(r.spec)}[/] for {r.target}" + (f" ({escape(r.model_class)})" if r.model_class else ""))
+    out.print(f"[bold]{escape(r.spec)}[/] for {r.target}" + (f" ({escape(r.model_class)})" if r.model_class else "")
+              + (f" on platform {escape(r.platform)}" if getattr(r, "platform", None) else ""))
     out.print(f"convention: {escape(r.convention)} ({escape(r.origin)})")
     out.print(f"ids: {r.ids}")
     for c in r.captures:
@@ -169,7 +170,8 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
         if not c.verified:
             out.print(f"[yellow]unverified[/] {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.unverified_reason or '')}")
     for c in probe.unclassified:
-        tag = "[yellow]no capture[/]" if c.no_capture else "[red]unclassified[/]"
+        tag = ("[yellow]no capture[/]" if c.no_capture else "[yellow]delegates[/]" if c.delegates
+               else "[red]unclassified[/]")
         out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")
     runner = getattr(probe, "runner", None)
     if runner is not None:
@@ -182,6 +184,7 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
     for group, n in probe.coverage().items():
         out.print(f"{group}: {n['total']} classes, {n['classified']} classified, "
                   f"{n['no_capture']} shown by the source not to capture, "
+                  f"{n.get('delegates', 0)} handing the ids to a text model the checkpoint picks, "
                   f"{n['unclassified']} unclassified")
 
 

@@ -106,6 +106,7 @@ class RenderOutput(_Output):
     verified: bool = Field(default=True, description="false when the answer rests on engine code the probe did not read")
     unverified_reason: str | None = None
     evidence: list[str] = Field(default_factory=list, description="file:line of the setter, loop, capture sites, runner")
+    platform: str | None = Field(default=None, description="the platform the engine answer holds for (all: no dispatch)")
 
 
 class DraftFinding(_Closed):
@@ -155,6 +156,7 @@ class CoverageCounts(_Closed):
     total: int
     classified: int
     no_capture: int
+    delegates: int = Field(default=0, description="classes handing the ids to a text model the checkpoint picks")
     unclassified: int
 
 
@@ -186,6 +188,7 @@ class ProbedClass(_Closed):
     bypasses: list[ProbedBypass]
     tail_capture: bool
     no_capture: bool
+    delegates: bool = False
     # being added next to this (issue 14): the capture sites read and whether the answer is verified
     sites: list[dict[str, Any]] | None = None
     verified: bool | None = None
@@ -202,6 +205,8 @@ class ConventionsOutput(_Output):
     classified: int
     unclassified: int
     architectures: dict[str, str] = Field(description="registered architecture -> probed class")
+    registered: dict[str, str] = Field(default_factory=dict,
+                                       description="registered architecture without a capture interface -> path:line class")
     classes: list[ProbedClass]
     # being added next to this (issue 14): the platform answered for, per-platform dispatch, the runner read
     platform: str | None = None

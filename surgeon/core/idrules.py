@@ -214,6 +214,10 @@ class ClassConvention:
     # or nothing reads the stored ids, or its layers ignore the capture argument). A finding about
     # the engine, as opposed to a class the probe cannot read.
     no_capture: bool = False
+    # On an unclassified class: it hands the ids to a language model whose class the engine picks at
+    # run time from the checkpoint (vLLM init_vllm_registered_model without architectures=): decided,
+    # the ids mean what they mean for that text model's class, which the reason names how to find.
+    delegates: bool = False
     # The capture sites read (empty: the built-in table, or a probe that recorded none; then
     # reachability falls back to capture_site/tail_capture).
     sites: tuple[SiteRecord, ...] = ()
@@ -383,6 +387,9 @@ class EngineProbe:
     # dispatch per platform), and the registered architectures whose class depends on it.
     platform: str = "all"
     dispatch: dict[str, ArchDispatch] = field(default_factory=dict)
+    # Every registered architecture the probe found no capture interface for -> "path:line Class"
+    # of the class the registry names: why such a class cannot be rendered is then located.
+    registered: dict[str, str] = field(default_factory=dict)
 
     def get(self, class_name: str) -> ClassConvention | None:
         """The convention of a class by key (its name), else by registered architecture name. An
@@ -407,13 +414,16 @@ class EngineProbe:
 
     def coverage(self) -> dict[str, dict[str, int]]:
         """Counts per group: every probed class, and the classes whose own body defines the
-        capture interface (``defining``). ``no_capture`` classes are decided (the source shows
-        they cannot capture), not gaps."""
+        capture interface (``defining``). ``no_capture`` classes (the source shows they cannot
+        capture) and ``delegates`` classes (the ids go to a text model the checkpoint picks) are
+        decided, not gaps."""
         def count(classes: list[ClassConvention]) -> dict[str, int]:
             return {"total": len(classes),
                     "classified": sum(c.status == "classified" for c in classes),
                     "no_capture": sum(c.status != "classified" and c.no_capture for c in classes),
-                    "unclassified": sum(c.status != "classified" and not c.no_capture for c in classes)}
+                    "delegates": sum(c.status != "classified" and c.delegates and not c.no_capture for c in classes),
+                    "unclassified": sum(c.status != "classified" and not c.no_capture and not c.delegates
+                                        for c in classes)}
         defining = [self.classes[k] for k in sorted(self.defining) if k in self.classes]
         out = {"all classes": count(list(self.classes.values())), "defining classes": count(defining)}
         # per models directory, where the release has more than one (vLLM 0.32+: models/<family>/...)
@@ -435,6 +445,7 @@ class EngineProbe:
             "classified": len(self.classified),
             "unclassified": len(self.unclassified),
             "architectures": dict(self.architectures),
+            "registered": dict(self.registered),
             "runner": None if self.runner is None else self.runner.to_json(),
             "dispatch": {a: asdict(d) | {"text": d.text()} for a, d in sorted(self.dispatch.items())},
             "classes": [c.to_json() for c in sorted(self.classes.values(), key=lambda c: (c.path, c.line))],

@@ -31,7 +31,7 @@ from surgeon.core.idrules import (
 )
 from surgeon.engines.source import SourceIndex
 
-FORMAT = 2
+FORMAT = 3
 
 
 def directory() -> Path:
@@ -67,19 +67,24 @@ def _path(cache_key: str) -> Path:
     return directory() / f"probe-{cache_key}.json"
 
 
-def load(cache_key: str) -> EngineProbe | None:
+def load(cache_key: str, index: SourceIndex | None = None) -> EngineProbe | None:
     try:
         data = json.loads(_path(cache_key).read_text(encoding="utf-8"))
+        if index is not None and any(index.fingerprint([p]) != h for p, h in data.get("outside", {}).items()):
+            return None  # a file read outside the model files changed since
         return _decode(data)
     except Exception:  # a missing, stale or damaged entry is a miss
         return None
 
 
-def store(cache_key: str, probe: EngineProbe) -> None:
+def store(cache_key: str, probe: EngineProbe, outside: dict[str, str] | None = None) -> None:
+    """Keep ``probe``; ``outside``: content hashes of the files the probe read beyond the model
+    files of the key (a helper followed into ``srt/layers/communicator.py``, say), checked by
+    :func:`load` so an edit there is a miss too."""
     try:
         d = directory()
         d.mkdir(parents=True, exist_ok=True)
-        payload = json.dumps(_encode(probe))
+        payload = json.dumps(_encode(probe) | {"outside": outside or {}})
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".probe-", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(payload)
@@ -99,6 +104,7 @@ def _encode(probe: EngineProbe) -> dict:
         "dispatch": {a: asdict(d) for a, d in probe.dispatch.items()},
         "defining": sorted(probe.defining),
         "architectures": probe.architectures,
+        "registered": probe.registered,
         "classes": {k: asdict(c) for k, c in probe.classes.items()},
     }
 
@@ -108,7 +114,8 @@ def _decode(data: dict) -> EngineProbe:
         raise ValueError("old cache format")
     probe = EngineProbe(engine=data["engine"], version=data["version"], root=data["root"],
                         files_scanned=data["files_scanned"], defining=set(data["defining"]),
-                        architectures=dict(data["architectures"]), platform=data["platform"])
+                        architectures=dict(data["architectures"]), platform=data["platform"],
+                        registered=dict(data.get("registered", {})))
     for a, d in data["dispatch"].items():
         targets = tuple(PlatformTarget(**t) for t in d["targets"])
         probe.dispatch[a] = ArchDispatch(d["architecture"], d["module"], d["platform"], targets, d["disagree"])

@@ -438,7 +438,9 @@ class CaptureAnalyzer:
         result.head = bool(heads)
         result.tail = bool(tails)
         result.notes.extend(heads + tails)
-        if result.site == "exit" and not result.head:
+        # With the sites recorded, an index no site reaches (here 0) is refused per answer by
+        # ClassConvention.refusal; without them the exit convention would claim index 0.
+        if result.site == "exit" and not result.head and not result.sites:
             result.problem = ("captures after each layer but nothing before the loop: index 0 (the embedding) "
                               "is never captured, which the exit convention assumes")
         return result

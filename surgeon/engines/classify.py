@@ -52,10 +52,17 @@ class Target:
     defines: bool  # the class's own body defines the capture interface (the coverage denominator)
 
 
+# The words an engine hook puts in the reason of a value that is a language model the engine picks
+# at run time from the checkpoint (probe_vllm's init_vllm_registered_model without architectures=):
+# ids lost into it make a "delegates" answer, not a gap.
+RUNTIME_LANGUAGE_MODEL = "a language model whose class the registry picks at runtime"
+
+
 class Unclassifiable(Exception):
-    def __init__(self, message: str, no_capture: bool = False) -> None:
+    def __init__(self, message: str, no_capture: bool = False, delegates: bool = False) -> None:
         super().__init__(message)
         self.no_capture = no_capture
+        self.delegates = delegates
 
 
 @dataclass
@@ -122,7 +129,8 @@ class Classifier:
                     raise Unclassifiable(f"{what}: {u.where} stores {describe(u.value)} into {u.holder.cls[1]}.{u.attr} "
                                          f"(line {u.line}){_when(others)}")
                 if lost:
-                    raise Unclassifiable(f"{what}: {lost[0].where} {lost[0].what} (line {lost[0].line}){_when(others)}")
+                    raise Unclassifiable(f"{what}: {lost[0].where} {lost[0].what} (line {lost[0].line}){_when(others)}",
+                                         delegates=RUNTIME_LANGUAGE_MODEL in lost[0].what)
                 raise Unclassifiable(f"{what}: the setter stores no id list the probe can follow"
                                      + (f" ({'; '.join(out.notes)})" if out.notes else _when(others)))
             chosen = self._capture_store(list(stores.values()))
@@ -196,7 +204,8 @@ class Classifier:
         try:
             return self._classify(target, base)
         except Unclassifiable as e:
-            return ClassConvention(status="unclassified", reason=str(e), no_capture=e.no_capture, **base)
+            return ClassConvention(status="unclassified", reason=str(e), no_capture=e.no_capture,
+                                   delegates=e.delegates, **base)
 
     def _classify(self, target: Target, base: dict) -> ClassConvention:
         key, entry = target.key, target.entry

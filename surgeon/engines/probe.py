@@ -15,6 +15,7 @@ the content of every model file and on the probe's own code (:mod:`surgeon.engin
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -28,7 +29,7 @@ from surgeon.engines.classify import Classifier, Target
 from surgeon.engines.dispatch import DEFAULT_PLATFORM, PLATFORMS
 from surgeon.engines.locate import EngineLocation, ProbeError, layout_of, locate_engine
 from surgeon.engines.runner import read_runner
-from surgeon.engines.source import SourceIndex
+from surgeon.engines.source import ClassKey, SourceIndex
 
 __all__ = ["probe_engine", "locate_engine", "EngineLocation", "ProbeError", "EngineProbe", "ClassConvention"]
 
@@ -56,7 +57,7 @@ def probe_engine(engine: str, root: str | Path | None = None, *, progress: Progr
     use_cache = (not os.environ.get("SURGEON_NO_CACHE")) if cache is None else cache
     cache_key = _cache.key(engine, index, plat, support_files(index, layout.support_dirs)) if use_cache else None
     if cache_key is not None:
-        hit = _cache.load(cache_key)
+        hit = _cache.load(cache_key, index)
         if hit is not None:
             hit.root = str(location.root)
             hit.version = location.version
@@ -66,7 +67,8 @@ def probe_engine(engine: str, root: str | Path | None = None, *, progress: Progr
             return hit
     probe = _probe(engine, location, index, progress, plat)
     if cache_key is not None:
-        _cache.store(cache_key, probe)
+        keyed = set(index.model_files) | set(support_files(index, layout.support_dirs))
+        _cache.store(cache_key, probe, {p: index.fingerprint([p]) for p in index.read_paths() if p not in keyed})
     return probe
 
 
@@ -123,9 +125,19 @@ def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Pr
             probe.defining.add(k)
     by_class = {(cc.path, cc.class_name): k for (_, cc), k in zip(conventions, keys)}
     probe.architectures = {arch: by_class[key] for arch, key in sorted(exported.items()) if key in by_class}
+    probe.registered = {arch: _where(index, key) for arch, key in sorted(exported.items()) if key not in by_class}
     if engine == "vllm":
         probe.dispatch = _vllm.dispatch_table(index, platform, by_class, probe.classes)
     return probe
+
+
+def _where(index: SourceIndex, key: ClassKey) -> str:
+    """``path:line Class`` by a text search for the class statement (no parse: the registry names
+    hundreds of classes and only their location is wanted)."""
+    path, name = key
+    text = index.text(path) or ""
+    found = re.search(rf"^class {re.escape(name)}\b", text, re.M)
+    return f"{path}:{text.count(chr(10), 0, found.start()) + 1} {name}" if found else f"{path} {name} (not found there)"
 
 
 def _keys(conventions: list[tuple[Target, ClassConvention]], exported: set) -> list[str]:

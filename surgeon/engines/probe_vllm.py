@@ -24,7 +24,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from surgeon.core.idrules import ArchDispatch, ClassConvention, PlatformTarget
-from surgeon.engines.classify import EntryPoint, Target
+from surgeon.engines.classify import RUNTIME_LANGUAGE_MODEL, EntryPoint, Target
 from surgeon.engines.dispatch import DEFAULT_PLATFORM, DispatchResolver, Resolution
 from surgeon.engines.interp import ClassRef, Const, Hooks, InterpBase, Obj, Tup, Unknown, Value
 from surgeon.engines.source import ClassKey, CstFunction, SourceIndex
@@ -176,7 +176,7 @@ class VllmHooks(Hooks):
         if name == "init_vllm_registered_model":
             archs = kwargs.get("architectures")
             if archs is None:
-                return Unknown("a language model whose class the registry picks at runtime from the checkpoint's "
+                return Unknown(f"{RUNTIME_LANGUAGE_MODEL} from the checkpoint's "
                                "text config (init_vllm_registered_model without architectures=)")
             if isinstance(archs, Tup) and archs.items and isinstance(archs.items[0], Const):
                 arch = archs.items[0].value
@@ -224,8 +224,36 @@ class VllmHooks(Hooks):
                         names.append(target.attr.value)
             if names:
                 break
+        if not names and self._falls_back_to_children():
+            names = self._registered_children(obj)
         memo[obj.cls] = names
         return self._language_model_value(interp, obj, names)
+
+    def _falls_back_to_children(self) -> bool:
+        """The release's ``SupportsMultiModal.get_language_model`` falls back to the first child
+        module that is a language model when none is marked (read from interfaces.py, 0.32+)."""
+        info = self.index.class_info(MULTIMODAL)
+        fi = info.functions.get("get_language_model") if info else None
+        return fi is not None and ".children()" in self.index.function_text(MULTIMODAL, fi)
+
+    def _registered_children(self, obj: Obj) -> list[str]:
+        """``self.X = init_vllm_registered_model(...)`` in the constructor: the children the
+        fallback can find as a language model (vision towers and projectors are not built that way)."""
+        made = m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))],
+                        value=m.Call(func=m.Name("init_vllm_registered_model")))
+        for k in self.index.mro(obj.cls):
+            info = self.index.class_info(k)
+            if info is None or "__init__" not in info.functions:
+                continue
+            if "init_vllm_registered_model" not in self.index.function_text(k, info.functions["__init__"]):
+                continue
+            fn = self.index.function(k, "__init__")
+            if fn is None:
+                continue
+            found = [a.targets[0].target.attr.value for a in fn.findall(made)
+                     if isinstance(a, cst.Assign) and isinstance(a.targets[0].target, cst.Attribute)]
+            return list(dict.fromkeys(found))
+        return []
 
     @staticmethod
     def _language_model_value(interp: InterpBase, obj: Obj, names: list[str]) -> Value:

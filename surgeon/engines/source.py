@@ -289,6 +289,10 @@ class SourceIndex:
                 self._texts[path] = None
         return self._texts[path]
 
+    def read_paths(self) -> list[str]:
+        """Every file read so far (relative paths), model files or not."""
+        return sorted(p for p, t in self._texts.items() if t is not None)
+
     def fingerprint(self, paths: Iterable[str]) -> str:
         """A content hash of ``paths`` (for the cache key)."""
         h = hashlib.sha256()

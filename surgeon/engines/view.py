@@ -92,6 +92,9 @@ class EngineView:
             raise BadInput(f"{self.engine} {self.probe.version} {model_class} on {here.platform} runs "
                            f"{here.path}:{here.line} {here.class_name} ({here.evidence}), which has no aux "
                            f"hidden-state capture")
+        if cc is None and model_class in self.probe.registered:
+            raise BadInput(f"{self.engine} {self.probe.version}: the registry maps {model_class} to "
+                           f"{self.probe.registered[model_class]}, which defines no aux hidden-state capture")
         if cc is None:
             known = sorted(self.probe.classes)
             hint = difflib.get_close_matches(model_class, known, n=3)
@@ -102,7 +105,9 @@ class EngineView:
             )
         if cc.status != "classified":
             what = ("the source shows it cannot capture aux hidden states" if cc.no_capture
-                    else "the probe cannot tell what its ids mean")
+                    else "it hands the ids to its language model, whose class the engine picks at run time from "
+                         "the checkpoint's text config: render with --model-class set to that text model's class"
+                    if cc.delegates else "the probe cannot tell what its ids mean")
             raise BadInput(f"{self.engine} {self.probe.version} {model_class} ({cc.path}:{cc.line}): {what}: {cc.reason}")
         return cc
 

@@ -203,6 +203,9 @@ class Rendering:
     verified: bool = True
     unverified_reason: str | None = None
     evidence: list[str] = field(default_factory=list)  # file:line of the setter, loop, capture sites, runner
+    # The platform the engine answer holds for ("cuda", "rocm", "cpu"; "all" where the engine does
+    # not dispatch per platform); None for training tools and built-in tables.
+    platform: str | None = None
 
     @property
     def launch_shell(self) -> str:
@@ -295,5 +298,6 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         dump = {"layout": "specforge", "aux_hidden_state": [c["point"] for c in captures], "hidden_state": "final_norm"}
         notes.append("SpecForge ids are layer outputs (id k = layer_out[k]); it refuses -1, so embed cannot be an fc input")
     conv_name = lst.convention
+    platform = view.probe.platform if view is not None and view.probe is not None else None
     return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes,
-                     verified, unverified_reason, evidence)
+                     verified, unverified_reason, evidence, platform)
