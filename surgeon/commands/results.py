@@ -226,17 +226,26 @@ class StatusReport:
     """Every applied patch; a drifted or missing file is a mismatch with what was applied."""
 
     patches: list[EnginePatch]
+    # files carrying a patch marker no manifest records: (engine, surgeon.patch.manifest.Unrecorded)
+    unrecorded: list[tuple[str, Any]] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)  # interrupted transactions finished or rolled back
+    pending: list[str] = field(default_factory=list)  # interrupted transactions left (read-only root)
 
     @property
     def ok(self) -> bool:
-        return all(p.patch.state == "applied" for p in self.patches)
+        return all(p.patch.state == "applied" for p in self.patches) and not self.unrecorded and not self.pending
 
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 3
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "patches": [_patch_json(p) for p in self.patches]}
+        return {"ok": self.ok, "patches": [_patch_json(p) for p in self.patches],
+                "unrecorded": [{"engine": e, "relpath": u.relpath, "patch": u.marker.name,
+                                "spec_sha256": u.marker.spec_sha256, "manifest_id": u.marker.manifest_id,
+                                "original_sha256": u.marker.original_sha256, "restorable": u.restorable,
+                                "advice": u.advice()} for e, u in self.unrecorded],
+                "recovered": self.recovered, "pending": self.pending}
 
 
 def _patch_json(row: EnginePatch) -> dict:

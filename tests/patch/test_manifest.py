@@ -18,7 +18,7 @@ import pytest
 
 from surgeon.core.errors import BadInput
 from surgeon.engines.locate import locate_engine
-from surgeon.patch import manifest as M
+from surgeon.patch import journal as M
 from surgeon.patch.manifest import FileChange, PatchError, PatchManager
 
 ENGINE_FILES = [
