@@ -260,9 +260,21 @@ def test_revert_works_with_the_stored_patched_copies_deleted(vroot: Path):
     shutil.rmtree(vroot / STATE / "patched")
     assert "--- a/" + LLAMA in run(vroot, "diff", code=0).stdout  # from the file on disk, which hashes as recorded
     doc = json.loads(run(vroot, "doctor", "--json", code=3).stdout)["engines"][0]["findings"]
-    assert {f["repairable"] for f in doc} == {True}
-    run(vroot, "revert", code=0)
+    assert {f["repairable"] for f in doc} == {True} and len(doc) == 2  # llama.py and the hooks module
+    run(vroot, "revert", code=0)  # without them: the files on disk hash as recorded
     assert tree(vroot) == pristine
+
+
+def test_doctor_rebuilds_lost_patched_copies_from_files_that_hash_as_recorded(vroot: Path):
+    import shutil
+
+    apply(vroot)
+    stored = sorted(p.name for p in (vroot / STATE / "patched").iterdir())
+    shutil.rmtree(vroot / STATE / "patched")
+    fixed = json.loads(run(vroot, "doctor", "--repair", "--json", code=0).stdout)["engines"][0]["findings"]
+    assert [f["fixed"] for f in fixed] == [True, True]
+    assert sorted(p.name for p in (vroot / STATE / "patched").iterdir()) == stored
+    assert json.loads(run(vroot, "doctor", "--json", code=0).stdout)["engines"][0]["findings"] == []
 
 
 # ------------------------------------------------------------------------------------------ disk
