@@ -25,7 +25,7 @@ from surgeon.patch.atomicfile import atomic_write as _atomic_write
 from surgeon.patch.atomicfile import file_mode as _mode
 from surgeon.patch.manifest import PatchManager, Unrecorded
 from surgeon.patch.markers import hooks_relpath
-from surgeon.patch.statedir import PatchError, check_node
+from surgeon.patch.statedir import PatchError
 
 __all__ = ["Finding", "DoctorResult", "doctor"]
 
@@ -60,11 +60,7 @@ def doctor(manager: PatchManager, *, repair: bool = False) -> DoctorResult:
     out = DoctorResult(manager.root, repair)
     store = manager.store
     try:
-        exists = store.exists()
-        if exists:
-            for name, kind in (("lock", "file"), ("manifest.json", "file"), ("journal.json", "file"),
-                               ("originals", "dir"), ("patched", "dir")):
-                check_node(store.state / name, kind)
+        exists = store.check()
     except PatchError as e:
         out.add(store.state, str(e), "fix or remove it by hand; surgeon does not touch what it cannot trust")
         return out

@@ -134,13 +134,17 @@ class PatchReader:
     def inspect(self) -> Inspection:
         """Every recorded patch with its files' states, and every patched file nobody recorded.
 
-        Creates nothing: where the state may be written an interrupted transaction is finished or
-        rolled back (and that is reported); on a read-only root it is reported as pending."""
-        writable = self.store.exists() and self.store.writable()
-        with self.store.locked(write=writable):
-            recovered = self._recover_locked() if writable else None
+        Creates nothing and takes a shared lock (none when there is no lock file). Only when an
+        interrupted transaction is there and the state may be written is it finished or rolled
+        back first, under the exclusive lock, and that is reported; on a read-only root it is
+        reported as pending instead."""
+        recovered = None
+        if self.store.check() and self.store.journal_exists() and self.store.writable():
+            with self.store.locked():
+                recovered = self._recover_locked()
+        with self.store.locked(write=False):
             pending = None
-            if not writable and self.store.exists() and self.store.journal_exists():
+            if self.store.exists() and self.store.journal_exists():  # (no writer runs while we hold the lock)
                 pending = (f"{self.journal_path}: an interrupted transaction is pending (not finished: "
                            f"no write access); run surgeon with write access to finish or roll it back")
             manifest = self.store.load_manifest() if self.store.exists() else self.store.empty_manifest()

@@ -51,6 +51,16 @@ class StateStore:
         """True when the state directory is there (refused if it is a link or not ours)."""
         return check_node(self.state, "dir") is not None
 
+    def check(self) -> bool:
+        """Whether the state directory is there, every node surgeon keeps in it checked (a link,
+        a node of the wrong kind, another owner's or one writable by others is refused)."""
+        if not self.exists():
+            return False
+        for name, kind in (("lock", "file"), ("manifest.json", "file"), ("journal.json", "file"),
+                           ("originals", "dir"), ("patched", "dir")):
+            check_node(self.state / name, kind)
+        return True
+
     def writable(self) -> bool:
         """Whether this process may write the state (the directory, else the root to create it)."""
         return os.access(self.state if self.exists() else self.root, os.W_OK)
@@ -159,9 +169,10 @@ class StateStore:
             return
         if write:
             ensure_dir(self.state)
+            self.check()
             fd = open_file(self.state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         else:
-            fd = open_file(self.state / "lock", os.O_RDONLY) if self.exists() else None
+            fd = open_file(self.state / "lock", os.O_RDONLY) if self.check() else None
         if fd is None:  # read-only and no lock file: nobody can be writing without one
             yield False
             return

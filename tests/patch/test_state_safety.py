@@ -335,6 +335,18 @@ def test_status_on_an_unpatched_root_creates_nothing(vroot: Path):
     assert tree(vroot, state=True) == before and not (vroot / STATE).exists()
 
 
+def test_read_commands_on_a_patched_root_create_and_change_nothing(vroot: Path):
+    """status, diff and doctor take a shared lock, or none when the lock file is gone: they never create it."""
+    apply(vroot)
+    (vroot / STATE / "lock").unlink()
+    before = tree(vroot, state=True)
+    stamps = {p: p.stat().st_mtime_ns for p in (vroot / STATE).rglob("*")}
+    for verb in ("status", "diff", "doctor"):
+        run(vroot, verb, code=0)
+    assert tree(vroot, state=True) == before and not (vroot / STATE / "lock").exists()
+    assert {p: p.stat().st_mtime_ns for p in (vroot / STATE).rglob("*")} == stamps
+
+
 def _interrupted_apply(root: Path) -> None:
     """An apply killed (os._exit) after its first engine file was replaced: a journal is left."""
     env = dict(os.environ, PYTHONPATH=str(REPO), SURGEON_MANIFEST_TEST_CRASH_AT="3")
