@@ -123,9 +123,8 @@ class TransactionJournal:
         store = self.store
         store.clean_tmp(store.state)
         journal = store.load_journal()
-        if journal is None:  # blobs of a transaction killed before its journal, unless patched files need them
-            store.gc(store.load_manifest(), self.protect)
-            return None
+        if journal is None:  # (blobs of a transaction killed before its journal stay until the next one
+            return None       # completes: with the manifest lost they may be all that is left to restore from)
         manifest = store.load_manifest()
         forward = manifest.get("txid") == journal["txid"]
         restored, warnings = [], []
