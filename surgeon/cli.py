@@ -428,6 +428,19 @@ def diff(name: str | None, engine: str | None, engine_root: str | None, as_json:
 
 
 @main.command()
+@click.option("--engine", type=ENGINE_CHOICE, help="Default: every installed engine.")
+@click.option("--engine-root", type=click.Path())
+@click.option("--repair", is_flag=True, help="Rebuild what can be proven from stored copies and markers.")
+@click.option("--json", "as_json", is_flag=True)
+def doctor(engine: str | None, engine_root: str | None, repair: bool, as_json: bool) -> Any:
+    """Check the patch state (links, owners, damaged or lost state files, patched files no manifest
+    records) and say what can be rebuilt; --repair rebuilds it. Never guesses. Exit 3 while
+    anything is left unfixed."""
+    report = commands.doctor(engine=engine, engine_root=engine_root, repair=repair)
+    return _show(report, as_json, show.print_doctor)
+
+
+@main.command()
 @click.option("--engine", required=True, type=ENGINE_CHOICE)
 @click.option("--engine-root", type=click.Path())
 @click.option("--jobs", type=click.IntRange(1, 64), help="Worker processes (default: 2).")

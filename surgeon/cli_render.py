@@ -264,8 +264,15 @@ def print_revert(report: Any) -> None:
 def print_status(report: Any) -> None:
     from surgeon.patch.manifest import ABSENT
 
+    for line in report.recovered:
+        err.print(f"recovered: {escape(line)}")
+    for line in report.pending:
+        err.print(f"[bold red]pending:[/] {escape(line)}")
+    for engine, u in report.unrecorded:
+        err.print(f"[bold red]patched but unrecorded:[/] {engine} {escape(u.relpath)} carries surgeon patch "
+                  f"{escape(u.marker.name)} (manifest {u.marker.manifest_id}); {escape(u.advice())}")
     if not report.patches:
-        out.print("no surgeon patches applied")
+        out.print("no surgeon patches recorded" if report.unrecorded else "no surgeon patches applied")
         return
     table = Table("engine", "patch", "spec", "state", "file", "file state")
     for row in report.patches:
@@ -277,6 +284,15 @@ def print_status(report: Any) -> None:
                           f"{p.spec_name} {p.spec_sha256[:12]}" if i == 0 else "",
                           p.state if i == 0 else "", escape(what), f"[{style}]{f.state}[/]" if style else f.state)
     out.print(table)
+
+
+def print_doctor(report: Any) -> None:
+    for engine, r in report.results:
+        if not r.findings:
+            out.print(f"{engine} {escape(str(r.root))}: patch state healthy")
+        for f in r.findings:
+            mark = "[green]fixed[/]" if f.fixed else ("[yellow]repairable[/]" if f.repairable else "[bold red]problem[/]")
+            out.print(f"{mark} {engine} {escape(f.path)}: {escape(f.problem)}; {escape(f.action)}")
 
 
 def print_coverage(report: Any, show_all: bool) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from surgeon.commands.capture_commands import check_hooks, dump_info, export, hooks
 from surgeon.commands.demo_command import demo
 from surgeon.commands.harness_commands import fingerprint, match, reference, verify
-from surgeon.commands.patch_commands import apply, coverage, diff, revert, status
+from surgeon.commands.patch_commands import apply, coverage, diff, doctor, revert, status
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.commands.results import FORMATS, exit_code_of, json_output
 from surgeon.commands.spec_commands import check_draft, conventions, explain, lint, render, review, schema, sweep_spec
@@ -37,11 +37,11 @@ COMMANDS: dict[str, Callable[..., object]] = {
     "review": review, "conventions": conventions, "sweep-spec": sweep_spec,
     "reference": reference, "fingerprint": fingerprint, "match": match, "verify": verify,
     "hooks": hooks, "check-hooks": check_hooks, "dump-info": dump_info, "export": export,
-    "apply": apply, "revert": revert, "status": status, "diff": diff, "coverage": coverage,
+    "apply": apply, "revert": revert, "status": status, "diff": diff, "doctor": doctor, "coverage": coverage,
     "demo": demo,
 }
 
 __all__ = ["COMMANDS", "FORMATS", "QUIET", "Progress", "exit_code_of", "json_output",
            "schema", "lint", "explain", "render", "check_draft", "review", "conventions", "sweep_spec",
            "reference", "fingerprint", "match", "verify", "hooks", "check_hooks", "dump_info", "export",
-           "apply", "revert", "status", "diff", "coverage", "demo"]
+           "apply", "revert", "status", "diff", "doctor", "coverage", "demo"]

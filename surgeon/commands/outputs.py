@@ -371,6 +371,28 @@ class StatusOutput(_Output):
     pending: list[str] | None = None
 
 
+class DoctorFinding(_Closed):
+    path: str
+    problem: str
+    action: str | None
+    fixed: bool
+    repairable: bool
+
+
+class DoctorEngine(_Closed):
+    engine: str
+    engine_root: str
+    repair: bool
+    healthy: bool
+    findings: list[DoctorFinding]
+
+
+class DoctorOutput(_Output):
+    ok: bool = Field(description="nothing is left unfixed (exit 3 otherwise)")
+    healthy: bool
+    engines: list[DoctorEngine]
+
+
 class DiffFile(_Closed):
     relpath: str
     created: bool
@@ -471,7 +493,7 @@ OUTPUTS: dict[str, type[_Output]] = {
     "review": ReviewOutput, "conventions": ConventionsOutput, "match": MatchOutput, "verify": VerifyOutput,
     "dump-info": DumpInfoOutput, "export": ExportOutput, "check-hooks": CheckHooksOutput,
     "apply": ApplyOutput, "revert": RevertOutput, "status": StatusOutput, "diff": DiffOutput,
-    "coverage": CoverageOutput, "demo": DemoOutput,
+    "coverage": CoverageOutput, "demo": DemoOutput, "doctor": DoctorOutput,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,17 +61,21 @@ def choose_reverts(managers: list[tuple[str, Any]], name: str | None, all_: bool
     """The engines whose patches a revert touches: the one holding ``name``; with ``all_`` every
     one holding any; otherwise the only patch applied, refusing when there is none or several.
     ``name`` and ``all_`` are exclusive (:func:`revert` refuses both before looking)."""
-    applied = {e: [p.name for p in m.status()] for e, m in managers}
+    seen = {e: m.inspect() for e, m in managers}
+    applied = {e: [p.name for p in seen[e].patches] for e, _ in managers}
+    lost = sorted({f"{e} {u.relpath}" for e, _ in managers for u in seen[e].unrecorded})
+    hint = (f"; but {', '.join(lost)} carry surgeon patch markers no manifest records (patched but unrecorded): "
+            f"`surgeon doctor` says how to restore them") if lost else ""
     if name:
         holders = [(e, m) for e, m in managers if name in applied[e]]
         if not holders:
-            raise BadInput(f"{name}: no such patch applied ({_applied_summary(applied)})")
+            raise BadInput(f"{name}: no such patch applied ({_applied_summary(applied)}){hint}")
         return holders
     holding = [(e, m) for e, m in managers if applied[e]]
-    if all_:
+    if all_ and (holding or not lost):
         return holding
     if not holding:
-        raise BadInput(f"no surgeon patches applied ({_applied_summary(applied)})")
+        raise BadInput(f"no surgeon patches applied ({_applied_summary(applied)}){hint}")
     if len(holding) > 1 or len(applied[holding[0][0]]) > 1:
         raise BadInput(f"several patches applied ({_applied_summary(applied)}); name one or pass --all")
     return holding
@@ -90,8 +95,14 @@ def revert(*, name: str | None = None, all_: bool = False, force: bool = False, 
 
 def status(*, engine: str | None = None, engine_root: str | None = None) -> StatusReport:
     """Every surgeon patch in each engine, and whether its files are still as patched (exit 3 if not)."""
-    return StatusReport([EnginePatch(e, m.root, p) for e, m in engines_with_managers(engine, engine_root)
-                         for p in m.status()])
+    report = StatusReport([])
+    for e, m in engines_with_managers(engine, engine_root):
+        seen = m.inspect()
+        report.patches += [EnginePatch(e, m.root, p) for p in seen.patches]
+        report.unrecorded += [(e, u) for u in seen.unrecorded]
+        report.recovered += [f"{e} {m.root}: {seen.recovered}"] if seen.recovered else []
+        report.pending += [seen.pending] if seen.pending else []
+    return report
 
 
 def diff(*, name: str | None = None, engine: str | None = None, engine_root: str | None = None) -> DiffReport:
@@ -111,3 +122,33 @@ def coverage(*, engine: str, engine_root: str | None = None, jobs: int | None = 
 
     with progress.spinner(f"reading {engine} model files"):
         return engine_coverage(engine, Path(engine_root) if engine_root else None, jobs=jobs, platform=platform)
+
+
+@dataclass
+class DoctorReport:
+    """Per engine root, what is wrong with the patch state and what was (or could be) rebuilt;
+    exit 3 while anything is left unfixed."""
+
+    results: list[tuple[str, Any]] = field(default_factory=list)  # (engine, surgeon.patch.doctor.DoctorResult)
+
+    @property
+    def healthy(self) -> bool:
+        return all(r.healthy for _, r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.healthy else 3
+
+    def to_json(self) -> dict:
+        return {"ok": self.healthy, "healthy": self.healthy, "engines": [
+            {"engine": e, "engine_root": str(r.root), "repair": r.repair, "healthy": r.healthy,
+             "findings": [{"path": f.path, "problem": f.problem, "action": f.action, "fixed": f.fixed,
+                           "repairable": f.repairable} for f in r.findings]} for e, r in self.results]}
+
+
+def doctor(*, engine: str | None = None, engine_root: str | None = None, repair: bool = False) -> DoctorReport:
+    """Check each engine's patch state (links, owners, damaged files, lost copies, patched files no
+    manifest records); with ``repair``, rebuild what can be proven from stored copies and markers."""
+    from surgeon.patch.doctor import doctor as diagnose
+
+    return DoctorReport([(e, diagnose(m, repair=repair)) for e, m in engines_with_managers(engine, engine_root)])

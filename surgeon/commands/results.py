@@ -26,7 +26,7 @@ def exit_code_of(result: object) -> int:
 FORMATS: dict[str, int] = {
     "lint": 1, "explain": 1, "render": 1, "check-draft": 1, "review": 1, "conventions": 1,
     "match": 1, "verify": 1, "dump-info": 1, "export": 1, "check-hooks": 1,
-    "apply": 1, "revert": 1, "status": 1, "diff": 1, "coverage": 1, "demo": 1,
+    "apply": 1, "revert": 1, "status": 1, "diff": 1, "coverage": 1, "demo": 1, "doctor": 1,
 }
 
 
@@ -262,17 +262,26 @@ class StatusReport:
     """Every applied patch; a drifted or missing file is a mismatch with what was applied."""
 
     patches: list[EnginePatch]
+    # files carrying a patch marker no manifest records: (engine, surgeon.patch.manifest.Unrecorded)
+    unrecorded: list[tuple[str, Any]] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)  # interrupted transactions finished or rolled back
+    pending: list[str] = field(default_factory=list)  # interrupted transactions left (read-only root)
 
     @property
     def ok(self) -> bool:
-        return all(p.patch.state == "applied" for p in self.patches)
+        return all(p.patch.state == "applied" for p in self.patches) and not self.unrecorded and not self.pending
 
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 3
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "patches": [_patch_json(p) for p in self.patches]}
+        return {"ok": self.ok, "patches": [_patch_json(p) for p in self.patches],
+                "unrecorded": [{"engine": e, "relpath": u.relpath, "patch": u.marker.name,
+                                "spec_sha256": u.marker.spec_sha256, "manifest_id": u.marker.manifest_id,
+                                "original_sha256": u.marker.original_sha256, "restorable": u.restorable,
+                                "advice": u.advice()} for e, u in self.unrecorded],
+                "recovered": self.recovered, "pending": self.pending}
 
 
 def _patch_json(row: EnginePatch) -> dict:

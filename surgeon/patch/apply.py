@@ -30,6 +30,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, load_spec
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
 from surgeon.patch.manifest import ApplyResult, FileChange, PatchError, PatchManager, PatchStatus, RevertResult
+from surgeon.patch.markers import Marker, hooks_relpath
 
 __all__ = [
     "ApplyOutcome", "PatchPlan", "plan_patch", "apply_spec", "revert_patch", "patch_status",
@@ -63,6 +64,7 @@ class PatchPlan:
     spec_name: str
     spec_sha256: str
     recipe: str
+    manifest_id: str = ""  # the id the marker in the model file carries (the root's manifest's)
 
     def diff(self, manager: PatchManager) -> str:
         """Unified diff of the planned change against the pristine files."""
@@ -116,8 +118,7 @@ def manager_for(engine: str, engine_root: str | Path | None = None) -> PatchMana
 
 
 def hooks_module_relpath(model_file: str, patch_name: str) -> str:
-    ident = re.sub(r"\W", "_", patch_name)
-    return str(PurePosixPath(model_file).parent / f"_surgeon_hooks_{ident}.py")
+    return hooks_relpath(model_file.replace("\\", "/"), patch_name)
 
 
 def _import_name(package: str, relpath: str) -> str:
@@ -202,8 +203,13 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
         original = manager.original_bytes(relpath, recover=False)  # a plan (a dry run) writes nothing
     except PatchError as e:
         raise BadInput(f"{engine} {location.version}: {e}") from None
+    owners = manager.owners()
+    try:  # a file carrying a patch nobody here records is never patched again (no stacking)
+        manager.refuse_foreign_markers([FileChange(relpath, b"")], owners, {relpath: original})
+    except PatchError as e:
+        raise BadInput(f"{engine} {location.version}: {e}") from None
     hooks_file = hooks_module_relpath(relpath, name)
-    owner = manager.owners().get(hooks_file)
+    owner = owners.get(hooks_file)
     if owner is not None and owner != name:
         raise BadInput(f"patch names {owner!r} and {name!r} give the same hooks module {hooks_file}; "
                        f"choose another --name")
@@ -213,8 +219,10 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
     except (OSError, ValueError) as e:
         raise BadInput(f"recipes: {e}") from None
     recipe = find_recipe(recipes, engine=engine, relpath=relpath, class_name=cls)
+    marker = Marker(name, spec.sha256, manager.manifest_id(), hashlib.sha256(original).hexdigest())
     result = rewrite(original, relpath=relpath, class_name=cls, positions=positions, capture_final=final,
-                     hooks_module=hooks_module, recipe=recipe, guard_bypass=guard_bypass, aux_return=mode == "aux")
+                     hooks_module=hooks_module, recipe=recipe, guard_bypass=guard_bypass, aux_return=mode == "aux",
+                     marker=marker)
     try:
         source = generate_hooks_module(spec, mode=mode, max_tokens=max_tokens)
     except ValueError as e:
@@ -229,7 +237,8 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
     return PatchPlan(name=name, engine=engine, engine_root=location.root, engine_version=location.version,
                      model_file=relpath, loop_class=cls, hooks_file=hooks_file, hooks_module=hooks_module,
                      mode=mode, max_tokens=max_tokens, anchors=result.anchors, changes=changes,
-                     spec_name=spec.name, spec_sha256=spec.sha256, recipe=recipe.name)
+                     spec_name=spec.name, spec_sha256=spec.sha256, recipe=recipe.name,
+                     manifest_id=marker.manifest_id)
 
 
 def apply_spec(spec: Spec | str | Path, *, engine: str, engine_root: str | Path | None = None,
@@ -252,7 +261,8 @@ def apply_spec(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
     if dry_run:
         return ApplyOutcome(plan, False, None, text)
     result = manager.apply(plan.name, plan.changes, spec_name=plan.spec_name, spec_sha256=plan.spec_sha256,
-                           engine=plan.engine, engine_version=plan.engine_version, replace=replace)
+                           engine=plan.engine, engine_version=plan.engine_version, replace=replace,
+                           manifest_id=plan.manifest_id)
     return ApplyOutcome(plan, True, result, text)
 
 

@@ -33,13 +33,18 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes | None, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` atomically: temp in the same dir, fsync, replace, fsync dir.
 
-    ``data=None`` deletes the file (a created file going back to absent)."""
+    ``data=None`` deletes the file (a created file going back to absent). An ``OSError`` (disk
+    full, file too large, permission denied) leaves ``path`` as it was, removes the temp file and
+    names ``path``."""
     if data is None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         fsync_dir(path.parent)
         return
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    except OSError as e:
+        raise _named(e, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -48,11 +53,18 @@ def atomic_write(path: Path, data: bytes | None, mode: int | None = None) -> Non
                 os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):  # disk full, file too large, permission denied: name the file
+            raise _named(e, path) from None
         raise
     fsync_dir(path.parent)
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """``e`` with ``path`` as its file name (the temp file's name means nothing to the user)."""
+    return type(e)(e.errno, e.strerror or str(e), str(path)) if e.errno is not None else e
 
 
 def file_sha(path: Path) -> str | None:

@@ -39,47 +39,22 @@ Every error the user can act on is a :class:`PatchError` (a :class:`surgeon.core
 """
 from __future__ import annotations
 
-import contextlib
-import difflib
-import errno
-import fcntl
-import json
-import os
-import re
-import secrets
-import stat
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from surgeon.core.errors import BadInput
 from surgeon.patch.atomicfile import ABSENT, TMP_SUFFIX, sha256_bytes
+from surgeon.patch.journal import TransactionJournal, now, os_error
+from surgeon.patch.markers import find_markers
+from surgeon.patch.reader import FileStatus, Inspection, PatchReader, PatchStatus, Unrecorded, default_scan_dirs
+from surgeon.patch.rootpaths import EngineRootPaths
+from surgeon.patch.statedir import PatchError
+from surgeon.patch.statefiles import MANIFEST_FORMAT
+from surgeon.patch.statefiles import NAME_RE as _NAME_RE
+from surgeon.patch.statestore import StateStore
 
-# Every write goes through this module-level name (a test injects failures here).
-from surgeon.patch.atomicfile import atomic_write as _atomic_write
-from surgeon.patch.atomicfile import file_mode as _mode
-from surgeon.patch.atomicfile import file_sha as _file_sha
-from surgeon.patch.atomicfile import file_version as _file_version
-from surgeon.patch.atomicfile import fsync_dir as _fsync_dir
-
-__all__ = ["ABSENT", "MANIFEST_FORMAT", "TMP_SUFFIX", "ApplyResult", "FileChange", "FileStatus", "PatchError",
-           "PatchManager", "PatchStatus", "RevertResult", "sha256_bytes"]
-
-MANIFEST_FORMAT = 1
-
-# Test hooks (fault injection). Never set in normal use.
-_ENV_DELAY = "SURGEON_MANIFEST_TEST_DELAY"  # seconds to sleep at every transaction step
-_ENV_CRASH_AT = "SURGEON_MANIFEST_TEST_CRASH_AT"  # os._exit(99) at the Nth step (1-based)
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-
-
-class PatchError(BadInput):
-    """A patch operation refused or failed; the message is one line."""
-
+__all__ = ["ABSENT", "MANIFEST_FORMAT", "TMP_SUFFIX", "ApplyResult", "FileChange", "FileStatus", "Inspection",
+           "PatchError", "PatchManager", "PatchStatus", "RevertResult", "Unrecorded", "sha256_bytes"]
 
 @dataclass
 class FileChange:
@@ -89,30 +64,6 @@ class FileChange:
     base_sha256: str | None = None
     # the file must not exist yet (a generated module): revert deletes it
     create: bool = False
-
-
-@dataclass
-class FileStatus:
-    relpath: str
-    state: str  # applied | drifted | missing
-    sha256_before: str
-    sha256_after: str
-
-
-@dataclass
-class PatchStatus:
-    name: str
-    spec_name: str
-    spec_sha256: str
-    engine: str
-    engine_version: str
-    created: str
-    files: list[FileStatus]
-
-    @property
-    def state(self) -> str:
-        states = {f.state for f in self.files}
-        return "applied" if states <= {"applied"} else ("missing" if "missing" in states else "drifted")
 
 
 @dataclass
@@ -132,314 +83,12 @@ class RevertResult:
     recovered: str | None = None
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-class _FaultInjection:
-    """Fault-injection points for tests (env-driven, inert unless the variables are set)."""
-
-    def __init__(self) -> None:
-        self.delay = float(os.environ.get(_ENV_DELAY) or 0)
-        crash = os.environ.get(_ENV_CRASH_AT)
-        self.crash_at = int(crash) if crash else None
-        self.count = 0
-
-    def step(self, what: str) -> None:
-        self.count += 1
-        if self.crash_at is not None and self.count == self.crash_at:
-            os._exit(99)
-        if self.delay:
-            time.sleep(self.delay)
-
-
-class EngineRootPaths:
-    """Relative paths of engine files, turned into paths that are certainly inside the engine root.
-
-    Every file a patch touches goes through here first, so a manifest or a change can never make
-    surgeon write outside the root, through a symlink, or into its own state directory."""
-
-    def __init__(self, root: Path, root_resolved: Path, state_dir_name: str) -> None:
-        self.root, self.root_resolved, self.state_dir_name = root, root_resolved, state_dir_name
-
-    def resolve(self, relpath: str) -> Path:
-        """The absolute path for ``relpath``, refused unless it lies inside the root (no symlinks)."""
-        if not isinstance(relpath, str) or not relpath:
-            raise PatchError(f"{relpath!r}: empty path")
-        if "\\" in relpath or "\0" in relpath:
-            raise PatchError(f"{relpath}: path must be '/'-separated and plain")
-        if relpath.startswith("/") or re.match(r"^[A-Za-z]:", relpath):
-            raise PatchError(f"{relpath}: absolute path; paths are relative to the engine root")
-        parts = relpath.split("/")
-        if any(p in ("", ".", "..") for p in parts):
-            raise PatchError(f"{relpath}: path must not contain '..', '.' or empty components")
-        if parts[0] == self.state_dir_name:
-            raise PatchError(f"{relpath}: inside surgeon's own state directory")
-        path = self.root_resolved.joinpath(*parts)
-        # no component may be a symlink: the file we replace is exactly the one under the root
-        cur = self.root_resolved
-        for p in parts:
-            cur = cur / p
-            if cur.is_symlink():
-                target = cur.resolve()
-                where = "outside" if not target.is_relative_to(self.root_resolved) else "inside"
-                raise PatchError(f"{relpath}: goes through a symlink ({cur.name} -> {where} the engine root)")
-        if path.resolve() != path:
-            raise PatchError(f"{relpath}: resolves outside the engine root")
-        return path
-
-    def existing_file(self, relpath: str) -> Path:
-        path = self.resolve(relpath)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise PatchError(f"{relpath}: no such file under {self.root}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise PatchError(f"{relpath}: not a regular file")
-        return path
-
-    def new_file(self, relpath: str) -> Path:
-        """Where a patch may create ``relpath``: inside the root, in an existing directory."""
-        path = self.resolve(relpath)
-        if not path.parent.is_dir():
-            raise PatchError(f"{relpath}: directory {path.parent.relative_to(self.root_resolved)} does not exist")
-        return path
-
-
-class StateStore:
-    """The state directory ``<root>/.surgeon``: manifest and journal JSON, content-addressed blobs,
-    and the lock every operation holds. Knows the on-disk formats; knows nothing of patches."""
-
-    def __init__(self, state: Path, root: Path, lock_timeout: float) -> None:
-        self.state, self.root, self.lock_timeout = state, root, lock_timeout
-        self._lock_fd: int | None = None
-        self._lock_depth = 0
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.state / "manifest.json"
-
-    @property
-    def journal_path(self) -> Path:
-        return self.state / "journal.json"
-
-    # -- blobs -------------------------------------------------------------------------------
-    def blob_path(self, kind: str, sha: str) -> Path:
-        assert kind in ("originals", "patched") and re.fullmatch(r"[0-9a-f]{64}", sha), (kind, sha)
-        return self.state / kind / sha
-
-    def store_blob(self, kind: str, data: bytes | None) -> str:
-        if data is None:
-            return ABSENT
-        sha = sha256_bytes(data)
-        path = self.blob_path(kind, sha)
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, data, 0o644)
-        return sha
-
-    def read_blob(self, kind: str, sha: str) -> bytes | None:
-        if sha == ABSENT:
-            return None
-        path = self.blob_path(kind, sha)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise PatchError(f"{path}: stored blob is missing; the state directory is damaged") from None
-        if sha256_bytes(data) != sha:
-            raise PatchError(f"{path}: stored blob does not match its sha256; the state directory is damaged")
-        return data
-
-    def gc(self, manifest: dict[str, Any]) -> None:
-        """Drop blobs the committed manifest no longer references (only with no journal present)."""
-        if self.journal_path.exists():
-            return
-        keep: dict[str, set[str]] = {"originals": set(), "patched": set()}
-        for p in manifest["patches"].values():
-            for f in p["files"]:
-                keep["originals"].add(f["sha256_before"])
-                keep["patched"].add(f["sha256_after"])
-        for kind, shas in keep.items():
-            d = self.state / kind
-            if not d.is_dir():
-                continue
-            for blob in d.iterdir():  # (ABSENT has no blob: it is never a file name here)
-                if blob.name not in shas:
-                    with contextlib.suppress(OSError):
-                        blob.unlink()
-
-    def clean_tmp(self, directory: Path, name: str | None = None) -> None:
-        if not directory.is_dir():
-            return
-        pattern = f".{name}.*{TMP_SUFFIX}" if name else f".*{TMP_SUFFIX}"
-        for tmp in directory.glob(pattern):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        if name is None:
-            for sub in ("originals", "patched"):
-                if (directory / sub).is_dir():
-                    self.clean_tmp(directory / sub)
-
-    # -- manifest and journal ----------------------------------------------------------------
-    @staticmethod
-    def empty_manifest() -> dict[str, Any]:
-        return {"format": MANIFEST_FORMAT, "txid": None, "patches": {}}
-
-    def load_json(self, path: Path) -> dict[str, Any] | None:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PatchError(f"{path}: unreadable ({e.msg} at line {e.lineno})") from None
-        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-            raise PatchError(f"{path}: unknown format (expected format {MANIFEST_FORMAT})")
-        return data
-
-    def load_manifest(self) -> dict[str, Any]:
-        return self.load_json(self.manifest_path) or self.empty_manifest()
-
-    def write_json(self, path: Path, data: dict[str, Any]) -> None:
-        _atomic_write(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(), 0o644)
-
-    # -- lock --------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the state directory's flock (re-entrant within this object)."""
-        if self._lock_depth:
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
-            return
-        try:
-            self.state.mkdir(exist_ok=True)
-            fd = os.open(self.state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise PatchError(f"{self.state}: cannot create the lock ({e.strerror or e})") from None
-        try:
-            self._wait_for_lock(fd)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            self._lock_fd, self._lock_depth = fd, 1
-            try:
-                yield
-            finally:
-                self._lock_fd, self._lock_depth = None, 0
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, 0)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-    def _wait_for_lock(self, fd: int) -> None:
-        """flock ``fd``, polling until ``lock_timeout``; then name the holder's pid."""
-        deadline = time.monotonic() + self.lock_timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except OSError as e:
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                if time.monotonic() >= deadline:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                    raise PatchError(
-                        f"{self.root}: another surgeon process (pid {holder}) holds the patch lock; "
-                        f"waited {self.lock_timeout:g} s, try again when it finishes"
-                    ) from None
-                time.sleep(0.05)
-
-
-class TransactionJournal:
-    """Runs a transaction under ``journal.json`` and recovers an interrupted one (the protocol and
-    the crash-recovery policy in the module docstring). Call only with the store's lock held."""
-
-    def __init__(self, store: StateStore, paths: EngineRootPaths) -> None:
-        self.store, self.paths = store, paths
-
-    def run(self, kind: str, ops: list[dict[str, Any]], blobs: dict[tuple[str, str], bytes | None],
-            new_manifest: dict[str, Any]) -> None:
-        """ops: {relpath, from, from_kind, to, to_kind}; blobs: (kind, sha) -> bytes for every from/to."""
-        faults = _FaultInjection()
-        for (bkind, sha), data in blobs.items():
-            assert self.store.store_blob(bkind, data) == sha
-        faults.step("blobs")
-        txid = secrets.token_hex(8)
-        new_manifest = dict(new_manifest, txid=txid)
-        journal = {"format": MANIFEST_FORMAT, "txid": txid, "kind": kind, "created": _now(),
-                   "files": ops, "manifest": new_manifest}
-        self.store.write_json(self.store.journal_path, journal)
-        faults.step("journal")
-        try:
-            for op in ops:
-                path = self.paths.resolve(op["relpath"])
-                current = _file_version(path)
-                if current != op["from"]:
-                    raise PatchError(f"{op['relpath']}: changed on disk during the operation; rolled back")
-                _atomic_write(path, blobs[(op["to_kind"], op["to"])], _mode(path))
-                faults.step("file")
-            self.store.write_json(self.store.manifest_path, new_manifest)  # the commit record
-        except BaseException as e:
-            self.recover()  # manifest not committed -> rolls back
-            if isinstance(e, (PatchError, KeyboardInterrupt, SystemExit)):
-                raise
-            if isinstance(e, OSError):
-                raise PatchError(f"{kind} failed and was rolled back: {e.strerror or e}") from e
-            raise
-        faults.step("manifest")
-        self._finish(new_manifest)
-        faults.step("done")
-
-    def _finish(self, manifest: dict[str, Any]) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.store.journal_path)
-        _fsync_dir(self.store.state)
-        self.store.gc(manifest)
-
-    def recover(self) -> str | None:
-        """Finish (manifest committed) or roll back (not committed) an interrupted transaction.
-
-        Returns a one-line description of what was done, or None when there was nothing to do."""
-        store = self.store
-        store.clean_tmp(store.state)
-        journal = store.load_json(store.journal_path)
-        if journal is None:
-            if (store.state / "originals").is_dir() or (store.state / "patched").is_dir():
-                store.gc(store.load_manifest())  # blobs of a transaction killed before its journal
-            return None
-        manifest = store.load_manifest()
-        forward = manifest.get("txid") == journal["txid"]
-        restored, warnings = [], []
-        for op in journal["files"]:
-            path = self.paths.resolve(op["relpath"])
-            store.clean_tmp(path.parent, path.name)
-            want, other = ("to", "from") if forward else ("from", "to")
-            current = _file_version(path)
-            if current == op[want]:
-                continue
-            if current == op[other]:
-                data = store.read_blob(op[f"{want}_kind"], op[want])
-                _atomic_write(path, data, _mode(path))
-                restored.append(op["relpath"])
-            else:
-                warnings.append(f"{op['relpath']} matches neither version; left alone")
-        self._finish(manifest)
-        verb = "completed" if forward else "rolled back"
-        msg = f"interrupted {journal['kind']} {verb}: {len(restored)} file(s) rewritten"
-        if warnings:
-            msg += "; " + "; ".join(warnings)
-        return msg
-
-
-class PatchManager:
+class PatchManager(PatchReader):
     """Apply, revert and inspect named patches of one engine root, each operation one transaction
     under the state directory's lock, after recovering any interrupted one."""
 
-    def __init__(self, engine_root: Path, *, state_dir_name: str = ".surgeon", lock_timeout: float = 5.0):
+    def __init__(self, engine_root: Path, *, state_dir_name: str = ".surgeon", lock_timeout: float = 5.0,
+                 scan_dirs: list[str] | None = None):
         self.root = Path(engine_root)
         if not self.root.is_dir():
             raise PatchError(f"{engine_root}: engine root is not a directory")
@@ -451,24 +100,15 @@ class PatchManager:
         self.lock_timeout = lock_timeout
         self.paths = EngineRootPaths(self.root, self.root_resolved, state_dir_name)
         self.store = StateStore(self.state, self.root, lock_timeout)
-        self.journal = TransactionJournal(self.store, self.paths)
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.store.manifest_path
-
-    @property
-    def journal_path(self) -> Path:
-        return self.store.journal_path
+        self.journal = TransactionJournal(self.store, self.paths, self._marked_blobs)
+        # where status looks for patch markers (besides the directories of recorded files)
+        self.scan_dirs = default_scan_dirs(self.root_resolved) if scan_dirs is None else list(scan_dirs)
 
     def _recover_locked(self) -> str | None:
-        return self.journal.recover()
-
-    def _file_state(self, f: dict[str, Any]) -> str:
-        current = _file_sha(self.paths.resolve(f["relpath"]))
-        if current is None:
-            return "missing"
-        return "applied" if current == f["sha256_after"] else "drifted"
+        try:
+            return self.journal.recover()
+        except OSError as e:
+            raise PatchError(f"recovering an interrupted transaction failed: {os_error(e)}") from None
 
     def _drifted(self, patch: dict[str, Any]) -> list[str]:
         """``relpath (state)`` of every file of ``patch`` that is not as the patch wrote it."""
@@ -476,13 +116,18 @@ class PatchManager:
 
     # ------------------------------------------------------------------ apply
     def apply(self, name: str, changes: list[FileChange], *, spec_name: str, spec_sha256: str, engine: str,
-              engine_version: str, replace: bool = False) -> ApplyResult:
+              engine_version: str, replace: bool = False, manifest_id: str | None = None) -> ApplyResult:
+        """Apply ``changes`` as patch ``name`` (one transaction). ``manifest_id``: the id the
+        changes' markers carry (:meth:`manifest_id` at plan time); refused if the root's differs."""
         self._check_changes(name, changes)
         with self.store.locked():
             recovered = self._recover_locked()
-            patches = self.store.load_manifest()["patches"]
+            manifest = self.store.load_manifest()
+            mid = self._check_manifest_id(manifest, manifest_id)
+            patches = manifest["patches"]
             owner = {f["relpath"]: p["name"] for p in patches.values() for f in p["files"]}
             originals = self._pristine_originals(changes, patches, owner)
+            self.refuse_foreign_markers(changes, owner, originals)
             target = {c.relpath: c.new_text_bytes for c in changes if c.new_text_bytes != originals[c.relpath]}
             if not target:
                 raise PatchError(f"{name}: the changes leave every file as it is")
@@ -493,9 +138,9 @@ class PatchManager:
                 return ApplyResult(name, False, [], [], recovered)
             to_revert = self._patches_to_replace(name, patches, owner, target, replace)
             op_list, blobs, files = self._apply_ops(patches, to_revert, originals, target, target_sha)
-            new: dict[str, Any] = {"format": MANIFEST_FORMAT, "txid": None,
-                   "patches": {k: v for k, v in patches.items() if k not in to_revert}}
-            new["patches"][name] = {**record, "created": _now(), "files": files}
+            new: dict[str, Any] = {"format": MANIFEST_FORMAT, "txid": None, "id": mid,
+                                   "patches": {k: v for k, v in patches.items() if k not in to_revert}}
+            new["patches"][name] = {**record, "created": now(), "files": files}
             self.journal.run("apply", op_list, blobs, new)
             return ApplyResult(name, True, [op["relpath"] for op in op_list], [p for p in to_revert if p != name],
                                recovered)
@@ -515,6 +160,30 @@ class PatchManager:
             if c.relpath in seen:
                 raise PatchError(f"{c.relpath}: changed twice in patch {name}")
             seen.add(c.relpath)
+
+    def _check_manifest_id(self, manifest: dict[str, Any], manifest_id: str | None) -> str:
+        """The id the new manifest carries: the root's (refused when the plan's differs), else the plan's."""
+        mid = manifest.get("id")
+        if mid and manifest_id and mid != manifest_id:
+            raise PatchError(f"{self.manifest_path}: its id changed since the patch was planned "
+                             f"({manifest_id} -> {mid}); plan it again")
+        return str(mid or manifest_id or self.manifest_id())
+
+    def refuse_foreign_markers(self, changes: list[FileChange], owner: dict[str, str],
+                                originals: dict[str, bytes | None]) -> None:
+        """A file no recorded patch owns but which carries a patch marker is still patched (the
+        manifest was lost, a forced revert kept it, another root's state patched it): refused,
+        never stacked on."""
+        for c in changes:
+            data = originals[c.relpath]
+            if c.relpath in owner or data is None:
+                continue
+            found = find_markers(data)
+            if found:
+                mk = found[0]
+                raise PatchError(f"{c.relpath}: already carries surgeon patch {mk.name} (manifest {mk.manifest_id}) "
+                                 f"that {self.manifest_path} does not record; refusing to patch it again: "
+                                 f"`surgeon doctor` says how to restore it")
 
     def _pristine_originals(self, changes: list[FileChange], patches: dict[str, Any],
                             owner: dict[str, str]) -> dict[str, bytes | None]:
@@ -584,7 +253,7 @@ class PatchManager:
 
     def _revert_op(self, f: dict[str, Any], blobs: dict[tuple[str, str], bytes | None]) -> dict[str, Any]:
         """The journal op taking file record ``f`` from patched back to original; its blobs go to ``blobs``."""
-        blobs[("patched", f["sha256_after"])] = self.store.read_blob("patched", f["sha256_after"])
+        blobs[("patched", f["sha256_after"])] = self._patched_bytes(f)
         blobs[("originals", f["sha256_before"])] = self.store.read_blob("originals", f["sha256_before"])
         return {"relpath": f["relpath"], "from": f["sha256_after"], "from_kind": "patched",
                 "to": f["sha256_before"], "to_kind": "originals"}
@@ -620,11 +289,12 @@ class PatchManager:
         ``force`` a file still equal to its original or patched version is handled normally and any
         other file is left alone, dropped from the manifest, and reported in ``warnings``.
         """
-        if not self.state.is_dir():
-            raise PatchError(f"{self.root}: no surgeon patches applied here")
+        if not self.store.exists():
+            raise PatchError(self._nothing_recorded())
         with self.store.locked():
             recovered = self._recover_locked()
-            patches = self.store.load_manifest()["patches"]
+            manifest = self.store.load_manifest()
+            patches = manifest["patches"]
             names = self._patches_to_revert(patches, name, all)
             result = RevertResult(recovered=recovered)
             ops: list[dict[str, Any]] = []
@@ -635,7 +305,7 @@ class PatchManager:
             if drifted and not force:
                 raise PatchError(f"drift in {', '.join(names)}: {', '.join(drifted)}; "
                                  f"engine upgraded or edited by hand; `surgeon revert --force` leaves them alone and drops them")
-            new = {"format": MANIFEST_FORMAT, "txid": None,
+            new = {"format": MANIFEST_FORMAT, "txid": None, "id": manifest.get("id") or self.manifest_id(),
                    "patches": {k: v for k, v in patches.items() if k not in names}}
             self.journal.run("revert", ops, blobs, new)
             result.reverted = names
@@ -652,7 +322,7 @@ class PatchManager:
         if len(patches) == 1:
             return list(patches)
         if not patches:
-            raise PatchError(f"{self.root}: no surgeon patches applied here")
+            raise PatchError(self._nothing_recorded())
         raise PatchError(f"several patches applied ({', '.join(sorted(patches))}); name one or pass --all")
 
     def _revert_patch_files(self, pname: str, files: list[dict[str, Any]], force: bool, ops: list[dict[str, Any]],
@@ -661,10 +331,10 @@ class PatchManager:
         ``force``, the warnings for files left alone) instead of refusing here."""
         # a file left alone (drifted, with force) may still import what the patch created:
         # then the created files stay too, or the engine would no longer import
-        kept = force and any(_file_version(self.paths.resolve(f["relpath"])) not in (f["sha256_after"], f["sha256_before"])
+        kept = force and any(self.paths.version(f["relpath"]) not in (f["sha256_after"], f["sha256_before"])
                              for f in files if f["sha256_before"] != ABSENT)
         for f in files:
-            current = _file_version(self.paths.resolve(f["relpath"]))
+            current = self.paths.version(f["relpath"])
             if kept and f["sha256_before"] == ABSENT and current != ABSENT:
                 result.warnings.append(f"{f['relpath']}: created by {pname}, kept because a drifted file "
                                        f"left alone may import it; delete it once nothing does")
@@ -686,77 +356,7 @@ class PatchManager:
 
         Returns a one-line description of what was done, or None when there was nothing to do.
         """
-        if not self.state.is_dir():
+        if not self.store.exists():
             return None
         with self.store.locked():
             return self._recover_locked()
-
-    def status(self) -> list[PatchStatus]:
-        if not self.state.is_dir():
-            return []
-        with self.store.locked():
-            self._recover_locked()
-            out = []
-            for p in sorted(self.store.load_manifest()["patches"].values(), key=lambda p: p["name"]):
-                out.append(PatchStatus(
-                    p["name"], p["spec"]["name"], p["spec"]["sha256"], p["engine"]["name"], p["engine"]["version"],
-                    p["created"],
-                    [FileStatus(f["relpath"], self._file_state(f), f["sha256_before"], f["sha256_after"])
-                     for f in p["files"]],
-                ))
-            return out
-
-    def owners(self) -> dict[str, str]:
-        """relpath -> name of the patch that owns it, read without recovering or writing anything."""
-        if not self.manifest_path.exists():
-            return {}
-        with self.store.locked():
-            return {f["relpath"]: p["name"] for p in self.store.load_manifest()["patches"].values() for f in p["files"]}
-
-    def original_bytes(self, relpath: str, *, recover: bool = True) -> bytes:
-        """The pristine bytes of ``relpath`` (from the stored original if a patch changed it).
-
-        This is what a rewriter must start from, e.g. before ``apply(..., replace=True)``. With
-        ``recover=False`` nothing is written: an interrupted transaction is refused instead of
-        finished or rolled back (for dry runs).
-        """
-        self.paths.resolve(relpath)
-        if self.state.is_dir():
-            with self.store.locked():
-                if not recover and self.journal_path.exists():
-                    raise PatchError(f"{self.root}: an interrupted transaction is pending; "
-                                     f"`surgeon status` finishes or rolls it back")
-                if recover:
-                    self._recover_locked()
-                for p in self.store.load_manifest()["patches"].values():
-                    for f in p["files"]:
-                        if f["relpath"] == relpath:
-                            if f["sha256_before"] == ABSENT:
-                                raise PatchError(f"{relpath}: created by patch {p['name']}; it has no original")
-                            blob = self.store.read_blob("originals", f["sha256_before"])
-                            assert blob is not None  # read_blob returns None only for ABSENT, excluded above
-                            return blob
-        return self.paths.existing_file(relpath).read_bytes()
-
-    def diff(self, name: str) -> str:
-        """Unified diff original -> patched for every file of patch ``name`` (from stored blobs)."""
-        if not self.state.is_dir():
-            raise PatchError(f"{name}: no such patch applied under {self.root}")
-        with self.store.locked():
-            self._recover_locked()
-            patches = self.store.load_manifest()["patches"]
-            if name not in patches:
-                raise PatchError(f"{name}: no such patch applied under {self.root}")
-            chunks: list[str] = []
-            for f in patches[name]["files"]:
-                before = self.store.read_blob("originals", f["sha256_before"])
-                after = self.store.read_blob("patched", f["sha256_after"]) or b""
-                a = (before or b"").decode("utf-8", "replace")
-                b = after.decode("utf-8", "replace")
-                chunks.extend(difflib.unified_diff(a.splitlines(keepends=True), b.splitlines(keepends=True),
-                                                   fromfile="/dev/null" if before is None else f"a/{f['relpath']}",
-                                                   tofile=f"b/{f['relpath']}"))
-            out = []
-            for line in chunks:  # keep the diff parseable when a file lacks a final newline
-                out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
-            return "".join(out)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from surgeon.engines.anatomy import COUNTER
+from surgeon.patch.markers import Marker
 from surgeon.patch.planner import AUX_NAME, CapturePlanner, Checker, check, hooks_expr
 from surgeon.patch.recipes import (
     GENERIC,
@@ -143,8 +144,12 @@ def _strip_trailing_blank(text: bytes) -> bytes:
 
 def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positions: set[int],
             capture_final: bool, hooks_module: str = "_surgeon_hooks",
-            recipe: Recipe | None = None, guard_bypass: bool = False, aux_return: bool = False) -> RewriteResult:
+            recipe: Recipe | None = None, guard_bypass: bool = False, aux_return: bool = False,
+            marker: Marker | None = None) -> RewriteResult:
     """Insert capture-hook calls into the decoder model's forward; see the module docstring.
+
+    ``marker``: the patch's :class:`surgeon.patch.markers.Marker`, put as a comment (a libcst
+    ``Comment`` node) above the hooks import, so the patched file says which patch it carries.
 
     ``guard_bypass``: where the method runs decoder layers outside the capture loop (SGLang's
     two-batch overlap), insert ``bypass_guard(self, first, last, "file:line")`` before that
@@ -171,12 +176,12 @@ def rewrite(source_bytes: bytes, *, relpath: str, class_name: str | None, positi
         module, text = reduced
         new = _rewrite(module, text, source_bytes, relpath=relpath, class_name=class_name, positions=positions,
                        capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
-                       guard_bypass=guard_bypass, aux_return=aux_return)
+                       guard_bypass=guard_bypass, aux_return=aux_return, marker=marker)
         if new is not None:
             return new
     return _rewrite(parse(source_bytes, relpath), source_bytes, source_bytes, relpath=relpath, class_name=class_name,
                     positions=positions, capture_final=capture_final, hooks_module=hooks_module, recipe=recipe,
-                    guard_bypass=guard_bypass, aux_return=aux_return)  # type: ignore[return-value]  # unreduced: never None
+                    guard_bypass=guard_bypass, aux_return=aux_return, marker=marker)  # type: ignore[return-value]  # unreduced: never None
 
 
 def _last_import(module: cst.Module) -> cst.SimpleStatementLine | None:
@@ -245,7 +250,7 @@ def _regenerate(module: cst.Module, cls: cst.ClassDef, new_cls: cst.ClassDef, la
 
 def _rewrite(module: cst.Module, parsed: bytes, source_bytes: bytes, *, relpath: str, class_name: str | None,
              positions: set[int], capture_final: bool, hooks_module: str, recipe: Recipe,
-             guard_bypass: bool, aux_return: bool = False) -> RewriteResult | None:
+             guard_bypass: bool, aux_return: bool = False, marker: Marker | None = None) -> RewriteResult | None:
     """The rewrite of ``source_bytes`` from ``module``, the parse of ``parsed`` (the same lines,
     some emptied, or the same bytes). None when ``parsed`` is reduced and the splice is not exact."""
     planner = CapturePlanner(module, relpath, class_name, recipe, parsed)
@@ -254,7 +259,8 @@ def _rewrite(module: cst.Module, parsed: bytes, source_bytes: bytes, *, relpath:
     anatomy = planner.candidates()[0]
     cls, fn = anatomy.cls, anatomy.fn
     last_import = _last_import(module)
-    import_stmt = cst.SimpleStatementLine([cst.Import(names=[cst.ImportAlias(name=hooks_expr(hooks_module))])])  # type: ignore[arg-type]  # a Name/Attribute chain
+    import_stmt = cst.SimpleStatementLine([cst.Import(names=[cst.ImportAlias(name=hooks_expr(hooks_module))])],  # type: ignore[arg-type]  # a Name/Attribute chain
+                                          leading_lines=[cst.EmptyLine(comment=cst.Comment(marker.text()))] if marker else [])
     if last_import is None:
         raise PatchApplicationError(relpath, "module:import", "no top-level import to place the hooks import after")
     planner.idx.index(last_import)

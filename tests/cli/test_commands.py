@@ -204,7 +204,10 @@ def test_patch_lifecycle_as_a_library(tmp_path):
     assert report.to_json()["reverted"][0]["engine_root"] == root
     with pytest.raises(BadInput, match="no surgeon patches applied"):
         commands.revert(engine="vllm", engine_root=root)
-    assert commands.revert(all_=True, engine="vllm", engine_root=root).to_json() == {"reverted": []}
+    # the forced revert left the drifted file patched: it is not "nothing to revert" (issue 13)
+    with pytest.raises(BadInput, match="patched but unrecorded"):
+        commands.revert(all_=True, engine="vllm", engine_root=root)
+    assert [u.relpath for _, u in commands.status(engine="vllm", engine_root=root).unrecorded] == [first.plan.model_file]
 
 
 def test_choose_reverts_refuses_to_guess_between_several_patches():
@@ -214,8 +217,8 @@ def test_choose_reverts_refuses_to_guess_between_several_patches():
         def __init__(self, names):
             self.names = names
 
-        def status(self):
-            return [type("P", (), {"name": n})() for n in self.names]
+        def inspect(self):
+            return type("I", (), {"patches": [type("P", (), {"name": n})() for n in self.names], "unrecorded": []})()
 
     one, two = Manager(["a"]), Manager(["b", "c"])
     with pytest.raises(BadInput, match="several patches applied .*sglang: a; vllm: b, c"):

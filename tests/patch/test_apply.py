@@ -120,7 +120,8 @@ def test_drift_is_reported_and_left_alone_unless_forced(vroot: Path):
     assert (vroot / LLAMA).read_bytes() == edited  # the hand edit is kept
     assert (vroot / HOOKS).is_file()  # and the module it still imports, or the engine would not import
     assert "left alone" in r.stderr and "kept because a drifted file" in r.stderr
-    assert "no surgeon patches applied" in cli("status", "--engine", "vllm", "--engine-root", vroot).stdout
+    st = cli("status", "--engine", "vllm", "--engine-root", vroot, code=3)  # still patched: never reported clean
+    assert "no surgeon patches recorded" in st.stdout and f"patched but unrecorded: vllm {LLAMA}" in st.stderr
     (vroot / LLAMA).write_bytes(original)
     r = cli("apply", LLAMA_SPEC, "--engine", "vllm", "--engine-root", vroot, code=2)
     assert "a forced revert kept" in r.stderr
