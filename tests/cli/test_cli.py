@@ -229,10 +229,11 @@ def test_conventions_json(engine):
     assert r["engine"] == engine and r["classified"] > 0
     defining = r["coverage"]["defining classes"]
     # the acceptance figures are asserted in tests/test_probes.py; here: the report carries them
-    assert defining["classified"] + defining["no_capture"] + defining["unclassified"] == defining["total"] > 25
+    decided = defining["classified"] + defining["no_capture"] + defining["delegates"]
+    assert decided + defining["unclassified"] == defining["total"] > 25
     # the classic models directory; vLLM's per-platform tree (models/) is reported as its own group
     classic = r["coverage"].get("defining classes in model_executor/models/", defining)
-    assert (classic["classified"] + classic["no_capture"]) / classic["total"] >= 0.85
+    assert (classic["classified"] + classic["no_capture"] + classic["delegates"]) / classic["total"] >= 0.95
     assert r["platform"] == ("cuda" if engine == "vllm" else "all")
 
 
