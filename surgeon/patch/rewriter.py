@@ -53,7 +53,6 @@ from surgeon.engines.anatomy import COUNTER
 from surgeon.patch.planner import AUX_NAME, CapturePlanner, Checker, check, hooks_expr
 from surgeon.patch.recipes import (
     GENERIC,
-    PATCHES_DIR,
     PatchApplicationError,
     Recipe,
     class_spans,
@@ -68,7 +67,6 @@ __all__ = [
     "AUX_NAME",
     "COUNTER",
     "GENERIC",
-    "PATCHES_DIR",
     "Checker",
     "PatchApplicationError",
     "Recipe",
