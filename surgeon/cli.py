@@ -88,12 +88,16 @@ def schema() -> Any:
               help="Check this engine (repeatable; default: the spec's engines section, else all).")
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe (with a single --engine).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, as_json: bool) -> Any:
+@click.option("--skip-non-specs", is_flag=True,
+              help="Leave out files without a top-level `spec:` key (other YAML; the pre-commit hooks pass every YAML file).")
+def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, as_json: bool,
+         skip_non_specs: bool) -> Any:
     """Validate specs, and check each engine can feed the draft exactly what they declare.
 
     Exit 0 when every spec is clean (warnings allowed), 2 when any has an error.
     """
-    report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, progress=RichProgress())
+    report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, progress=RichProgress(),
+                           skip_non_specs=skip_non_specs)
     return _show(report, as_json, show.print_lint)
 
 

@@ -37,9 +37,14 @@ def schema() -> SchemaResult:
 
 
 def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,
-         progress: Progress = QUIET) -> LintReport:
-    """Validate ``specs`` and check each engine can feed the draft what they declare."""
+         progress: Progress = QUIET, skip_non_specs: bool = False) -> LintReport:
+    """Validate ``specs`` and check each engine can feed the draft what they declare;
+    ``skip_non_specs``: leave out files without a top-level ``spec:`` key (other YAML)."""
+    from surgeon.core.spec import is_spec_file
     from surgeon.wiring.lint import lint_files
+
+    if skip_non_specs:
+        specs = [s for s in specs if is_spec_file(s)]
 
     if engine_root and len(engines) != 1:
         raise BadInput("--engine-root needs exactly one --engine")
