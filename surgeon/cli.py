@@ -124,15 +124,17 @@ def schema(output: str) -> Any:
 @click.option("--strict", is_flag=True, help="An unverified engine answer (resting on code not read) is an error.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @PLATFORM_OPTION
+@click.option("--skip-non-specs", is_flag=True,
+              help="Leave out files without a top-level `spec:` key (other YAML; the pre-commit hooks pass every YAML file).")
 def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, strict: bool, as_json: bool,
-         platform: str) -> Any:
+         platform: str, skip_non_specs: bool) -> Any:
     """Validate specs, and check each engine can feed the draft exactly what they declare.
 
     Exit 0 when every spec is clean (warnings allowed), 2 when any has an error; with --strict an
     unverified engine answer is an error too (exit 2).
     """
     report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, strict=strict, platform=platform,
-                           progress=RichProgress())
+                           progress=RichProgress(), skip_non_specs=skip_non_specs)
     return _show(report, as_json, show.print_lint)
 
 

@@ -44,10 +44,16 @@ def schema(*, output: str = "spec") -> SchemaResult:
 
 @platform_command
 def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,
-         strict: bool = False, platform: str | None = None, progress: Progress = QUIET) -> LintReport:
+         strict: bool = False, platform: str | None = None, progress: Progress = QUIET,
+         skip_non_specs: bool = False) -> LintReport:
     """Validate ``specs`` and check each engine can feed the draft what they declare. ``strict``:
-    an unverified engine answer is an error (exit 2)."""
+    an unverified engine answer is an error (exit 2); ``skip_non_specs``: leave out files without a
+    top-level ``spec:`` key (other YAML)."""
+    from surgeon.core.spec import is_spec_file
     from surgeon.wiring.lint import lint_files
+
+    if skip_non_specs:
+        specs = [s for s in specs if is_spec_file(s)]
 
     if engine_root and len(engines) != 1:
         raise BadInput("--engine-root needs exactly one --engine")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, FirstIdEquals, IdRule, MaxIdEquals
+from surgeon.core.idrules import Branch, Bypass, ClassConvention, DefaultTerm, FirstIdEquals, IdRule, MaxIdEquals
 from surgeon.core.points import FINAL_NORM, Point, layer_out
 
 # EAGLE-3's default capture positions, as each tool writes them.
@@ -183,19 +183,34 @@ EAGLE = PointwiseConvention(
 # ---------------------------------------------------------------------------------------------
 # Engine conventions: a class's setter decides what a whole list of ids captures.
 # ---------------------------------------------------------------------------------------------
-def _builtin(engine, path, cls, rule, *, site, through_rule, sorts, reason=None) -> ClassConvention:
+def _builtin(engine, path, cls, rule, *, site, through_rule, sorts, reason=None, bypasses=()) -> ClassConvention:
     return ClassConvention(
         engine=engine, path=path, class_name=cls, line=0, status="classified", reason=reason,
         setter="set_eagle3_layers_to_capture" if engine == "sglang" else "set_aux_hidden_state_layers",
         setter_owner=f"{path}:{cls}", id_rule=rule, default=_DEFAULT_3,
         default_through_rule=through_rule, sorts=sorts, dedups=True, emit_order="layer",
-        capture_site=site, captured_value="residual_stream",
+        capture_site=site, captured_value="residual_stream", bypasses=bypasses,
     )
 
 
 PLUS_ONE = IdRule((Branch(1),))
 IDENTITY = IdRule((Branch(0),))
 FIRST_IS_ONE = IdRule((Branch(1, FirstIdEquals(1)), Branch(0)))
+
+# SGLang 0.5.23 deepseek_v2.py's two-batch-overlap path, as its probe reports it (every warning the
+# probe gives comes from the table too; tests/engines/test_builtin_tables.py compares them)
+_DEEPSEEK_TBO = Bypass(
+    line=3203, path="srt/models/deepseek_v2.py",
+    description="model_forward_stages(layers=self.layers[normal_end_layer : self.end_layer], ...) in "
+                "srt/models/deepseek_v2.py:DeepseekV2Model.forward runs decoder layers outside the capture loop, "
+                "without the self.layers_to_capture test: captures requested for those layers silently do not happen",
+    layers="layers normal_end_layer <= i < self.end_layer when normal_end_layer != self.end_layer; "
+           "normal_end_layer = self.end_layer initially; = self.first_k_dense_replace (= config.first_k_dense_replace) "
+           "if forward_batch.can_run_tbo and self.first_k_dense_replace > normal_start_layer and "
+           "self.first_k_dense_replace < normal_end_layer; = 0 if forward_batch.can_run_tbo and not "
+           "(self.first_k_dense_replace > normal_start_layer and self.first_k_dense_replace < normal_end_layer) "
+           "and self.first_k_dense_replace < normal_start_layer",
+)
 
 #: What REFERENCE.md read in the named versions; used only when no engine is installed.
 BUILTIN: dict[tuple[str, str], ClassConvention] = {
@@ -204,7 +219,7 @@ BUILTIN: dict[tuple[str, str], ClassConvention] = {
                               reason="built-in table read from sglang 0.5.23 llama.py"),
     ("sglang", "DeepseekV2ForCausalLM"): _builtin(
         "sglang", "srt/models/deepseek_v2.py", "DeepseekV2ForCausalLM", FIRST_IS_ONE,
-        site="entry", through_rule=False, sorts=False,
+        site="entry", through_rule=False, sorts=False, bypasses=(_DEEPSEEK_TBO,),
         reason="built-in table read from sglang 0.5.23 deepseek_v2.py (sgl-project/sglang#25454)"),
     ("vllm", "*"): _builtin("vllm", "model_executor/models/interfaces.py", "EagleModelMixin", IDENTITY,
                             site="exit", through_rule=True, sorts=True,

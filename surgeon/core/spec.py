@@ -402,6 +402,21 @@ def read_regular_file(path: Path, limit: int) -> bytes:
     return data
 
 
+_SPEC_KEY = re.compile(rb"^spec[ \t]*:", re.M)
+
+
+def is_spec_file(path: str | Path) -> bool:
+    """Whether ``path`` is meant as a surgeon spec: a top-level ``spec:`` key (the version every
+    spec starts with), looked for in the text, so that a spec too broken to parse still counts.
+    A file that cannot be read counts too (linting it reports why). Used to pick the specs among
+    a repository's YAML files (the pre-commit hooks)."""
+    try:
+        raw = read_regular_file(Path(path), MAX_SPEC_BYTES)
+    except (OSError, ValueError):
+        return True
+    return _SPEC_KEY.search(raw) is not None
+
+
 def load_spec(path: str | Path, *, text: str | None = None) -> Spec:
     """Load and validate a spec. Raises SpecError (bad input) with located issues."""
     file = str(path)

@@ -184,7 +184,7 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
     """Everything an apply would write, computed from the pristine engine files; writes nothing."""
     from surgeon.capture.graphsafe import check_source
     from surgeon.capture.hooks import generate_hooks_module
-    from surgeon.patch.rewriter import PATCHES_DIR, find_recipe, load_recipes, rewrite
+    from surgeon.patch.rewriter import find_recipe, load_recipes, rewrite
 
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
@@ -215,7 +215,7 @@ def plan_patch(spec: Spec | str | Path, *, engine: str, engine_root: str | Path 
                        f"choose another --name")
     hooks_module = _import_name(location.layout.package, hooks_file)
     try:
-        recipes = load_recipes(recipes_dir or PATCHES_DIR)
+        recipes = load_recipes(recipes_dir)
     except (OSError, ValueError) as e:
         raise BadInput(f"recipes: {e}") from None
     recipe = find_recipe(recipes, engine=engine, relpath=relpath, class_name=cls)

@@ -1,8 +1,8 @@
 """Recipes and the source reducer the rewriter and patch coverage share.
 
-Recipes (``patches/*.yaml``) are data: per engine and model file/class they override what the
-generic recogniser (:data:`GENERIC`) would pick. The reducer (:func:`reduce_to_spans`,
-:func:`parse_reduced`, :func:`class_spans`) empties every line libcst need not parse (the
+Recipes (``patches/*.yaml``, shipped in the wheel: :mod:`surgeon.core.data`) are data: per engine
+and model file/class they override what the generic recogniser (:data:`GENERIC`) would pick. The
+reducer (:func:`reduce_to_spans`, :func:`parse_reduced`, :func:`class_spans`) empties every line libcst need not parse (the
 top-level imports and the classes concerned are kept, line numbers unchanged), so that
 ``surgeon apply`` and ``surgeon coverage`` read the same module quickly. Both live here, below the
 rewriter, the planner and coverage, so that none of those imports another sideways.
@@ -16,6 +16,7 @@ import io
 import re
 import tokenize
 from collections.abc import Sequence
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Literal
 
@@ -23,12 +24,12 @@ import libcst as cst
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from surgeon.core.errors import BadInput
+from surgeon.core.data import data_dir
+from surgeon.core.errors import BadInput, InternalError
 from surgeon.engines.anatomy import ast_span, loops_over_ast
 
 __all__ = [
     "GENERIC",
-    "PATCHES_DIR",
     "PatchApplicationError",
     "Recipe",
     "class_spans",
@@ -40,7 +41,6 @@ __all__ = [
     "safe_expression",
 ]
 
-PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 class PatchApplicationError(BadInput):
@@ -159,10 +159,17 @@ class Recipe(BaseModel):
 GENERIC = Recipe(name="generic")
 
 
-def load_recipes(directory: Path | str = PATCHES_DIR) -> list[Recipe]:
-    """Every ``*.yaml`` recipe in ``directory`` (each file: one mapping or a list of mappings)."""
+def load_recipes(directory: Path | str | Traversable | None = None) -> list[Recipe]:
+    """Every ``*.yaml`` recipe in ``directory`` (each file: one mapping or a list of mappings);
+    None: the recipes surgeon ships (:func:`surgeon.core.data.data_dir`). No recipe at all is an
+    error naming the folder: ValueError for a folder the caller chose, InternalError for the
+    shipped one (an install without its recipes would patch fewer classes, silently)."""
+    folder = data_dir("patches") if directory is None else directory
+    if isinstance(folder, str):
+        folder = Path(folder)
     recipes: list[Recipe] = []
-    for path in sorted(Path(directory).glob("*.yaml")):
+    found = sorted((f for f in folder.iterdir() if f.name.endswith(".yaml") and f.is_file()), key=lambda f: f.name)
+    for path in found:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
         items = data if isinstance(data, list) else [data]
         for i, item in enumerate(items):
@@ -172,6 +179,10 @@ def load_recipes(directory: Path | str = PATCHES_DIR) -> list[Recipe]:
                 recipes.append(Recipe.model_validate(item))
             except ValidationError as exc:
                 raise ValueError(f"{path}: recipe {i}: {exc}") from exc
+    if not recipes:
+        if directory is None:
+            raise InternalError(f"no patch recipes (*.yaml) in {folder}: the install is incomplete; reinstall surgeon")
+        raise ValueError(f"no patch recipes (*.yaml) in {folder}")
     return recipes
 
 

@@ -54,7 +54,6 @@ from surgeon.patch.markers import Marker
 from surgeon.patch.planner import AUX_NAME, CapturePlanner, Checker, check, hooks_expr
 from surgeon.patch.recipes import (
     GENERIC,
-    PATCHES_DIR,
     PatchApplicationError,
     Recipe,
     class_spans,
@@ -69,7 +68,6 @@ __all__ = [
     "AUX_NAME",
     "COUNTER",
     "GENERIC",
-    "PATCHES_DIR",
     "Checker",
     "PatchApplicationError",
     "Recipe",

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from surgeon.core.data import data_file
 from surgeon.core.errors import BadInput
 
 if TYPE_CHECKING:  # harness imports torch; the demo imports it only when it runs the check
     from surgeon.verify.harness import HarnessResult
 
-DEMO_SPEC = Path(__file__).resolve().parents[2] / "specs" / "demo-tiny-llama-eagle3.yaml"
+DEMO_SPEC_NAME = "demo-tiny-llama-eagle3.yaml"  # in specs/, shipped in the wheel (surgeon.core.data)
 PROMPT = [1, 41, 293, 90, 28, 114, 105, 75, 272, 178, 39, 287, 15, 56, 302, 45, 136, 34, 29, 103, 76,
           264, 100, 256, 165, 235, 2]  # 27 tokens, inside the tiny models' vocabulary (320)
 _FAMILY = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
@@ -80,7 +81,7 @@ def _wrong_spec_text(text: str) -> str:
     before = "  low: layer_out[1]\n  mid: layer_out[3]\n  high: layer_out[5]\n"
     after = "  low: embed\n  mid: layer_out[1]\n  high: layer_out[3]\n"
     if before not in text:
-        raise BadInput(f"{DEMO_SPEC}: the demo spec's captures changed; update surgeon/demo.py with them")
+        raise BadInput(f"{DEMO_SPEC_NAME}: the demo spec's captures changed; update surgeon/demo.py with them")
     return (text.replace(before, after).replace("name: demo-tiny-llama-eagle3", "name: demo-tiny-llama-eagle3-miswired")
             .replace("dumps: {layout: specforge, ", "dumps: {").split("engines:")[0])
 
@@ -106,7 +107,7 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     t: dict[str, float] = {}
 
     spec_path = work / "spec.yaml"
-    spec_text = DEMO_SPEC.read_text(encoding="utf-8")
+    spec_text = data_file("specs", DEMO_SPEC_NAME).read_text(encoding="utf-8")
     spec_path.write_text(spec_text, encoding="utf-8")
     spec = load_spec(spec_path)
     wrong_path = work / "spec-miswired.yaml"
@@ -114,7 +115,7 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     load_spec(wrong_path)
     family = _FAMILY.get(spec.model.target.architecture)
     if family is None:
-        raise BadInput(f"{DEMO_SPEC}: the demo makes {', '.join(_FAMILY)} models, not {spec.model.target.architecture}")
+        raise BadInput(f"{DEMO_SPEC_NAME}: the demo makes {', '.join(_FAMILY)} models, not {spec.model.target.architecture}")
 
     step(f"making a tiny random {family} ({spec.num_layers} layers, hidden {spec.hidden_size})")
     t0 = time.perf_counter()

@@ -10,7 +10,11 @@ or, with no body of its own:
     def test_kimi_wiring(surgeon_verify):
         surgeon_verify()
 
-A failure names every wrong slot with its true point and the corrected ids.
+Relative paths resolve against pytest's rootdir (the folder of the project's ``pyproject.toml`` /
+``pytest.ini``, whichever folder the test file is in), absolute ones are taken as given. A failure is
+one assertion message: every wrong slot with its true point and the corrected ids, or the one
+located line of a bad input (a spec that does not load, a missing dump), never a traceback of
+surgeon's own.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from surgeon.core.errors import SurgeonError
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,27 +50,32 @@ def _format(result) -> str:
     return "\n".join(lines)
 
 
+def _resolver(root: Path):
+    """``resolve(p)``: ``p`` (a path, or ``hf:PATH``) with a relative path taken against ``root``."""
+
+    def resolve(p: str | Path) -> str:
+        text = str(p)
+        prefix, path = ("hf:", text[3:]) if text.startswith("hf:") else ("", text)
+        return prefix + (path if Path(path).is_absolute() else str(root / path))
+
+    return resolve
+
+
 @pytest.fixture
 def surgeon_verify(request: pytest.FixtureRequest):
     """A callable ``verify(spec, subject=..., reference=..., slots=(), input_ids=None)`` that
     returns the harness result when every slot is what the spec declares and fails the test with
     each wrong slot's true point otherwise. Without arguments it takes them from the test's
-    ``surgeon_wiring`` marker. Relative paths resolve against the test file's folder."""
+    ``surgeon_wiring`` marker. Relative paths resolve against pytest's rootdir."""
     from surgeon.core.spec import load_spec
     from surgeon.verify.harness import match
 
-    base = Path(str(request.node.fspath)).parent
+    resolve = _resolver(Path(request.config.rootpath))
     marker = request.node.get_closest_marker("surgeon_wiring")
-
-    def resolve(p: str) -> str:
-        if p.startswith("hf:") and Path(p[3:]).is_absolute():
-            return p
-        if p.startswith("hf:"):
-            return "hf:" + str(base / p[3:])
-        return str(base / p) if not Path(p).is_absolute() else p
 
     def verify(spec: str | None = None, *, subject: str | None = None, reference: str | None = None,
                slots=(), input_ids: str | None = None):
+        __tracebackhide__ = True  # the report shows the test's own line, not the plugin's
         if spec is None:
             if marker is None:
                 raise pytest.UsageError("surgeon_verify() without arguments needs a @pytest.mark.surgeon_wiring marker")
@@ -75,8 +86,14 @@ def surgeon_verify(request: pytest.FixtureRequest):
             input_ids = input_ids or marker.kwargs.get("input_ids")
         if subject is None or reference is None:
             raise pytest.UsageError("surgeon_verify needs subject= and reference=")
-        result = match(resolve(subject), resolve(reference), spec=load_spec(resolve(spec)), slots=slots,
-                       input_ids=input_ids)
+        bad: str | None = None
+        try:
+            result = match(resolve(subject), resolve(reference), spec=load_spec(resolve(spec)), slots=slots,
+                           input_ids=input_ids)
+        except SurgeonError as e:
+            bad = "\n".join(e.report_lines()).removeprefix("surgeon: ")
+        if bad is not None:  # outside the except: no "during handling of the above exception" chain
+            pytest.fail(f"surgeon_verify: {bad}", pytrace=False)
         if not result.ok:
             raise WiringError(_format(result))
         return result

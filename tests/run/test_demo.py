@@ -46,13 +46,15 @@ def test_relabelling_a_self_describing_dump_is_said_in_the_notes(tmp_path: Path)
     import torch
 
     from surgeon.capture.dumps import write_dump
+    from surgeon.core.data import data_file
     from surgeon.core.spec import load_spec
-    from surgeon.run.demo import DEMO_SPEC, _wrong_spec_text
+    from surgeon.run.demo import DEMO_SPEC_NAME, _wrong_spec_text
     from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
     from surgeon.verify.harness import match
     from surgeon.verify.reference import capture_reference, save_reference
 
-    right = load_spec(DEMO_SPEC)
+    demo_spec = data_file("specs", DEMO_SPEC_NAME)
+    right = load_spec(demo_spec)
     model = make_tiny_model("llama", tmp_path / "m", num_layers=8, hidden_size=128, residual_scale=GAP_SCALES["llama"])
     ids = torch.arange(1, 17)
     ref = capture_reference(model, ids)
@@ -61,7 +63,7 @@ def test_relabelling_a_self_describing_dump_is_said_in_the_notes(tmp_path: Path)
                                                     for n in right.dump_slots],
                       input_ids=ids, num_layers=8, spec=right, engine="test", model="tiny")
     wrong = tmp_path / "wrong.yaml"
-    wrong.write_text(_wrong_spec_text(DEMO_SPEC.read_text()))
+    wrong.write_text(_wrong_spec_text(demo_spec.read_text()))
     r = match(dump, str(tmp_path / "ref.safetensors"), spec=load_spec(wrong))
     assert not r.ok
     assert any("replace the subject's own: low: layer_out[1] -> low: embed" in n for n in r.notes), r.notes

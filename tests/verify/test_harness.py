@@ -173,6 +173,41 @@ def test_pytest_plugin_in_one_line(pytester, kimi):
     res.stdout.fnmatch_lines(["*a: declared embed, is layer_out?2? *"])  # [2] would be a character class
 
 
+@pytest.mark.slow
+def test_pytest_plugin_readme_example_from_a_tests_folder(pytester, kimi):
+    """The README's one line, in a project's tests/ folder: relative paths are the rootdir's (where
+    pyproject.toml is), an absolute one is taken as given, and a failure is one message."""
+    _, ref, ref_file = kimi
+    (pytester.path / "specs").mkdir()
+    (pytester.path / "dumps").mkdir()
+    (pytester.path / "tests").mkdir()
+    pytester.makepyprojecttoml("[tool.pytest.ini_options]\n")
+    specforge_dump(pytester.path / "dumps" / "sample0.ckpt", ref, [layer_out(2), layer_out(30), layer_out(58)], FINAL_NORM)
+    (pytester.path / "specs" / "my-draft.fp.safetensors").write_bytes(Path(ref_file).read_bytes())
+    kimi_spec(pytester.path / "specs", ["layer_out[2]", "layer_out[30]", "layer_out[58]", "final_norm"], "my-draft.yaml")
+    kimi_spec(pytester.path / "specs", ["embed", "layer_out[2]", "layer_out[30]", "final_norm"], "wrong.yaml")
+    (pytester.path / "specs" / "broken.yaml").write_text("spec: 1\nname: x\ntarget: {architecture: A, num_layers: 0}\n")
+    wrong = pytester.path / "specs" / "wrong.yaml"  # an absolute path is taken as given
+    (pytester.path / "tests" / "test_wiring.py").write_text(textwrap.dedent(f"""\
+        def test_wiring(surgeon_verify):
+            surgeon_verify("specs/my-draft.yaml", subject="dumps/sample0.ckpt", reference="specs/my-draft.fp.safetensors")
+
+        def test_wrong(surgeon_verify):
+            surgeon_verify("{wrong}", subject="dumps/sample0.ckpt", reference="{ref_file}")
+
+        def test_broken(surgeon_verify):
+            surgeon_verify("specs/broken.yaml", subject="dumps/sample0.ckpt", reference="specs/my-draft.fp.safetensors")
+        """))
+    res = pytester.runpytest("tests")
+    res.assert_outcomes(passed=1, failed=2)
+    out = res.stdout.str()
+    res.stdout.fnmatch_lines(["*WiringError: wiring of *sample0.ckpt differs from the spec:",
+                              "*a: declared embed, is layer_out?2? *"])
+    res.stdout.fnmatch_lines([f"surgeon_verify: {pytester.path / 'specs' / 'broken.yaml'}:1:1: missing required key 'captures'"])
+    assert "SpecError" not in out and "Traceback" not in out and "another exception occurred" not in out
+    assert "pytest_plugin.py" not in out and "surgeon/core/spec.py" not in out  # no frame of surgeon's own
+
+
 # -- surgeon dumps and sweeps -----------------------------------------------------------------------------
 def test_dump_round_trip_info_and_match(tmp_path, kimi):
     from surgeon.capture.dumps import read_dump, write_dump
