@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from surgeon.core.conventions import DUMP_LAYOUTS, EAGLE, HF, EngineConvention, NotExpressible
 from surgeon.core.errors import BadInput
+from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.engines.view import EngineView, model_class_for, open_engine
@@ -218,6 +219,29 @@ class Rendering:
         return data
 
 
+def _engine_answer(spec: Spec, target: str, view: EngineView, cc: ClassConvention, ids: list[int],
+                   notes: list[str]) -> tuple[str | None, list[str]]:
+    """Refuse what the engine cannot serve (a capture site that cannot be evaluated, an index no
+    site reaches, a runner that ignores the ids), add the notes read from that release to
+    ``notes``; returns (why the answer is unverified or None, the evidence lines)."""
+    engine = view.engine
+    positions = [p.position for p in spec.fc_points if p.position is not None]
+    refused = refusal(cc, positions, spec.num_layers)
+    if refused is not None:
+        raise BadInput(f"{spec.file}: cannot render for {target}: {refused}")
+    ignored = runner_refusal(view.probe, cc, ids, spec.num_layers)
+    if ignored:
+        raise BadInput(f"{spec.file}: cannot render for {target}: {ignored}")
+    notes.extend(engine_notes(cc, positions, spec.num_layers))
+    notes.extend(runner_notes(view.probe))
+    for b in cc.bypasses:
+        notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
+    if view.probe is None:
+        notes.append(f"{engine} is not installed here: ids follow the built-in table; "
+                     "install it or pass --engine-root to render against its source")
+    return cc.unverified_for(positions, spec.num_layers), evidence_lines(cc, positions, spec.num_layers)
+
+
 def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None = None) -> Rendering:
     """The draft-config fragment and launch flags that make ``target`` feed the draft's fc with
     the spec's points. BadInput when the spec has no draft or the target cannot express it."""
@@ -243,26 +267,12 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     if ids is None:
         raise BadInput(f"{spec.file}: cannot render for {target}: {lst.error}")
     notes: list[str] = []
-    verified, unverified_reason, evidence = True, None, []
+    unverified_reason: str | None = None
+    evidence: list[str] = []
     if view is not None:
         cc = view.class_convention(cls)
-        positions = [p.position for p in spec.fc_points if p.position is not None]
-        refused = refusal(cc, positions, spec.num_layers)
-        if refused is not None:
-            raise BadInput(f"{spec.file}: cannot render for {target}: {refused}")
-        ignored = runner_refusal(view.probe, cc, ids, spec.num_layers)
-        if ignored:
-            raise BadInput(f"{spec.file}: cannot render for {target}: {ignored}")
-        notes.extend(engine_notes(cc, positions, spec.num_layers))
-        notes.extend(runner_notes(view.probe))
-        evidence = evidence_lines(cc, positions, spec.num_layers)
-        unverified_reason = cc.unverified_for(positions, spec.num_layers)
-        verified = unverified_reason is None
-        for b in cc.bypasses:
-            notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
-        if view.probe is None:
-            notes.append(f"{engine} is not installed here: ids follow the built-in table; "
-                         "install it or pass --engine-root to render against its source")
+        unverified_reason, evidence = _engine_answer(spec, target, view, cc, ids, notes)
+    verified = unverified_reason is None
     captures = [
         {"fc_slot": i, "name": n, "point": str(p), "captured": lst.captures[i]}
         for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))
