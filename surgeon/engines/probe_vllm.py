@@ -19,6 +19,7 @@ class comes from the checkpoint's config at runtime, which the probe says rather
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 
 import libcst as cst
 import libcst.matchers as m
@@ -206,15 +207,7 @@ class VllmHooks(Hooks):
         if obj.cls in memo:
             return self._language_model_value(interp, obj, memo[obj.cls])
         names: list[str] = []
-        for k in self.index.mro(obj.cls):
-            info = self.index.class_info(k)
-            if info is None or "__init__" not in info.functions:
-                continue
-            if "_mark_language_model" not in self.index.function_text(k, info.functions["__init__"]):
-                continue
-            fn = self.index.function(k, "__init__")
-            if fn is None:
-                continue
+        for fn in self._constructors_mentioning(obj.cls, "_mark_language_model"):
             for block in fn.findall(marker):
                 for target, value in _self_attr_assigns(fn, block):
                     # Only child modules are marked; tensors made by torch.* (buffers) and None are not.
@@ -229,6 +222,19 @@ class VllmHooks(Hooks):
         memo[obj.cls] = names
         return self._language_model_value(interp, obj, names)
 
+    def _constructors_mentioning(self, cls: ClassKey, word: str) -> Iterator[CstFunction]:
+        """The ``__init__`` of each class in ``cls``'s MRO whose text mentions ``word``, nearest
+        first (a text test before the libcst parse)."""
+        for k in self.index.mro(cls):
+            info = self.index.class_info(k)
+            if info is None or "__init__" not in info.functions:
+                continue
+            if word not in self.index.function_text(k, info.functions["__init__"]):
+                continue
+            fn = self.index.function(k, "__init__")
+            if fn is not None:
+                yield fn
+
     def _falls_back_to_children(self) -> bool:
         """The release's ``SupportsMultiModal.get_language_model`` falls back to the first child
         module that is a language model when none is marked (read from interfaces.py, 0.32+)."""
@@ -241,15 +247,7 @@ class VllmHooks(Hooks):
         fallback can find as a language model (vision towers and projectors are not built that way)."""
         made = m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))],
                         value=m.Call(func=m.Name("init_vllm_registered_model")))
-        for k in self.index.mro(obj.cls):
-            info = self.index.class_info(k)
-            if info is None or "__init__" not in info.functions:
-                continue
-            if "init_vllm_registered_model" not in self.index.function_text(k, info.functions["__init__"]):
-                continue
-            fn = self.index.function(k, "__init__")
-            if fn is None:
-                continue
+        for fn in self._constructors_mentioning(obj.cls, "init_vllm_registered_model"):
             found = [a.targets[0].target.attr.value for a in fn.findall(made)
                      if isinstance(a, cst.Assign) and isinstance(a.targets[0].target, cst.Attribute)]
             return list(dict.fromkeys(found))

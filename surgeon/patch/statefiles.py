@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,21 +143,20 @@ def _parse(path: Path, data: bytes) -> Any:
         raise PatchError(f"{path}: damaged (nested too deeply)") from None
 
 
-def parse_manifest(path: Path, data: bytes) -> dict[str, Any]:
-    """The manifest in ``data`` (read from ``path``), validated."""
-    m = _parse(path, data)
+def _validated(path: Path, data: bytes, check: Callable[[Any], None]) -> dict[str, Any]:
+    parsed = _parse(path, data)
     try:
-        _check_manifest(m)
+        check(parsed)
     except _Bad as e:
         raise PatchError(f"{path}: damaged ({e}); `surgeon doctor` says what can be rebuilt") from None
-    return m
+    return parsed
+
+
+def parse_manifest(path: Path, data: bytes) -> dict[str, Any]:
+    """The manifest in ``data`` (read from ``path``), validated."""
+    return _validated(path, data, _check_manifest)
 
 
 def parse_journal(path: Path, data: bytes) -> dict[str, Any]:
     """The journal in ``data`` (read from ``path``), validated."""
-    j = _parse(path, data)
-    try:
-        _check_journal(j)
-    except _Bad as e:
-        raise PatchError(f"{path}: damaged ({e}); `surgeon doctor` says what can be rebuilt") from None
-    return j
+    return _validated(path, data, _check_journal)
