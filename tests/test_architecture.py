@@ -238,7 +238,7 @@ def test_no_class_over_400_lines_or_function_over_80_without_a_size_comment():
 # The packages are the layers of the README's layout table, in this order: a module imports (at module
 # level or inside a function) only from its own layer or the layers before it, so each layer can be
 # read, tested and reused without the ones after it.
-LAYERS = ["core", "engines", "capture", "wiring", "patch", "verify", "run", "commands", "cli"]
+LAYERS = ["core", "engines", "capture", "wiring", "patch", "verify", "draft", "audit", "run", "commands", "cli"]
 
 
 def _layer_of(module: str) -> str | None:
