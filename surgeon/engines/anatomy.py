@@ -46,6 +46,8 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
+from surgeon.engines.lines import StatementLines
+
 __all__ = [
     "COUNTER",
     "LAYER_LIST_CALLS",
@@ -333,6 +335,7 @@ class ModuleIndex:
         self.children: dict[int, tuple[cst.CSTNode, list[cst.CSTNode]]] = {}
         self._lines: dict[int, int] | None = None
         self.ast_fns: dict[int, ast.FunctionDef | ast.AsyncFunctionDef] = {}  # id(libcst method) -> ast
+        self._methods: dict[cst.CSTNode, StatementLines] = {}  # indexed methods placed by their ast lines
 
     def publish_children(self) -> None:
         """Make :func:`walk` use the children this index collected (one visit, not one per read)."""
@@ -413,22 +416,39 @@ class ModuleIndex:
             self.index(cls)
             return
         self._indexed.add(id(fn))
+        fn.visit(_Family(self.parents, self.children))
+        _CHILDREN.update(self.children)
+        self.parents[fn] = cls.body
+        lines = StatementLines(list(walk(fn, into_defs=True)), self.parents, self.ast_fns[id(fn)])
+        if lines.ok:
+            self._methods[fn] = lines
+            return
         positions = MetadataWrapper(self._sub([fn]), unsafe_skip_copy=True).resolve(PositionProvider)
         offset = start - positions[fn].start.line
         for node, rng in positions.items():
             self.pos[node] = rng
             self._offsets[node] = offset
-        fn.visit(_Family(self.parents, self.children))
-        _CHILDREN.update(self.children)
-        self.parents[fn] = cls.body
+
+    def _span(self, node: cst.CSTNode) -> tuple[int, int]:
+        if node in self.pos:
+            return self.pos[node].start.line + self._offsets[node], self.pos[node].end.line + self._offsets[node]
+        n: cst.CSTNode | None = node
+        while n is not None:
+            if n in self._methods:
+                span = self._methods[n].span(node)
+                if span is not None:
+                    return span
+                break
+            n = self.parents.get(n)
+        raise KeyError(node)  # not indexed: a caller's bug, as a missing position always was
 
     def line(self, node: cst.CSTNode) -> int:
         if node not in self.pos and isinstance(node, cst.ClassDef) and id(node) in self.ast_lines():
             return self.ast_lines()[id(node)]
-        return self.pos[node].start.line + self._offsets[node]
+        return self._span(node)[0]
 
     def end_line(self, node: cst.CSTNode) -> int:
-        return self.pos[node].end.line + self._offsets[node]
+        return self._span(node)[1]
 
     # -- structure --------------------------------------------------------------------------
     def innermost_loop(self, node: cst.CSTNode) -> cst.CSTNode | None:

@@ -29,6 +29,8 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
+from surgeon.engines.lines import StatementLines
+
 ClassKey = tuple[str, str]  # (path relative to the package dir, class name)
 
 _CLASS_HEADER = re.compile(r"^class[ \t]+(\w+)[ \t]*(?:\(((?:[^()]|\((?:[^()]|\([^()]*\))*\))*)\))?[ \t]*:", re.M)
@@ -150,18 +152,23 @@ class CstFunction:
     Queries go through a flat index of the tree built in one pass (pre-order numbers, subtree
     ends, parents, nodes by type): libcst's own ``matchers.findall`` walks the tree with its
     visitor machinery on every call, which made a full probe ten times slower. Line numbers come
-    from libcst's :class:`~libcst.metadata.PositionProvider`, resolved only when a line is asked
-    for (messages and reports), and shifted back to the file's lines.
+    from :class:`StatementLines`: the statements' lines from the file's ``ast`` (which the index has
+    parsed anyway) and, for a node inside a statement, libcst's position codegen of that statement
+    alone; libcst's :class:`~libcst.metadata.PositionProvider` over the whole function (the same
+    answers, ten times the cost) only where the two trees do not line up.
     """
 
-    def __init__(self, owner: ClassKey, path: str, name: str, module: cst.Module, node: cst.FunctionDef, offset: int) -> None:
+    def __init__(self, owner: ClassKey, path: str, name: str, module: cst.Module, node: cst.FunctionDef, offset: int,
+                 ast_node: ast.FunctionDef | ast.AsyncFunctionDef | None = None) -> None:
         self.owner = owner
         self.path = path  # module the function lives in (for name resolution)
         self.name = name
         self.module = module
         self.node = node
         self.offset = offset  # add to a snippet line to get the file's line
+        self.ast_node = ast_node
         self._positions: dict | None = None
+        self._lines: StatementLines | None = None
         self._order: dict[cst.CSTNode, int] = {}
         self._end: dict[cst.CSTNode, int] = {}
         self._parent: dict[cst.CSTNode, cst.CSTNode] = {}
@@ -226,17 +233,30 @@ class CstFunction:
 
     # -- lines -------------------------------------------------------------------------------
     def _pos(self, node: cst.CSTNode) -> CodeRange | None:
+        """libcst's position of ``node`` in the snippet (the slow, always-right path)."""
         if self._positions is None:
             self._positions = dict(MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider))
         return self._positions.get(node)
 
+    def _span(self, node: cst.CSTNode) -> tuple[int, int] | None:
+        """(first, last) file line of ``node``; None: not a node of this function."""
+        if node not in self._order:
+            return None
+        if self._lines is None and self.ast_node is not None:
+            self._lines = StatementLines(self._all, self._parent, self.ast_node)
+        span = self._lines.span(node) if self._lines is not None and self._lines.ok else None
+        if span is None:
+            pos = self._pos(node)
+            span = (pos.start.line + self.offset, pos.end.line + self.offset) if pos is not None else None
+        return span
+
     def line(self, node: cst.CSTNode) -> int:
-        pos = self._pos(node)
-        return pos.start.line + self.offset if pos is not None else 0
+        span = self._span(node)
+        return span[0] if span is not None else 0
 
     def end_line(self, node: cst.CSTNode) -> int:
-        pos = self._pos(node)
-        return pos.end.line + self.offset if pos is not None else 0
+        span = self._span(node)
+        return span[1] if span is not None else 0
 
     @property
     def label(self) -> str:
@@ -546,7 +566,7 @@ class SourceIndex:
                 assert isinstance(klass, cst.ClassDef)
                 fdef = klass.body.body[0]
                 if isinstance(fdef, cst.FunctionDef):
-                    result = CstFunction(owner, owner[0], name, module, fdef, fi.start - 2)
+                    result = CstFunction(owner, owner[0], name, module, fdef, fi.start - 2, fi.node)
                     self.lines_parsed_cst += fi.end - fi.start + 1
             except (cst.ParserSyntaxError, AssertionError, IndexError):
                 result = None
