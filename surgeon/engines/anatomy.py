@@ -46,7 +46,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from surgeon.engines.lines import StatementLines
+from surgeon.engines.cstwalk import StatementLines, children, family
 
 __all__ = [
     "COUNTER",
@@ -151,7 +151,10 @@ def _kids(n: cst.CSTNode) -> list[cst.CSTNode]:
     entry = _CHILDREN.get(id(n))
     if entry is not None and entry[0] is n:
         return entry[1]
-    return list(n.children)
+    return children(n)
+
+
+_DEFS = frozenset({cst.FunctionDef, cst.ClassDef, cst.Lambda})  # concrete classes: a set lookup, not an ABC isinstance
 
 
 def walk(node: cst.CSTNode, *, into_defs: bool = False) -> Iterator[cst.CSTNode]:
@@ -161,7 +164,7 @@ def walk(node: cst.CSTNode, *, into_defs: bool = False) -> Iterator[cst.CSTNode]
     first = True
     while stack:
         n = stack.pop()
-        if not first and not into_defs and isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+        if not first and not into_defs and type(n) in _DEFS:
             continue
         first = False
         yield n
@@ -299,26 +302,6 @@ def ast_span(node: ast.stmt) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # Positions and parents, resolved per top-level statement or per method
 # ---------------------------------------------------------------------------------------------
-class _Family(cst.CSTVisitor):
-    """Parents and children of every node under one statement, in one visit."""
-
-    def __init__(self, parents: dict, children: dict):
-        self.parents, self.children = parents, children
-        self.stack: list[cst.CSTNode] = []
-
-    def on_visit(self, node: cst.CSTNode) -> bool:
-        if self.stack:
-            parent = self.stack[-1]
-            self.parents[node] = parent
-            self.children[id(parent)][1].append(node)
-        self.children[id(node)] = (node, [])
-        self.stack.append(node)
-        return True
-
-    def on_leave(self, original_node: cst.CSTNode) -> None:
-        self.stack.pop()
-
-
 class ModuleIndex:
     """Lines and parents of the nodes of a (possibly reduced) module, resolved on demand.
 
@@ -371,7 +354,7 @@ class ModuleIndex:
         for node, rng in MetadataWrapper(submodule, unsafe_skip_copy=True).resolve(PositionProvider).items():
             self.pos[node] = rng
             self._offsets[node] = offset
-        top.visit(_Family(self.parents, self.children))
+        family(top, self.parents, self.children)
         _CHILDREN.update(self.children)
         self.parents[top] = self.module
 
@@ -416,7 +399,7 @@ class ModuleIndex:
             self.index(cls)
             return
         self._indexed.add(id(fn))
-        fn.visit(_Family(self.parents, self.children))
+        family(fn, self.parents, self.children)
         _CHILDREN.update(self.children)
         self.parents[fn] = cls.body
         lines = StatementLines(list(walk(fn, into_defs=True)), self.parents, self.ast_fns[id(fn)])

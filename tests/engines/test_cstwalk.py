@@ -1,4 +1,4 @@
-"""StatementLines gives every node the lines libcst's PositionProvider gives it, at a fraction of the
+"""cstwalk: StatementLines gives every node the lines libcst's PositionProvider gives it, at a fraction of the
 cost: checked node by node on real engine files and on the statement shapes that could misalign
 the two trees (semicolons, one-line suites, decorators, async, match, try/except*, nested defs)."""
 
@@ -12,7 +12,7 @@ import libcst as cst
 import pytest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from surgeon.engines.lines import StatementLines
+from surgeon.engines.cstwalk import StatementLines
 from surgeon.engines.source import CstFunction, SourceIndex
 from tests.conftest import installed_engine, release_engine
 
@@ -141,3 +141,30 @@ def test_misaligned_trees_are_said_not_guessed() -> None:
     fn = CstFunction(("m.py", "f"), "m.py", "f", module, fdef, 0, other)
     assert not StatementLines(fn._all, fn._parent, other).ok
     assert fn.line(fdef.body.body[0]) == 3  # the fallback: PositionProvider over the snippet
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_children_in_libcst_visit_order_on_real_files() -> None:
+    """children() is libcst's own `children`, node for node and in order, over whole real files
+    (the anatomy's walks, and so every "first statement that ..." answer, depend on that order)."""
+    from surgeon.engines.cstwalk import children, family
+
+    files = [installed_engine("sglang").root / "srt/models/deepseek_v2.py",
+             release_engine("vllm", "0.33.0") / "model_executor/models/qwen3_next.py"]
+    nodes = 0
+    for f in files:
+        module = cst.parse_module(f.read_bytes())
+        parents: dict = {}
+        kids: dict = {}
+        family(module, parents, kids)
+        stack: list[cst.CSTNode] = [module]
+        while stack:
+            node = stack.pop()
+            theirs = list(node.children)
+            ours = children(node)
+            assert len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs)), type(node).__name__
+            assert kids[id(node)][1] == ours and all(parents[c] is node for c in ours)
+            stack.extend(theirs)
+            nodes += 1
+    assert nodes > 50000
