@@ -27,6 +27,7 @@ from surgeon.engines import probe_vllm as _vllm
 from surgeon.engines.capture import CaptureAnalyzer
 from surgeon.engines.classify import Classifier, Target
 from surgeon.engines.dispatch import DEFAULT_PLATFORM, PLATFORMS
+from surgeon.engines.forked import map_forked
 from surgeon.engines.locate import EngineLocation, ProbeError, layout_of, locate_engine
 from surgeon.engines.runner import read_runner
 from surgeon.engines.source import ClassKey, SourceIndex
@@ -103,17 +104,23 @@ def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Pr
     hooks = _vllm.hooks(index, platform) if engine == "vllm" else mod.hooks(index)
     classifier = Classifier(engine, index, hooks, CaptureAnalyzer(index), mod.extra_notes(index))
     interface_problem = _vllm.check_interface(index) if engine == "vllm" else None
-    conventions: list[tuple[Target, ClassConvention]] = []
-    for i, target in enumerate(targets):
+
+    def one(target: Target) -> ClassConvention:
         if interface_problem:
             info = index.class_info(target.key)
-            cc = ClassConvention(engine=engine, path=target.key[0], class_name=target.key[1],
-                                 line=info.line if info else 0, status="unclassified", reason=interface_problem)
-        else:
-            cc = classifier.classify(target)
-        conventions.append((target, cc))
-        if progress:
-            progress(i + 1, len(targets))
+            return ClassConvention(engine=engine, path=target.key[0], class_name=target.key[1],
+                                   line=info.line if info else 0, status="unclassified", reason=interface_problem)
+        return classifier.classify(target)
+
+    paths = sorted({t.key[0] for t in targets})
+    classified, child_reads = map_forked(
+        targets, one, weights=[len(index.text(t.key[0]) or "") for t in targets],
+        groups=[paths.index(t.key[0]) for t in targets],
+        progress=(lambda done: progress(done, len(targets))) if progress else None,
+        child_state=index.read_paths)
+    for path in child_reads or []:  # what the child read counts for the cache like what this process read
+        index.text(path)
+    conventions: list[tuple[Target, ClassConvention]] = list(zip(targets, classified))
     exported = _vllm.exported(index, files, platform) if engine == "vllm" else mod.exported(index, files)
     probe = EngineProbe(engine=engine, version=location.version, root=str(location.root),
                         files_scanned=len(index.model_files), platform=platform,

@@ -401,11 +401,6 @@ def test_engines_never_imported(sg, vl):
     assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
 
 
-def test_probe_speed(sg_run, vl_run):
-    # a full probe of either engine is a matter of seconds (generous bound for slow CI machines)
-    assert sg_run.seconds < 30 and vl_run.seconds < 30, (sg_run.seconds, vl_run.seconds)
-
-
 @pytest.mark.slow  # two whole probes (cold, then from the cache): about 7 s
 def test_cache_round_trip(tmp_path, monkeypatch, sg):
     from surgeon.engines import cache
@@ -413,9 +408,14 @@ def test_cache_round_trip(tmp_path, monkeypatch, sg):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = probe_engine("sglang", cache=True)
     (entry,) = (tmp_path / "cache" / "surgeon").glob("probe-*.json")
-    start = time.perf_counter()
-    second = probe_engine("sglang", cache=True)
-    assert time.perf_counter() - start < 2.0
+    from surgeon.engines import probe as probe_module
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("a cache hit must not probe the source again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(probe_module, "_probe", no_probe)
+        second = probe_engine("sglang", cache=True)
     assert second.classes == first.classes == sg.classes
     assert second.architectures == first.architectures and second.defining == first.defining
     key = entry.name[len("probe-"):-len(".json")]
