@@ -37,6 +37,12 @@ class BadInput(SurgeonError):
     exit_code = 2
 
 
+class Unverified(BadInput):
+    """An engine's answer rests on code the probe did not read (which class runs on a platform, a
+    capture site outside the files followed): render refuses it (exit 2), lint warns, and
+    ``lint --strict`` makes it an error."""
+
+
 class Mismatch(SurgeonError):
     """The checked wiring differs from the spec."""
 

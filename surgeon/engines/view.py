@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from surgeon.core.conventions import EngineConvention, builtin_convention
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.idrules import ClassConvention, EngineProbe
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine  # light: no libcst until a probe runs
 
@@ -87,7 +87,7 @@ class EngineView:
         if cc is None and routed is not None:
             here = routed.here
             if not here.verified:
-                raise BadInput(f"{self.engine} {self.probe.version} {model_class} on {here.platform}: unverified: "
+                raise Unverified(f"{self.engine} {self.probe.version} {model_class} on {here.platform}: unverified: "
                                f"which class runs is not decided by what was read: {here.reason}")
             raise BadInput(f"{self.engine} {self.probe.version} {model_class} on {here.platform} runs "
                            f"{here.path}:{here.line} {here.class_name} ({here.evidence}), which has no aux "

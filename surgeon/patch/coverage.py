@@ -357,33 +357,24 @@ def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = 
     engines = ["sglang", "vllm"] if engine == "all" else [engine]
     recipes = load_recipes()
     jobs = 2 if jobs is None else max(1, jobs)
-    plans = []
-    for e in engines:
-        try:
-            layout_of(e)  # an unknown engine name is the user's input
-            loc = locate_engine(e, root)
-        except ProbeError as exc:  # a wrong engine or --engine-root: the user's input
-            where = f"--engine-root {root}" if root is not None else e
-            raise BadInput(f"{where}: {exc}") from None
-        nfiles, tasks, unparsed = _prefilter(e, loc.root, loc.models_dirs, recipes)
-        plans.append((e, loc, nfiles, tasks, unparsed))
-    # biggest files first keeps the two workers even
-    all_tasks = [(i, t) for i, (_, _, _, tasks, _) in enumerate(plans) for t in tasks]
-    all_tasks.sort(key=lambda it: -os.path.getsize(it[1][1]))
-    results: dict[int, list[ClassCoverage]] = {i: [] for i in range(len(plans))}
-    natives: dict[int, tuple[dict, str | None]] = {}
+    located = [(e, _located(e, root)) for e in engines]
     if jobs == 1:
-        for i, t in all_tasks:
+        plans = [(e, loc, *_prefilter(e, loc.root, loc.models_dirs, recipes)) for e, loc in located]
+        results: dict[int, list[ClassCoverage]] = {i: [] for i in range(len(plans))}
+        for i, t in _biggest_first(plans):
             results[i] += _file_task(t)
-        if native:
-            for i, (e, loc, _, _, _) in enumerate(plans):
-                natives[i] = _native(e, loc.root, platform if e == "vllm" else None)
+        natives = {i: _native(e, loc.root, platform if e == "vllm" else None)
+                   for i, (e, loc) in enumerate(located)} if native else {}
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
+            # the probe (the longest single piece, itself in two processes) starts first; the
+            # prefilter here and the file tasks in the pool fill the cores beside it
             nat_futs = ({i: pool.submit(_native, e, loc.root, platform if e == "vllm" else None)
-                         for i, (e, loc, _, _, _) in enumerate(plans)}
+                         for i, (e, loc) in enumerate(located)}
                         if native else {})
-            futs = [(i, pool.submit(_file_task, t)) for i, t in all_tasks]
+            plans = [(e, loc, *_prefilter(e, loc.root, loc.models_dirs, recipes)) for e, loc in located]
+            results = {i: [] for i in range(len(plans))}
+            futs = [(i, pool.submit(_file_task, t)) for i, t in _biggest_first(plans)]
             for i, fut in futs:
                 results[i] += fut.result()
             natives = {i: f.result() for i, f in nat_futs.items()}
@@ -400,6 +391,21 @@ def coverage(engine: str, root: Path | str | None = None, *, jobs: int | None = 
     for ec in report.engines:
         ec.seconds = report.seconds
     return report
+
+
+def _located(engine: str, root: Path | str | None):
+    try:
+        layout_of(engine)  # an unknown engine name is the user's input
+        return locate_engine(engine, root)
+    except ProbeError as exc:  # a wrong engine or --engine-root: the user's input
+        where = f"--engine-root {root}" if root is not None else engine
+        raise BadInput(f"{where}: {exc}") from None
+
+
+def _biggest_first(plans: list) -> list:
+    """(plan index, file task), the biggest files first: that keeps the workers even."""
+    tasks = [(i, t) for i, (_, _, _, tasks, _) in enumerate(plans) for t in tasks]
+    return sorted(tasks, key=lambda it: -os.path.getsize(it[1][1]))
 
 
 def _with_native(c: ClassCoverage, nat: dict) -> ClassCoverage:

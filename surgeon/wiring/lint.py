@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from surgeon.core.conventions import NotExpressible
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
 from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
@@ -68,8 +68,9 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         cls = model_class_for(spec, engine)
         try:
             conv = view.convention(cls)
-        except BadInput as e:
-            result.issues.append(spec.issue(("target", "architecture"), str(e), severity="error" if explicit else "warning"))
+        except BadInput as e:  # unverified (which class runs was not read to the end): like every unverified answer
+            severe = strict if isinstance(e, Unverified) else explicit
+            result.issues.append(spec.issue(("target", "architecture"), str(e), severity="error" if severe else "warning"))
             continue
         result.checked.append(f"{engine}: {conv.name} via {conv.origin}")
         positions = [p.position for p in spec.fc_points if p.position is not None]

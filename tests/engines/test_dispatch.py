@@ -277,3 +277,43 @@ def test_coverage_counts_the_models_tree(v33: Path):
     assert data["non_decoder"]["total"] == sum(not c.decoder for c in ec.classes) > 0
     encoders = {f"{c.path}:{c.line} {c.class_name}" for c in ec.classes if not c.decoder}
     assert encoders == set(data["non_decoder"]["classes"]) and not encoders & set(data["decoder_failures"])
+
+
+def _release_with_unevaluable_dispatch(tmp_path: Path, v33: Path) -> Path:
+    """vLLM 0.33 as released (linked), but for deepseek_v32's package, copied with its platform test
+    turned into one the probe cannot evaluate."""
+    root = tmp_path / "vllm"
+    root.mkdir()
+    for entry in v33.iterdir():
+        if entry.name != "models":
+            (root / entry.name).symlink_to(entry)
+    (root / "models").mkdir()
+    for entry in (v33 / "models").iterdir():
+        if entry.name != "deepseek_v32":
+            (root / "models" / entry.name).symlink_to(entry)
+    shutil.copytree(v33 / "models/deepseek_v32", root / "models/deepseek_v32")
+    init = root / "models/deepseek_v32/__init__.py"
+    init.write_text(init.read_text().replace("if current_platform.is_cuda():",
+                                             "if current_platform.has_device_capability(100):"))
+    return root
+
+
+@pytest.mark.slow  # a whole probe of the altered release
+def test_unverified_dispatch_warns_in_lint_and_fails_lint_strict(tmp_path: Path, v33: Path, cache_home):
+    """Which class runs GlmMoeDsaForCausalLM on cuda cannot be read to the end: render refuses,
+    lint says "unverified" as a warning naming file:line, and lint --strict exits 2 on it."""
+    root = _release_with_unevaluable_dispatch(tmp_path, v33)
+    spec = tmp_path / "glm.yaml"
+    spec.write_text(GLM_SPEC)
+    render = _cli("render", spec, "--engine", "vllm", "--engine-root", root)
+    assert render.exit_code == 2 and "unverified" in render.output, render.output
+    lint = _cli("lint", spec, "--engine", "vllm", "--engine-root", root, "--json")
+    assert lint.exit_code == 0, lint.output
+    import json
+
+    (only,) = json.loads(lint.stdout)["specs"]
+    vllm = [i for i in only["issues"] if "vllm" in i["message"]]
+    assert vllm and all(i["severity"] == "warning" for i in vllm)
+    assert any("unverified" in i["message"] and "__init__.py:" in i["message"] for i in vllm), vllm
+    strict = _cli("lint", spec, "--engine", "vllm", "--engine-root", root, "--strict")
+    assert strict.exit_code == 2 and "unverified" in strict.output, strict.output
