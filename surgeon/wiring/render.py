@@ -118,9 +118,10 @@ def explain(
     fc_names = spec.fc_names
     notes: list[str] = []
     engines: dict[str, EngineConvention] = {}
+    views: dict[str, EngineView] = {}
     conventions = {"hf": HF.title, "eagle": EAGLE.title}
     for engine in ("sglang", "vllm"):
-        view = open_engine(engine, roots.get(engine))
+        view = views[engine] = open_engine(engine, roots.get(engine))
         cls = model_class_for(spec, engine, model_classes.get(engine))
         try:
             conv = view.convention(cls)
@@ -150,6 +151,7 @@ def explain(
         if lst.ids is not None:  # lst.ok, spelled so that the type narrows
             for name, p in zip(fc_names, spec.fc_points):
                 per_fc.setdefault(name, {})[engine] = _id_for(conv, lst.ids, p, L)
+            notes.extend(_runner_lines(engine, views[engine], conv, lst.ids, L))
         else:
             notes.append(f"{engine}: fc_input cannot be rendered: {lst.error}")
     for target in ("eagle", "hf"):
@@ -174,6 +176,14 @@ def explain(
         fc_slot = fc_names.index(name) if name in fc_names else None
         rows.append(CaptureRow(name, str(point), fc_slot, dump_labels.get(name), ids))
     return Explanation(spec.name, spec.file, spec.sha256, L, spec.hidden_size, conventions, rows, fc_lists, notes)
+
+
+def _runner_lines(engine: str, view: EngineView, conv: EngineConvention, ids: list[int], num_layers: int) -> list[str]:
+    """What the release's model runner does with these ids: refused when it ignores them, else
+    the runner calls read (file:line) or why the runner is unverified."""
+    ignored = runner_refusal(view.probe, conv.cc, ids, num_layers)
+    lines = [f"{engine}: cannot serve this wiring: {ignored}"] if ignored else []
+    return lines + [n if n.startswith(f"{engine}") else f"{engine}: {n}" for n in runner_notes(view.probe)]
 
 
 def _id_for(conv: EngineConvention, ids: list[int], point: Point, num_layers: int) -> int:
