@@ -38,15 +38,16 @@ def jobs() -> int:
     return min(n, 2)
 
 
-def split(weights: Sequence[int], groups: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Two index lists of about equal total weight; the items of one group stay together (they
-    share parsed files, which each process would otherwise parse again)."""
+def split(weights: Sequence[int], groups: Sequence[int], head_start: int = 0) -> tuple[list[int], list[int]]:
+    """Two index lists of about equal total weight, the first starting with ``head_start`` (work
+    of its own); the items of one group stay together (they share parsed files, which each process
+    would otherwise parse again)."""
     by_group: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
         by_group.setdefault(g, []).append(i)
     mine: list[int] = []
     theirs: list[int] = []
-    load = [0, 0]
+    load = [head_start, 0]
     for members in sorted(by_group.values(), key=lambda ms: -sum(weights[i] for i in ms)):
         side = 0 if load[0] <= load[1] else 1
         (mine if side == 0 else theirs).extend(members)
@@ -56,19 +57,24 @@ def split(weights: Sequence[int], groups: Sequence[int]) -> tuple[list[int], lis
 
 def map_forked(items: Sequence[T], fn: Callable[[T], R], *, weights: Sequence[int], groups: Sequence[int],
                progress: Callable[[int], None] | None = None,
-               child_state: Callable[[], Any] | None = None) -> tuple[list[R], Any]:
+               child_state: Callable[[], Any] | None = None,
+               alongside: Callable[[], Any] | None = None, alongside_weight: int = 0) -> tuple[list[R], Any, Any]:
     """``[fn(x) for x in items]``, the work split over this process and a forked child.
     ``progress(done)`` is called as items finish (either process). ``child_state()`` is evaluated in
-    the child after its share and returned (None when no child ran)."""
+    the child after its share and returned (None when no child ran). ``alongside()`` is other work
+    of this process's, run while the child works (its cost in ``weights``' units:
+    ``alongside_weight``); its value is the third one returned."""
     results: list[Any] = [None] * len(items)
     if jobs() < 2 or len(items) < MIN_ITEMS:
+        extra = alongside() if alongside else None
         for i, x in enumerate(items):
             results[i] = fn(x)
             if progress:
                 progress(i + 1)
-        return results, None
-    mine, theirs = split(weights, groups)
+        return results, None, extra
+    mine, theirs = split(weights, groups, alongside_weight)
     child = _Child.start(items, fn, theirs, child_state)
+    extra = alongside() if alongside else None
     done = 0
     for i in mine:
         results[i] = fn(items[i])
@@ -89,7 +95,7 @@ def map_forked(items: Sequence[T], fn: Callable[[T], R], *, weights: Sequence[in
             results[i] = r
         if progress:
             progress(len(items))
-    return results, state
+    return results, state, extra
 
 
 class _Child:

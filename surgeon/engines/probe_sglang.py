@@ -11,6 +11,7 @@ source; the holder's layer loop then gives the capture site and value.
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection
 
 from surgeon.engines.classify import EntryPoint, Target
 from surgeon.engines.interp import Hooks
@@ -21,11 +22,11 @@ TRIGGERS = (SETTER,)
 ENTRY = EntryPoint(setter=SETTER)
 
 
-def select(index: SourceIndex) -> tuple[list[Target], list[str]]:
-    """Classes to classify, and the files they come from."""
+def select(index: SourceIndex, only: Collection[str] | None = None) -> tuple[list[Target], list[str]]:
+    """Classes to classify (those of the files ``only``, when given), and the files they come from."""
     files, names = index.prefilter(TRIGGERS)
     targets: list[Target] = []
-    for ci in index.classes_in(files):
+    for ci in index.classes_in(files if only is None else [f for f in files if f in only]):
         if ci.name not in names:
             continue
         found = index.find_function(ci.key, SETTER)

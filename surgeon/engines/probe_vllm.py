@@ -19,7 +19,7 @@ class comes from the checkpoint's config at runtime, which the probe says rather
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import libcst as cst
 import libcst.matchers as m
@@ -57,13 +57,14 @@ def outer_entry(index: SourceIndex) -> EntryPoint:
     return OUTER
 
 
-def select(index: SourceIndex) -> tuple[list[Target], list[str]]:
+def select(index: SourceIndex, only: Collection[str] | None = None) -> tuple[list[Target], list[str]]:
+    """Classes to classify (those of the files ``only``, when given), and the files they come from."""
     files, names = index.prefilter(TRIGGERS)
     targets: list[Target] = []
     holder_entry = EntryPoint(setter=HOLDER_SETTER)
     direct_entry = EntryPoint(setter=None, attr=ATTR)
     outer_ep = outer_entry(index)
-    for ci in index.classes_in(files):
+    for ci in index.classes_in(files if only is None else [f for f in files if f in only]):
         if ci.name not in names:
             continue
         if ci.path == INTERFACES:

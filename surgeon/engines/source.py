@@ -288,6 +288,7 @@ class SourceIndex:
         self._exprs: dict[tuple[str, int, int], cst.BaseExpression | None] = {}
         self._mro: dict[ClassKey, list[ClassKey]] = {}
         self.lines_parsed_cst = 0
+        self._prefiltered: dict[tuple[str, ...], tuple[list[str], set[str]]] = {}
         # results that depend on the source only, shared by every analysis of this index
         self.memo: dict[str, dict] = {}
 
@@ -329,6 +330,12 @@ class SourceIndex:
         is a seed or (transitively) names a relevant class among its bases. Regular expressions
         over the text, no parsing: a cheap superset for the ast tier to decide precisely."""
         triggers = tuple(triggers)
+        if triggers in self._prefiltered:
+            return self._prefiltered[triggers]
+        self._prefiltered[triggers] = found_files = self._prefilter(triggers)
+        return found_files
+
+    def _prefilter(self, triggers: tuple[str, ...]) -> tuple[list[str], set[str]]:
         headers: dict[str, list[tuple[str, set[str]]]] = {}
         names: set[str] = set()
         for path in self.model_files:

@@ -39,9 +39,10 @@ def test_results_in_order_progress_and_child_state(monkeypatch: pytest.MonkeyPat
         pytest.fail("this machine has fork and two cores (CI too): the two-process path must run here")
     items = list(range(40))
     seen: list[int] = []
-    out, state = forked.map_forked(items, _square, weights=[1] * 40, groups=[i % 7 for i in items],
-                                   progress=seen.append, child_state=os.getpid)
-    assert out == [x * x for x in items]
+    out, state, extra = forked.map_forked(items, _square, weights=[1] * 40, groups=[i % 7 for i in items],
+                                          progress=seen.append, child_state=os.getpid, alongside=os.getpid,
+                                          alongside_weight=10)
+    assert out == [x * x for x in items] and extra == os.getpid()
     assert seen[-1] == 40 and seen == sorted(seen)
     assert isinstance(state, int) and state != os.getpid()  # evaluated in the child
 
@@ -55,16 +56,16 @@ def _fails_in_child(x: int) -> int:
 def test_a_failing_child_costs_time_not_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SURGEON_JOBS", "2")
     items = list(range(30))
-    out, state = forked.map_forked(items, _fails_in_child, weights=[1] * 30, groups=items, child_state=lambda: "x")
+    out, state, _ = forked.map_forked(items, _fails_in_child, weights=[1] * 30, groups=items, child_state=lambda: "x")
     assert out == [x + 1 for x in items]
     assert state is None  # no child's state: its share ran here
 
 
 def test_one_job_runs_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SURGEON_JOBS", "1")
-    out, state = forked.map_forked(list(range(30)), _fails_in_child, weights=[1] * 30, groups=[0] * 30,
-                                   child_state=lambda: "x")
-    assert out == list(range(1, 31)) and state is None
+    out, state, extra = forked.map_forked(list(range(30)), _fails_in_child, weights=[1] * 30, groups=[0] * 30,
+                                          child_state=lambda: "x", alongside=lambda: "y")
+    assert out == list(range(1, 31)) and state is None and extra == "y"
 
 
 @pytest.mark.engine
@@ -77,4 +78,4 @@ def test_probe_in_one_process_or_two_says_the_same(monkeypatch: pytest.MonkeyPat
         probe = probe_engine("vllm", root, cache=False)
         answers.append(json.dumps(probe.to_json(), sort_keys=True))
     assert answers[0] == answers[1]
-    assert len(probe.classes) >= forked.MIN_ITEMS  # the two-process path ran
+    assert len(probe.classes) >= forked.MIN_ITEMS  # the two-process path ran (files are the items: more than classes)
