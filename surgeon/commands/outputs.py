@@ -488,12 +488,87 @@ class DemoOutput(_Output):
     timings_s: dict[str, float]
 
 
+class InferSlot(_Closed):
+    slot: int
+    point: Point
+    gain: float = Field(description="the fc slot's output energy on this point's states over that on isotropic states")
+    runner_up: Point | None
+    runner_up_gain: float | None
+    margin: float | None = Field(description="gain / runner_up_gain - 1")
+    decides: bool
+
+
+class InferWeightSpace(_Closed):
+    wiring: list[Point]
+    margin: float | None = Field(description="the smallest slot margin")
+    decides: bool
+    slots: list[InferSlot]
+
+
+class InferBehaviour(_Closed):
+    wiring: list[Point]
+    agreement: float | None = Field(description="top-1 agreement of the draft with the target's greedy next token")
+    runner_up: list[Point] | None
+    margin: float | None = Field(description="agreement minus the runner-up wiring's")
+    decides: bool | None
+    evaluations: int
+
+
+class InferCandidate(_Closed):
+    label: str
+    wiring: list[Point]
+    weight_score: float = Field(description="mean over slots of log gain")
+    agreement: float | None
+
+
+class InferIds(_Closed):
+    ids: list[int] | None
+    error: str | None
+    origin: str | None
+
+
+class InferStatedEngine(_Closed):
+    engine: str
+    agrees: bool | None = Field(description="null: not checked (see problems)")
+    reads: list[int] | None
+    captures: list[Point | None]
+    problems: list[str]
+
+
+class InferStated(_Closed):
+    ids: dict[str, list[int]] = Field(description="config key -> ids as written")
+    agree: bool | None
+    engines: list[InferStatedEngine]
+
+
+class InferWiringOutput(_Output):
+    ok: bool = Field(description="false (exit 3) when the draft config states no ids, or ids that disagree with a decided wiring")
+    draft: str
+    fc_tensor: str
+    target: str
+    num_layers: int
+    hidden_size: int
+    n_slots: int
+    tokens: int
+    wiring: list[Point] = Field(description="the inferred fc input, in slot order")
+    decided: bool
+    weight_space: InferWeightSpace
+    behaviour: InferBehaviour | None
+    candidates: list[InferCandidate]
+    ids: dict[str, InferIds]
+    stated: InferStated
+    spec: str = Field(description="spec v1 text of the inferred wiring")
+    written: str | None
+    notes: list[str]
+
+
 OUTPUTS: dict[str, type[_Output]] = {
     "lint": LintOutput, "explain": ExplainOutput, "render": RenderOutput, "check-draft": CheckDraftOutput,
     "review": ReviewOutput, "conventions": ConventionsOutput, "match": MatchOutput, "verify": VerifyOutput,
     "dump-info": DumpInfoOutput, "export": ExportOutput, "check-hooks": CheckHooksOutput,
     "apply": ApplyOutput, "revert": RevertOutput, "status": StatusOutput, "diff": DiffOutput,
     "coverage": CoverageOutput, "demo": DemoOutput, "doctor": DoctorOutput,
+    "infer-wiring": InferWiringOutput,
 }
 
 

@@ -1,0 +1,125 @@
+"""`surgeon infer-wiring` end to end on a real tiny target, with drafts whose fc was trained on known
+points (test_weightspace.train_fc) and configs that state right, shifted or no ids."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+from test_weightspace import scoring_states, tiny_target, train_fc, write_draft  # noqa: F401 (fixtures)
+
+from surgeon.cli import main
+from surgeon.commands.outputs import output_schema
+from surgeon.core.points import EMBED, Point, layer_out
+from surgeon.core.spec import load_spec
+from surgeon.draft.infer import structured_candidates, target_points
+from surgeon.wiring.render import fc_ids
+
+TRUE = [layer_out(1), layer_out(3), layer_out(4)]
+SPEC = """spec: 1
+name: t
+target: {{architecture: LlamaForCausalLM, num_layers: 6, hidden_size: 64}}
+captures: {{{caps}}}
+draft: {{kind: eagle3, fc_input: [{names}]}}
+"""
+
+
+def engine_config(points: list[Point]) -> dict:
+    """A draft config stating ``points`` the way each engine reads it (ids from surgeon render)."""
+    names = [f"c{i}" for i in range(len(points))]
+    spec = load_spec("t.yaml", text=SPEC.format(caps=", ".join(f"{n}: '{p}'" for n, p in zip(names, points)),
+                                                names=", ".join(names)))
+    return {"eagle_aux_hidden_state_layer_ids": fc_ids(spec, "vllm").ids,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": fc_ids(spec, "sglang").ids}}
+
+
+@pytest.fixture(scope="module")
+def true_fc(tiny_target):  # noqa: F811
+    return train_fc(tiny_target, TRUE)
+
+
+def run(*args, code: int) -> dict:
+    res = CliRunner().invoke(main, [str(a) for a in args] + ["--json"])
+    assert res.exit_code == code, res.output
+    data = json.loads(res.stdout)
+    errors = [e.message for e in jsonschema.Draft202012Validator(output_schema("infer-wiring")).iter_errors(data)]
+    assert not errors, errors[:3]
+    return data
+
+
+@pytest.mark.slow
+def test_names_the_trained_wiring_and_agrees_with_a_right_config(tiny_target, true_fc, tmp_path):  # noqa: F811
+    draft = write_draft(tmp_path / "draft", true_fc, engine_config(TRUE))
+    out = tmp_path / "inferred.yaml"
+    data = run("infer-wiring", draft, "--target", f"hf:{tiny_target}", "-o", out, code=0)
+    assert data["wiring"] == [str(p) for p in TRUE] and data["decided"]
+    assert data["weight_space"]["margin"] > 0.05
+    assert data["stated"]["agree"] is True
+    assert all(e["agrees"] for e in data["stated"]["engines"])
+    spec = load_spec(out)
+    assert spec.fc_points == TRUE and data["written"] == str(out)
+    assert data["ids"]["vllm"]["ids"] == fc_ids(spec, "vllm").ids
+    assert data["ids"]["sglang"]["ids"] == fc_ids(spec, "sglang").ids
+    res = CliRunner().invoke(main, ["lint", str(out)])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.slow
+def test_the_seed_case_labels_shifted_by_a_slot_are_flagged(tiny_target, true_fc, tmp_path):  # noqa: F811
+    """Trained on three layer outputs, stated as the embedding plus the first two (Kimi-K2.5)."""
+    stated = [EMBED, TRUE[0], TRUE[1]]
+    draft = write_draft(tmp_path / "draft", true_fc, engine_config(stated))
+    data = run("infer-wiring", draft, "--target", f"hf:{tiny_target}", code=3)
+    assert data["wiring"] == [str(p) for p in TRUE] and data["ok"] is False
+    assert data["stated"]["agree"] is False
+    vllm = next(e for e in data["stated"]["engines"] if e["engine"] == "vllm")
+    assert vllm["captures"] == [str(p) for p in stated]
+    assert any("fc slot 0" in p and "embed" in p for p in vllm["problems"])
+    # the search saw the true wiring among its structured candidates, as the stated labels shifted
+    labels = [c["label"] for c in data["candidates"] if c["wiring"] == data["wiring"]]
+    assert any("shifted left" in label for label in labels), labels
+
+
+@pytest.mark.slow
+def test_a_config_without_ids_is_caught(tiny_target, true_fc, tmp_path):  # noqa: F811
+    draft = write_draft(tmp_path / "draft", true_fc, {"eagle_config": {"use_aux_hidden_state": True}})
+    data = run("infer-wiring", draft, "--target", f"hf:{tiny_target}", code=3)
+    assert data["stated"]["ids"] == {} and data["ok"] is False
+    assert any("states no ids" in n for n in data["notes"])
+    assert data["wiring"] == [str(p) for p in TRUE]
+
+
+def test_bad_inputs_exit_2_with_one_line(tiny_target, tmp_path):  # noqa: F811
+    import torch
+
+    cases = {
+        "no fc": write_draft(tmp_path / "a", torch.zeros(4, 4), {}),  # its safetensors removed below
+    }
+    (cases["no fc"] / "model.safetensors").unlink()
+    cases["width"] = write_draft(tmp_path / "b", torch.zeros(64, 100), {})
+    for name, draft in cases.items():
+        res = CliRunner().invoke(main, ["infer-wiring", str(draft), "--target", f"hf:{tiny_target}"])
+        assert res.exit_code == 2, (name, res.output)
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    existing = tmp_path / "exists.yaml"
+    existing.write_text("x")
+    res = CliRunner().invoke(main, ["infer-wiring", str(cases["width"]), "--target", f"hf:{tiny_target}", "-o", str(existing)])
+    assert res.exit_code == 2 and "exists" in res.stderr and existing.read_text() == "x"
+
+
+def test_structured_candidates_cover_the_known_mistakes():
+    points = target_points(61)
+    stated = [EMBED, layer_out(2), layer_out(30)]
+    cands = dict((w, label) for label, w in structured_candidates([("stated", stated)], points, 3))
+    index = {p: i for i, p in enumerate(points)}
+
+    def w(*ps: Point) -> tuple[int, ...]:
+        return tuple(index[p] for p in ps)
+
+    assert cands[w(*stated)] == "stated"
+    assert "off by +1" in cands[w(layer_out(0), layer_out(2), layer_out(30))]
+    assert "shifted left" in cands[w(layer_out(2), layer_out(30), layer_out(58))]
+    assert "reversed" in cands[w(layer_out(30), layer_out(2), EMBED)]
+    assert all(len(set(c)) == 3 for c in cands)  # an engine captures each point once
