@@ -37,9 +37,10 @@ from surgeon.core.conventions import EAGLE, HF, Convention
 from surgeon.core.errors import BadInput, SurgeonError
 from surgeon.core.points import Point, all_points
 from surgeon.core.spec import load_spec
+from surgeon.draft.model import Eagle3Draft, load_draft, teacher_forced
 from surgeon.draft.weightspace import SlotScore, contributions, gain_table, slot_scores
 from surgeon.engines.view import open_engine
-from surgeon.verify.reference import capture_reference, resolve_model
+from surgeon.verify.reference import capture_reference, quiet_transformers, resolve_model
 from surgeon.wiring.draft import CHECK_TARGETS, _read_config, check_draft, fc_weight_shape, read_ids
 from surgeon.wiring.render import RENDER_TARGETS, fc_ids
 
@@ -164,9 +165,10 @@ def fused_output(contrib: torch.Tensor, wiring: Wiring, bias: torch.Tensor | Non
 
 def search(weight: torch.Tensor, states: torch.Tensor, points: Sequence[Point], contrib: torch.Tensor,
            named: Sequence[tuple[str, Sequence[Point]]], *, bias: torch.Tensor | None = None,
-           behaviour: Behaviour | None = None) -> Search:
+           behaviour: Behaviour | None = None, fuse: Callable[[Wiring], torch.Tensor] | None = None) -> Search:
     """Weight-space table and best wiring, the structured candidates scored, and (with
-    ``behaviour``) the agreement search; see the module docstring."""
+    ``behaviour``) the agreement search; see the module docstring. ``fuse`` replaces the sum of
+    contributions where the draft's fc input is not linear in the slots (a norm before the fc)."""
     points = list(points)
     table = gain_table(weight, states, contrib)
     n = table.shape[0]
@@ -177,19 +179,19 @@ def search(weight: torch.Tensor, states: torch.Tensor, points: Sequence[Point], 
         scored.append(Candidate("per-slot search (weight space)", best, wiring_score(table, best)))
     result = Search(points, table, slot_scores(table, points), best, scored, best)
     if behaviour is not None:
-        _behaviour_search(result, contrib, bias, behaviour)
+        _behaviour_search(result, fuse or (lambda w: fused_output(contrib, w, bias)), behaviour)
     result.candidates.sort(key=lambda c: (-(c.agreement if c.agreement is not None else -1.0), -c.weight_score))
     return result
 
 
-def _behaviour_search(result: Search, contrib: torch.Tensor, bias: torch.Tensor | None, behaviour: Behaviour) -> None:
+def _behaviour_search(result: Search, fuse: Callable[[Wiring], torch.Tensor], behaviour: Behaviour) -> None:
     """Agreement of every candidate, then coordinate ascent from the best one over every point,
     slot by slot, until no single-slot change improves it; records the margin over the runner-up."""
     cache: dict[Wiring, float] = {}
 
     def agree(w: Wiring) -> float:
         if w not in cache:
-            cache[w] = float(behaviour.agreement(fused_output(contrib, w, bias)))
+            cache[w] = float(behaviour.agreement(fuse(w)))
         return cache[w]
 
     result.candidates = [Candidate(c.label, c.wiring, c.weight_score, agree(c.wiring)) for c in result.candidates]
@@ -277,6 +279,7 @@ class TargetStates:
     with the prompts' tokens concatenated in order (``lengths`` says where each ends)."""
 
     source: str
+    folder: str
     architecture: str
     num_layers: int
     hidden_size: int
@@ -324,7 +327,8 @@ def collect_states(target: str, prompts: Sequence[torch.Tensor] | None = None) -
     for ids in prompts:
         ref = capture_reference(model_dir, ids)
         per_prompt.append(torch.stack([ref.states[p] for p in points]))
-    return TargetStates(source, arch, L, H, points, torch.cat(per_prompt, dim=1), [torch.as_tensor(p) for p in prompts])
+    return TargetStates(source, str(model_dir), arch, L, H, points, torch.cat(per_prompt, dim=1),
+                        [torch.as_tensor(p) for p in prompts])
 
 
 def named_wirings(stated: dict[str, list[int] | None], architecture: str, num_layers: int,
@@ -482,10 +486,58 @@ class InferReport:
         }
 
 
+def target_greedy(folder: str, prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The target's greedy next token at every position of each prompt (argmax of its logits)."""
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(input_ids=ids[None], use_cache=False).logits[0].argmax(-1) for ids in prompts]
+
+
+class DraftAgreement:
+    """The behaviour signal of a loaded EAGLE-3 draft: the fraction of positions where its step-1
+    guess equals the target's greedy token, with SpecForge's alignment
+    (:func:`surgeon.draft.model.teacher_forced`: the state of token ``t`` with the embedding of
+    token ``t+1`` guesses token ``t+2``, which the target's greedy choice after ``t+1`` labels)."""
+
+    def __init__(self, draft: Eagle3Draft, states: TargetStates, greedy: Sequence[torch.Tensor]) -> None:
+        self.draft, self.states, self.greedy = draft, states, list(greedy)
+
+    def agreement(self, fused: torch.Tensor) -> float:
+        hits = total = offset = 0
+        with torch.no_grad():
+            for ids, labels in zip(self.states.input_ids, self.greedy):
+                T = int(ids.numel())
+                if T >= 2:
+                    guess = teacher_forced(self.draft, fused[offset:offset + T], ids, 1)[0]
+                    hits += int((guess == labels[1:T]).sum())
+                    total += T - 1
+                offset += T
+        return hits / total if total else 0.0
+
+
+def draft_runtime(draft: str, states: TargetStates, notes: list[str]) -> tuple[Eagle3Draft | None, Behaviour | None]:
+    """The draft loaded as an EAGLE-3 model and its behaviour signal, or (None, None) with the
+    reason in ``notes`` (a folder holding only an fc, a DFlash draft, another vocabulary)."""
+    try:
+        model = load_draft(draft, target=states.folder)
+    except BadInput as e:
+        notes.append(f"behaviour not measured: the draft does not load as an EAGLE-3 model ({e}); weight-space evidence only")
+        return None, None
+    vocab = target_config(states.folder)[3]
+    if model.info.target_vocab_size != vocab:
+        notes.append(f"behaviour not measured: the draft's target vocabulary is {model.info.target_vocab_size}, "
+                     f"the target's {vocab}")
+        return None, None
+    return model, DraftAgreement(model, states, target_greedy(states.folder, states.input_ids))
+
+
 def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | None = None,
-                 behaviour: Callable[[TargetStates], Behaviour] | None = None) -> InferReport:
+                 behaviour: bool = True) -> InferReport:
     """The wiring ``draft``'s fc was trained on, against ``target`` (see the module docstring);
-    ``behaviour`` builds the behaviour signal from the target's states (None: weight space only)."""
+    with ``behaviour``, and a draft that loads as an EAGLE-3 model, the agreement search too."""
     fc = read_draft_fc(draft)
     states = collect_states(target, prompts)
     notes: list[str] = []
@@ -494,10 +546,18 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
                        f"{states.hidden_size}: this draft was not trained on {target}")
     contrib = contributions(fc.weight, states.states)
     named = named_wirings(fc.stated, states.architecture, states.num_layers, notes)
-    found = search(fc.weight, states.states, states.points, contrib, named, bias=fc.bias,
-                   behaviour=behaviour(states) if behaviour is not None else None)
-    if behaviour is None:
-        notes.append("behaviour (draft agreement with the target) not measured: weight-space evidence only")
+    model, signal = draft_runtime(draft, states, notes) if behaviour else (None, None)
+    if not behaviour:
+        notes.append("behaviour not measured (weight-space evidence only, as asked)")
+    fuse = None
+    if model is not None and (model.fc_norm is not None or model.input_norm is not None):
+        notes.append("the draft normalises its fc input: each candidate's fc output is computed by the draft's own fuse")
+        fuse = _draft_fuse(model, states)
+    elif model is not None and not _sums_match(model, contrib, fc.bias, states):
+        notes.append("the draft's fuse differs from the sum of its fc slots' contributions: each candidate's fc "
+                     "output is computed by the draft's own fuse")
+        fuse = _draft_fuse(model, states)
+    found = search(fc.weight, states.states, states.points, contrib, named, bias=fc.bias, behaviour=signal, fuse=fuse)
     text = spec_text(Path(draft).resolve().name, states, [states.points[i] for i in found.wiring], draft)
     spec = load_spec("<inferred spec>", text=text)
     stated_ids = {k: v for k, v in fc.stated.items() if v is not None}
@@ -507,3 +567,18 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
     return InferReport(fc.path, fc.tensor, states.source, states.num_layers, states.hidden_size,
                        states.states.shape[1], found, engine_ids(spec), stated_ids, stated_check(spec, draft),
                        text, None, notes)
+
+
+def _draft_fuse(model: Eagle3Draft, states: TargetStates) -> Callable[[Wiring], torch.Tensor]:
+    def fuse(w: Wiring) -> torch.Tensor:
+        with torch.no_grad():
+            return model.fuse([states.states[i] for i in w])
+
+    return fuse
+
+
+def _sums_match(model: Eagle3Draft, contrib: torch.Tensor, bias: torch.Tensor | None, states: TargetStates) -> bool:
+    """Does the sum of per-slot contributions reproduce the draft's own fuse (checked on one wiring)?"""
+    w = tuple(range(contrib.shape[0]))
+    direct = _draft_fuse(model, states)(w)
+    return bool(torch.allclose(fused_output(contrib, w, bias), direct, rtol=1e-4, atol=1e-4 * float(direct.abs().max())))

@@ -18,7 +18,7 @@ no rank to choose and it is computed from the slot contributions ``S_p W_j^T``, 
 search needs anyway: one matmul per slot over every point, whatever the number of candidate wirings.
 
 Measured here (``tests/draft/test_weightspace.py``): on a 6-layer tiny Llama with an fc trained by
-Adam on three known points, the true point leads every slot by 18-32% on prompts it was not trained
+Adam on three known points, the true point leads every slot by 9-43% on prompts it was not trained
 on. Adjacent points of a deep model whose layers each change the stream by a few percent score
 nearly alike: the margin says so, and a margin under :data:`DECIDES` is reported as not deciding.
 """
