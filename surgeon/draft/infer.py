@@ -38,7 +38,7 @@ from surgeon.core.errors import BadInput, SurgeonError
 from surgeon.core.points import Point, all_points
 from surgeon.core.spec import load_spec
 from surgeon.draft.model import Eagle3Draft, load_draft, teacher_forced
-from surgeon.draft.weightspace import SlotScore, contributions, gain_table, slot_scores
+from surgeon.draft.weightspace import SlotScore, contributions, gain_table, sketched_gain_table, slot_blocks, slot_scores
 from surgeon.engines.view import open_engine
 from surgeon.verify.reference import capture_reference, quiet_transformers, resolve_model
 from surgeon.wiring.draft import CHECK_TARGETS, _read_config, check_draft, fc_weight_shape, read_ids
@@ -153,7 +153,26 @@ def structured_candidates(named: Sequence[tuple[str, Sequence[Point]]], points: 
     return [(label, w) for w, label in seen.items()]
 
 
-def fused_output(contrib: torch.Tensor, wiring: Wiring, bias: torch.Tensor | None) -> torch.Tensor:
+class Contributions:
+    """``S_p W_j^T`` per (slot, point): all of them precomputed (:func:`contributions`), or each
+    computed when first asked for and kept (what a large target needs: the behaviour search asks
+    for a few points per slot, the weight-space table does not need them at all when sketched)."""
+
+    def __init__(self, weight: torch.Tensor, states: torch.Tensor, full: torch.Tensor | None = None) -> None:
+        self.blocks = slot_blocks(weight, states.shape[-1])
+        self.states, self.full = states, full
+        self.cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        j, p = key
+        if self.full is not None:
+            return self.full[j, p]
+        if key not in self.cache:
+            self.cache[key] = self.states[p].to(self.blocks[j].dtype) @ self.blocks[j].T
+        return self.cache[key]
+
+
+def fused_output(contrib: torch.Tensor | Contributions, wiring: Wiring, bias: torch.Tensor | None) -> torch.Tensor:
     """The fc output ``[N, out]`` for a wiring: the sum of its slots' contributions."""
     out = contrib[0, wiring[0]].clone()
     for j in range(1, len(wiring)):
@@ -163,14 +182,21 @@ def fused_output(contrib: torch.Tensor, wiring: Wiring, bias: torch.Tensor | Non
     return out
 
 
-def search(weight: torch.Tensor, states: torch.Tensor, points: Sequence[Point], contrib: torch.Tensor,
+def search(weight: torch.Tensor, states: torch.Tensor, points: Sequence[Point], contrib: torch.Tensor | None,
            named: Sequence[tuple[str, Sequence[Point]]], *, bias: torch.Tensor | None = None,
-           behaviour: Behaviour | None = None, fuse: Callable[[Wiring], torch.Tensor] | None = None) -> Search:
+           behaviour: Behaviour | None = None, fuse: Callable[[Wiring], torch.Tensor] | None = None,
+           sketch: int | None = None) -> Search:
     """Weight-space table and best wiring, the structured candidates scored, and (with
     ``behaviour``) the agreement search; see the module docstring. ``fuse`` replaces the sum of
-    contributions where the draft's fc input is not linear in the slots (a norm before the fc)."""
+    contributions where the draft's fc input is not linear in the slots (a norm before the fc).
+    Without ``contrib`` the contributions are computed as the behaviour search needs them, and
+    with ``sketch`` the weight-space table is :func:`sketched_gain_table` of that width."""
     points = list(points)
-    table = gain_table(weight, states, contrib)
+    if sketch is not None:
+        table = sketched_gain_table(weight, states, sketch)
+    else:
+        table = gain_table(weight, states, contrib)
+    lazy = Contributions(weight, states, contrib)
     n = table.shape[0]
     best = best_distinct(table)
     structured = structured_candidates(named, points, n)
@@ -179,7 +205,7 @@ def search(weight: torch.Tensor, states: torch.Tensor, points: Sequence[Point], 
         scored.append(Candidate("per-slot search (weight space)", best, wiring_score(table, best)))
     result = Search(points, table, slot_scores(table, points), best, scored, best)
     if behaviour is not None:
-        _behaviour_search(result, fuse or (lambda w: fused_output(contrib, w, bias)), behaviour)
+        _behaviour_search(result, fuse or (lambda w: fused_output(lazy, w, bias)), behaviour)
     result.candidates.sort(key=lambda c: (-(c.agreement if c.agreement is not None else -1.0), -c.weight_score))
     return result
 

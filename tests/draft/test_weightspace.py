@@ -17,7 +17,14 @@ from safetensors.torch import save_file
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point, layer_out
 from surgeon.draft.infer import TargetStates, collect_states, default_prompts, target_points
-from surgeon.draft.weightspace import DECIDES, contributions, gain_table, slot_blocks, slot_scores
+from surgeon.draft.weightspace import (
+    DECIDES,
+    contributions,
+    gain_table,
+    sketched_gain_table,
+    slot_blocks,
+    slot_scores,
+)
 from surgeon.run.tinymodels import make_tiny_model
 
 LAYERS, HIDDEN = 6, 64
@@ -94,6 +101,10 @@ def test_each_slot_names_its_trained_point_on_unseen_prompts(tiny_target, scorin
     assert [s.best for s in scores] == wiring
     # measured: 9-43% on this target; the threshold for deciding is 5%
     assert all(s.decides and s.margin is not None and s.margin > 0.08 for s in scores), [s.margin for s in scores]
+    # the sketched table (what a Kimi-sized fc uses) names the same points
+    sketched = sketched_gain_table(weight, ts.states, 256)
+    assert [s.best for s in slot_scores(sketched, ts.points)] == wiring
+    assert float(((sketched - gain_table(weight, ts.states)) / gain_table(weight, ts.states)).abs().max()) < 0.1
 
 
 @pytest.mark.slow
