@@ -142,13 +142,13 @@ def print_inferred_wiring(r: Any) -> None:
     data = r.to_json()
     out.print(f"[bold]{escape(data['draft'])}[/] ({escape(data['fc_tensor'])}) against {escape(data['target'])}: "
               f"{data['n_slots']} fc slots, {data['num_layers']} layers, {data['tokens']} tokens")
-    table = Table(title="weight space: each fc slot's gain on each point's states (1 = blind to them)")
-    for h in ("slot", "point", "gain", "runner-up", "gain", "margin", "decides"):
+    table = Table(title="weight space: each fc slot's alignment with each point's states (relative to its slot)")
+    for h in ("slot", "point", "score", "runner-up", "score", "margin", "decides"):
         table.add_column(h)
     for x in data["weight_space"]["slots"]:
         margin = "-" if x["margin"] is None else f"{100 * x['margin']:.1f}%"
-        table.add_row(str(x["slot"]), x["point"], f"{x['gain']:.3f}", x["runner_up"] or "-",
-                      "-" if x["runner_up_gain"] is None else f"{x['runner_up_gain']:.3f}", margin,
+        table.add_row(str(x["slot"]), x["point"], f"{x['score']:.4g}", x["runner_up"] or "-",
+                      "-" if x["runner_up_score"] is None else f"{x['runner_up_score']:.4g}", margin,
                       "[green]yes[/]" if x["decides"] else "[yellow]does not decide[/]")
     out.print(table)
     b = data["behaviour"]

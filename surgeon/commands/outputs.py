@@ -491,10 +491,11 @@ class DemoOutput(_Output):
 class InferSlot(_Closed):
     slot: int
     point: Point
-    gain: float = Field(description="the fc slot's output energy on this point's states over that on isotropic states")
+    score: float = Field(description="alignment of the fc slot's amplification W_j^T W_j (isotropic part removed) "
+                                     "with this point's state covariance; relative to its slot")
     runner_up: Point | None
-    runner_up_gain: float | None
-    margin: float | None = Field(description="gain / runner_up_gain - 1")
+    runner_up_score: float | None
+    margin: float | None = Field(description="(score - runner_up_score) / score; null when nothing aligns")
     decides: bool
 
 
@@ -517,7 +518,7 @@ class InferBehaviour(_Closed):
 class InferCandidate(_Closed):
     label: str
     wiring: list[Point]
-    weight_score: float = Field(description="mean over slots of log gain")
+    weight_score: float = Field(description="mean over slots of the alignment relative to the slot's best (1: every slot's best)")
     agreement: float | None
 
 

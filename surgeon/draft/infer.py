@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from surgeon.core.errors import BadInput, SurgeonError
 from surgeon.core.points import Point, all_points
 from surgeon.core.spec import load_spec
 from surgeon.draft.model import Eagle3Draft, load_draft, teacher_forced
-from surgeon.draft.weightspace import SlotScore, contributions, gain_table, sketched_gain_table, slot_blocks, slot_scores
+from surgeon.draft.weightspace import SlotScore, alignment_table, contributions, slot_blocks, slot_scores
 from surgeon.engines.view import open_engine
 from surgeon.verify.reference import capture_reference, quiet_transformers, resolve_model
 from surgeon.wiring.draft import CHECK_TARGETS, _read_config, check_draft, fc_weight_shape, read_ids
@@ -60,7 +59,7 @@ class Candidate:
 
     label: str
     wiring: Wiring
-    weight_score: float  # mean log gain over slots
+    weight_score: float  # mean over slots of alignment / the slot's best alignment (1: each slot's best)
     agreement: float | None = None
 
 
@@ -70,7 +69,7 @@ class Search:
     chosen wiring and its margins over the runner-up under each signal."""
 
     points: list[Point]
-    table: torch.Tensor  # [n_slots, P] gains
+    table: torch.Tensor  # [n_slots, P] alignments
     slots: list[SlotScore]
     weight_wiring: Wiring
     candidates: list[Candidate]
@@ -96,8 +95,10 @@ def point_index(points: Sequence[Point]) -> dict[Point, int]:
 
 
 def wiring_score(table: torch.Tensor, wiring: Wiring) -> float:
-    """Weight-space score of a wiring: the mean over slots of log gain (each slot weighs alike)."""
-    return sum(math.log(max(float(table[j, p]), 1e-300)) for j, p in enumerate(wiring)) / len(wiring)
+    """Weight-space score of a wiring: the mean over slots of its alignment relative to the slot's
+    best (each slot weighs alike; 1.0 is every slot on its best point)."""
+    best = table.max(dim=1).values
+    return sum(float(table[j, p]) / max(float(best[j]), 1e-300) for j, p in enumerate(wiring)) / len(wiring)
 
 
 def best_distinct(table: torch.Tensor, top: int = 6) -> Wiring:
@@ -190,12 +191,10 @@ def search(weight: torch.Tensor, states: torch.Tensor, points: Sequence[Point], 
     ``behaviour``) the agreement search; see the module docstring. ``fuse`` replaces the sum of
     contributions where the draft's fc input is not linear in the slots (a norm before the fc).
     Without ``contrib`` the contributions are computed as the behaviour search needs them, and
-    with ``sketch`` the weight-space table is :func:`sketched_gain_table` of that width."""
+    with ``sketch`` the weight-space table is estimated through a sketch of that width
+    (:func:`surgeon.draft.weightspace.alignment_table`)."""
     points = list(points)
-    if sketch is not None:
-        table = sketched_gain_table(weight, states, sketch)
-    else:
-        table = gain_table(weight, states, contrib)
+    table = alignment_table(weight, states, contrib, sketch=sketch)
     lazy = Contributions(weight, states, contrib)
     n = table.shape[0]
     best = best_distinct(table)
@@ -487,9 +486,9 @@ class InferReport:
 
     def to_json(self) -> dict:
         s = self.search
-        slots = [{"slot": x.slot, "point": str(x.best), "gain": x.best_gain,
+        slots = [{"slot": x.slot, "point": str(x.best), "score": x.best_score,
                   "runner_up": None if x.runner_up is None else str(x.runner_up),
-                  "runner_up_gain": x.runner_up_gain, "margin": x.margin, "decides": x.decides} for x in s.slots]
+                  "runner_up_score": x.runner_up_score, "margin": x.margin, "decides": x.decides} for x in s.slots]
         behaviour = None
         if s.behaviour_evaluations:
             behaviour = {"wiring": self.wiring,

@@ -2,33 +2,34 @@
 
 An EAGLE-3 fc is linear: ``fused = sum_j W_j s_j`` with ``W_j = fc.weight[:, j*H:(j+1)*H]`` and
 ``s_j`` the state fed to slot ``j``. Gradient training adds ``dW_j = sum_t g_t s_{j,t}^T`` to ``W_j``:
-the update's rows are combinations of the very states the slot was fed, weighted by how often each
-direction occurs. So ``W_j`` has its energy in the directions its training states vary in, and the
-point it was trained on is the one whose states it amplifies most.
+the update's rows are combinations of the very states the slot was fed, so over many steps its
+amplification matrix ``M_j = W_j^T W_j`` grows like ``c C_p + (initialisation)``, with ``C_p`` the
+covariance of the states at the point ``p`` it was trained on (its uncentred second moment).
 
-The score of (slot ``j``, point ``p``) is that amplification, the *gain*::
+The score of (slot ``j``, point ``p``) is the *alignment* of the two matrices::
 
-    gain(j, p) = ||S_p W_j^T||_F^2 / (||W_j||_F^2 * ||S_p||_F^2 / H)
+    alignment(j, p) = <M_j - mu_j I, C_p>_F / (mu_j ||C_p||_F),   mu_j = ||W_j||_F^2 / H
+                    = (gain(j, p) - 1) * tr(C_p) / ||C_p||_F
 
-with ``S_p`` the target's states at ``p`` (rows: tokens of a few prompts, ``[N, H]``). It is the
-fc's output energy on the real states over its output energy on isotropic states of the same total
-energy: 1 for a ``W_j`` that ignores the data's geometry (a random initialisation scores 1 at every
-point in expectation), above 1 where ``W_j``'s rows lie in ``S_p``'s high-variance subspace. It has
-no rank to choose and it is computed from the slot contributions ``S_p W_j^T``, which the behaviour
-search needs anyway: one matmul per slot over every point, whatever the number of candidate wirings.
+proportional (per slot) to the cosine between ``M_j`` with its isotropic part removed (a random
+initialisation is isotropic) and ``C_p``; by Cauchy-Schwarz it is largest where ``C_p`` is shaped
+like what the slot was trained on, so a point with fewer directions (the embedding under a shallow
+layer) or more (a deeper layer) scores lower. ``gain(j, p) = ||S_p W_j^T||_F^2 H / (||W_j||_F^2
+||S_p||_F^2)`` is the fc's output energy on the point's states over that on isotropic states of
+the same energy, from the slot contributions ``S_p W_j^T`` (one matmul per slot over every point,
+what the behaviour search needs anyway). ``||C_p||_F`` is estimated without the bias a few hundred
+tokens give it (``||S S^T||_F^2`` over-counts ``tr(C)^2 / N``): the U-statistic over token pairs.
+A score is relative to its slot: the margin is ``(best - runner_up) / best``.
 
 Measured here (``tests/draft/test_weightspace.py``): on a 6-layer tiny Llama with an fc trained by
-Adam on three known points, the true point leads every slot by 9-43% on prompts it was not trained
-on. Where it does not decide, the margin says so (under :data:`DECIDES`):
+Adam on three known points, the true point leads every slot by 19-230% on prompts it was not
+trained on (the gain alone: 2-43%, and it put the embedding level with layer_out[0]). Where the
+evidence does not decide, the margin says so (under :data:`DECIDES`):
 
 * the last layer's output and the final norm (a per-token rescaling of it) score within 2%;
-* the gain is an energy-weighted mean of the fc's amplification, so a point holding only the
-  most amplified directions (the embedding, when deeper layers add directions of their own that
-  the fc amplifies less) can lead the point the slot was trained on by a little: in
-  ``benchmarks/infer_wiring.py`` (synthetic Kimi-shaped streams, consecutive points 20% apart) a
-  slot trained on layer_out[2] scores embed 1.3% higher, while layer_out[30] and layer_out[58]
-  are named right with 2-3% margins; all three are reported as not deciding, never as a verdict.
-  With consecutive points 5% apart no slot decides. The behaviour signal is what decides those.
+* ``benchmarks/infer_wiring.py`` (synthetic Kimi-shaped streams, 128 tokens): with consecutive
+  points 20% apart every slot is named right, by 1-4%, so reported as not deciding; 5% apart,
+  nothing decides. The behaviour signal is what decides those.
 """
 
 from __future__ import annotations
@@ -52,20 +53,23 @@ class SlotScore:
 
     slot: int
     best: Point
-    best_gain: float
+    best_score: float
     runner_up: Point | None
-    runner_up_gain: float | None
+    runner_up_score: float | None
 
     @property
     def margin(self) -> float | None:
-        """``best / runner_up - 1`` (None with a single candidate point)."""
-        if self.runner_up_gain is None:
+        """``(best - runner_up) / best``; None with a single candidate point, or when no point
+        aligns with the slot at all (best <= 0)."""
+        if self.runner_up_score is None or self.best_score <= 0:
             return None
-        return self.best_gain / max(self.runner_up_gain, 1e-30) - 1.0
+        return (self.best_score - self.runner_up_score) / self.best_score
 
     @property
     def decides(self) -> bool:
-        return self.margin is None or self.margin >= DECIDES
+        if self.runner_up is None:
+            return self.best_score > 0
+        return self.margin is not None and self.margin >= DECIDES
 
 
 def slot_blocks(weight: torch.Tensor, hidden_size: int) -> list[torch.Tensor]:
@@ -93,23 +97,59 @@ def contributions(weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gain_table(weight: torch.Tensor, states: torch.Tensor, contrib: torch.Tensor | None = None) -> torch.Tensor:
-    """``[n_slots, P]`` gains (see the module docstring) of every slot against every point."""
+def _frobenius(states: torch.Tensor) -> torch.Tensor:
+    """``||C_p||_F`` per point from its ``N`` tokens: sqrt of the U-statistic
+    ``sum_{t != u} (x_t . x_u)^2 / (N (N - 1))``, unbiased for ``tr(C_p^2)``."""
+    P, N, _ = states.shape
+    out = torch.zeros(P, dtype=torch.float64)
+    for p in range(P):
+        gram = states[p].double() @ states[p].double().T
+        pairs = gram.square().sum() - gram.diagonal().square().sum()
+        out[p] = (pairs / max(N * (N - 1), 1)).clamp_min(1e-300).sqrt()
+    return out
+
+
+def _output_energy(weight: torch.Tensor, states: torch.Tensor, contrib: torch.Tensor | None,
+                   sketch: int | None, seed: int) -> torch.Tensor:
+    """``||S_p W_j^T||_F^2`` ``[n_slots, P]``: from the contributions, or estimated through a
+    Gaussian sketch of the fc's output side (:func:`alignment_table`)."""
     P, N, H = states.shape
     blocks = slot_blocks(weight, H)
-    if contrib is None:
-        contrib = contributions(weight, states)
-    state_energy = states.double().square().sum(dim=(1, 2))  # [P]
+    if sketch is None or sketch >= weight.shape[0]:  # a sketch as wide as the output saves nothing
+        if contrib is None:
+            contrib = contributions(weight, states)
+        return torch.stack([contrib[j].double().square().sum(dim=(1, 2)) for j in range(len(blocks))])
+    g = torch.Generator().manual_seed(seed)
+    projection = torch.randn(weight.shape[0], sketch, generator=g, dtype=weight.dtype) / sketch ** 0.5
+    flat = states.reshape(P * N, H).to(weight.dtype)
+    return torch.stack([(flat @ (block.T @ projection)).double().square().view(P, N, sketch).sum(dim=(1, 2))
+                        for block in blocks])
+
+
+def alignment_table(weight: torch.Tensor, states: torch.Tensor, contrib: torch.Tensor | None = None, *,
+                    sketch: int | None = None, seed: int = 0) -> torch.Tensor:
+    """``[n_slots, P]`` alignments (module docstring) of every slot against every point.
+
+    With ``sketch``, ``||S_p W_j^T||^2`` is estimated as ``||S_p W_j^T R||^2`` with ``R`` a
+    Gaussian ``[out, sketch] / sqrt(sketch)``, never forming the ``[N, out]`` contributions: cost
+    ``n_slots * H * (out + P * N) * sketch`` instead of ``n_slots * P * N * H * out`` (Kimi
+    shape, 7168 wide, 63 points x 128 tokens, sketch 512: ~0.3 TFLOP instead of 2.5). One ``R``
+    serves every (slot, point), so its errors are shared and comparisons are tighter than each
+    estimate (about ``sqrt(2 / (sketch * r))`` relative, r the stable rank of ``S_p W_j^T``)."""
+    P, N, H = states.shape
+    blocks = slot_blocks(weight, H)
+    energy = _output_energy(weight, states, contrib, sketch, seed)
+    state_energy = states.double().square().sum(dim=(1, 2))  # N tr(C_p)
+    frob = _frobenius(states)
     table = torch.zeros(len(blocks), P, dtype=torch.float64)
     for j, block in enumerate(blocks):
-        w_energy = block.double().square().sum()
-        out_energy = contrib[j].double().square().sum(dim=(1, 2))  # [P]
-        table[j] = out_energy * H / (w_energy * state_energy).clamp_min(1e-300)
+        mu = block.double().square().sum() / H
+        table[j] = (energy[j] / mu - state_energy) / (N * frob)
     return table
 
 
 def slot_scores(table: torch.Tensor, points: Sequence[Point]) -> list[SlotScore]:
-    """Each slot's best point and runner-up from a gain table."""
+    """Each slot's best point and runner-up from an alignment table."""
     scores = []
     for j in range(table.shape[0]):
         order = torch.argsort(table[j], descending=True).tolist()
@@ -120,24 +160,3 @@ def slot_scores(table: torch.Tensor, points: Sequence[Point]) -> list[SlotScore]
                                 None if second is None else float(table[j, second])))
     return scores
 
-
-def sketched_gain_table(weight: torch.Tensor, states: torch.Tensor, width: int = 512, seed: int = 0) -> torch.Tensor:
-    """:func:`gain_table` with the fc's output side sketched by a Gaussian ``[out, width]`` matrix
-    ``R / sqrt(width)``: ``||S_p W_j^T R||^2`` estimates ``||S_p W_j^T||^2`` without forming the
-    ``[N, out]`` contributions, so the cost is ``n_slots * H * (out + P * N) * width`` instead of
-    ``n_slots * P * N * H * out`` (at Kimi size, 7168 wide, 63 points x 128 tokens: ~0.3 TFLOP
-    instead of 2.5). One sketch serves every (slot, point), so the estimates' errors are shared and
-    the comparisons between points are tighter than each estimate (about ``sqrt(2 / (width * r))``
-    relative, r the stable rank of ``S_p W_j^T``)."""
-    P, N, H = states.shape
-    blocks = slot_blocks(weight, H)
-    g = torch.Generator().manual_seed(seed)
-    sketch = torch.randn(weight.shape[0], width, generator=g, dtype=weight.dtype) / width ** 0.5
-    flat = states.reshape(P * N, H).to(weight.dtype)
-    state_energy = states.double().square().sum(dim=(1, 2))
-    table = torch.zeros(len(blocks), P, dtype=torch.float64)
-    for j, block in enumerate(blocks):
-        projected = block.T @ sketch  # [H, width]
-        out_energy = (flat @ projected).double().square().view(P, N, width).sum(dim=(1, 2))
-        table[j] = out_energy * H / (block.double().square().sum() * state_energy).clamp_min(1e-300)
-    return table

@@ -1,4 +1,4 @@
-"""Weight-space evidence: each fc slot's gain against every point of a real (tiny) target.
+"""Weight-space evidence: each fc slot's alignment with every point of a real (tiny) target.
 
 The fc weights here are trained, not written down: an fc fit by Adam from a random initialisation
 on the target's states at known points, to a target the draft needs (a projection of the final
@@ -19,9 +19,8 @@ from surgeon.core.points import FINAL_NORM, Point, layer_out
 from surgeon.draft.infer import TargetStates, collect_states, default_prompts, target_points
 from surgeon.draft.weightspace import (
     DECIDES,
+    alignment_table,
     contributions,
-    gain_table,
-    sketched_gain_table,
     slot_blocks,
     slot_scores,
 )
@@ -97,14 +96,17 @@ WIRINGS = [
 def test_each_slot_names_its_trained_point_on_unseen_prompts(tiny_target, scoring_states, wiring):
     weight = train_fc(tiny_target, wiring)
     ts = scoring_states
-    scores = slot_scores(gain_table(weight, ts.states), ts.points)
+    exact = alignment_table(weight, ts.states)
+    scores = slot_scores(exact, ts.points)
     assert [s.best for s in scores] == wiring
-    # measured: 9-43% on this target; the threshold for deciding is 5%
-    assert all(s.decides and s.margin is not None and s.margin > 0.08 for s in scores), [s.margin for s in scores]
-    # the sketched table (what a Kimi-sized fc uses) names the same points
-    sketched = sketched_gain_table(weight, ts.states, 256)
+    # measured: 19-230% on this target; the threshold for deciding is 5%
+    assert all(s.decides and s.margin is not None and s.margin > 0.15 for s in scores), [s.margin for s in scores]
+    # a sketched table (what a Kimi-sized fc uses; here 48 of 64 output columns) names the same points
+    sketched = alignment_table(weight, ts.states, sketch=48)
     assert [s.best for s in slot_scores(sketched, ts.points)] == wiring
-    assert float(((sketched - gain_table(weight, ts.states)) / gain_table(weight, ts.states)).abs().max()) < 0.1
+    # measured: up to 57% of the best score here (a 64-wide output has little to average over), the
+    # ranking holds; at hidden 1024 (benchmarks/infer_wiring.py streams) a 512-wide sketch errs by up to
+    # 2% of the best score and moves the slot margins by under 0.3 points: its errors are shared
 
 
 @pytest.mark.slow
@@ -113,17 +115,21 @@ def test_the_last_layer_and_the_final_norm_are_not_told_apart(tiny_target, scori
     directions, so the weights cannot say which of the two a slot read, and the margin says so."""
     weight = train_fc(tiny_target, [layer_out(1), layer_out(3), layer_out(LAYERS - 1)])
     ts = scoring_states
-    last = slot_scores(gain_table(weight, ts.states), ts.points)[2]
+    last = slot_scores(alignment_table(weight, ts.states), ts.points)[2]
     assert {last.best, last.runner_up} == {layer_out(LAYERS - 1), FINAL_NORM}
     assert not last.decides
 
 
-def test_an_untrained_fc_gains_about_one_everywhere(scoring_states):
+@pytest.mark.slow
+def test_an_untrained_fc_aligns_with_nothing(tiny_target, scoring_states):
+    """A random initialisation is isotropic: its alignment is noise, a small fraction of what the
+    same slots reach once trained."""
     ts = scoring_states
-    weight = torch.randn(HIDDEN, 3 * HIDDEN, generator=torch.Generator().manual_seed(1))
-    table = gain_table(weight, ts.states)
-    assert table.shape == (3, LAYERS + 2)
-    assert float(table.min()) > 0.5 and float(table.max()) < 2.0
+    untrained = alignment_table(torch.randn(HIDDEN, 3 * HIDDEN, generator=torch.Generator().manual_seed(1)) * 0.02,
+                                ts.states)
+    trained = alignment_table(train_fc(tiny_target, WIRINGS[0]), ts.states)
+    assert untrained.shape == (3, LAYERS + 2)
+    assert float(untrained.abs().max()) < 0.2 * float(trained.max(dim=1).values.min())
 
 
 def test_contributions_are_the_slot_blocks_applied_to_each_point():
@@ -147,8 +153,9 @@ def test_a_width_that_is_not_whole_slots_is_refused():
 
 
 def test_the_margin_threshold_separates_deciding_from_not():
-    table = torch.tensor([[1.0, 1.0 + DECIDES / 2], [3.0, 1.0]])
+    table = torch.tensor([[1.0, 1.0 + DECIDES / 2], [3.0, 1.0], [-1.0, -0.5]], dtype=torch.float64)
     points = target_points(0)[:1] + [layer_out(0)]
-    a, b = slot_scores(table, points)
+    a, b, c = slot_scores(table, points)
     assert not a.decides and a.best == layer_out(0)
-    assert b.decides and b.margin == pytest.approx(2.0)
+    assert b.decides and b.margin == pytest.approx(2 / 3)
+    assert not c.decides and c.margin is None  # nothing aligns
