@@ -259,6 +259,11 @@ def target_points(num_layers: int) -> list[Point]:
 # From files: the draft's fc and stated ids, the target's states, the named wirings, the report
 # ---------------------------------------------------------------------------------------------
 ENGINES = ("sglang", "vllm")
+#: above this many multiply-adds the slot contributions are not all formed: the weight-space table is
+#: sketched (:func:`surgeon.draft.weightspace.alignment_table`) and the behaviour search forms only
+#: the contributions it asks for (at Kimi shape, 63 points x 128 tokens: 2.5 T, so sketched)
+FULL_CONTRIBUTIONS_MACS = 5e10
+SKETCH = 512
 
 
 @dataclass(frozen=True)
@@ -569,7 +574,11 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
     if fc.weight.shape[1] % states.hidden_size:
         raise BadInput(f"{draft}: fc in_features {fc.weight.shape[1]} is not a multiple of the target's hidden_size "
                        f"{states.hidden_size}: this draft was not trained on {target}")
-    contrib = contributions(fc.weight, states.states)
+    P, N, H = states.states.shape
+    large = fc.weight.shape[0] * (fc.weight.shape[1] // H) * P * N * H > FULL_CONTRIBUTIONS_MACS
+    contrib = None if large else contributions(fc.weight, states.states)
+    if large:
+        notes.append(f"large fc: the weight-space table is estimated through a {SKETCH}-wide sketch of its output side")
     named = named_wirings(fc.stated, states.architecture, states.num_layers, notes)
     model, signal = draft_runtime(draft, states, notes) if behaviour else (None, None)
     if not behaviour:
@@ -578,11 +587,12 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
     if model is not None and (model.fc_norm is not None or model.input_norm is not None):
         notes.append("the draft normalises its fc input: each candidate's fc output is computed by the draft's own fuse")
         fuse = _draft_fuse(model, states)
-    elif model is not None and not _sums_match(model, contrib, fc.bias, states):
+    elif model is not None and not _sums_match(model, Contributions(fc.weight, states.states, contrib), fc.bias, states):
         notes.append("the draft's fuse differs from the sum of its fc slots' contributions: each candidate's fc "
                      "output is computed by the draft's own fuse")
         fuse = _draft_fuse(model, states)
-    found = search(fc.weight, states.states, states.points, contrib, named, bias=fc.bias, behaviour=signal, fuse=fuse)
+    found = search(fc.weight, states.states, states.points, contrib, named, bias=fc.bias, behaviour=signal, fuse=fuse,
+                   sketch=SKETCH if large else None)
     text = spec_text(Path(draft).resolve().name, states, [states.points[i] for i in found.wiring], draft)
     spec = load_spec("<inferred spec>", text=text)
     stated_ids = {k: v for k, v in fc.stated.items() if v is not None}
@@ -602,8 +612,8 @@ def _draft_fuse(model: Eagle3Draft, states: TargetStates) -> Callable[[Wiring], 
     return fuse
 
 
-def _sums_match(model: Eagle3Draft, contrib: torch.Tensor, bias: torch.Tensor | None, states: TargetStates) -> bool:
+def _sums_match(model: Eagle3Draft, contrib: Contributions, bias: torch.Tensor | None, states: TargetStates) -> bool:
     """Does the sum of per-slot contributions reproduce the draft's own fuse (checked on one wiring)?"""
-    w = tuple(range(contrib.shape[0]))
+    w = tuple(range(len(contrib.blocks)))
     direct = _draft_fuse(model, states)(w)
     return bool(torch.allclose(fused_output(contrib, w, bias), direct, rtol=1e-4, atol=1e-4 * float(direct.abs().max())))

@@ -167,3 +167,16 @@ def test_behaviour_agreement_is_the_drafts_own_step_one_agreement(tiny_target, t
             total += T - 1
             offset += T
     assert b["agreement"] == pytest.approx(hits / total)
+
+
+@pytest.mark.slow
+def test_a_large_fc_is_scored_through_the_sketch(tiny_target, true_fc, tmp_path, monkeypatch):  # noqa: F811
+    """Above FULL_CONTRIBUTIONS_MACS the slot contributions are not all formed (the Kimi path)."""
+    from surgeon.draft import infer
+
+    monkeypatch.setattr(infer, "FULL_CONTRIBUTIONS_MACS", 0)
+    monkeypatch.setattr(infer, "SKETCH", 48)  # narrower than the 64-wide output, so really sketched
+    draft = write_draft(tmp_path / "draft", true_fc, engine_config(TRUE))
+    report = infer.infer_wiring(str(draft), str(tiny_target))
+    assert report.wiring == [str(p) for p in TRUE]
+    assert any("sketch" in n for n in report.notes)
