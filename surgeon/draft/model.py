@@ -35,7 +35,8 @@ forwards (their config and fc are read into :class:`DraftInfo`), sliding-window 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,17 @@ from torch import nn
 
 from surgeon.core.errors import BadInput
 from surgeon.draft.layouts import REQUIRED, Checkpoint, canonical, layer_fields, read_checkpoint, stated_ids
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one thread for the duration (tiny matrices: a second thread only contends)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ class DraftCache:
     values: list[torch.Tensor] = field(default_factory=list)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
 
@@ -112,17 +124,21 @@ class _Attention(nn.Module):
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return x * emb.cos()[None] + _rotate_half(x) * emb.sin()[None]
+        return x * emb.cos()[None] + rotate_half(x) * emb.sin()[None]
 
     def forward(self, x: torch.Tensor, cache: DraftCache | None) -> torch.Tensor:
-        T = x.shape[0]
+        """``x`` [T, 2H] or [B, T, 2H] -> [T, H] / [B, T, H]."""
+        lone = x.dim() == 2
+        if lone:
+            x = x[None]
+        B, T = x.shape[0], x.shape[1]
         step = len(cache.keys) if cache is not None else 0
         pos = torch.arange(T, device=x.device) + step  # position_ids + lck
-        q = self._rope(self.q_proj(x).view(T, self.heads, self.head_dim).transpose(0, 1), pos)
-        k = self._rope(self.k_proj(x).view(T, self.kv_heads, self.head_dim).transpose(0, 1), pos)
-        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim).transpose(0, 1)
+        q = self._rope(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), pos)
+        k = self._rope(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2), pos)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if cache is not None:
             cache.keys.append(k)
             cache.values.append(v)
@@ -130,17 +146,18 @@ class _Attention(nn.Module):
         values = cache.values if cache is not None else [v]
         scale = self.head_dim ** -0.5
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        first = (q @ keys[0].transpose(1, 2)) * scale
+        first = (q @ keys[0].transpose(-1, -2)) * scale
         first = first.masked_fill(~causal, float("-inf"))
         diag = [((q * ki).sum(-1) * scale)[..., None] for ki in keys[1:]]  # same position only
         weights = torch.softmax(torch.cat([first, *diag], dim=-1), dim=-1)
         out = weights[..., :T] @ values[0]
         for i, vi in enumerate(values[1:]):
             out = out + weights[..., T + i:T + i + 1] * vi
-        return self.o_proj(out.transpose(0, 1).reshape(T, self.heads * self.head_dim))
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        return out[0] if lone else out
 
 
-class _MLP(nn.Module):
+class SwiGLU(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
@@ -159,7 +176,7 @@ class _MidLayer(nn.Module):
         H, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.self_attn = _Attention(H, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
                                     cfg["rope_theta"])
-        self.mlp = _MLP(H, cfg["intermediate_size"])
+        self.mlp = SwiGLU(H, cfg["intermediate_size"])
         self.hidden_norm = RMSNorm(H, eps)
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)

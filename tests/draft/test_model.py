@@ -277,6 +277,10 @@ def test_forward_matches_transformers_modules(tmp_path):
         # a chain's first step with a cache is the lone step
         logits_c, hidden_c = draft.step(fused, ids, DraftCache())
         assert torch.allclose(hidden_c, hidden, atol=1e-6)
+        # a batch of two gives each sequence's own result
+        batch_logits, batch_hidden = draft.step(torch.stack([fused, fused.flip(0)]), torch.stack([ids, ids.flip(0)]))
+        assert torch.allclose(batch_hidden[0], hidden, atol=1e-6)
+        assert torch.allclose(batch_logits[1], draft.step(fused.flip(0), ids.flip(0))[0], atol=1e-5)
 
 
 def test_second_step_attends_causally_to_step_one_and_to_itself_only(tmp_path):
@@ -297,7 +301,7 @@ def test_second_step_attends_causally_to_step_one_and_to_itself_only(tmp_path):
         q = attn._rope(attn.q_proj(x).view(7, HEADS, d).transpose(0, 1), torch.arange(7) + 1)
         k2 = attn._rope(attn.k_proj(x).view(7, KV, d).transpose(0, 1), torch.arange(7) + 1).repeat_interleave(2, 0)
         v2 = attn.v_proj(x).view(7, KV, d).transpose(0, 1).repeat_interleave(2, 0)
-        k1, v1 = cache.keys[0], cache.values[0]
+        k1, v1 = cache.keys[0][0], cache.values[0][0]
         rows = []
         for t in range(7):
             keys = torch.cat([k1[:, : t + 1], k2[:, t:t + 1]], 1)
