@@ -552,7 +552,7 @@ class InferWiringOutput(_Output):
     n_slots: int
     tokens: int
     wiring: list[Point] = Field(description="the inferred fc input, in slot order")
-    decided: bool
+    decided: bool = Field(description="the behaviour signal decides (weight-space evidence alone never does)")
     weight_space: InferWeightSpace
     behaviour: InferBehaviour | None
     candidates: list[InferCandidate]

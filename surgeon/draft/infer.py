@@ -264,6 +264,10 @@ ENGINES = ("sglang", "vllm")
 #: the contributions it asks for (at Kimi shape, 63 points x 128 tokens: 2.5 T, so sketched)
 FULL_CONTRIBUTIONS_MACS = 5e10
 SKETCH = 512
+WEIGHT_ONLY = ("weight-space evidence alone never decides: on fc layers fit to known points it names them "
+               "(tests/draft/test_weightspace.py), but on an EAGLE-3 draft trained end to end with AdamW "
+               "(surgeon.draft.synthetic's seed draft) it named wrong points by margins up to 54%; "
+               "give a draft that loads as an EAGLE-3 model for the behaviour signal")
 
 
 @dataclass(frozen=True)
@@ -475,8 +479,9 @@ class InferReport:
 
     @property
     def decided(self) -> bool:
-        b = self.behaviour_decides
-        return b if b is not None else self.search.weight_decides
+        """Only the behaviour signal decides: the weight-space table is evidence for review (on an
+        EAGLE-3 draft trained end to end with AdamW it has named wrong points by wide margins)."""
+        return bool(self.behaviour_decides)
 
     @property
     def stated_agree(self) -> bool | None:
@@ -583,6 +588,8 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
     model, signal = draft_runtime(draft, states, notes) if behaviour else (None, None)
     if not behaviour:
         notes.append("behaviour not measured (weight-space evidence only, as asked)")
+    if signal is None:
+        notes.append(WEIGHT_ONLY)
     fuse = None
     if model is not None and (model.fc_norm is not None or model.input_norm is not None):
         notes.append("the draft normalises its fc input: each candidate's fc output is computed by the draft's own fuse")

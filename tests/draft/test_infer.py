@@ -4,6 +4,7 @@ points (test_weightspace.train_fc) and configs that state right, shifted or no i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -54,8 +55,9 @@ def test_names_the_trained_wiring_and_agrees_with_a_right_config(tiny_target, tr
     draft = write_draft(tmp_path / "draft", true_fc, engine_config(TRUE))
     out = tmp_path / "inferred.yaml"
     data = run("infer-wiring", draft, "--target", f"hf:{tiny_target}", "-o", out, code=0)
-    assert data["wiring"] == [str(p) for p in TRUE] and data["decided"]
-    assert data["weight_space"]["margin"] > 0.05
+    assert data["wiring"] == [str(p) for p in TRUE] and data["weight_space"]["decides"]
+    assert data["weight_space"]["margin"] > 0.15
+    assert not data["decided"] and data["behaviour"] is None  # an fc alone: weight space never decides
     assert data["stated"]["agree"] is True
     assert all(e["agrees"] for e in data["stated"]["engines"])
     spec = load_spec(out)
@@ -71,8 +73,9 @@ def test_the_seed_case_labels_shifted_by_a_slot_are_flagged(tiny_target, true_fc
     """Trained on three layer outputs, stated as the embedding plus the first two (Kimi-K2.5)."""
     stated = [EMBED, TRUE[0], TRUE[1]]
     draft = write_draft(tmp_path / "draft", true_fc, engine_config(stated))
-    data = run("infer-wiring", draft, "--target", f"hf:{tiny_target}", code=3)
-    assert data["wiring"] == [str(p) for p in TRUE] and data["ok"] is False
+    # weight space alone never decides, so this is no verdict (exit 0), but every disagreement is shown
+    data = run("infer-wiring", draft, "--target", f"hf:{tiny_target}", code=0)
+    assert data["wiring"] == [str(p) for p in TRUE] and not data["decided"]
     assert data["stated"]["agree"] is False
     vllm = next(e for e in data["stated"]["engines"] if e["engine"] == "vllm")
     assert vllm["captures"] == [str(p) for p in stated]
@@ -180,3 +183,28 @@ def test_a_large_fc_is_scored_through_the_sketch(tiny_target, true_fc, tmp_path,
     report = infer.infer_wiring(str(draft), str(tiny_target))
     assert report.wiring == [str(p) for p in TRUE]
     assert any("sketch" in n for n in report.notes)
+
+
+@pytest.mark.slow
+def test_the_trained_seed_draft_gets_no_wrong_verdict(synthetic_target, seed_draft, tmp_path):
+    """The scaled-down seed case on a draft trained end to end (surgeon.draft.synthetic: AdamW on
+    the induction target's layer_out[1..3]), its config stating the labels shifted by a slot
+    (embed, layer_out[1], layer_out[2]). Measured here: weight space names wrong points with wide
+    margins and step-1 agreement separates the wirings by under 1 point on 8 prompts, so
+    infer-wiring must not decide; whatever it says, it never claims a wrong wiring."""
+    import shutil
+
+    import torch
+
+    from surgeon.draft.infer import infer_wiring
+    from surgeon.draft.synthetic import induction_batch
+
+    draft = Path(shutil.copytree(seed_draft, tmp_path / "seed"))
+    truth = ["layer_out[1]", "layer_out[2]", "layer_out[3]"]
+    config = json.loads((draft / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1]  # SpecForge cannot say embed: 2 ids
+    (draft / "config.json").write_text(json.dumps(config))
+    prompts = list(induction_batch(8, generator=torch.Generator().manual_seed(11)))
+    data = infer_wiring(str(draft), str(synthetic_target), prompts=prompts).to_json()
+    assert data["behaviour"] is not None and data["behaviour"]["evaluations"] > 0
+    assert data["wiring"] == truth or not data["decided"]
