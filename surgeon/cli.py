@@ -192,6 +192,26 @@ def check_draft(spec: str, draft: str, engine: str, engine_root: str | None, mod
     return _show(verdict, as_json, lambda v: show.print_draft_check(v.report))
 
 
+@main.command("infer-wiring")
+@click.argument("draft", type=click.Path(file_okay=False))
+@click.option("--target", required=True, help="The target model: hf:DIR (a local folder) or hf:ORG/NAME from the local HF cache.")
+@click.option("--prompts", type=click.Path(dir_okay=False),
+              help="Token-id prompts, one per line (default: 4 x 64 seeded random ids).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write the inferred wiring as a spec v1 there (a new file).")
+@click.option("--json", "as_json", is_flag=True)
+def infer_wiring(draft: str, target: str, prompts: str | None, output: str | None, as_json: bool) -> Any:
+    """Which points DRAFT's fc was trained on, read from its weights against TARGET's states: the
+    wiring, its margin over the runner-up, each engine's ids, and a check of the ids the draft's
+    config states.
+
+    Exit 0, 3 when the config's ids are missing or disagree with a decided wiring, 2 on bad input.
+    """
+    report = commands.infer_wiring(draft=draft, target=target, prompts=prompts, output=output,
+                                   progress=RichProgress(as_json))
+    return _show(report, as_json, show.print_inferred_wiring)
+
+
 @main.command()
 @click.argument("old", type=click.Path(dir_okay=False))
 @click.argument("new", type=click.Path(dir_okay=False))
@@ -223,7 +243,8 @@ def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: b
 @click.option("--architecture", required=True)
 @click.option("--num-layers", required=True, type=click.IntRange(1, 100000))
 @click.option("--hidden-size", required=True, type=click.IntRange(1, 10**7))
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout (refuses to overwrite).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write here instead of stdout (refuses to overwrite).")
 def sweep_spec(name: str, architecture: str, num_layers: int, hidden_size: int, output: str | None) -> Any:
     """A spec capturing every point (embed, each layer_out, final_norm): an engine's dump of it is a
     reference where HF cannot run the model."""

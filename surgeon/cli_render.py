@@ -138,6 +138,43 @@ def print_draft_check(r: Any) -> None:
     out.print("[green]ok[/]" if r.ok else "[red]mismatch[/]")
 
 
+def print_inferred_wiring(r: Any) -> None:
+    data = r.to_json()
+    out.print(f"[bold]{escape(data['draft'])}[/] ({escape(data['fc_tensor'])}) against {escape(data['target'])}: "
+              f"{data['n_slots']} fc slots, {data['num_layers']} layers, {data['tokens']} tokens")
+    table = Table(title="weight space: each fc slot's alignment with each point's states (relative to its slot)")
+    for h in ("slot", "point", "score", "runner-up", "score", "margin", "decides"):
+        table.add_column(h)
+    for x in data["weight_space"]["slots"]:
+        margin = "-" if x["margin"] is None else f"{100 * x['margin']:.1f}%"
+        table.add_row(str(x["slot"]), x["point"], f"{x['score']:.4g}", x["runner_up"] or "-",
+                      "-" if x["runner_up_score"] is None else f"{x['runner_up_score']:.4g}", margin,
+                      "[green]yes[/]" if x["decides"] else "[yellow]does not decide[/]")
+    out.print(table)
+    b = data["behaviour"]
+    if b is not None:
+        margin = "-" if b["margin"] is None else f"{100 * b['margin']:+.1f} points"
+        out.print(f"behaviour: agreement {b['agreement']:.3f} over {b['evaluations']} wirings, runner-up "
+                  f"{', '.join(b['runner_up'] or [])} ({margin})" + ("" if b["decides"] else ": does not decide"))
+    verdict = "" if data["decided"] else " [yellow](the evidence does not decide: see margins)[/]"
+    out.print(f"inferred fc input: [bold]{', '.join(data['wiring'])}[/]{verdict}")
+    for target, ids in data["ids"].items():
+        out.print(f"  {target}: " + (str(ids["ids"]) if ids["ids"] is not None else f"[dim]{escape(ids['error'] or '')}[/]"))
+    stated = data["stated"]
+    if not stated["ids"]:
+        out.print("[red]the draft config states no ids[/]: every engine silently uses its default")
+    for e in stated["engines"]:
+        mark = {True: "[green]agrees[/]", False: "[red]disagrees[/]", None: "[dim]not checked[/]"}[e["agrees"]]
+        out.print(f"  stated ids, {e['engine']}: reads {e['reads']} -> {', '.join(str(c) for c in e['captures'])}: {mark}")
+        for p in e["problems"]:
+            out.print(f"    {escape(p)}")
+    for note in data["notes"]:
+        out.print(f"[dim]note: {escape(note)}[/]")
+    if data["written"]:
+        out.print(f"spec written to {escape(data['written'])}")
+    out.print("[green]ok[/]" if data["ok"] else "[red]mismatch[/]")
+
+
 def _convention_groups(probe: Any) -> dict[tuple, list]:
     """Classes whose id rule, default, ordering and capture site are identical, together."""
     groups: dict[tuple, list] = {}

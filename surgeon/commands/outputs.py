@@ -488,12 +488,88 @@ class DemoOutput(_Output):
     timings_s: dict[str, float]
 
 
+class InferSlot(_Closed):
+    slot: int
+    point: Point
+    score: float = Field(description="alignment of the fc slot's amplification W_j^T W_j (isotropic part removed) "
+                                     "with this point's state covariance; relative to its slot")
+    runner_up: Point | None
+    runner_up_score: float | None
+    margin: float | None = Field(description="(score - runner_up_score) / score; null when nothing aligns")
+    decides: bool
+
+
+class InferWeightSpace(_Closed):
+    wiring: list[Point]
+    margin: float | None = Field(description="the smallest slot margin")
+    decides: bool
+    slots: list[InferSlot]
+
+
+class InferBehaviour(_Closed):
+    wiring: list[Point]
+    agreement: float | None = Field(description="top-1 agreement of the draft with the target's greedy next token")
+    runner_up: list[Point] | None
+    margin: float | None = Field(description="agreement minus the runner-up wiring's")
+    decides: bool | None
+    evaluations: int
+
+
+class InferCandidate(_Closed):
+    label: str
+    wiring: list[Point]
+    weight_score: float = Field(description="mean over slots of the alignment relative to the slot's best (1: every slot's best)")
+    agreement: float | None
+
+
+class InferIds(_Closed):
+    ids: list[int] | None
+    error: str | None
+    origin: str | None
+
+
+class InferStatedEngine(_Closed):
+    engine: str
+    agrees: bool | None = Field(description="null: not checked (see problems)")
+    reads: list[int] | None
+    captures: list[Point | None]
+    problems: list[str]
+
+
+class InferStated(_Closed):
+    ids: dict[str, list[int]] = Field(description="config key -> ids as written")
+    agree: bool | None
+    engines: list[InferStatedEngine]
+
+
+class InferWiringOutput(_Output):
+    ok: bool = Field(description="false (exit 3) when the draft config states no ids, or ids that disagree with a decided wiring")
+    draft: str
+    fc_tensor: str
+    target: str
+    num_layers: int
+    hidden_size: int
+    n_slots: int
+    tokens: int
+    wiring: list[Point] = Field(description="the inferred fc input, in slot order")
+    decided: bool = Field(description="the behaviour signal decides (weight-space evidence alone never does)")
+    weight_space: InferWeightSpace
+    behaviour: InferBehaviour | None
+    candidates: list[InferCandidate]
+    ids: dict[str, InferIds]
+    stated: InferStated
+    spec: str = Field(description="spec v1 text of the inferred wiring")
+    written: str | None
+    notes: list[str]
+
+
 OUTPUTS: dict[str, type[_Output]] = {
     "lint": LintOutput, "explain": ExplainOutput, "render": RenderOutput, "check-draft": CheckDraftOutput,
     "review": ReviewOutput, "conventions": ConventionsOutput, "match": MatchOutput, "verify": VerifyOutput,
     "dump-info": DumpInfoOutput, "export": ExportOutput, "check-hooks": CheckHooksOutput,
     "apply": ApplyOutput, "revert": RevertOutput, "status": StatusOutput, "diff": DiffOutput,
     "coverage": CoverageOutput, "demo": DemoOutput, "doctor": DoctorOutput,
+    "infer-wiring": InferWiringOutput,
 }
 
 

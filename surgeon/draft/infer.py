@@ -1,0 +1,626 @@
+"""`surgeon infer-wiring`: the wiring a draft's fc was trained on, found from its weights (and, where a
+draft runtime is given, its behaviour), in every engine's ids.
+
+The fc is linear, so a slot's contribution ``S_p W_j^T`` is computed once per (slot, point)
+(:func:`surgeon.draft.weightspace.contributions`) and a candidate wiring's fc output is a sum of
+``n_slots`` of them: scoring a candidate costs an addition, not an fc forward. The search:
+
+1. structured candidates (:func:`structured_candidates`): each engine's default ids, the ids the
+   draft config states decoded under every convention that could have written them, their
+   off-by-ones, the labels shifted by one slot, the order reversed;
+2. a per-slot search over every point: the weight-space score is a sum over slots, so its best
+   wiring is each slot's best point (distinct points; :func:`best_distinct`); with a behaviour
+   signal, coordinate ascent from the best candidate, one slot at a time over every point.
+
+A behaviour signal is anything with ``agreement(fused) -> float`` (:class:`Behaviour`): the top-1
+agreement of the draft's prediction with the target's greedy next token, given the fc's output for
+every prompt token. It costs one draft forward per candidate, so it is only run on the structured
+candidates and the per-slot search, never on the product of all points.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import yaml
+from safetensors import safe_open
+
+from surgeon.core.conventions import EAGLE, HF, Convention
+from surgeon.core.errors import BadInput, SurgeonError
+from surgeon.core.points import Point, all_points
+from surgeon.core.spec import load_spec
+from surgeon.draft.model import Eagle3Draft, load_draft, teacher_forced
+from surgeon.draft.weightspace import SlotScore, alignment_table, contributions, slot_blocks, slot_scores
+from surgeon.engines.view import open_engine
+from surgeon.verify.reference import capture_reference, quiet_transformers, resolve_model
+from surgeon.wiring.draft import CHECK_TARGETS, _read_config, check_draft, fc_weight_shape, read_ids
+from surgeon.wiring.render import RENDER_TARGETS, fc_ids
+
+Wiring = tuple[int, ...]  # one index into the candidate points per fc slot
+
+
+class Behaviour(Protocol):
+    """Top-1 agreement (0..1) of the draft with the target's greedy next token, given the fc output
+    ``fused`` ``[N, out]`` for every prompt token (prompts concatenated in order)."""
+
+    def agreement(self, fused: torch.Tensor) -> float: ...
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A named wiring (its origin, e.g. "vllm default ids") and its scores."""
+
+    label: str
+    wiring: Wiring
+    weight_score: float  # mean over slots of alignment / the slot's best alignment (1: each slot's best)
+    agreement: float | None = None
+
+
+@dataclass
+class Search:
+    """Everything the search found: per-slot weight-space verdicts, the candidates it scored, the
+    chosen wiring and its margins over the runner-up under each signal."""
+
+    points: list[Point]
+    table: torch.Tensor  # [n_slots, P] alignments
+    slots: list[SlotScore]
+    weight_wiring: Wiring
+    candidates: list[Candidate]
+    wiring: Wiring
+    behaviour_margin: float | None = None  # agreement points over the runner-up wiring
+    behaviour_runner_up: Wiring | None = None
+    behaviour_evaluations: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weight_decides(self) -> bool:
+        return all(s.decides for s in self.slots)
+
+    @property
+    def weight_margin(self) -> float | None:
+        """The smallest slot margin: the runner-up wiring differs from the best in that slot."""
+        margins = [s.margin for s in self.slots if s.margin is not None]
+        return min(margins) if margins else None
+
+
+def point_index(points: Sequence[Point]) -> dict[Point, int]:
+    return {p: i for i, p in enumerate(points)}
+
+
+def wiring_score(table: torch.Tensor, wiring: Wiring) -> float:
+    """Weight-space score of a wiring: the mean over slots of its alignment relative to the slot's
+    best (each slot weighs alike; 1.0 is every slot on its best point)."""
+    best = table.max(dim=1).values
+    return sum(float(table[j, p]) / max(float(best[j]), 1e-300) for j, p in enumerate(wiring)) / len(wiring)
+
+
+def best_distinct(table: torch.Tensor, top: int = 6) -> Wiring:
+    """The wiring maximising :func:`wiring_score` with every slot on a different point (an engine
+    captures each point once): each slot's best point when they differ, else the best combination
+    of each slot's ``top`` points."""
+    n, P = table.shape
+    firsts = tuple(int(table[j].argmax()) for j in range(n))
+    if len(set(firsts)) == n:
+        return firsts
+    tops = [torch.argsort(table[j], descending=True)[:min(top, P)].tolist() for j in range(n)]
+    combos = (c for c in itertools.product(*tops) if len(set(c)) == n)
+    return max(combos, key=lambda c: wiring_score(table, c), default=firsts)
+
+
+def _shifted(base: Wiring, P: int) -> list[tuple[str, Wiring]]:
+    """The labels shifted by one slot: the fc's true points are the stated ones moved one slot
+    along, with a new point at the free end (the Kimi-K2.5 case: stated [embed, l2, l30], trained
+    [l2, l30, l58])."""
+    out = []
+    n = len(base)
+    if n > 1:
+        out += [("stated labels shifted left by a slot", base[1:] + (x,)) for x in range(base[-1] + 1, P)]
+        out += [("stated labels shifted right by a slot", (x,) + base[:-1]) for x in range(0, base[0])]
+    return out
+
+
+def structured_candidates(named: Sequence[tuple[str, Sequence[Point]]], points: Sequence[Point],
+                          n_slots: int) -> list[tuple[str, Wiring]]:
+    """Candidates built from named wirings (defaults, decoded stated ids): each as named, each slot
+    off by one either way, shifted by a slot, reversed. Wirings of the wrong length or with points
+    the target lacks are dropped; duplicates keep their first label."""
+    index = point_index(points)
+    P = len(points)
+    seen: dict[Wiring, str] = {}
+
+    def add(label: str, w: Sequence[int]) -> None:
+        w = tuple(w)
+        if len(w) == n_slots and all(0 <= i < P for i in w) and len(set(w)) == n_slots and w not in seen:
+            seen[w] = label
+
+    for label, wiring in named:
+        if len(wiring) != n_slots or any(p not in index for p in wiring):
+            continue
+        base = tuple(index[p] for p in wiring)
+        add(label, base)
+        for j in range(n_slots):
+            for d in (-1, 1):
+                add(f"{label}, slot {j} off by {d:+d}", base[:j] + (base[j] + d,) + base[j + 1:])
+        for shifted_label, w in _shifted(base, P):
+            add(f"{label}: {shifted_label}", w)
+        add(f"{label}, order reversed", base[::-1])
+    return [(label, w) for w, label in seen.items()]
+
+
+class Contributions:
+    """``S_p W_j^T`` per (slot, point): all of them precomputed (:func:`contributions`), or each
+    computed when first asked for and kept (what a large target needs: the behaviour search asks
+    for a few points per slot, the weight-space table does not need them at all when sketched)."""
+
+    def __init__(self, weight: torch.Tensor, states: torch.Tensor, full: torch.Tensor | None = None) -> None:
+        self.blocks = slot_blocks(weight, states.shape[-1])
+        self.states, self.full = states, full
+        self.cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        j, p = key
+        if self.full is not None:
+            return self.full[j, p]
+        if key not in self.cache:
+            self.cache[key] = self.states[p].to(self.blocks[j].dtype) @ self.blocks[j].T
+        return self.cache[key]
+
+
+def fused_output(contrib: torch.Tensor | Contributions, wiring: Wiring, bias: torch.Tensor | None) -> torch.Tensor:
+    """The fc output ``[N, out]`` for a wiring: the sum of its slots' contributions."""
+    out = contrib[0, wiring[0]].clone()
+    for j in range(1, len(wiring)):
+        out += contrib[j, wiring[j]]
+    if bias is not None:
+        out += bias
+    return out
+
+
+def search(weight: torch.Tensor, states: torch.Tensor, points: Sequence[Point], contrib: torch.Tensor | None,
+           named: Sequence[tuple[str, Sequence[Point]]], *, bias: torch.Tensor | None = None,
+           behaviour: Behaviour | None = None, fuse: Callable[[Wiring], torch.Tensor] | None = None,
+           sketch: int | None = None) -> Search:
+    """Weight-space table and best wiring, the structured candidates scored, and (with
+    ``behaviour``) the agreement search; see the module docstring. ``fuse`` replaces the sum of
+    contributions where the draft's fc input is not linear in the slots (a norm before the fc).
+    Without ``contrib`` the contributions are computed as the behaviour search needs them, and
+    with ``sketch`` the weight-space table is estimated through a sketch of that width
+    (:func:`surgeon.draft.weightspace.alignment_table`)."""
+    points = list(points)
+    table = alignment_table(weight, states, contrib, sketch=sketch)
+    lazy = Contributions(weight, states, contrib)
+    n = table.shape[0]
+    best = best_distinct(table)
+    structured = structured_candidates(named, points, n)
+    scored = [Candidate(label, w, wiring_score(table, w)) for label, w in structured]
+    if best not in {c.wiring for c in scored}:
+        scored.append(Candidate("per-slot search (weight space)", best, wiring_score(table, best)))
+    result = Search(points, table, slot_scores(table, points), best, scored, best)
+    if behaviour is not None:
+        _behaviour_search(result, fuse or (lambda w: fused_output(lazy, w, bias)), behaviour)
+    result.candidates.sort(key=lambda c: (-(c.agreement if c.agreement is not None else -1.0), -c.weight_score))
+    return result
+
+
+def _behaviour_search(result: Search, fuse: Callable[[Wiring], torch.Tensor], behaviour: Behaviour) -> None:
+    """Agreement of every candidate, then coordinate ascent from the best one over every point,
+    slot by slot, until no single-slot change improves it; records the margin over the runner-up."""
+    cache: dict[Wiring, float] = {}
+
+    def agree(w: Wiring) -> float:
+        if w not in cache:
+            cache[w] = float(behaviour.agreement(fuse(w)))
+        return cache[w]
+
+    result.candidates = [Candidate(c.label, c.wiring, c.weight_score, agree(c.wiring)) for c in result.candidates]
+    current = max(result.candidates, key=lambda c: (c.agreement or 0.0, c.weight_score)).wiring
+    n, P = result.table.shape
+    for _ in range(3):  # rounds of coordinate ascent; each visits every (slot, point)
+        improved = False
+        for j in range(n):
+            for p in range(P):
+                w = current[:j] + (p,) + current[j + 1:]
+                if len(set(w)) == n and agree(w) > agree(current):
+                    current, improved = w, True
+        if not improved:
+            break
+    known = {c.wiring for c in result.candidates}
+    for w, a in cache.items():
+        if w not in known:
+            result.candidates.append(Candidate("per-slot search (behaviour)", w, wiring_score(result.table, w), a))
+    others = sorted(((a, w) for w, a in cache.items() if w != current), reverse=True)
+    result.wiring = current
+    result.behaviour_evaluations = len(cache)
+    if others:
+        result.behaviour_runner_up = others[0][1]
+        result.behaviour_margin = cache[current] - others[0][0]
+
+
+#: agreement points (0..1) by which the behaviour signal's best wiring must lead to decide
+BEHAVIOUR_DECIDES = 0.02
+
+
+def describe(points: Sequence[Point], wiring: Wiring) -> list[str]:
+    return [str(points[i]) for i in wiring]
+
+
+def target_points(num_layers: int) -> list[Point]:
+    """Every point an fc slot could read: embed, each layer_out, final_norm."""
+    return all_points(num_layers)
+
+# ---------------------------------------------------------------------------------------------
+# From files: the draft's fc and stated ids, the target's states, the named wirings, the report
+# ---------------------------------------------------------------------------------------------
+ENGINES = ("sglang", "vllm")
+#: above this many multiply-adds the slot contributions are not all formed: the weight-space table is
+#: sketched (:func:`surgeon.draft.weightspace.alignment_table`) and the behaviour search forms only
+#: the contributions it asks for (at Kimi shape, 63 points x 128 tokens: 2.5 T, so sketched)
+FULL_CONTRIBUTIONS_MACS = 5e10
+SKETCH = 512
+WEIGHT_ONLY = ("weight-space evidence alone never decides: on fc layers fit to known points it names them "
+               "(tests/draft/test_weightspace.py), but on an EAGLE-3 draft trained end to end with AdamW "
+               "(surgeon.draft.synthetic's seed draft) it named wrong points by margins up to 54%; "
+               "give a draft that loads as an EAGLE-3 model for the behaviour signal")
+
+
+@dataclass(frozen=True)
+class DraftFc:
+    """What infer-wiring reads from a draft folder: its config, the ids it states, its fc."""
+
+    path: str
+    config: dict
+    stated: dict[str, list[int] | None]  # config key -> ids as written (None: absent)
+    weight: torch.Tensor  # [out, n_slots * H]
+    bias: torch.Tensor | None
+    tensor: str  # "file:name" of the fc weight
+
+
+def read_draft_fc(draft: str) -> DraftFc:
+    """The draft folder's config.json ids (as check-draft reads them) and fc weight (and bias)
+    from its safetensors; BadInput when either is missing or unreadable."""
+
+    path = Path(draft)
+    if not path.is_dir():
+        raise BadInput(f"{draft}: not a draft folder (expected config.json and *.safetensors)")
+    cfg, data = _read_config(path)
+    stated = read_ids(cfg, data)
+    found = fc_weight_shape(path)
+    if found is None:
+        raise BadInput(f"{draft}: no fc.weight in its *.safetensors: not an EAGLE-3 draft")
+    name = found["tensor"]
+    try:
+        with safe_open(str(path / found["file"]), framework="pt") as f:
+            weight = f.get_tensor(name).float()
+            bias_name = name[: -len("weight")] + "bias"
+            bias = f.get_tensor(bias_name).float() if bias_name in f.keys() else None
+    except (OSError, RuntimeError, ValueError) as e:
+        raise BadInput(f"{path / found['file']}: cannot read {name}: {str(e).splitlines()[0][:160]}") from None
+    if weight.dim() != 2:
+        raise BadInput(f"{path / found['file']}: {name} has shape {list(weight.shape)}, not a matrix")
+    return DraftFc(str(path), data, stated, weight, bias, f"{found['file']}:{name}")
+
+
+@dataclass(frozen=True)
+class TargetStates:
+    """The target's states at every candidate point over a few prompts: ``states[p]`` ``[N, H]``
+    with the prompts' tokens concatenated in order (``lengths`` says where each ends)."""
+
+    source: str
+    folder: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    points: list[Point]
+    states: torch.Tensor  # [P, N, H]
+    input_ids: list[torch.Tensor]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(t.numel()) for t in self.input_ids]
+
+
+def default_prompts(vocab_size: int, *, count: int = 4, length: int = 64, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` prompts of ``length`` token ids drawn uniformly from the vocabulary (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (length,), generator=g) for _ in range(count)]
+
+
+def target_config(model_dir) -> tuple[str, int, int, int]:
+    """(architecture, num_hidden_layers, hidden_size, vocab_size) from a model folder's config.json."""
+
+    cfg = Path(model_dir) / "config.json"
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{cfg}: cannot read the target's config: {e}") from None
+    archs = data.get("architectures") if isinstance(data, dict) else None
+    values = [data.get(k) if isinstance(data, dict) else None for k in ("num_hidden_layers", "hidden_size", "vocab_size")]
+    if not (isinstance(archs, list) and archs and isinstance(archs[0], str)) or not all(
+            type(v) is int and v > 0 for v in values):
+        raise BadInput(f"{cfg}: needs architectures, num_hidden_layers, hidden_size and vocab_size")
+    L, H, vocab = (int(v or 0) for v in values)  # checked above: positive ints
+    return archs[0], L, H, vocab
+
+
+def collect_states(target: str, prompts: Sequence[torch.Tensor] | None = None) -> TargetStates:
+    """Run the target (a model folder, ``hf:DIR`` or ``hf:ORG/NAME`` in the local cache) once per
+    prompt and stack its states at every candidate point."""
+
+    model_dir, source = resolve_model(target[3:] if target.startswith("hf:") else target)
+    arch, L, H, vocab = target_config(model_dir)
+    prompts = list(prompts) if prompts is not None else default_prompts(vocab)
+    points = target_points(L)
+    per_prompt = []
+    for ids in prompts:
+        ref = capture_reference(model_dir, ids)
+        per_prompt.append(torch.stack([ref.states[p] for p in points]))
+    return TargetStates(source, str(model_dir), arch, L, H, points, torch.cat(per_prompt, dim=1),
+                        [torch.as_tensor(p) for p in prompts])
+
+
+def named_wirings(stated: dict[str, list[int] | None], architecture: str, num_layers: int,
+                  notes: list[str]) -> list[tuple[str, list[Point]]]:
+    """Each engine's default wiring and the stated ids decoded under every convention that could
+    have written them (SpecForge/EAGLE, HF output_hidden_states, each engine's setter for the
+    target's class, read from its source). A convention that cannot decode them is skipped, and
+    an engine that cannot be read is named in ``notes``."""
+
+    convs: list[tuple[str, Convention]] = [("SpecForge", EAGLE), ("HF hidden_states", HF)]
+    for engine in ENGINES:
+        try:
+            convs.append((engine, open_engine(engine).convention(architecture)))
+        except (SurgeonError, ValueError, OSError) as e:  # that engine's candidates are left out
+            notes.append(f"{engine}: not read ({str(e).splitlines()[0][:160]})")
+    named: list[tuple[str, list[Point]]] = []
+    for name, conv in convs:
+        if name == "HF hidden_states":
+            continue  # HF has no default id list
+        try:
+            named.append((f"{name} default ids", [p for p in conv.decode(None, num_layers) if p is not None]))
+        except ValueError:
+            pass
+    for key, ids in stated.items():
+        if not ids:
+            continue
+        shift = [i + 1 for i in ids] if key.startswith("dflash") else list(ids)  # vLLM adds 1 to DFlash ids
+        for name, conv in convs:
+            try:
+                decoded = conv.decode(shift if name == "vllm" else ids, num_layers)
+            except ValueError:
+                continue
+            if all(p is not None for p in decoded):
+                named.append((f"{key} = {ids} read as {name}", [p for p in decoded if p is not None]))
+    return named
+
+
+def spec_text(name: str, states: TargetStates, wiring: Sequence[Point], draft: str) -> str:
+    """A spec v1 for the inferred wiring (fc_input in slot order), for review."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "draft"
+    if not safe[0].isalnum():
+        safe = "d" + safe
+    names = [f"slot{j}" for j in range(len(wiring))]
+    body = {
+        "spec": 1,
+        "name": f"{safe}-inferred",
+        "description": f"inferred by surgeon infer-wiring from {draft} against {states.source}: review before use",
+        "target": {"architecture": states.architecture, "num_layers": states.num_layers,
+                   "hidden_size": states.hidden_size},
+        "captures": {n: str(p) for n, p in zip(names, wiring)},
+        "draft": {"kind": "eagle3", "fc_input": names, "fc_in_features": len(wiring) * states.hidden_size},
+    }
+    return yaml.safe_dump(body, sort_keys=False, width=200)
+
+
+def engine_ids(spec) -> dict[str, dict]:
+    """Each render target's ids for the spec's fc_input (surgeon.wiring.render.fc_ids), or why none."""
+    out: dict[str, dict] = {}
+    for target in RENDER_TARGETS:
+        try:
+            lst = fc_ids(spec, target)
+        except (SurgeonError, ValueError) as e:
+            out[target] = {"ids": None, "error": str(e), "origin": None}
+            continue
+        out[target] = {"ids": lst.ids, "error": lst.error, "origin": lst.origin}
+    return out
+
+
+def stated_check(spec, draft: str) -> list[dict[str, object]]:
+    """check-draft of the draft's config against the inferred spec, per engine: what it reads,
+    what that makes it capture, and each slot where that differs."""
+    rows: list[dict[str, object]] = []
+    for engine in CHECK_TARGETS:
+        try:
+            rep = check_draft(spec, draft, engine)
+        except (SurgeonError, ValueError) as e:
+            rows.append({"engine": engine, "agrees": None, "reads": None, "captures": [], "problems": [f"not checked: {e}"]})
+            continue
+        problems = [f.detail for f in rep.findings if f.severity == "error"]
+        rows.append({"engine": engine, "agrees": rep.ok, "reads": rep.ids_used, "captures": rep.captured,
+                     "problems": problems})
+    return rows
+
+
+@dataclass
+class InferReport:
+    """What `surgeon infer-wiring` found; ``exit_code`` 3 when the draft config's ids are missing
+    or disagree with a wiring the evidence decides."""
+
+    draft: str
+    fc_tensor: str
+    target: str
+    num_layers: int
+    hidden_size: int
+    tokens: int
+    search: Search
+    ids: dict[str, dict]
+    stated_ids: dict[str, list[int]]
+    stated: list[dict[str, object]]
+    spec: str
+    written: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def wiring(self) -> list[str]:
+        return describe(self.search.points, self.search.wiring)
+
+    @property
+    def behaviour_decides(self) -> bool | None:
+        s = self.search
+        if s.behaviour_evaluations == 0:
+            return None
+        return s.behaviour_margin is None or s.behaviour_margin >= BEHAVIOUR_DECIDES
+
+    @property
+    def decided(self) -> bool:
+        """Only the behaviour signal decides: the weight-space table is evidence for review (on an
+        EAGLE-3 draft trained end to end with AdamW it has named wrong points by wide margins)."""
+        return bool(self.behaviour_decides)
+
+    @property
+    def stated_agree(self) -> bool | None:
+        checked = [r["agrees"] for r in self.stated if r["agrees"] is not None]
+        return all(checked) if checked else None
+
+    @property
+    def exit_code(self) -> int:
+        if not self.stated_ids:
+            return 3
+        return 3 if self.decided and self.stated_agree is False else 0
+
+    def to_json(self) -> dict:
+        s = self.search
+        slots = [{"slot": x.slot, "point": str(x.best), "score": x.best_score,
+                  "runner_up": None if x.runner_up is None else str(x.runner_up),
+                  "runner_up_score": x.runner_up_score, "margin": x.margin, "decides": x.decides} for x in s.slots]
+        behaviour = None
+        if s.behaviour_evaluations:
+            behaviour = {"wiring": self.wiring,
+                         "agreement": next((c.agreement for c in s.candidates if c.wiring == s.wiring), None),
+                         "runner_up": None if s.behaviour_runner_up is None else describe(s.points, s.behaviour_runner_up),
+                         "margin": s.behaviour_margin, "decides": self.behaviour_decides,
+                         "evaluations": s.behaviour_evaluations}
+        return {
+            "draft": self.draft, "fc_tensor": self.fc_tensor, "target": self.target, "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size, "n_slots": len(s.slots), "tokens": self.tokens,
+            "wiring": self.wiring, "decided": self.decided,
+            "weight_space": {"wiring": describe(s.points, s.weight_wiring), "margin": s.weight_margin,
+                             "decides": s.weight_decides, "slots": slots},
+            "behaviour": behaviour,
+            "candidates": [{"label": c.label, "wiring": describe(s.points, c.wiring), "weight_score": c.weight_score,
+                            "agreement": c.agreement} for c in s.candidates[:20]],
+            "ids": self.ids,
+            "stated": {"ids": self.stated_ids, "agree": self.stated_agree, "engines": self.stated},
+            "spec": self.spec, "written": self.written, "notes": self.notes, "ok": self.exit_code == 0,
+        }
+
+
+def target_greedy(folder: str, prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The target's greedy next token at every position of each prompt (argmax of its logits)."""
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(input_ids=ids[None], use_cache=False).logits[0].argmax(-1) for ids in prompts]
+
+
+class DraftAgreement:
+    """The behaviour signal of a loaded EAGLE-3 draft: the fraction of positions where its step-1
+    guess equals the target's greedy token, with SpecForge's alignment
+    (:func:`surgeon.draft.model.teacher_forced`: the state of token ``t`` with the embedding of
+    token ``t+1`` guesses token ``t+2``, which the target's greedy choice after ``t+1`` labels)."""
+
+    def __init__(self, draft: Eagle3Draft, states: TargetStates, greedy: Sequence[torch.Tensor]) -> None:
+        self.draft, self.states, self.greedy = draft, states, list(greedy)
+
+    def agreement(self, fused: torch.Tensor) -> float:
+        hits = total = offset = 0
+        with torch.no_grad():
+            for ids, labels in zip(self.states.input_ids, self.greedy):
+                T = int(ids.numel())
+                if T >= 2:
+                    guess = teacher_forced(self.draft, fused[offset:offset + T], ids, 1)[0]
+                    hits += int((guess == labels[1:T]).sum())
+                    total += T - 1
+                offset += T
+        return hits / total if total else 0.0
+
+
+def draft_runtime(draft: str, states: TargetStates, notes: list[str]) -> tuple[Eagle3Draft | None, Behaviour | None]:
+    """The draft loaded as an EAGLE-3 model and its behaviour signal, or (None, None) with the
+    reason in ``notes`` (a folder holding only an fc, a DFlash draft, another vocabulary)."""
+    try:
+        model = load_draft(draft, target=states.folder)
+    except BadInput as e:
+        notes.append(f"behaviour not measured: the draft does not load as an EAGLE-3 model ({e}); weight-space evidence only")
+        return None, None
+    vocab = target_config(states.folder)[3]
+    if model.info.target_vocab_size != vocab:
+        notes.append(f"behaviour not measured: the draft's target vocabulary is {model.info.target_vocab_size}, "
+                     f"the target's {vocab}")
+        return None, None
+    return model, DraftAgreement(model, states, target_greedy(states.folder, states.input_ids))
+
+
+def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | None = None,
+                 behaviour: bool = True) -> InferReport:
+    """The wiring ``draft``'s fc was trained on, against ``target`` (see the module docstring);
+    with ``behaviour``, and a draft that loads as an EAGLE-3 model, the agreement search too."""
+    fc = read_draft_fc(draft)
+    states = collect_states(target, prompts)
+    notes: list[str] = []
+    if fc.weight.shape[1] % states.hidden_size:
+        raise BadInput(f"{draft}: fc in_features {fc.weight.shape[1]} is not a multiple of the target's hidden_size "
+                       f"{states.hidden_size}: this draft was not trained on {target}")
+    P, N, H = states.states.shape
+    large = fc.weight.shape[0] * (fc.weight.shape[1] // H) * P * N * H > FULL_CONTRIBUTIONS_MACS
+    contrib = None if large else contributions(fc.weight, states.states)
+    if large:
+        notes.append(f"large fc: the weight-space table is estimated through a {SKETCH}-wide sketch of its output side")
+    named = named_wirings(fc.stated, states.architecture, states.num_layers, notes)
+    model, signal = draft_runtime(draft, states, notes) if behaviour else (None, None)
+    if not behaviour:
+        notes.append("behaviour not measured (weight-space evidence only, as asked)")
+    if signal is None:
+        notes.append(WEIGHT_ONLY)
+    fuse = None
+    if model is not None and (model.fc_norm is not None or model.input_norm is not None):
+        notes.append("the draft normalises its fc input: each candidate's fc output is computed by the draft's own fuse")
+        fuse = _draft_fuse(model, states)
+    elif model is not None and not _sums_match(model, Contributions(fc.weight, states.states, contrib), fc.bias, states):
+        notes.append("the draft's fuse differs from the sum of its fc slots' contributions: each candidate's fc "
+                     "output is computed by the draft's own fuse")
+        fuse = _draft_fuse(model, states)
+    found = search(fc.weight, states.states, states.points, contrib, named, bias=fc.bias, behaviour=signal, fuse=fuse,
+                   sketch=SKETCH if large else None)
+    text = spec_text(Path(draft).resolve().name, states, [states.points[i] for i in found.wiring], draft)
+    spec = load_spec("<inferred spec>", text=text)
+    stated_ids = {k: v for k, v in fc.stated.items() if v is not None}
+    if not stated_ids:
+        notes.append("the draft config states no ids (eagle_aux_hidden_state_layer_ids, eagle_config's, "
+                     "dflash_config.target_layer_ids): every engine silently uses its default")
+    return InferReport(fc.path, fc.tensor, states.source, states.num_layers, states.hidden_size,
+                       states.states.shape[1], found, engine_ids(spec), stated_ids, stated_check(spec, draft),
+                       text, None, notes)
+
+
+def _draft_fuse(model: Eagle3Draft, states: TargetStates) -> Callable[[Wiring], torch.Tensor]:
+    def fuse(w: Wiring) -> torch.Tensor:
+        with torch.no_grad():
+            return model.fuse([states.states[i] for i in w])
+
+    return fuse
+
+
+def _sums_match(model: Eagle3Draft, contrib: Contributions, bias: torch.Tensor | None, states: TargetStates) -> bool:
+    """Does the sum of per-slot contributions reproduce the draft's own fuse (checked on one wiring)?"""
+    w = tuple(range(len(contrib.blocks)))
+    direct = _draft_fuse(model, states)(w)
+    return bool(torch.allclose(fused_output(contrib, w, bias), direct, rtol=1e-4, atol=1e-4 * float(direct.abs().max())))
