@@ -324,14 +324,10 @@ def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tu
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), local_files_only=True, dtype=torch.float32).eval()
     head = model.get_output_embeddings().weight.detach().float()
+    continued = _continue_greedily(model, prompts, length)
     out, flips = [], 0
     with one_thread():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], dtype=torch.int64)
-            new = max(length - len(prompt), 0)
-            with torch.no_grad(), quiet_transformers():
-                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                     do_sample=False, pad_token_id=0)[0] if new else ids[0]
+        for prompt, seq in zip(prompts, continued, strict=True):
             layers, norm = _checked_structure(model, target_dir, seq)
             recorder = _ForwardRecorder(len(layers))
             recorder.record(model, layers, norm, seq)
@@ -344,6 +340,26 @@ def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tu
     notes = [f"{flips} generated tokens differ from the target's argmax on the full forward (numerics); "
              "labels are the full forward's argmax"] if flips else []
     return out, notes
+
+
+def _continue_greedily(model: Any, prompts: list[list[int]], length: int) -> list[torch.Tensor]:
+    """Each prompt continued by the target's greedy decoding to ``length`` tokens; prompts of one
+    length are decoded as one batch (no padding, so each row is what it would be alone)."""
+    from surgeon.verify.reference import quiet_transformers
+
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    with one_thread(), torch.no_grad(), quiet_transformers():
+        for n, members in groups.items():
+            ids = torch.tensor([prompts[i] for i in members], dtype=torch.int64)
+            new = max(length - n, 0)
+            seqs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=0) if new else ids
+            for row, i in enumerate(members):
+                out[i] = seqs[row]
+    return out
 
 
 def run_accept(spec: Spec, draft_dir: str | Path, target: str | Path, *, prompts_file: str | Path | None = None,
