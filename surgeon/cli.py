@@ -213,6 +213,28 @@ def infer_wiring(draft: str, target: str, prompts: str | None, output: str | Non
 
 
 @main.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.argument("draft", type=click.Path())
+@click.option("--target", required=True, help="The target model: hf:DIR, a folder, or hf:ORG/NAME (local cache).")
+@click.option("--prompts", type=click.Path(dir_okay=False),
+              help="Prompts, one per line as token ids (default: 32 seeded prompts from the target's vocabulary).")
+@click.option("--steps", default=3, show_default=True, type=int, help="Draft tokens per chain (K).")
+@click.option("--length", type=int, help="Tokens per prompt after the target's greedy continuation (default 128).")
+@click.option("--min", "min_rate", type=float, help="Exit 3 when the spec's position-1 acceptance is below this (0..1).")
+@click.option("--json", "as_json", is_flag=True)
+def accept(spec: str, draft: str, target: str, prompts: str | None, steps: int, length: int | None,
+           min_rate: float | None, as_json: bool) -> Any:
+    """Teacher-forced acceptance of DRAFT on its target, for the spec's wiring and the wirings bugs
+    produce (slots off by one, engine defaults, norm swaps, reversed, labels shifted).
+
+    Exit 0, 3 when the spec's wiring is below --min, 2 on bad input.
+    """
+    report = commands.accept(spec=spec, draft=draft, target=target, prompts=prompts, steps=steps, min_rate=min_rate,
+                             length=length, progress=RichProgress(as_json))
+    return _show(report, as_json, show.print_accept)
+
+
+@main.command()
 @click.argument("old", type=click.Path(dir_okay=False))
 @click.argument("new", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)

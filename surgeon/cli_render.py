@@ -175,6 +175,29 @@ def print_inferred_wiring(r: Any) -> None:
     out.print("[green]ok[/]" if data["ok"] else "[red]mismatch[/]")
 
 
+def print_accept(r: Any) -> None:
+    out.print(f"[bold]{escape(r.draft)}[/] on {escape(r.target)} against {escape(r.spec)}: {r.steps} draft steps, "
+              f"greedy, {r.n_prompts} prompts continued to {r.length} tokens")
+    out.print(f"  prompts: {escape(r.prompts)}")
+    table = Table(title="teacher-forced acceptance (P(accepted > j) per draft position)")
+    for h in ("wiring", "points", *(f"pos {j + 1}" for j in range(r.steps)), "accept len", "note"):
+        table.add_column(h)
+    for row in r.rows:
+        pts = ", ".join("-" if p is None else str(p) for p in row.wiring.points)
+        if row.per_position is None:
+            cells = ["-"] * r.steps + ["-", escape("; ".join(x for x in (row.not_servable, row.wiring.note) if x))]
+        else:
+            cells = [f"{x:.1%}" for x in row.per_position] + [f"{1 + row.expected_accepted:.2f}",
+                                                              escape(row.wiring.note or "")]
+        table.add_row(escape(row.wiring.name), escape(pts), *cells)
+    out.print(table)
+    for note in r.notes:
+        out.print(f"  [dim]note[/] {escape(note)}")
+    out.print(f"  [dim]{escape(r.to_json()['sampling'])}[/]")
+    if r.min_rate is not None:
+        out.print("[green]ok[/]" if r.ok else f"[red]the spec's position-1 acceptance is below {r.min_rate:.1%}[/]")
+
+
 def _convention_groups(probe: Any) -> dict[tuple, list]:
     """Classes whose id rule, default, ordering and capture site are identical, together."""
     groups: dict[tuple, list] = {}

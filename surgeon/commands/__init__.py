@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from surgeon.commands.capture_commands import check_hooks, dump_info, export, hooks
 from surgeon.commands.demo_command import demo
+from surgeon.commands.draft_commands import accept
 from surgeon.commands.harness_commands import fingerprint, match, reference, verify
 from surgeon.commands.infer_commands import infer_wiring
 from surgeon.commands.patch_commands import apply, coverage, diff, doctor, revert, status
@@ -39,10 +40,10 @@ COMMANDS: dict[str, Callable[..., object]] = {
     "reference": reference, "fingerprint": fingerprint, "match": match, "verify": verify,
     "hooks": hooks, "check-hooks": check_hooks, "dump-info": dump_info, "export": export,
     "apply": apply, "revert": revert, "status": status, "diff": diff, "doctor": doctor, "coverage": coverage,
-    "demo": demo, "infer-wiring": infer_wiring,
+    "demo": demo, "infer-wiring": infer_wiring, "accept": accept,
 }
 
 __all__ = ["COMMANDS", "FORMATS", "QUIET", "Progress", "exit_code_of", "json_output",
            "schema", "lint", "explain", "render", "check_draft", "review", "conventions", "sweep_spec",
            "reference", "fingerprint", "match", "verify", "hooks", "check_hooks", "dump_info", "export",
-           "apply", "revert", "status", "diff", "doctor", "coverage", "demo", "infer_wiring"]
+           "apply", "revert", "status", "diff", "doctor", "coverage", "demo", "infer_wiring", "accept"]

@@ -563,13 +563,42 @@ class InferWiringOutput(_Output):
     notes: list[str]
 
 
+class AcceptWiring(_Closed):
+    name: str
+    why: str
+    points: list[str | None] = Field(description="the point fed to each fc slot; null: never captured")
+    note: str | None
+    not_servable: str | None = Field(description="why this wiring cannot run at all (null: it runs)")
+    per_position: list[float] | None = Field(description="P(accepted > j) for draft position j = 0..K-1")
+    expected_accepted: float | None = Field(description="expected accepted draft tokens per chain")
+    accept_length: float | None = Field(description="1 + expected_accepted: the target's bonus token counted")
+    chains: int
+
+
+class AcceptOutput(_Output):
+    ok: bool = Field(description="the spec's position-1 acceptance is at least --min (exit 3 otherwise)")
+    spec: str
+    draft: str
+    target: str
+    steps: int
+    prompts: str = Field(description="where the prompts came from: the seeded rule or the file")
+    n_prompts: int
+    length: int
+    min: float | None
+    draft_info: dict[str, Any]
+    sampling: str
+    wirings: list[AcceptWiring] = Field(description="the spec's wiring first, then the miswirings")
+    notes: list[str]
+    timings_s: dict[str, float]
+
+
 OUTPUTS: dict[str, type[_Output]] = {
     "lint": LintOutput, "explain": ExplainOutput, "render": RenderOutput, "check-draft": CheckDraftOutput,
     "review": ReviewOutput, "conventions": ConventionsOutput, "match": MatchOutput, "verify": VerifyOutput,
     "dump-info": DumpInfoOutput, "export": ExportOutput, "check-hooks": CheckHooksOutput,
     "apply": ApplyOutput, "revert": RevertOutput, "status": StatusOutput, "diff": DiffOutput,
     "coverage": CoverageOutput, "demo": DemoOutput, "doctor": DoctorOutput,
-    "infer-wiring": InferWiringOutput,
+    "infer-wiring": InferWiringOutput, "accept": AcceptOutput,
 }
 
 

@@ -28,6 +28,7 @@ FORMATS: dict[str, int] = {
     "match": 1, "verify": 1, "dump-info": 1, "export": 1, "check-hooks": 1,
     "apply": 1, "revert": 1, "status": 1, "diff": 1, "coverage": 1, "demo": 1, "doctor": 1,
     "infer-wiring": 1,
+    "accept": 1,
 }
 
 

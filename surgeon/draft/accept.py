@@ -236,3 +236,171 @@ def _chain_hits(draft: Eagle3Draft, pr: PromptStates, slots: list[torch.Tensor],
     if starts.numel() == 0:
         return torch.zeros(steps, 0, dtype=torch.bool)
     return torch.stack([guesses[j][starts] == pr.greedy[starts + 1 + j] for j in range(steps)])
+
+
+# -- a whole run ----------------------------------------------------------------------------
+
+
+@dataclass
+class AcceptReport:
+    spec: str
+    draft: str
+    target: str
+    steps: int
+    prompts: str  # where the prompts came from (the rule, or the file)
+    n_prompts: int
+    length: int
+    info: dict[str, Any]
+    rows: list[WiringResult]
+    notes: list[str]
+    min_rate: float | None = None
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def spec_row(self) -> WiringResult:
+        return self.rows[0]
+
+    @property
+    def ok(self) -> bool:
+        per = self.spec_row.per_position
+        return self.min_rate is None or (per is not None and per[0] >= self.min_rate)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "spec": self.spec, "draft": self.draft, "target": self.target, "steps": self.steps,
+                "prompts": self.prompts, "n_prompts": self.n_prompts, "length": self.length, "min": self.min_rate,
+                "draft_info": self.info, "sampling": SAMPLING_NOTE, "wirings": [r.to_json() for r in self.rows],
+                "notes": self.notes, "timings_s": self.timings_s}
+
+
+def read_prompts(path: str | Path, vocab: int) -> list[list[int]]:
+    """One prompt per non-empty line: token ids separated by spaces or commas, or a JSON list."""
+    import json
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{p}: cannot read prompts ({e})") from None
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        try:
+            values = json.loads(s) if s.startswith("[") else [int(v) for v in s.replace(",", " ").split()]
+        except ValueError:
+            raise BadInput(f"{p}:{n}:1: a prompt is token ids (integers separated by spaces or commas, or a JSON list)") from None
+        if not isinstance(values, list) or not values or not all(type(v) is int and 0 <= v < vocab for v in values):
+            raise BadInput(f"{p}:{n}:1: a prompt is a non-empty list of token ids in 0..{vocab - 1}")
+        prompts.append(values)
+    if not prompts:
+        raise BadInput(f"{p}: no prompts (one line of token ids per prompt)")
+    return prompts
+
+
+def seeded_prompts(vocab: int, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
+    g = torch.Generator().manual_seed(seed)
+    k = min(length, vocab)
+    prompts = [torch.randperm(vocab, generator=g)[:k].tolist() for _ in range(n)]
+    return prompts, (f"{n} prompts of {k} distinct token ids drawn uniformly from the target's vocabulary "
+                     f"0..{vocab - 1} (torch.randperm, seed {seed})")
+
+
+def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tuple[list[PromptStates], list[str]]:
+    """Each prompt continued greedily by the target to ``length`` tokens, then its states at every
+    point captured ONCE, by the hooks ``capture_reference`` uses (its recorder and structure
+    checks, on a model loaded once instead of once per prompt); the greedy labels are the argmax
+    of the target's LM head over the captured ``final_norm``. A note reports positions where the
+    generated token is not that argmax (numerics of the cached generation)."""
+    from transformers import AutoModelForCausalLM
+
+    from surgeon.core.points import FINAL_NORM as FN
+    from surgeon.verify.reference import _checked_structure, _ForwardRecorder, quiet_transformers
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), local_files_only=True, dtype=torch.float32).eval()
+    head = model.get_output_embeddings().weight.detach().float()
+    continued = _continue_greedily(model, prompts, length)
+    out, flips = [], 0
+    with one_thread():
+        for prompt, seq in zip(prompts, continued, strict=True):
+            layers, norm = _checked_structure(model, target_dir, seq)
+            recorder = _ForwardRecorder(len(layers))
+            recorder.record(model, layers, norm, seq)
+            recorder.check_plain_residual_stack(target_dir)
+            states = recorder.states()
+            greedy = (states[FN] @ head.T).argmax(-1)
+            P = len(prompt)
+            flips += int((seq[P:] != greedy[P - 1:-1]).sum())
+            out.append(PromptStates(seq, P, states, greedy))
+    notes = [f"{flips} generated tokens differ from the target's argmax on the full forward (numerics); "
+             "labels are the full forward's argmax"] if flips else []
+    return out, notes
+
+
+def _continue_greedily(model: Any, prompts: list[list[int]], length: int) -> list[torch.Tensor]:
+    """Each prompt continued by the target's greedy decoding to ``length`` tokens; prompts of one
+    length are decoded as one batch (no padding, so each row is what it would be alone)."""
+    from surgeon.verify.reference import quiet_transformers
+
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    with one_thread(), torch.no_grad(), quiet_transformers():
+        for n, members in groups.items():
+            ids = torch.tensor([prompts[i] for i in members], dtype=torch.int64)
+            new = max(length - n, 0)
+            seqs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=0) if new else ids
+            for row, i in enumerate(members):
+                out[i] = seqs[row]
+    return out
+
+
+def run_accept(spec: Spec, draft_dir: str | Path, target: str | Path, *, prompts_file: str | Path | None = None,
+               steps: int = 3, min_rate: float | None = None, n_prompts: int = DEFAULT_PROMPTS,
+               prompt_len: int = DEFAULT_PROMPT_LEN, length: int = DEFAULT_LENGTH, seed: int = 0,
+               engines: Sequence[str] = ("vllm", "sglang")) -> AcceptReport:
+    """Acceptance of ``draft_dir`` on ``target`` under the spec's wiring and the bug wirings."""
+    import time
+
+    from surgeon.draft.model import load_draft
+    from surgeon.verify.reference import resolve_model
+
+    if steps < 1:
+        raise BadInput(f"--steps must be at least 1, got {steps}")
+    if min_rate is not None and not 0 <= min_rate <= 1:
+        raise BadInput(f"--min is an acceptance rate in 0..1, got {min_rate}")
+    t0 = time.perf_counter()
+    target_dir, label = resolve_model(str(target)[3:] if str(target).startswith("hf:") else target)
+    draft = load_draft(draft_dir, target=target_dir)
+    if draft.info.n_slots != len(spec.fc_points):
+        raise BadInput(f"{draft_dir}: the draft's fc takes {draft.info.n_slots} slots, the spec's fc_input lists "
+                       f"{len(spec.fc_points)}")
+    vocab = draft.info.target_vocab_size
+    if prompts_file is not None:
+        prompts, source = read_prompts(prompts_file, vocab), f"file {prompts_file}"
+    else:
+        prompts, source = seeded_prompts(vocab, n_prompts, prompt_len, seed)
+    states, notes = target_states(target_dir, prompts, length)
+    L = len([p for p in states[0].states if p.kind == "layer_out"])
+    if L != spec.num_layers:
+        raise BadInput(f"{spec.file}: the spec says {spec.num_layers} layers, the target {label} has {L}")
+    t1 = time.perf_counter()
+    wirings = bug_wirings(spec.fc_points, L)
+    more, engine_notes = engine_wirings(spec, Path(draft_dir), engines)
+    wirings = _dedup(wirings + more)
+    if all(v is None for v in draft.info.stated_ids.values()):
+        notes.append("the draft's config states no aux layer ids: every engine serves it its default ids "
+                     "(see the 'serves' rows)")
+    rows = measure_one_thread(draft, states, wirings, steps)
+    t2 = time.perf_counter()
+    return AcceptReport(spec=spec.name, draft=str(draft_dir), target=label, steps=steps, prompts=source,
+                        n_prompts=len(prompts), length=length, info=draft.info.to_json(), rows=rows,
+                        notes=notes + engine_notes + list(draft.info.notes), min_rate=min_rate,
+                        timings_s={"target": round(t1 - t0, 3), "draft": round(t2 - t1, 3)})

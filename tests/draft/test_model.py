@@ -327,3 +327,20 @@ def test_teacher_forced_alignment(tmp_path):
 def test_rename_refuses_unknown_layout():
     with pytest.raises(BadInput):
         rename_for("zlab-dflash", random_state())
+
+
+def test_speculators_dflash_config_is_read(tmp_path):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "sdflash"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "block_size": 8,
+        "aux_hidden_state_layer_ids": [2, 5], "draft_vocab_size": VD,
+        "transformer_layer_config": {"model_type": "qwen3", "hidden_size": H, "vocab_size": V,
+                                     "num_attention_heads": HEADS}}))
+    save_file({"fc.weight": torch.zeros(H, 2 * H)}, str(folder / "model.safetensors"))
+    info = read_draft_info(folder)
+    assert (info.layout, info.kind, info.n_slots, info.draft_vocab_size) == ("speculators-dflash", "dflash", 2, VD)
+    assert info.stated_ids["aux_hidden_state_layer_ids"] == [2, 5]
+    assert "not modelled" in info.notes[0]
