@@ -21,10 +21,9 @@ from surgeon.audit.aggregate import Aggregate
 from surgeon.audit.profile import Profile
 from surgeon.audit.state import State
 from surgeon.audit.structure import STATE_NAME, discover
-from surgeon.audit.worker import Context, audit_file, file_key
+from surgeon.audit.worker import BATCH, Context, batches, file_key, run_batch
 from surgeon.core.errors import BadInput
 
-BATCH = 8  # files per task: amortises the per-task cost of a pool or a Ray task over small files
 FAILING = ("identity", "exact")  # finding kinds that say a slot is not what the spec declares
 
 
@@ -70,16 +69,6 @@ class AuditReport:
         }
 
 
-def _batches(items: list[tuple[str, bool]], size: int) -> Iterator[list[tuple[str, bool]]]:
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
-
-
-def run_batch(ctx: Context, batch: list[tuple[str, bool]]) -> list[dict[str, Any]]:
-    """One task: a few files audited in order (what a worker process or a Ray task runs)."""
-    return [audit_file(ctx, path, exact) for path, exact in batch]
-
-
 def _init_worker() -> None:
     import torch
 
@@ -90,7 +79,7 @@ def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int) -> Iterator
     """Results in ``todo`` order: inline for one worker, else a spawn process pool with a bounded
     window of batches in flight."""
     if workers <= 1:
-        for batch in _batches(todo, BATCH):
+        for batch in batches(todo, BATCH):
             yield from run_batch(ctx, batch)
         return
     import multiprocessing
@@ -99,7 +88,7 @@ def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int) -> Iterator
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_init_worker) as pool:
         window: deque = deque()
-        for batch in _batches(todo, BATCH):
+        for batch in batches(todo, BATCH):
             window.append(pool.submit(run_batch, ctx, batch))
             if len(window) >= 4 * workers:
                 yield from window.popleft().result()

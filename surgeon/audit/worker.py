@@ -10,6 +10,7 @@ A file the gate or a reader refuses becomes a finding (``unreadable``), not an e
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,19 @@ class Context:
 
             _SPECS[self.spec_path] = load_spec(self.spec_path)
         return _SPECS[self.spec_path]
+
+
+BATCH = 8  # files per task: amortises the per-task cost of a pool or a Ray task over small files
+
+
+def batches(items: list[tuple[str, bool]], size: int) -> Iterator[list[tuple[str, bool]]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def run_batch(ctx: Context, batch: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+    """One task: a few files audited in order (what a worker process or a Ray task runs)."""
+    return [audit_file(ctx, path, exact) for path, exact in batch]
 
 
 def file_key(path: str | Path) -> dict[str, Any]:
