@@ -317,14 +317,17 @@ def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids:
 @click.option("--ray", "ray_address", help="Run on the Ray cluster at this address (needs the [ray] extra).")
 @click.option("--resume", is_flag=True, help="Skip the files a previous run recorded as done (same size and mtime).")
 @click.option("--structure-only", is_flag=True, help="Headers only: no values, no identity.")
+@click.option("--state", type=click.Path(dir_okay=False),
+              help="The resume state file (default: DIR/.surgeon-audit-state.jsonl).")
 @click.option("--exact", type=int, default=4, show_default=True,
               help="Files identified exactly, each on its own tokens (with --reference hf:MODEL).")
 def audit(root: str, spec: str, ref: str | None, as_json: bool, report: str | None, workers: int,
-          ray_address: str | None, resume: bool, structure_only: bool, exact: int) -> Any:
+          ray_address: str | None, resume: bool, structure_only: bool, state: str | None, exact: int) -> Any:
     """Check every file of the training set under DIR: structure, values, and the identity of each
     slot. Exit 0 when clean, 3 when any slot is not what SPEC declares or holds bad values, 2 on bad input."""
     result = commands.audit(root=root, spec=spec, ref=ref, workers=workers, ray=ray_address, resume=resume,
-                            report=report, structure_only=structure_only, exact=exact, progress=RichProgress(as_json))
+                            report=report, structure_only=structure_only, exact=exact, state=state,
+                            progress=RichProgress(as_json))
     return _show(result, as_json, show.print_audit)
 
 

@@ -24,12 +24,15 @@ class State:
         self.path = path
         self.header = {"surgeon.audit.state": VERSION, **header}
         self._done: dict[str, tuple[int, int, int]] = {}  # path -> (size, mtime_ns, offset)
-        if resume and path.is_file():
-            self._load()
-            self._out: IO[str] = path.open("a", encoding="utf-8")
-        else:
-            self._out = path.open("w", encoding="utf-8")
-            self._write(self.header)
+        try:
+            if resume and path.is_file():
+                self._load()
+                self._out: IO[str] = path.open("a", encoding="utf-8")
+            else:
+                self._out = path.open("w", encoding="utf-8")
+                self._write(self.header)
+        except OSError as e:
+            raise BadInput(f"{path}: cannot write the audit state ({e.strerror or e}): pass --state FILE elsewhere") from None
 
     def _load(self) -> None:
         with self.path.open("rb") as f:

@@ -23,6 +23,7 @@ from typing import Any
 from surgeon.core.points import EMBED, Point
 
 KEEP = 4  # rows per slot sent to the cross-file index
+HASH_COLUMNS = 64
 _SEED = 0x5EED_A0D1
 
 
@@ -57,13 +58,21 @@ def _weights(n: int):
     return _WEIGHTS[n]
 
 
+def _columns(H: int) -> slice:
+    """About :data:`HASH_COLUMNS` evenly spaced columns (a strided view: nothing is gathered)."""
+    return slice(None, None, max(1, H // HASH_COLUMNS))
+
+
 def row_hashes(x):
-    """[T] int64: a hash of each row's bits (int64 arithmetic wraps, which is what a hash wants)."""
+    """[T] int64: a hash of the bits of each row's :func:`_columns` (int64 arithmetic wraps, which
+    is what a hash wants). Bit-identical rows hash the same; two rows of a continuous state that
+    differ do so in every column, so a subset tells them apart as well as the whole row would."""
     import torch
 
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    xi = x.contiguous().view(bits).to(torch.int64)
-    h = (xi * _weights(x.shape[1])).sum(1)
+    cols = _columns(x.shape[1])
+    xi = x[:, cols].contiguous().view(bits).to(torch.int64)
+    h = (xi * _weights(xi.shape[1])).sum(1)
     return h ^ (h >> 31)
 
 
@@ -104,13 +113,22 @@ def slot_values(name: str, declared: Point | None, x) -> tuple[SlotValues, Any]:
     import torch
 
     sv = SlotValues(name, None if declared is None else str(declared), str(x.dtype).replace("torch.", ""))
-    xf = x.float()
-    finite_rows = torch.isfinite(xf).all(1)
-    norms = torch.linalg.vector_norm(xf, dim=1)
+    # one pass in the slot's own dtype (torch accumulates half types in float32; converting the slot
+    # first would cost ~10x more); NaN/Inf rows give NaN/Inf
+    norms = torch.linalg.vector_norm(x, dim=1).float()
+    finite_rows = torch.isfinite(norms)
+    if not bool(finite_rows.all()):  # which of them hold NaN/Inf, and which only overflowed float32
+        bad = torch.nonzero(~finite_rows).reshape(-1)
+        finite_rows[bad] = torch.isfinite(x[bad]).all(1)
+        norms[bad[finite_rows[bad]]] = torch.linalg.vector_norm(x[bad[finite_rows[bad]]].double(), dim=1).float()
     sv.nonfinite_rows = int((~finite_rows).sum())
     zero = norms == 0
     sv.zero_rows = int(zero.sum())
-    const = (xf.amax(1) == xf.amin(1)) & ~zero & finite_rows
+    sub = x[:, _columns(x.shape[1])]  # a constant row is constant on any columns: check those first
+    maybe = torch.nonzero((sub.amax(1) == sub.amin(1)) & ~zero & finite_rows).reshape(-1)
+    const = torch.zeros_like(zero)
+    if maybe.numel():
+        const[maybe] = x[maybe].amax(1) == x[maybe].amin(1)
     sv.constant_rows = int(const.sum())
     _norm_stats(sv, torch.where(finite_rows, norms, torch.full_like(norms, math.nan)))
     T = x.shape[0]

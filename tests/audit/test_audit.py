@@ -213,6 +213,11 @@ def test_bad_input_exits_2_with_one_line(dump_set, tmp_path, args, needle):
     assert needle in res.output and len(res.output.strip().splitlines()) == 1, res.output
 
 
+def test_an_unwritable_state_is_bad_input(dump_set, tmp_path):
+    res = _cli(dump_set.root, "--spec", dump_set.spec, "--structure-only", "--state", tmp_path / "no" / "s.jsonl", code=2)
+    assert "cannot write the audit state" in res.output and len(res.output.strip().splitlines()) == 1
+
+
 def test_a_missing_ray_is_bad_input(dump_set, monkeypatch):
     import sys
 
