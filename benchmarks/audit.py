@@ -1,10 +1,11 @@
 """Benchmark: `surgeon audit` throughput against the raw read rate of the same files, one vs two
 workers, memory vs the number of files, and the structure pass on 100k files, in one run.
 
-    .venv/bin/python benchmarks/audit.py [--json] [--files 400] [--hidden 512] [--structure-files 100000]
+    .venv/bin/python benchmarks/audit.py [--json] [--files 400] [--hidden 1024] [--lengths 512,768,1024]
+                                         [--structure-files 100000]
 
 (1) A synthetic SpecForge set (surgeon.audit.synthetic: a tiny 8-layer Llama of ``--hidden``,
-    ``--files`` samples of 64-128 tokens in bf16, seeded faults) in a temporary directory. The raw
+    ``--files`` samples of ``--lengths`` tokens in bf16, seeded faults) in a temporary directory. The raw
     sequential read rate: every file read whole with ``readinto``, in path order, page cache warm
     (second pass). The audit (structure, values, identity against an ``hf:`` profile; the profile's
     build is outside the timed loop, no exact identification) with 1 and 2 local workers.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -90,10 +90,11 @@ def run(args) -> dict:
     from surgeon.run.tinymodels import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="surgeon-audit-bench-"))
-    rep: dict = {"files": args.files, "hidden": args.hidden, "cpus": os.cpu_count()}
+    rep: dict = {"files": args.files, "hidden": args.hidden, "lengths": args.lengths, "cpus": os.cpu_count()}
     model = make_tiny_model("llama", tmp / "model", num_layers=8, hidden_size=args.hidden, seed=0, residual_scale=4.0)
     t = time.perf_counter()
-    synth = make_synthetic_set(tmp, model, files=args.files, layout="specforge", count=2)
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    synth = make_synthetic_set(tmp, model, files=args.files, layout="specforge", count=2, lengths=lengths)
     rep["generate_s"] = time.perf_counter() - t
     paths = sorted(synth.root.glob("data_*"))
     rate, total = raw_read_rate(paths)
@@ -130,7 +131,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--files", type=int, default=400)
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--lengths", default="512,768,1024", help="sample lengths in tokens, comma-separated")
     ap.add_argument("--structure-files", type=int, default=100_000)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -140,7 +142,10 @@ def main() -> None:
 
         root, spec, state = args.child
         run_audit(Plan(Path(root), spec, state_path=Path(state)))
-        print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+        # VmHWM: this process's own peak (ru_maxrss keeps the forking parent's peak across exec)
+        hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                   if line.startswith("VmHWM:"))
+        print(json.dumps({"maxrss_kb": hwm}))
         return
     rep = run(args)
     if args.json:

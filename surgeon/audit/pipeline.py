@@ -79,8 +79,15 @@ def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int) -> Iterator
     """Results in ``todo`` order: inline for one worker, else a spawn process pool with a bounded
     window of batches in flight."""
     if workers <= 1:
-        for batch in batches(todo, BATCH):
-            yield from run_batch(ctx, batch)
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # many small ops: one thread each (a worker = a core); threads stall at
+        try:  # barriers when a neighbour is busy (~10x slower on a loaded 2-core machine, measured)
+            for batch in batches(todo, BATCH):
+                yield from run_batch(ctx, batch)
+        finally:
+            torch.set_num_threads(threads)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor

@@ -131,7 +131,8 @@ def _load(model_dir: Path):
 
 
 def make_synthetic_set(out_dir: str | Path, model_dir: str | Path, *, files: int = 1000, layout: str = "specforge",
-                       count: int = 2, seed: int = 0, dtype: str = "bfloat16") -> SyntheticSet:
+                       count: int = 2, seed: int = 0, dtype: str = "bfloat16",
+                       lengths: tuple[int, ...] = LENGTHS) -> SyntheticSet:
     """Write ``files`` samples of ``model_dir``'s hidden states under ``out_dir/set`` and their spec
     as ``out_dir/spec.yaml``; ``count`` files of each of :data:`FAULTS`. Streamed: a batch of
     samples is written before the next is run (only the sources of stale copies are kept)."""
@@ -145,19 +146,20 @@ def make_synthetic_set(out_dir: str | Path, model_dir: str | Path, *, files: int
     spec = out / "spec.yaml"
     spec.write_text(spec_text(layout, L, H))
     rng = random.Random(seed)
-    lengths = [rng.choice(LENGTHS) for _ in range(files)]
-    faulty, sources = _assign_faults(files, lengths, count, rng)
+    choices = lengths
+    sizes = [rng.choice(choices) for _ in range(files)]
+    faulty, sources = _assign_faults(files, sizes, count, rng)
     g = torch.Generator().manual_seed(seed)
     ids = [torch.cat([torch.tensor([BOS]), torch.randint(2, model.config.vocab_size, (t - 1,), generator=g)])
-           for t in lengths]
+           for t in sizes]
     ext, stem = {"specforge": (".ckpt", "data"), "speculators": (".safetensors", "hs"),
                  "surgeon": (".safetensors", "dump")}[layout]
     width = len(str(files - 1))
     kept: dict[int, torch.Tensor] = {}
     sdt = getattr(torch, dtype)
     result = SyntheticSet(root, spec, Path(model_dir), {}, files)
-    for t in LENGTHS:
-        idx = [i for i in range(files) if lengths[i] == t]
+    for t in sorted(set(choices)):
+        idx = [i for i in range(files) if sizes[i] == t]
         for a in range(0, len(idx), 64):
             chunk = idx[a:a + 64]
             got = _run(model, torch.stack([ids[i] for i in chunk]))

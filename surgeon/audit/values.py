@@ -147,6 +147,10 @@ def repeated_across_slots(names: list[str], hashes: list) -> list[tuple[str, str
     (two different points are never bit-identical; bad rows, hashed 0, are reported already)."""
     import torch
 
+    live = [torch.unique(h[h != 0]) for h in hashes]
+    allh = torch.cat(live) if live else torch.empty(0, dtype=torch.int64)
+    if allh.numel() == torch.unique(allh).numel():  # no hash in two slots: the usual case, one pass
+        return []
     out = []
     for i in range(len(hashes)):
         for j in range(i + 1, len(hashes)):

@@ -56,7 +56,7 @@ def ray_head():
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
