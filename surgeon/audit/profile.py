@@ -34,10 +34,10 @@ from typing import Any
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 
-K = 5.0
+K = 8.0
 MIN_PROMPTS = 6  # fewer reference prompts: the spread is measured over CHUNK-token chunks of them
 CHUNK = 32
-K_CHUNKS = 8.0  # chunks of one prompt vary less than whole samples do at some depths: a wider band
+K_CHUNKS = 10.0  # chunks of one prompt vary less than whole samples do at some depths: a wider band
 MIN_TOL = 0.03  # log units: 3% in norm
 
 
@@ -46,7 +46,7 @@ class PointProfile:
     point: str
     centre: float  # median over tokens of log per-token norm
     spread: float  # std of that statistic over prompts (or CHUNK-token chunks of too few prompts)
-    k: float = 5.0  # tolerance in spreads
+    k: float = K  # tolerance in spreads
 
     @property
     def tol(self) -> float:
