@@ -11,8 +11,9 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from surgeon.commands.progress import HEARTBEAT_S, Heartbeat
 
@@ -25,6 +26,13 @@ if not out.is_terminal:  # piped into a file or a CI log: do not wrap tables at 
 # --------------------------------------------------------------------------------------------- plumbing
 def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+class _RateColumn(ProgressColumn):
+    """Items per second, once rich has measured it (the throughput of an audit, a probe)."""
+
+    def render(self, task: Any) -> Text:
+        return Text(f"{task.speed:.1f}/s" if task.speed else "", style="dim")
 
 
 class RichProgress:
@@ -49,7 +57,7 @@ class RichProgress:
 
     @contextlib.contextmanager
     def bar(self, label: str) -> Iterator[Callable[[int, int], None]]:
-        with self._live(label, BarColumn(), MofNCompleteColumn()) as update:
+        with self._live(label, BarColumn(), MofNCompleteColumn(), _RateColumn()) as update:
             yield lambda done, total: update(completed=done, total=total)
 
     @contextlib.contextmanager
@@ -268,6 +276,35 @@ def print_match(result: Any) -> None:
         out.print(f"  {engine} ids: {escape(str(ids))}")
     for n in result.notes:
         out.print(f"[dim]note: {escape(n)}[/]")
+
+
+def print_audit(report: Any) -> None:
+    j = report.to_json()
+    out.print(f"{escape(j['root'])}: {j['files']} files ({', '.join(f'{v} {k}' for k, v in j['layouts'].items())}), "
+              f"{j['resumed']} from the resume state; {j['files_per_s'] or '-'} files/s, {j['mb_per_s'] or '-'} MB/s "
+              f"({j['backend']}, {j['workers']} worker{'s' if j['workers'] != 1 else ''})")
+    table = Table()
+    for h in ("slot", "declared", "files", "norm mean", "identity (nearest point: files)", "exact sample"):
+        table.add_column(h)
+    for s in j["slots"]:
+        ident = ", ".join(f"{k}: {v}" for k, v in list(s["identity"].items())[:4])
+        exact = ", ".join(f"{k}: {v}" for k, v in s["exact"].items())
+        table.add_row(s["name"], s["declared"] or "-", str(s["files"]),
+                      "-" if s["norm_mean"] is None else f"{s['norm_mean']:.4g}", escape(ident), escape(exact) or "-")
+    out.print(table)
+    for o in j["outliers"][:20]:
+        out.print(f"[red]{escape(o['path'])}[/]")
+        for f in o["findings"]:
+            out.print(f"  {f['kind']}{' ' + escape(f['slot']) if f['slot'] else ''}: {escape(f['detail'])}")
+    if j["outliers_listed"] > 20:
+        out.print(f"... and {j['flagged'] - 20} more flagged files (--json lists {j['outliers_listed']})")
+    for n in j["notes"]:
+        out.print(f"[dim]note: {escape(n)}[/]")
+    if j["report"]:
+        out.print(f"report: {escape(j['report'])}")
+    out.print("[green]every file is what the spec declares[/]" if j["ok"] else
+              f"[red]{j['flagged']} of {j['files']} files flagged: " + ", ".join(f"{k} {v}" for k, v in j["findings"].items())
+              + "[/]")
 
 
 def print_dump_info(info: Any) -> None:

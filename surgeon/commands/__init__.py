@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from surgeon.commands.audit_commands import audit
 from surgeon.commands.capture_commands import check_hooks, dump_info, export, hooks
 from surgeon.commands.demo_command import demo
 from surgeon.commands.draft_commands import accept
@@ -40,10 +41,10 @@ COMMANDS: dict[str, Callable[..., object]] = {
     "reference": reference, "fingerprint": fingerprint, "match": match, "verify": verify,
     "hooks": hooks, "check-hooks": check_hooks, "dump-info": dump_info, "export": export,
     "apply": apply, "revert": revert, "status": status, "diff": diff, "doctor": doctor, "coverage": coverage,
-    "demo": demo, "infer-wiring": infer_wiring, "accept": accept,
+    "demo": demo, "infer-wiring": infer_wiring, "accept": accept, "audit": audit,
 }
 
 __all__ = ["COMMANDS", "FORMATS", "QUIET", "Progress", "exit_code_of", "json_output",
            "schema", "lint", "explain", "render", "check_draft", "review", "conventions", "sweep_spec",
            "reference", "fingerprint", "match", "verify", "hooks", "check_hooks", "dump_info", "export",
-           "apply", "revert", "status", "diff", "doctor", "coverage", "demo", "infer_wiring", "accept"]
+           "apply", "revert", "status", "diff", "doctor", "coverage", "demo", "infer_wiring", "accept", "audit"]

@@ -592,13 +592,84 @@ class AcceptOutput(_Output):
     timings_s: dict[str, float]
 
 
+# -- audit of a training set -------------------------------------------------------------------------
+class AuditFinding(_Closed):
+    kind: str = Field(description="structure, unreadable, nonfinite, zero, constant, repeated, stale, identity, exact")
+    slot: str | None
+    detail: str
+
+
+class AuditOutlier(_Closed):
+    path: str
+    findings: list[AuditFinding]
+
+
+class AuditSlot(_Closed):
+    name: str
+    declared: Point | None
+    files: int
+    norm_mean: float | None = Field(description="mean over files of the slot's mean per-token L2 norm")
+    norm_min: float | None
+    norm_max: float | None
+    log_norm_median_mean: float | None = Field(description="the identity statistic (median log per-token norm), "
+                                                           "its mean over files")
+    log_norm_median_std: float | None
+    identity: dict[str, int] = Field(description="nearest point of the profile (or the verdict) -> files")
+    verdicts: dict[str, int] = Field(description="ok, mismatch, no_match, unresolved, not_run -> files")
+    exact: dict[str, int] = Field(description="on the exactly identified sample: matched point (or verdict) -> files")
+
+
+class AuditPointProfile(_Closed):
+    point: Point
+    centre: float
+    spread: float
+    tol: float
+
+
+class AuditProfile(_Closed):
+    source: str
+    prompts: int
+    tokens: int
+    points: list[AuditPointProfile]
+
+
+class AuditExact(_Closed):
+    model: str | None
+    files: int
+
+
+class AuditOutput(_Output):
+    ok: bool = Field(description="no file has a finding (exit 3 otherwise)")
+    root: str
+    spec: str
+    files: int
+    resumed: int = Field(description="files whose results came from the resume state")
+    flagged: int
+    findings: dict[str, int] = Field(description="finding kind -> files with it")
+    layouts: dict[str, int]
+    seconds: float
+    bytes: int
+    files_per_s: float | None
+    mb_per_s: float | None
+    workers: int
+    backend: str
+    structure_only: bool
+    slots: list[AuditSlot]
+    exact: AuditExact
+    profile: AuditProfile | None
+    outliers: list[AuditOutlier] = Field(description="flagged files in path order (the first 1000)")
+    outliers_listed: int
+    notes: list[str]
+    report: str | None = Field(description="the HTML report written, if any")
+
+
 OUTPUTS: dict[str, type[_Output]] = {
     "lint": LintOutput, "explain": ExplainOutput, "render": RenderOutput, "check-draft": CheckDraftOutput,
     "review": ReviewOutput, "conventions": ConventionsOutput, "match": MatchOutput, "verify": VerifyOutput,
     "dump-info": DumpInfoOutput, "export": ExportOutput, "check-hooks": CheckHooksOutput,
     "apply": ApplyOutput, "revert": RevertOutput, "status": StatusOutput, "diff": DiffOutput,
     "coverage": CoverageOutput, "demo": DemoOutput, "doctor": DoctorOutput,
-    "infer-wiring": InferWiringOutput, "accept": AcceptOutput,
+    "infer-wiring": InferWiringOutput, "accept": AcceptOutput, "audit": AuditOutput,
 }
 
 

@@ -29,6 +29,7 @@ FORMATS: dict[str, int] = {
     "apply": 1, "revert": 1, "status": 1, "diff": 1, "coverage": 1, "demo": 1, "doctor": 1,
     "infer-wiring": 1,
     "accept": 1,
+    "audit": 1,
 }
 
 

@@ -21,6 +21,7 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "transformers": ("harness", "running HF reference models"),
     "huggingface_hub": ("harness", "finding hf:ORG/NAME models in the local Hugging Face cache"),
     "matplotlib": ("harness", "the --plot heatmap"),
+    "ray": ("ray", "running an audit on a Ray cluster (--ray)"),
 }
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 

@@ -1,0 +1,95 @@
+"""The audit as one self-contained HTML page: the summary, two plots (matplotlib PNGs embedded as
+base64) and the outliers by file.
+
+* norm profile: the target's per-point identity statistic (median log per-token norm, with its
+  tolerance band) in forward-pass order, and each slot's mean over the set (with its spread
+  over files) drawn at its declared point: a slot off the curve at its point is visible at once;
+* identity histogram: per slot, how many files' slots sit nearest to each point.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+from typing import Any
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _profile_figure(j: dict[str, Any]):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    prof = j["profile"]
+    xs = {}
+    if prof:
+        pts = prof["points"]
+        xs = {p["point"]: i for i, p in enumerate(pts)}
+        c = [p["centre"] for p in pts]
+        ax.plot(range(len(pts)), c, "k.-", label="target profile")
+        ax.fill_between(range(len(pts)), [p["centre"] - p["tol"] for p in pts], [p["centre"] + p["tol"] for p in pts],
+                        color="grey", alpha=0.25, label="tolerance")
+        ax.set_xticks(range(len(pts)))
+        ax.set_xticklabels([p["point"] for p in pts], rotation=60, fontsize=7)
+    for k, s in enumerate(j["slots"]):
+        if s["log_norm_median_mean"] is None:
+            continue
+        x = xs.get(s["declared"], len(xs) + k)
+        ax.errorbar([x + 0.08 * (k - 1)], [s["log_norm_median_mean"]], yerr=[s["log_norm_median_std"] or 0.0], fmt="o",
+                    capsize=3, label=f"{s['name']} (declared {s['declared']})")
+    ax.set_ylabel("median log per-token norm")
+    ax.set_title("each slot over the set, at its declared point, against the target's profile", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _histogram_figure(j: dict[str, Any]):
+    import matplotlib.pyplot as plt
+
+    slots = j["slots"]
+    fig, axes = plt.subplots(1, max(1, len(slots)), figsize=(3 * max(1, len(slots)), 3), squeeze=False)
+    for ax, s in zip(axes[0], slots):
+        items = sorted(s["identity"].items(), key=lambda kv: -kv[1])[:8]
+        ax.bar(range(len(items)), [v for _, v in items],
+               color=["tab:green" if k == s["declared"] else "tab:red" for k, _ in items])
+        ax.set_xticks(range(len(items)))
+        ax.set_xticklabels([k for k, _ in items], rotation=60, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"{s['name']} (declared {s['declared']})", fontsize=8)
+    fig.suptitle("identity histogram: files per nearest point (green: the declared one)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def write_report(report: Any, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    j = report.to_json()
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(o['path'])}</td><td>{'<br>'.join(e(f['kind'] + (' ' + f['slot'] if f['slot'] else '') + ': ' + f['detail']) for f in o['findings'])}</td></tr>"  # noqa: E501
+        for o in j["outliers"])
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>surgeon audit {e(j['root'])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}td{{vertical-align:top;padding:2px 8px;border-bottom:1px solid #ddd}}</style>
+</head><body><h1>surgeon audit: {e(j['root'])}</h1>
+<p><b>{'OK' if j['ok'] else 'FLAGGED'}</b>: {j['flagged']} of {j['files']} files flagged
+({e(', '.join(f'{k} {v}' for k, v in j['findings'].items())) or 'nothing'}); spec {e(j['spec'])};
+{j['files_per_s'] or '-'} files/s, {j['mb_per_s'] or '-'} MB/s.</p>
+<h2>Norm profile</h2><img alt="norm profile" src="data:image/png;base64,{_png(_profile_figure(j))}">
+<h2>Identity histogram</h2><img alt="identity histogram" src="data:image/png;base64,{_png(_histogram_figure(j))}">
+<h2>Outliers by file</h2><table>{rows or '<tr><td>none</td></tr>'}</table>
+<h2>Notes</h2><ul>{''.join(f'<li>{e(n)}</li>' for n in j['notes'])}</ul></body></html>"""
+    out = Path(path)
+    out.write_text(page, encoding="utf-8")
+    return out

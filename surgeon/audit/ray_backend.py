@@ -1,0 +1,40 @@
+"""The audit on a Ray cluster: the same :func:`surgeon.audit.worker.run_batch` as Ray tasks.
+
+The driver connects to ``address`` (a running cluster: ``ray start --head`` on the first machine,
+``ray start --address ...`` on the others, each with surgeon importable), submits batches of
+files as tasks with a bounded window in flight (``4 x`` the cluster's CPUs, at least ``workers``)
+and takes the results back in submission order, so the answer is the local run's, file for file.
+Every machine must see the files under the same path (a shared filesystem). ``ray`` is the
+``[ray]`` extra: without it ``--ray`` is bad input naming the extra.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from surgeon.audit.worker import BATCH, Context, batches, run_batch
+from surgeon.core.errors import BadInput
+
+
+def run_on_ray(address: str, ctx: Context, todo: list[tuple[str, bool]], workers: int) -> Iterator[dict[str, Any]]:
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise BadInput(f"--ray {address}: cannot connect to a Ray cluster there ({str(e).splitlines()[0][:160]})") from None
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        task = ray.remote(num_cpus=1, max_retries=2)(run_batch)
+        shared = ray.put(ctx)
+        window: deque = deque()
+        for batch in batches(todo, BATCH):
+            window.append(task.remote(shared, batch))
+            if len(window) >= 4 * max(workers, cpus):
+                yield from ray.get(window.popleft())
+        while window:
+            yield from ray.get(window.popleft())
+    finally:
+        ray.shutdown()

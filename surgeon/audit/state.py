@@ -1,0 +1,101 @@
+"""The resume state of an audit: a JSON-lines file, one header line, then one line per finished file
+(its result as the driver completed it, stale findings included), appended and flushed as each
+file finishes, so a run killed at any point leaves every finished file recorded.
+
+A file is *done* when its path, size and mtime (ns) equal the recorded ones; a file changed since
+is audited again. The header records what the results depend on (the spec's sha256, the profile,
+the mode): a state written under anything else is refused (exit 2), not silently mixed in. Only
+each file's key and byte offset are held in memory; a result is read back when its turn comes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Any
+
+from surgeon.core.errors import BadInput
+
+VERSION = 1
+
+
+class State:
+    def __init__(self, path: Path, header: dict[str, Any], resume: bool):
+        self.path = path
+        self.header = {"surgeon.audit.state": VERSION, **header}
+        self._done: dict[str, tuple[int, int, int]] = {}  # path -> (size, mtime_ns, offset)
+        try:
+            if resume and path.is_file():
+                self._load()
+                self._out: IO[str] = path.open("a", encoding="utf-8")
+            else:
+                self._out = path.open("w", encoding="utf-8")
+                self._write(self.header)
+        except OSError as e:
+            raise BadInput(f"{path}: cannot write the audit state ({e.strerror or e}): pass --state FILE elsewhere") from None
+
+    def _load(self) -> None:
+        with self.path.open("rb") as f:
+            first = f.readline()
+            try:
+                header = json.loads(first)
+            except ValueError:
+                raise BadInput(f"{self.path}:1:1: not an audit state file (remove it, or run without --resume)") from None
+            if header != self.header:
+                differs = sorted(k for k in set(header) | set(self.header) if header.get(k) != self.header.get(k))
+                raise BadInput(f"{self.path}:1:1: the state was written for another audit (differs in "
+                               f"{', '.join(differs)}): remove it, or run without --resume")
+            while True:
+                offset = f.tell()
+                line = f.readline()
+                if not line:
+                    break
+                if not line.endswith(b"\n"):  # the last line of a killed run: not finished
+                    break
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    break
+                self._done[r["path"]] = (r["size"], r["mtime_ns"], offset)
+        self._truncate_partial()
+
+    def _truncate_partial(self) -> None:
+        """Cut a half-written last line (a run killed mid-write) so appends start on a clean line."""
+        with self.path.open("rb+") as f:
+            data_end = f.seek(0, 2)
+            keep = max((o for _, _, o in self._done.values()), default=None)
+            if keep is None:
+                f.seek(0)
+                f.readline()
+                f.truncate(f.tell())
+                return
+            f.seek(keep)
+            f.readline()
+            if f.tell() < data_end:
+                f.truncate(f.tell())
+
+    def done(self, key: dict[str, Any], read: bool = True) -> dict[str, Any] | None:
+        """The recorded result of the file ``key`` (path, size, mtime_ns), or None if not done
+        (``read=False``: an empty dict for a done file, without reading its result back)."""
+        rec = self._done.get(key["path"])
+        if rec is None or rec[:2] != (key["size"], key["mtime_ns"]):
+            return None
+        if not read:
+            return {}
+        with self.path.open("rb") as f:
+            f.seek(rec[2])
+            return json.loads(f.readline())
+
+    @property
+    def recorded(self) -> int:
+        return len(self._done)
+
+    def record(self, result: dict[str, Any]) -> None:
+        self._write(result)
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        self._out.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        self._out.flush()
+
+    def close(self) -> None:
+        self._out.close()

@@ -1,0 +1,161 @@
+"""The structure pass: what each file of a training set holds, from its header where the format
+allows, checked against the spec's dump slots.
+
+* speculators ``hs_*.safetensors`` and surgeon dumps: the safetensors header the gate
+  (:func:`surgeon.capture.tensorfiles.open_tensor_file`) already parsed; no tensor is read;
+* SpecForge ``.ckpt`` (``torch.save`` zip): loaded with ``mmap=True, weights_only=True``, which
+  reads the pickle (names, shapes, dtypes) and maps the storages without reading them; a legacy
+  (non-zip) pickle has no such index and is read whole.
+
+Checked per file: the slot count against the spec's dump slots, the hidden size, one dtype for
+every slot, input ids present and as long as the slots, the loss mask as long (SpecForge), and for
+a self-describing surgeon dump the slot names, their order and their declared points. Each
+disagreement is a finding (``structure``), never an exception: one bad file does not stop an audit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from surgeon.capture.tensorfiles import SAFETENSORS, ZIP, TensorFile, open_tensor_file
+from surgeon.core.errors import BadInput
+
+SUFFIXES = (".ckpt", ".safetensors", ".pt")
+STATE_NAME = ".surgeon-audit-state.jsonl"
+
+
+@dataclass
+class Structure:
+    """One file's structure as its header says it, and what disagrees with the spec."""
+
+    layout: str  # specforge | speculators | surgeon | plain | unreadable
+    tokens: int | None = None
+    hidden: int | None = None
+    names: list[str] = field(default_factory=list)  # slot names in file order
+    dtypes: list[str] = field(default_factory=list)
+    ids: bool = False
+    findings: list[str] = field(default_factory=list)
+    loaded: Any = field(default=None, repr=False)  # a SpecForge dict already loaded (mmap), for the value pass
+
+
+def discover(root: str | Path) -> Iterator[Path]:
+    """Every tensor file under ``root`` (``.ckpt``, ``.safetensors``, ``.pt``), in sorted path
+    order, streamed directory by directory (a 100k-file tree is never listed whole at once)."""
+    stack = [Path(root)]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as e:
+            raise BadInput(f"{d}: cannot list: {e.strerror or e}") from None
+        dirs = []
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                dirs.append(Path(entry.path))
+            elif entry.name.endswith(SUFFIXES) and not entry.name.startswith("."):
+                yield Path(entry.path)
+        stack.extend(reversed(dirs))
+
+
+def _dt(text: str) -> str:
+    return text.replace("torch.", "").lower()
+
+
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def _safetensors_structure(gated: TensorFile) -> Structure:
+    meta, tensors = gated.metadata, gated.tensors
+    if gated.kind == "dump":
+        from surgeon.capture.dumps import read_dump_header
+
+        head = read_dump_header(gated)
+        return Structure("surgeon", head.tokens, head.hidden_size, [n for n, _, _ in head.captures],
+                         [_ST_DTYPES.get(tensors[n]["dtype"], tensors[n]["dtype"]) for n, _, _ in head.captures], True)
+    ids_key = next((k for k in ("token_ids", "input_ids") if k in tensors), None)
+    ids_len = gated.shape(ids_key) if ids_key else None
+    if "hidden_states" in tensors and len(gated.shape("hidden_states")) == 3:
+        T, n, H = gated.shape("hidden_states")
+        st = Structure("speculators", T, H, [f"hidden_states[:, {i}]" for i in range(n)],
+                       [_ST_DTYPES.get(tensors["hidden_states"]["dtype"], "?")] * n, ids_key is not None)
+    else:
+        floats = [(k, v) for k, v in tensors.items() if v["dtype"] in _ST_DTYPES and len(v["shape"]) == 2]
+        shapes = {tuple(v["shape"]) for _, v in floats}
+        T, H = next(iter(shapes)) if len(shapes) == 1 else (None, None)
+        st = Structure("plain", T, H, [k for k, _ in floats], [_ST_DTYPES[v["dtype"]] for _, v in floats],
+                       ids_key is not None)
+        if meta.get("surgeon.kind"):
+            st.findings.append(f"a surgeon {meta['surgeon.kind']} file, not a training sample")
+    if ids_len is not None and (len(ids_len) != 1 or ids_len[0] != st.tokens):
+        st.findings.append(f"{ids_key} has shape {ids_len} for {st.tokens} tokens")
+    return st
+
+
+def _length(t: Any) -> int | None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return None
+    return int(t.numel()) if t.dim() <= 1 or all(d == 1 for d in t.shape[:-1]) else -1
+
+
+def _pickle_structure(gated: TensorFile) -> Structure:
+    import torch
+
+    try:  # mmap needs torch.save's zip format: the pickle is read, the storages are only mapped
+        data = torch.load(str(gated.path), map_location="cpu", weights_only=True, mmap=gated.format == ZIP)
+    except Exception as e:
+        raise BadInput(f"{gated.path}: cannot be read with weights_only=True: {str(e).splitlines()[0][:160]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("aux_hidden_state"), torch.Tensor):
+        return Structure("plain", findings=["not a SpecForge sample (no aux_hidden_state tensor)"])
+    aux, hidden = data["aux_hidden_state"], data.get("hidden_state")
+    H = int(hidden.shape[-1]) if isinstance(hidden, torch.Tensor) and hidden.dim() else None
+    T = int(aux.shape[-2]) if aux.dim() >= 2 else None
+    k = aux.shape[-1] // H if H and aux.shape[-1] % H == 0 else None
+    st = Structure("specforge", T, H, [f"aux_{i}" for i in range(k or 0)], [_dt(str(aux.dtype))] * (k or 0),
+                   "input_ids" in data, loaded=data)
+    if k is None:
+        st.findings.append(f"aux_hidden_state width {aux.shape[-1]} is not a multiple of hidden_state's {H}")
+    if isinstance(hidden, torch.Tensor):
+        st.names.append("hidden_state")
+        st.dtypes.append(_dt(str(hidden.dtype)))
+        if hidden.dim() < 2 or int(hidden.shape[-2]) != T:
+            st.findings.append(f"hidden_state has shape {list(hidden.shape)}, aux_hidden_state {list(aux.shape)}")
+    for key in ("input_ids", "loss_mask"):
+        n = _length(data.get(key))
+        if key in data and n != T:
+            st.findings.append(f"{key} has shape {list(data[key].shape)} for {T} tokens")
+        elif key not in data:
+            st.findings.append(f"no {key}")
+    return st
+
+
+def read_structure(path: str | Path) -> Structure:
+    """The structure of one file (header only where the format allows); BadInput for a file the
+    gate refuses."""
+    gated = open_tensor_file(path)
+    return _safetensors_structure(gated) if gated.format == SAFETENSORS else _pickle_structure(gated)
+
+
+def check_structure(st: Structure, spec) -> list[str]:
+    """What in ``st`` disagrees with ``spec`` (its dump slots, hidden size and, for a dump, names)."""
+    out = list(st.findings)
+    want = spec.dump_slots
+    if st.layout in ("specforge", "speculators", "surgeon") and len(st.names) != len(want):
+        out.append(f"{len(st.names)} slots ({', '.join(st.names)}), the spec's dump slots are {len(want)} "
+                   f"({', '.join(want)})")
+    if st.layout == "surgeon" and len(st.names) == len(want) and st.names != want:
+        out.append(f"slots named/ordered {st.names}, the spec's dump slots are {want}")
+    if st.hidden is not None and st.hidden != spec.hidden_size:
+        out.append(f"hidden size {st.hidden}, the spec's target has {spec.hidden_size}")
+    if len(set(st.dtypes)) > 1:
+        out.append(f"slots differ in dtype: {', '.join(st.dtypes)}")
+    if not st.ids and not any(f.startswith("no input_ids") for f in out):
+        out.append("no input ids: the tokens cannot be checked or re-run")
+    if st.tokens == 0 or st.hidden == 0:
+        out.append(f"degenerate slots: {st.tokens} tokens x hidden {st.hidden}")
+    return out

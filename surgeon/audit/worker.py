@@ -1,0 +1,161 @@
+"""One file audited, start to end: the unit of work a local process or a Ray task runs.
+
+:func:`audit_file` takes a picklable :class:`Context` and a path and returns a plain,
+JSON-serialisable dict (what the resume state stores and what crosses a process or Ray
+boundary): the file's identity (path, size, mtime), its structure, each slot's values and
+identity, its findings, and the sampled row hashes the driver's cross-file stale check needs.
+A file the gate or a reader refuses becomes a finding (``unreadable``), not an exception.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from surgeon.audit.profile import Profile, match_slot
+from surgeon.audit.structure import Structure, check_structure, read_structure
+from surgeon.core.errors import BadInput
+from surgeon.core.points import Point
+
+_SPECS: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class Context:
+    spec_path: str
+    profile: Profile | None = None
+    exact_model: str | None = None  # an HF model folder: exact identification on the file's own tokens
+    structure_only: bool = False
+
+    @property
+    def spec(self):
+        if self.spec_path not in _SPECS:
+            from surgeon.core.spec import load_spec
+
+            _SPECS[self.spec_path] = load_spec(self.spec_path)
+        return _SPECS[self.spec_path]
+
+
+BATCH = 8  # files per task: amortises the per-task cost of a pool or a Ray task over small files
+
+
+def batches(items: list[tuple[str, bool]], size: int) -> Iterator[list[tuple[str, bool]]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def run_batch(ctx: Context, batch: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+    """One task: a few files audited in order (what a worker process or a Ray task runs)."""
+    return [audit_file(ctx, path, exact) for path, exact in batch]
+
+
+def file_key(path: str | Path) -> dict[str, Any]:
+    """What says a file is the one already audited: its path, size and mtime (ns)."""
+    st = os.stat(path)
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _declared(spec, layout: str, names: list[str]) -> tuple[list[str], list[Point | None]]:
+    """Slot names and the points the spec declares for them: a surgeon dump's slots by their own
+    names, any other layout's by position in the spec's dump slots."""
+    if layout != "surgeon":
+        names = spec.dump_slots[: len(names)] + names[len(spec.dump_slots):]
+    return names, [spec.captures.get(n) for n in names]
+
+
+def _finding(kind: str, slot: str | None, detail: str) -> dict[str, Any]:
+    return {"kind": kind, "slot": slot, "detail": detail}
+
+
+def audit_file(ctx: Context, path: str, exact: bool = False) -> dict[str, Any]:
+    """Audit one file (``exact``: also identify its slots against a reference run on its own tokens)."""
+    out: dict[str, Any] = {**file_key(path), "layout": None, "tokens": None, "slots": [], "findings": [],
+                           "hashes": [], "exact": None}
+    try:
+        st = read_structure(path)
+        _structure_part(ctx, st, out)
+        if not ctx.structure_only and st.layout in ("specforge", "speculators", "surgeon"):
+            _value_part(ctx, path, st, out)
+            if exact and ctx.exact_model:
+                _exact_part(ctx, path, out)
+    except BadInput as e:
+        out["findings"].append(_finding("unreadable", None, str(e).splitlines()[0] if str(e) else type(e).__name__))
+    return out
+
+
+def _structure_part(ctx: Context, st: Structure, out: dict[str, Any]) -> None:
+    out["layout"], out["tokens"] = st.layout, st.tokens
+    names, declared = _declared(ctx.spec, st.layout, st.names)
+    out["slots"] = [{"name": n, "declared": None if d is None else str(d), "dtype": dt}
+                    for n, d, dt in zip(names, declared, st.dtypes)]
+    for f in check_structure(st, ctx.spec):
+        out["findings"].append(_finding("structure", None, f))
+
+
+def _subject_slots(path: str, spec) -> tuple[list, Any]:
+    from surgeon.verify.subjects import read_subject
+
+    subject = read_subject(path, num_layers=spec.num_layers)
+    return [t for _, _, t in subject.slots], subject.input_ids
+
+
+def _specforge_slots(st: Structure) -> tuple[list, Any]:
+    """The slots of a SpecForge dict the structure pass loaded (checked there): the aux states split
+    by the hidden width, then ``hidden_state``, as :func:`surgeon.verify.subjects.read_subject` reads them."""
+    data, H = st.loaded, st.hidden
+    width = data["aux_hidden_state"].shape[-1]
+    if not H or not st.tokens or width % H or data["hidden_state"].numel() != st.tokens * H:
+        raise BadInput(f"aux_hidden_state width {width} and hidden_state {list(data['hidden_state'].shape)}: "
+                       "no way to split the slots")
+    aux = data["aux_hidden_state"].reshape(-1, width)
+    tensors = [aux[:, i * H:(i + 1) * H] for i in range(aux.shape[1] // H)]
+    tensors.append(data["hidden_state"].reshape(-1, H))
+    ids = data.get("input_ids")
+    return tensors, None if ids is None else ids.reshape(-1)
+
+
+def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> None:
+    from surgeon.audit.values import repeated_across_slots, sampled_rows, slot_values
+
+    spec = ctx.spec
+    tensors, ids = _specforge_slots(st) if st.loaded is not None else _subject_slots(path, spec)
+    names, declared = _declared(spec, st.layout, st.names if len(st.names) == len(tensors)
+                                else [f"slot{i}" for i in range(len(tensors))])
+    slots, hashes = [], []
+    for name, point, x in zip(names, declared, tensors):
+        sv, h = slot_values(name, point, x)
+        row = sv.to_json()
+        row["identity"] = match_slot(ctx.profile, sv.declared, sv.log_norm_median)
+        slots.append(row)
+        hashes.append(h)
+        for f in sv.findings:
+            kind, _, detail = f.partition(": ")
+            out["findings"].append(_finding(kind, name, detail))
+        ident = row["identity"]
+        if ident["verdict"] in ("mismatch", "no_match"):
+            what = f"holds {ident['nearest']}" if ident["nearest"] else "fits no point of the target"
+            out["findings"].append(_finding("identity", name, f"declared {sv.declared}, its norm profile {what} "
+                                                              f"({ident['distance']:.1f} tolerances from the declared)"))
+    for name, detail in repeated_across_slots(names, hashes):
+        kind, _, rest = detail.partition(": ")
+        out["findings"].append(_finding(kind, name, rest))
+    out["slots"] = slots
+    out["hashes"] = sampled_rows(declared, hashes, ids)
+
+
+def _exact_part(ctx: Context, path: str, out: dict[str, Any]) -> None:
+    from surgeon.verify.harness import match
+
+    res = match(path, f"hf:{ctx.exact_model}", spec=ctx.spec)
+    out["exact"] = [{"name": s.name, "declared": None if s.declared is None else str(s.declared),
+                     "matched": None if s.matched is None else str(s.matched), "verdict": s.verdict}
+                    for s in res.report.slots]
+    wrong = [s for s in out["exact"] if s["verdict"] != "ok"]
+    for s in wrong:
+        out["findings"].append(_finding("exact", s["name"], f"declared {s['declared']}, identified on its own "
+                                                            f"tokens as {s['matched'] or 'no point'} ({s['verdict']})"))
+    if wrong:
+        out["diagnosis"] = [f"{d.kind}: {d.detail}" for d in res.report.diagnosis]

@@ -1,0 +1,35 @@
+"""The audit of a whole training set (``surgeon audit``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from surgeon.commands.progress import QUIET, Progress
+
+
+def audit(*, root: str, spec: str, ref: str | None = None, workers: int = 1, ray: str | None = None,
+          resume: bool = False, report: str | None = None, structure_only: bool = False, exact: int = 4,
+          state: str | None = None, progress: Progress = QUIET) -> Any:
+    """Check every file under ``root`` against ``spec``: structure, values and the identity of each
+    slot (an AuditReport; exit 3 when any file holds a slot that is not what the spec declares or
+    holds bad values). ``ref``: ``hf:MODEL``, a reference file, a sweep dump or a fingerprint, for
+    the identity profile (``hf:`` also runs exact identification on ``exact`` sampled files)."""
+    from surgeon.core.optional import require
+
+    if report:
+        require("matplotlib")  # before the work, not after it
+    if ray:
+        require("ray")
+    from surgeon.audit.pipeline import Plan, run_audit
+
+    plan = Plan(Path(root), spec, ref, workers, ray, resume, structure_only, exact,
+                Path(state) if state else None)
+    with progress.bar(f"auditing {root}") as update:
+        result = run_audit(plan, update)
+    if report:
+        from surgeon.audit.html import write_report
+
+        with progress.spinner("writing the HTML report"):
+            result.report_path = str(write_report(result, report))
+    return result
