@@ -196,9 +196,20 @@ def _scan(source: str | bytes, pairs: set[tuple[str, str]] | None = None):
                 a = fn.args
                 params = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
                 out.append((cls.name, fn.name, cls.lineno, bool(params & _DECODER_PARAMS)))
-                spans.append(ast_span(cls))
+                spans.extend(_class_spans(cls, {meth for meth, _ in pairs}))
                 break
     return out, spans
+
+
+def _class_spans(cls: ast.ClassDef, methods: set[str]) -> list[tuple[int, int]]:
+    """What the planner reads of a loop-owning class: its header through its first statement (the
+    block libcst takes the class's indent from) and the methods a recipe may name; the rest of
+    the class (weight loading, helpers: most of its lines) is emptied, not parsed."""
+    first = ast_span(cls)[0]
+    spans = [(first, ast_span(cls.body[0])[1])]
+    spans += [ast_span(fn) for fn in cls.body[1:]
+              if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name in methods]
+    return spans
 
 
 # ---------------------------------------------------------------------------------------------

@@ -214,3 +214,23 @@ def test_coverage_reduces_files_as_the_rewriter_does_encoding_cookie_and_bom(tmp
     classes = json.loads(res.output)["engines"][0]["classes"]
     assert [(c["path"], c["patchable"], c["reason"]) for c in classes] == [
         ("model_executor/models/bom.py", True, None), ("model_executor/models/latin.py", True, None)]
+
+
+@pytest.mark.slow  # a whole-file libcst parse of a sample of real model files
+@pytest.mark.parametrize("engine, which", [("vllm", "0.33.0"), ("sglang", "installed")])
+def test_reduced_parse_answers_as_the_whole_file(engine, which):
+    """Coverage parses a loop-owning class's header, first statement and recipe methods only (the
+    rest of the class emptied): on real model files, every class's answer is the one a parse of the
+    whole file gives."""
+    from surgeon.engines.locate import locate_engine
+    from surgeon.patch import coverage as cv
+    from surgeon.patch.recipes import load_recipes
+    from tests.conftest import release_engine
+
+    loc = locate_engine(engine, release_engine(engine, which) if which != "installed" else None)
+    _, tasks, _ = cv._prefilter(engine, loc.root, loc.models_dirs, load_recipes())
+    sample = tasks[::6]
+    assert len(sample) >= 5
+    for task in sample:
+        whole = task[:4] + (None,)
+        assert cv._file_task(task) == cv._file_task(whole), task[2]
