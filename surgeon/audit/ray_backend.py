@@ -10,6 +10,7 @@ Every machine must see the files under the same path (a shared filesystem). ``ra
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ def run_on_ray(address: str, ctx: Context, todo: list[tuple[str, bool]], workers
     import ray
 
     try:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise BadInput(f"--ray {address}: cannot connect to a Ray cluster there ({str(e).splitlines()[0][:160]})") from None
     try:

@@ -319,7 +319,7 @@ def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tu
     from transformers import AutoModelForCausalLM
 
     from surgeon.core.points import FINAL_NORM as FN
-    from surgeon.verify.reference import _checked_structure, _ForwardRecorder, quiet_transformers
+    from surgeon.verify.reference import ForwardRecorder, checked_structure, quiet_transformers
 
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), local_files_only=True, dtype=torch.float32).eval()
@@ -328,8 +328,8 @@ def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tu
     out, flips = [], 0
     with one_thread():
         for prompt, seq in zip(prompts, continued, strict=True):
-            layers, norm = _checked_structure(model, target_dir, seq)
-            recorder = _ForwardRecorder(len(layers))
+            layers, norm = checked_structure(model, target_dir, seq)
+            recorder = ForwardRecorder(len(layers))
             recorder.record(model, layers, norm, seq)
             recorder.check_plain_residual_stack(target_dir)
             states = recorder.states()

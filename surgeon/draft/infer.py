@@ -40,7 +40,7 @@ from surgeon.draft.model import Eagle3Draft, load_draft, teacher_forced
 from surgeon.draft.weightspace import SlotScore, alignment_table, contributions, slot_blocks, slot_scores
 from surgeon.engines.view import open_engine
 from surgeon.verify.reference import capture_reference, quiet_transformers, resolve_model
-from surgeon.wiring.draft import CHECK_TARGETS, _read_config, check_draft, fc_weight_shape, read_ids
+from surgeon.wiring.draft import CHECK_TARGETS, check_draft, fc_weight_shape, read_config, read_ids
 from surgeon.wiring.render import RENDER_TARGETS, fc_ids
 
 Wiring = tuple[int, ...]  # one index into the candidate points per fc slot
@@ -289,7 +289,7 @@ def read_draft_fc(draft: str) -> DraftFc:
     path = Path(draft)
     if not path.is_dir():
         raise BadInput(f"{draft}: not a draft folder (expected config.json and *.safetensors)")
-    cfg, data = _read_config(path)
+    cfg, data = read_config(path)
     stated = read_ids(cfg, data)
     found = fc_weight_shape(path)
     if found is None:

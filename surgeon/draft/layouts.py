@@ -40,7 +40,7 @@ import torch
 
 from surgeon.capture.tensorfiles import read_safetensors
 from surgeon.core.errors import BadInput
-from surgeon.wiring.draft import _read_config, read_ids
+from surgeon.wiring.draft import read_config, read_ids
 
 EAGLE3_LAYOUTS = ("specforge", "speculators", "vllm", "sglang")
 DFLASH_LAYOUTS = ("zlab-dflash", "speculators-dflash")
@@ -184,7 +184,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     folder = Path(path)
     if not folder.is_dir():
         raise BadInput(f"{folder}: not a draft folder (expected config.json and weights)")
-    cfg, config = _read_config(folder)
+    cfg, config = read_config(folder)
     tensors = _read_tensors(folder)
     layout = detect_layout(config, set(tensors))
     kind = "dflash" if layout in DFLASH_LAYOUTS else "eagle3"

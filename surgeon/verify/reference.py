@@ -208,9 +208,9 @@ def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dty
     model_dir, source = resolve_model(model_dir)
     model = _load_model(model_dir, dtype, device)
     model.eval()
-    layers, norm = _checked_structure(model, model_dir, ids)
+    layers, norm = checked_structure(model, model_dir, ids)
     L = len(layers)
-    recorder = _ForwardRecorder(L)
+    recorder = ForwardRecorder(L)
     recorder.record(model, layers, norm, ids)
     recorder.check_plain_residual_stack(model_dir)
     states = recorder.states()
@@ -227,7 +227,7 @@ def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dty
     )
 
 
-def _checked_structure(model, model_dir: Path, ids: torch.Tensor) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+def checked_structure(model, model_dir: Path, ids: torch.Tensor) -> tuple[list[torch.nn.Module], torch.nn.Module]:
     """The decoder layers and final norm, refused when the config disagrees with them or the ids
     fall outside the vocabulary."""
     _, layers, norm = _find_structure(model)
@@ -242,7 +242,7 @@ def _checked_structure(model, model_dir: Path, ids: torch.Tensor) -> tuple[list[
     return layers, norm
 
 
-class _ForwardRecorder:
+class ForwardRecorder:
     """Hooks on every decoder layer (input, output, MLP branch) and the final norm for one forward
     pass, and the checks that the model is the plain residual stack the points assume."""
 

@@ -73,7 +73,7 @@ class DraftReport:
         return data
 
 
-def _read_config(draft: Path) -> tuple[Path, dict]:
+def read_config(draft: Path) -> tuple[Path, dict]:
     cfg = draft / "config.json" if draft.is_dir() else draft
     if not cfg.exists():
         raise BadInput(f"{draft}: no config.json there" if draft.is_dir() else f"{draft}: no such file")
@@ -158,7 +158,7 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
     if spec.model.draft is None:
         raise BadInput(f"{spec.file}: the spec has no draft section to check a draft against")
     draft = Path(draft)
-    cfg, data = _read_config(draft)
+    cfg, data = read_config(draft)
     found = read_ids(cfg, data)
     expected = [str(p) for p in spec.fc_points]
     findings: list[Finding] = []
