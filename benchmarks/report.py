@@ -118,10 +118,21 @@ def rows_vllm(r: dict) -> list[Row]:
     return out
 
 
+def rows_matrix(r: dict) -> list[Row]:
+    out = []
+    for name, e in r.items():
+        for verb in ("conventions", "coverage"):
+            out.append((f"surgeon {verb}, cold, {name} ({e['files']} model files, {e['lines']} lines)",
+                        _s(e[f"{verb}_s"]), f"libcst parse of every model file {_s(e['baseline_parse_all_s'])}",
+                        f"{e[f'{verb}_speedup']}x faster", f"< {e['target_s']} s"))
+    return out
+
+
 # name -> (command, rows); commands run from the repository root with this interpreter
 BENCHMARKS: dict[str, tuple[list[str], Callable[[dict], list[Row]]]] = {
     "probe": (["benchmarks/probe.py", "--json"], rows_probe),
     "coverage": (["benchmarks/patch.py", "--json"], rows_coverage),
+    "matrix": (["benchmarks/matrix.py", "--json"], rows_matrix),
     "apply": (["benchmarks/apply.py", "--json"], rows_apply),
     "hooks": (["benchmarks/hooks.py", "--json"], rows_hooks),
     "dumps": (["benchmarks/dumps.py", "--json"], rows_dumps),
