@@ -23,13 +23,17 @@ Passes = Literal["draft_ids", "default", "passed_in", "unknown"]
 class IdSource:
     """One place the runner reads ids from: ``key`` in the draft's config.json (``a.b`` is key
     ``b`` of the dict at ``a``), ``offset`` added to every id, at ``path:line``, under ``when``
-    (the enclosing conditions in the source, verbatim; None: unconditional)."""
+    (the enclosing conditions in the source, verbatim; None: unconditional). ``origin`` is
+    ``"draft_config"``, or ``"engine"`` where the ids come from the engine's own state (a server
+    flag such as SGLang's ``--return-aux-hidden-state-layer-ids``), ``key`` then being the
+    expression read, verbatim."""
 
     key: str
     offset: int
     path: str
     line: int
     when: str | None = None
+    origin: Literal["draft_config", "engine"] = "draft_config"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,16 @@ class RunnerModel:
     def ignores_draft_ids(self) -> bool:
         """Verified that every call passes only the model's default: the draft's ids never arrive."""
         return self.verified and bool(self.calls) and all(c.passes == "default" for c in self.calls)
+
+    def for_kind(self, kind: str) -> RunnerModel:
+        """This reading over the setter calls a ``kind`` draft's ids go through: SGLang's
+        ``set_eagle3_layers_to_capture`` for ``eagle3``, whatever its DFlash setter is handed. A
+        kind no setter is named for gets every call (vLLM's one ``set_aux_hidden_state_layers``)."""
+        named = {c.setter for c in self.calls if kind.lower() in c.setter.lower()}
+        if not named:
+            return self
+        calls = tuple(c for c in self.calls if c.setter in named)
+        return summarise(self.engine, self.version, self.files, calls, tuple(sorted(named)))
 
     def to_json(self) -> dict:
         data = asdict(self)

@@ -117,6 +117,9 @@ class RunnerReader:
         params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
         values = _assigned(fn, name)
         if not values and name in params:
+            followed = self._follow_callers(fn.name, name, base)
+            if followed is not None:
+                return followed
             callers = self._callers(fn.name, name)
             seen = "; ".join(callers) if callers else "no caller found in the runner files"
             return RunnerCall(**base, passes="passed_in",
@@ -195,7 +198,12 @@ class RunnerReader:
         return None
 
     def _callers(self, function: str, param: str) -> list[str]:
-        out = []
+        return [f"{mod.path}:{call.lineno} passes {ast.unparse(value)}"
+                for mod, call, value in self._caller_values(function, param)]
+
+    def _caller_values(self, function: str, param: str) -> list[tuple[_Module, ast.Call, ast.expr]]:
+        """Every call of ``function`` in the runner files with ``param=`` given: (module, call, value)."""
+        out: list[tuple[_Module, ast.Call, ast.expr]] = []
         for rel in self.runner_files():
             try:
                 if function not in (self.root / rel).read_text(encoding="utf-8"):
@@ -203,11 +211,69 @@ class RunnerReader:
             except OSError:
                 continue
             mod = self.module(rel)
-            for node in ast.walk(mod.tree) if mod else ():
+            if mod is None:
+                continue
+            for node in ast.walk(mod.tree):
                 if isinstance(node, ast.Call) and _callee(node.func) == function:
-                    for kw in node.keywords:
-                        if kw.arg == param:
-                            out.append(f"{rel}:{node.lineno} passes {ast.unparse(kw.value)}")
+                    out += [(mod, node, kw.value) for kw in node.keywords if kw.arg == param]
+        return out
+
+    # -- ids handed down through an attribute of the runner ------------------------------------
+    def _follow_callers(self, function: str, param: str, base: dict[str, Any]) -> RunnerCall | None:
+        """The ids a parameter receives where every caller passes ``self.A.B`` and ``self.A`` is the
+        result of a helper of the engine (SGLang 0.5.23: ``self.spec_aux_config``, built by
+        ``resolve_spec_aux_hidden_state_config``): each assignment to ``.B`` in the helper's module,
+        read like a runner's own. None where any step is not of that shape (reported as passed in)."""
+        sites = self._caller_values(function, param)
+        sources: list[IdSource] = []
+        via: list[str] = []
+        gets_none = False
+        for mod, call, value in sites:
+            chain = _self_attr_pair(value)
+            built = self._built_by(mod, call, chain[0]) if chain else []
+            if chain is None or not built:
+                return None
+            for hmod, hfn in built:
+                assigned = _attr_assignments(hmod, chain[1])
+                if not assigned:
+                    return None
+                for efn, v in assigned:
+                    if isinstance(v, ast.Constant) and v.value is None:
+                        gets_none = True
+                        continue
+                    src = _assignment_source(hmod, efn, v)
+                    if src is None:
+                        return RunnerCall(**base, passes="unknown",
+                                          detail=f"{hmod.path}:{v.lineno}: .{chain[1]} = {ast.unparse(v)} is not modelled "
+                                                 f"(the ids reach {function} from {mod.path}:{call.lineno})")
+                    sources.append(src)
+                via.append(f"{mod.path}:{call.lineno} passes self.{chain[0]}.{chain[1]}, set in {hmod.path} "
+                           f"(built by {hfn.name}, {hmod.path}:{hfn.lineno})")
+        if not any(s.origin == "draft_config" for s in sources):
+            return None
+        detail = "read through " + "; ".join(via) + (
+            "; where the config has none the setter gets None (the model's setter default)" if gets_none else "")
+        return RunnerCall(**base, passes="draft_ids", sources=tuple(sources), detail=detail)
+
+    def _built_by(self, mod: _Module, call: ast.Call, attr: str) -> list[tuple[_Module, ast.FunctionDef]]:
+        """The engine helpers whose results are assigned to ``self.<attr>`` in the class holding
+        ``call``; empty where any such assignment is not a call of a helper the reader resolves."""
+        cls: ast.AST | None = mod.parents.get(call)
+        while cls is not None and not isinstance(cls, ast.ClassDef):
+            cls = mod.parents.get(cls)
+        if cls is None:
+            return []
+        out = []
+        for node in ast.walk(cls):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            if not any(_self_attr_pair(t, depth=1) == (attr, "") for t in targets):
+                continue
+            value = getattr(node, "value", None)
+            fn = _enclosing(mod, node)
+            helper = self._helper(mod, fn, value.func) if isinstance(value, ast.Call) and fn is not None else None
+            if helper is None:
+                return []
+            out.append(helper)
         return out
 
 
@@ -330,6 +396,79 @@ def _config_key(expr: ast.expr, env: dict[str, str]) -> tuple[str, int] | None:
     if isinstance(expr, ast.Name) and expr.id in env:
         return env[expr.id], 0
     return None
+
+
+def _self_attr_pair(expr: ast.expr, depth: int = 2) -> tuple[str, str] | None:
+    """``self.A.B`` -> ("A", "B"); with ``depth=1``, ``self.A`` -> ("A", "")."""
+    if depth == 1:
+        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self":
+            return expr.attr, ""
+        return None
+    if isinstance(expr, ast.Attribute):
+        inner = _self_attr_pair(expr.value, depth=1)
+        if inner is not None:
+            return inner[0], expr.attr
+    return None
+
+
+def _attr_assignments(mod: _Module, attr: str) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, ast.expr]]:
+    """``<name>.<attr> = value`` anywhere in a function of ``mod``: (the function, the value)."""
+    out = []
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == attr
+                                                and isinstance(t.value, ast.Name) for t in node.targets):
+            fn = _enclosing(mod, node)
+            if fn is not None:
+                out.append((fn, node.value))
+    return sorted(out, key=lambda x: x[1].lineno)
+
+
+def _assignment_source(mod: _Module, fn: ast.FunctionDef | ast.AsyncFunctionDef, value: ast.expr) -> IdSource | None:
+    """A draft-config read (as in a runner's own function), or ids read from the engine's own state
+    (``features.return_aux_hidden_state_layer_ids``: an attribute chain on nothing config-like),
+    with the conditions of its path, early returns included; None where neither is proven."""
+    when = _path_conditions(mod, value, fn)
+    got = _config_key(value, _key_env(fn))
+    if got is not None:
+        return IdSource(got[0], got[1], mod.path, value.lineno, when)
+    read = _engine_read(fn, value)
+    return None if read is None else IdSource(read, 0, mod.path, value.lineno, when, origin="engine")
+
+
+def _engine_read(fn: ast.AST, value: ast.expr) -> str | None:
+    if isinstance(value, ast.IfExp) and isinstance(value.orelse, ast.Constant) and value.orelse.value is None:
+        return _engine_read(fn, value.body)
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("list", "tuple") and value.args:
+        return _engine_read(fn, value.args[0])
+    if isinstance(value, ast.Name):
+        assigned = _assigned(fn, value.id)
+        return _engine_read(fn, assigned[0]) if len(assigned) == 1 else None
+    if isinstance(value, ast.Attribute):
+        text = ast.unparse(value)
+        root: ast.expr = value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        origin = ast.unparse(_assigned(fn, root.id)[0]) if isinstance(root, ast.Name) and len(_assigned(fn, root.id)) == 1 else ""
+        if not any(w in (text + " " + origin).lower() for w in ("config", "draft", "self")):
+            return text + (f" (from {origin})" if origin else "")
+    return None
+
+
+def _path_conditions(mod: _Module, node: ast.AST, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    """The enclosing ``if`` tests of ``node`` in ``fn`` and the early returns before it
+    (``if T: return`` at the top of ``fn``'s body reads as ``not (T)``)."""
+    top: ast.AST = node
+    while mod.parents.get(top) is not fn and mod.parents.get(top) is not None:
+        top = mod.parents[top]
+    guards = []
+    for stmt in fn.body:
+        if stmt is top:
+            break
+        if (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 1
+                and isinstance(stmt.body[0], ast.Return)):
+            guards.append(f"not ({ast.unparse(stmt.test)})")
+    inner = _conditions(mod, node, fn)
+    return " and ".join([*guards, *([inner] if inner else [])]) or None
 
 
 def _conditions(mod: _Module, node: ast.AST, stop: ast.AST) -> str | None:

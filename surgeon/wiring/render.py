@@ -151,7 +151,7 @@ def explain(
         if lst.ids is not None:  # lst.ok, spelled so that the type narrows
             for name, p in zip(fc_names, spec.fc_points):
                 per_fc.setdefault(name, {})[engine] = _id_for(conv, lst.ids, p, L)
-            notes.extend(_runner_lines(engine, views[engine], conv, lst.ids, L))
+            notes.extend(_runner_lines(engine, views[engine], conv, lst.ids, L, _kind(spec)))
         else:
             notes.append(f"{engine}: fc_input cannot be rendered: {lst.error}")
     for target in ("eagle", "hf"):
@@ -178,12 +178,18 @@ def explain(
     return Explanation(spec.name, spec.file, spec.sha256, L, spec.hidden_size, conventions, rows, fc_lists, notes)
 
 
-def _runner_lines(engine: str, view: EngineView, conv: EngineConvention, ids: list[int], num_layers: int) -> list[str]:
+def _runner_lines(engine: str, view: EngineView, conv: EngineConvention, ids: list[int], num_layers: int,
+                  kind: str) -> list[str]:
     """What the release's model runner does with these ids: refused when it ignores them, else
     the runner calls read (file:line) or why the runner is unverified."""
     ignored = runner_refusal(view.probe, conv.cc, ids, num_layers)
     lines = [f"{engine}: cannot serve this wiring: {ignored}"] if ignored else []
-    return lines + [n if n.startswith(f"{engine}") else f"{engine}: {n}" for n in runner_notes(view.probe)]
+    return lines + [n if n.startswith(f"{engine}") else f"{engine}: {n}" for n in runner_notes(view.probe, kind)]
+
+
+def _kind(spec: Spec) -> str:
+    """The draft's kind (its setter calls are the runner's that count); eagle3 without a draft section."""
+    return spec.model.draft.kind if spec.model.draft is not None else "eagle3"
 
 
 def _id_for(conv: EngineConvention, ids: list[int], point: Point, num_layers: int) -> int:
@@ -243,7 +249,7 @@ def _engine_answer(spec: Spec, target: str, view: EngineView, cc: ClassConventio
     if ignored:
         raise BadInput(f"{spec.file}: cannot render for {target}: {ignored}")
     notes.extend(engine_notes(cc, positions, spec.num_layers))
-    notes.extend(runner_notes(view.probe))
+    notes.extend(runner_notes(view.probe, _kind(spec)))
     for b in cc.bypasses:
         notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
     if view.probe is None:

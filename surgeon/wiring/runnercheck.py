@@ -48,10 +48,11 @@ def runner_refusal(probe: EngineProbe | None, cc: ClassConvention, ids: Sequence
     return f"{ignores}; {cc.class_name} then captures {_points(served)}, the spec needs {_points(wanted)}"
 
 
-def runner_notes(probe: EngineProbe | None) -> list[str]:
-    """What the runner read says about this rendering: each call passing the draft's ids (file:line,
-    the config keys it reads and their offsets), or why the runner is not verified."""
-    runner = probe.runner if probe is not None else None
+def runner_notes(probe: EngineProbe | None, kind: str = "eagle3") -> list[str]:
+    """What the runner read says about this rendering of a ``kind`` draft: each call passing the
+    draft's ids (file:line, the config keys it reads and their offsets), or why the runner is not
+    verified (only the setter calls that ``kind``'s ids go through count)."""
+    runner = probe.runner.for_kind(kind) if probe is not None and probe.runner is not None else None
     if probe is None or runner is None:
         return []
     release = f"{_TITLES.get(probe.engine, probe.engine)} {probe.version}"
@@ -64,7 +65,11 @@ def runner_notes(probe: EngineProbe | None) -> list[str]:
     notes = []
     for c in runner.calls:
         if c.passes == "draft_ids":
-            keys = ", ".join(dict.fromkeys(f"{s.key}{f' {s.offset:+d}' if s.offset else ''}" for s in c.sources))
+            keys = ", ".join(dict.fromkeys(f"{s.key}{f' {s.offset:+d}' if s.offset else ''}" for s in c.sources
+                                           if s.origin == "draft_config"))
+            other = "".join(f"; ids from the engine's {s.key} ({s.path}:{s.line}) instead when {s.when or 'always'}"
+                            for s in c.sources if s.origin == "engine")
             notes.append(f"{release} runner {c.where} passes the draft config's ids ({keys})"
-                         + (f", else {c.default_method}()" if c.default_method else ""))
+                         + (f", else {c.default_method}()" if c.default_method else "")
+                         + (f" ({c.detail})" if c.detail and c.detail.startswith("read through") else "") + other)
     return notes

