@@ -47,7 +47,7 @@ class FieldAnswer:
     notes: list[str]
 
 
-def _modelopt_vllm_id(vllm: EngineConvention, points: Sequence[Point], num_layers: int) -> list[int]:
+def modelopt_vllm_ids(vllm: EngineConvention, points: Sequence[Point], num_layers: int) -> list[int]:
     """The vLLM ids for ``points``, refused where the vllm script's range check (0 <= i < L) would."""
     ids = vllm.encode(points, num_layers)
     bad = [(p, i) for p, i in zip(points, ids) if not 0 <= i < num_layers]
@@ -64,7 +64,7 @@ def _single(column: str, point: Point, num_layers: int, vllm: EngineConvention |
         if column == "modelopt-vllm":
             if vllm is None:
                 return "not expressible: no vLLM convention for this class"
-            return _modelopt_vllm_id(vllm, [point], num_layers)[0]
+            return modelopt_vllm_ids(vllm, [point], num_layers)[0]
         return POINTWISE[column].to_id(point, num_layers)
     except NotExpressible as e:
         return f"not expressible: {e.reason}"
@@ -76,7 +76,7 @@ def _fc_list(column: str, spec: Spec, vllm: EngineConvention | None) -> FieldLis
         if vllm is None:
             return FieldList(column, "vLLM convention unavailable", None, "no vLLM convention for this class")
         try:
-            ids = _modelopt_vllm_id(vllm, points, L)
+            ids = modelopt_vllm_ids(vllm, points, L)
         except NotExpressible as e:
             return FieldList(column, f"vLLM {vllm.origin}", None, str(e))
         return FieldList(column, f"ids handed to {vllm.name} ({vllm.origin})", ids, None,
@@ -100,7 +100,8 @@ def _as_vllm(vllm: EngineConvention, ids: Sequence[int], num_layers: int) -> str
 def hazards(spec: Spec, vllm: EngineConvention | None, source: ModeloptSource | None) -> list[str]:
     """Where one Model Optimizer --aux-layers list captures different states per backend, for
     this spec's fc list, its presets, and the dump's last state. Empty when nothing differs."""
-    L, out = spec.num_layers, []
+    L = spec.num_layers
+    out: list[str] = []
     if vllm is None:
         return out
     where = f"{MODELOPT['vllm_ids'].path}:{MODELOPT['vllm_ids'].line},{MODELOPT['vllm_config'].line}"

@@ -10,8 +10,8 @@ from pathlib import Path
 from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
-from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
 from surgeon.engines.modelopt import open_modelopt
+from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import hazards
 from surgeon.wiring.pins import check_pins
