@@ -90,6 +90,9 @@ MODELOPT: dict[str, Cite] = {
                    "entry is the final norm's output)"),
     "hf_last": Cite(MODELOPT_REPO, MODELOPT_COMMIT, _HF_SCRIPT, 189, "output_hidden_states = hidden_states[-1]",
                     "hf backend: the dump's hidden_states is outputs.hidden_states[-1], the final norm's output"),
+    "dump": Cite(MODELOPT_REPO, MODELOPT_COMMIT, _HF_SCRIPT, 193, "torch.save(",
+                 "hf backend: one {conversation_id}.pt per conversation: input_ids, hidden_states, "
+                 "aux_hidden_states, loss_mask, conversation_id (the vllm script writes the same keys)"),
     "vllm_ids": Cite(MODELOPT_REPO, MODELOPT_COMMIT, _VLLM_SCRIPT, 178,
                      "extract_layer_ids = [*aux_layer_ids, num_hidden_layers]",
                      "vllm backend: the same 0-based aux ids, then L for the last slot"),
@@ -101,6 +104,9 @@ MODELOPT: dict[str, Cite] = {
                          "vllm backend: _resolve_aux_layers_standalone takes 'dflash' (an inline copy of "
                          "build_target_layer_ids) or an int list (0 <= i < L); 'eagle', the flag's default, is "
                          "not accepted there (int('eagle') raises)"),
+    "vllm_range": Cite(MODELOPT_REPO, MODELOPT_COMMIT, _VLLM_SCRIPT, 78,
+                       "out_of_range = [i for i in ids if not 0 <= i < num_hidden_layers]",
+                       "vllm backend: an --aux-layers id outside [0, L) is refused"),
     "vllm_last": Cite(MODELOPT_REPO, MODELOPT_COMMIT, _VLLM_SCRIPT, 297, "output_hidden_states = hidden_states[:, -1, :]",
                       "vllm backend: the dump's hidden_states is the slot of id L"),
     "trtllm_ids": Cite(MODELOPT_REPO, MODELOPT_COMMIT, _TRT_SCRIPT, 201,
@@ -217,3 +223,24 @@ def check_against_source(cites: dict[str, Cite], root: str | Path) -> list[str]:
         elif not any(cite.needle in text for text in lines):
             problems.append(f"{key}: {cite.path} does not hold {cite.needle!r}")
     return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m surgeon.engines.field_tables trtllm|modelopt ROOT``: check a table against a
+    checkout (exit 0 when it agrees, 3 listing what moved or is missing, 2 on bad arguments)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    tables = {"trtllm": TRTLLM, "modelopt": MODELOPT}
+    if len(args) != 2 or args[0] not in tables or not Path(args[1]).is_dir():
+        print("usage: python -m surgeon.engines.field_tables trtllm|modelopt SOURCE_DIR", file=sys.stderr)
+        return 2
+    problems = check_against_source(tables[args[0]], args[1])
+    for p in problems:
+        print(p)
+    print(f"{args[0]}: {len(tables[args[0]]) - len(problems)} of {len(tables[args[0]])} facts confirmed in {args[1]}")
+    return 3 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

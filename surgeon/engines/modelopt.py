@@ -67,7 +67,7 @@ class ModeloptSource:
         node, path = self.functions[name]
         try:
             value = call_function(node, *args)
-        except NotPure as e:
+        except (NotPure, ArithmeticError, TypeError, ValueError) as e:  # what the body does for these arguments
             raise BadInput(f"modelopt {self.version}: {path}:{node.lineno}: {name}{args}: {e}") from None
         return [int(v) for v in value]
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from surgeon.core.conventions import EngineConvention, InvalidId, NotExpressible, PointwiseConvention
+from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.engines.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_LAST, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV
@@ -54,7 +55,7 @@ def modelopt_vllm_ids(vllm: EngineConvention, points: Sequence[Point], num_layer
     if bad:
         p, i = bad[0]
         why = (f"vLLM id {i}; the script refuses --aux-layers outside [0, {num_layers}) "
-               f"({MODELOPT['vllm_presets'].path}:83); id {num_layers} is only its appended last slot")
+               f"({MODELOPT['vllm_range'].path}:{MODELOPT['vllm_range'].line}); id {num_layers} is only its appended last slot")
         raise NotExpressible("modelopt-vllm", why, p)
     return ids
 
@@ -136,7 +137,7 @@ def _preset_hazards(source: ModeloptSource, vllm: EngineConvention, num_layers: 
     out = []
     try:
         dflash = source.dflash_preset(num_layers)
-    except Exception as e:  # a preset the evaluator cannot run for this L: say so, never guess
+    except BadInput as e:  # a preset the evaluator cannot run for this L: say so, never guess
         return [f"modelopt: dflash preset not evaluated for L={num_layers}: {e}"]
     theirs = ", ".join(f"layer_out[{k}]" for k in dflash)
     read = source.reads.get("dflash_offset")
@@ -168,8 +169,12 @@ def explain_field(spec: Spec, vllm: EngineConvention | None, *, modelopt_root=No
             eagle = source.eagle_default(L)
             notes.append(f"modelopt: --aux-layers eagle (the default) = {eagle}: "
                          f"{', '.join(str(p) for p in MODELOPT_HF.decode(eagle, L))} through hf and trtllm")
-        except Exception as e:  # reported, not guessed
+        except BadInput as e:  # reported, not guessed
             notes.append(f"modelopt: eagle preset not evaluated for L={L}: {e}")
     notes.extend(f"modelopt: evidence: {c} ({TABLE_NOTE})" for c in MODELOPT.values())
+    notes.append(f"modelopt: dump: {{conversation_id}}.pt, torch.save of {{input_ids [T], aux_hidden_states [T, n*H] "
+                 f"(ascending ids), hidden_states [T, H] (the last state: final_norm via hf and trtllm, "
+                 f"layer_out[{L - 1}] via vllm), loss_mask [T], conversation_id}} ({MODELOPT['dump'].path}:"
+                 f"{MODELOPT['dump'].line}; load with torch.load(weights_only=True))")
     notes.extend(hazards(spec, vllm, source))
     return FieldAnswer(conventions, ids, fc_lists, notes)

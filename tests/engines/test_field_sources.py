@@ -145,3 +145,13 @@ def test_the_source_check_finds_moved_and_missing_facts(tmp_path):
     problems = check_against_source(cites, tmp_path)
     assert [p.split(":")[0] for p in problems] == ["moved", "gone", "absent"]
     assert "found at line 2" in problems[0]
+
+
+def test_the_table_checker_command(tmp_path, capsys):
+    from surgeon.engines.field_tables import main
+
+    assert main(["nope", str(tmp_path)]) == 2
+    (tmp_path / "examples/speculative_decoding/collect_hidden_states").mkdir(parents=True)
+    assert main(["modelopt", str(tmp_path)]) == 3  # an empty checkout confirms nothing
+    out = capsys.readouterr().out
+    assert f"modelopt: 0 of {len(MODELOPT)} facts confirmed" in out
