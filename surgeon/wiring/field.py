@@ -158,7 +158,8 @@ def explain_field(spec: Spec, vllm: EngineConvention | None, *, modelopt_root=No
         name: {c: _single(c, p, L, vllm) for c in FIELD_COLUMNS} for name, p in spec.captures.items()}
     fc_lists = {c: _fc_list(c, spec, vllm) for c in FIELD_COLUMNS} if spec.fc_names else {}
     notes = [f"trtllm: evidence: {c}" for c in TRTLLM.values()]
-    default = ", ".join(str(p) for p in TRTLLM_CONV.decode(None, L))
+    default = ", ".join(str(p) for p in TRTLLM_CONV.decode(None, L)) if L > 5 else (
+        "none: Eagle3SpecMetadata raises for 5 layers or fewer" + (" (one layer: layer 0 only)" if L == 1 else ""))
     notes.append(f"trtllm: default when no ids are given: {default} ({TRTLLM['default']})")
     if source is None:
         notes.append("modelopt: its source is not on this machine (run scripts/fetch-engines): presets not evaluated")

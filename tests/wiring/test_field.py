@@ -105,3 +105,16 @@ def test_lint_lists_the_model_optimizer_hazards_as_checked_lines():
     assert result.ok
     assert any(c.startswith("modelopt: hazard: --aux-layers 2,30,58") for c in result.checked)
     assert not any("modelopt" in i.message for i in result.issues)
+
+
+def test_a_small_model_gets_no_invented_defaults(tmp_path):
+    """TensorRT-LLM raises for 5 layers or fewer (eagle3.py:133-135), and Model Optimizer's DFlash
+    preset raises for fewer target than draft layers: both are said, not computed."""
+    spec_file = tmp_path / "tiny.yaml"
+    spec_file.write_text("spec: 1\nname: tiny4\ntarget: {architecture: LlamaForCausalLM, num_layers: 4, hidden_size: 64}\n"
+                         "captures: {b: 'layer_out[1]', c: 'layer_out[2]'}\n"
+                         "draft: {kind: eagle3, fc_input: [b, c], fc_in_features: 128}\n")
+    ex = explain(load_spec(spec_file))
+    assert any(n.startswith("trtllm: default when no ids are given: none: Eagle3SpecMetadata raises") for n in ex.notes)
+    assert any(n.startswith("modelopt: dflash preset not evaluated for L=4") and "raises" in n for n in ex.notes)
+    assert ex.fc_lists["modelopt-vllm"].ids == [2, 3] and ex.fc_lists["modelopt-hf"].ids == [1, 2]
