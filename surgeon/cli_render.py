@@ -85,7 +85,8 @@ def print_lint(report: Any) -> None:
 
 def print_explanation(ex: Any) -> None:
     out.print(f"[bold]{escape(ex.spec)}[/] ({escape(ex.file)}): L={ex.num_layers}, hidden={ex.hidden_size}")
-    cols = [c for c in ("hf", "sglang", "vllm", "eagle") if c in ex.conventions]
+    cols = [c for c in ("hf", "sglang", "vllm", "eagle", "trtllm", "modelopt-hf", "modelopt-trtllm", "modelopt-vllm")
+            if c in ex.conventions]
     table = Table(show_lines=False)
     for h in ("capture", "point", "fc slot", "dump slot", *cols):
         table.add_column(h)
@@ -105,10 +106,10 @@ def print_explanation(ex: Any) -> None:
         out.print(f"  [{i}] {escape(f)}")
     out.print("fc lists:")
     for k, lst in ex.fc_lists.items():
-        out.print(f"  {k:7} " + (f"{lst.ids} -> {', '.join(lst.captures)}" if lst.ok else f"[red]{escape(lst.error or '')}[/]"))
+        out.print(f"  {k:15} " + (f"{lst.ids} -> {', '.join(lst.captures)}" if lst.ok else f"[red]{escape(lst.error or '')}[/]"))
     out.print("conventions:")
     for k, v in ex.conventions.items():
-        out.print(f"  {k:7} {escape(v)}")
+        out.print(f"  {k:15} {escape(v)}")
     for n in ex.notes:
         out.print(f"[yellow]note:[/] {escape(n)}")
 

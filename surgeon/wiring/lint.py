@@ -10,8 +10,10 @@ from pathlib import Path
 from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
+from surgeon.engines.modelopt import open_modelopt
 from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
+from surgeon.wiring.field import hazards
 from surgeon.wiring.pins import check_pins
 from surgeon.wiring.runnercheck import runner_refusal
 
@@ -102,7 +104,20 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
                 f"{engine}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})",
                 severity="warning",
             ))
+    _lint_field(spec, roots, result)
     return result
+
+
+def _lint_field(spec: Spec, roots: dict[str, str | None], result: LintResult) -> None:
+    """Model Optimizer's backends read one --aux-layers list differently (its vllm backend hands the
+    ids to vLLM unchanged): listed as checked lines, not warnings, because the spec does not say that
+    its dumps come from Model Optimizer (a warning on every spec would not be about the spec)."""
+    try:
+        vllm = open_engine("vllm", roots.get("vllm")).convention(model_class_for(spec, "vllm"))
+    except BadInput as e:
+        result.checked.append(f"modelopt: vllm backend not checked: {e}")
+        vllm = None
+    result.checked.extend(hazards(spec, vllm, open_modelopt()))
 
 
 def lint_files(

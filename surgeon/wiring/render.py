@@ -18,6 +18,7 @@ from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
+from surgeon.wiring.field import explain_field
 from surgeon.wiring.runnercheck import runner_notes, runner_refusal
 
 RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
@@ -164,6 +165,11 @@ def explain(
         labels = DUMP_LAYOUTS[spec.model.dumps.layout].slots(slots, [spec.captures[n] for n in slots], L)
         dump_labels = {n: f"{spec.model.dumps.layout} {lab}" for n, lab in zip(slots, labels)}
 
+    field = explain_field(spec, engines.get("vllm"))
+    conventions.update(field.conventions)
+    fc_lists.update({c: IdList(f.convention, f.origin, f.ids, f.error, f.captures) for c, f in field.fc_lists.items()})
+    notes.extend(field.notes)
+
     rows = []
     for name, point in spec.captures.items():
         ids: dict[str, int | str] = {"hf": _single(HF.to_id, point, L)}
@@ -173,6 +179,7 @@ def explain(
             else:
                 ids[engine] = _single(lambda p, n, c=conv: c.encode([p], n)[0], point, L)
         ids["eagle"] = _single(EAGLE.to_id, point, L)
+        ids.update(field.ids[name])
         fc_slot = fc_names.index(name) if name in fc_names else None
         rows.append(CaptureRow(name, str(point), fc_slot, dump_labels.get(name), ids))
     return Explanation(spec.name, spec.file, spec.sha256, L, spec.hidden_size, conventions, rows, fc_lists, notes)

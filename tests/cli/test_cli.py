@@ -110,7 +110,8 @@ def test_lint_last_layer_on_sglang(tmp_path):
 def test_explain_json():
     r = run_json("explain", KIMI)
     rows = {row["name"]: row for row in r["rows"]}
-    assert rows["low"]["ids"] == {"hf": 3, "sglang": 3, "vllm": 3, "eagle": 2}
+    assert rows["low"]["ids"] == {"hf": 3, "sglang": 3, "vllm": 3, "eagle": 2, "trtllm": 2, "modelopt-hf": 2,
+                                  "modelopt-trtllm": 2, "modelopt-vllm": 3}
     assert rows["low"]["fc_slot"] == 0 and rows["last"]["fc_slot"] is None
     assert rows["last"]["ids"]["hf"] == 61
     assert rows["last"]["ids"]["vllm"].startswith("not expressible")

@@ -1,0 +1,181 @@
+"""NVIDIA Model Optimizer (``nvidia-modelopt``) read from its source, never imported.
+
+What the library part of its wheel decides about layer ids, each with file:line:
+
+- ``default_eagle_aux_layer_ids(num_layers)`` (the EAGLE-3 preset, ``--aux-layers eagle``) and
+  ``build_target_layer_ids(num_layers, num_draft_layers)`` (the DFlash preset) are evaluated from
+  their parsed bodies (:mod:`surgeon.engines.pureeval`) for the model's layer count;
+- how its own HF training reads an id: a forward hook on decoder layer k (EAGLE-3), or
+  ``hidden_states[k + offset]`` (DFlash), both the output of layer k.
+
+Its hidden-state collection scripts (hf, vllm, trtllm backends) live in the GitHub repository's
+``examples/``, not in the wheel: they are a cited table (:mod:`surgeon.engines.field_tables`).
+
+The source is found, in order: ``root`` when given, ``.engines/nvidia-modelopt-*/modelopt``
+(scripts/fetch-engines puts the wheel's Python files there) under the repository and the working
+directory, then an installed ``modelopt`` (located with ``find_spec``, which runs nothing).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from surgeon.core.errors import BadInput
+from surgeon.engines.pureeval import NotPure, call_function
+
+EAGLE_FILE = "torch/speculative/plugins/hf_eagle.py"
+DFLASH_FILE = "torch/speculative/plugins/modeling_dflash.py"
+DFLASH_HF_FILE = "torch/speculative/plugins/hf_dflash.py"
+EAGLE_FN = "default_eagle_aux_layer_ids"
+DFLASH_FN = "build_target_layer_ids"
+DFLASH_DRAFT_LAYERS = 5  # examples/.../common.py:35 _DFLASH_DEFAULT_NUM_DRAFT_LAYERS (cited, see field_tables)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Read:
+    """One fact read from the source: where, and what it says."""
+
+    path: str  # relative to the package's parent (``modelopt/torch/...``)
+    line: int
+    says: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.says}"
+
+
+@dataclass
+class ModeloptSource:
+    root: Path  # the ``modelopt`` package directory
+    version: str
+    functions: dict[str, tuple[ast.FunctionDef, str]] = field(default_factory=dict)  # name -> (node, path)
+    reads: dict[str, Read] = field(default_factory=dict)  # eagle_default, dflash_preset, eagle_hook, dflash_offset
+
+    @property
+    def origin(self) -> str:
+        return f"nvidia-modelopt {self.version} source at {self.root}"
+
+    def evaluate(self, name: str, *args: int) -> list[int]:
+        """The named preset function for these arguments, from its parsed body."""
+        if name not in self.functions:
+            raise BadInput(f"modelopt {self.version}: {name} was not found in its source")
+        node, path = self.functions[name]
+        try:
+            value = call_function(node, *args)
+        except (NotPure, ArithmeticError, TypeError, ValueError) as e:  # what the body does for these arguments
+            raise BadInput(f"modelopt {self.version}: {path}:{node.lineno}: {name}{args}: {e}") from None
+        return [int(v) for v in value]
+
+    def eagle_default(self, num_layers: int) -> list[int]:
+        """``--aux-layers eagle``: 0-based layer-output ids (examples/.../common.py returns them as is)."""
+        return self.evaluate(EAGLE_FN, num_layers)
+
+    def dflash_preset(self, num_layers: int, num_draft_layers: int = DFLASH_DRAFT_LAYERS) -> list[int]:
+        """``--aux-layers dflash``: common.py sorts and de-duplicates the library's list."""
+        return sorted(set(self.evaluate(DFLASH_FN, num_layers, num_draft_layers)))
+
+
+def _find_function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    return None
+
+
+def _eagle_hook(tree: ast.Module, path: str) -> Read | None:
+    """``if layer_idx in ...eagle_aux_hidden_state_layer_ids: layer.register_forward_hook(...)``."""
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.ops[0], ast.In)
+                and ast.unparse(node.test.comparators[0]).endswith("eagle_aux_hidden_state_layer_ids")):
+            continue
+        hooks = [c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                 and c.func.attr == "register_forward_hook"]
+        if hooks:
+            return Read(path, node.lineno, f"`{ast.unparse(node.test)}`: a forward hook on decoder layer k for "
+                        "each id k collects that layer's output, the output of layer k (layer_out[k])")
+    return None
+
+
+def _dflash_offset(tree: ast.Module, path: str) -> Read | None:
+    """``offset = 1`` then ``hidden_states[lid + offset]``: id k reads HF hidden_states[k + 1]."""
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        offsets = {n.targets[0].id: (n.value.value, n.lineno) for n in ast.walk(fn)
+                   if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                   and isinstance(n.value, ast.Constant) and isinstance(n.value.value, int)}
+        for sub in ast.walk(fn):
+            if (isinstance(sub, ast.Subscript) and ast.unparse(sub.value).endswith("hidden_states")
+                    and isinstance(sub.slice, ast.BinOp) and isinstance(sub.slice.op, ast.Add)
+                    and isinstance(sub.slice.right, ast.Name) and sub.slice.right.id in offsets):
+                value, _line = offsets[sub.slice.right.id]
+                return Read(path, sub.lineno, f"`{ast.unparse(sub)}` with {sub.slice.right.id} = {value}: "
+                            f"target_layer_ids k reads HF hidden_states[k + {value}]"
+                            + (" (the output of layer k)" if value == 1 else ""))
+    return None
+
+
+def _version(package: Path) -> str:
+    for meta in sorted(package.parent.glob("nvidia_modelopt-*.dist-info/METADATA")):
+        m = re.search(r"^Version:\s*(\S+)", meta.read_text(errors="replace"), re.M)
+        if m:
+            return m.group(1)
+    return "unknown"
+
+
+@lru_cache(maxsize=8)
+def _read(package: Path) -> ModeloptSource:
+    src = ModeloptSource(package, _version(package))
+    for rel, fn_name, key in ((EAGLE_FILE, EAGLE_FN, "eagle_default"), (DFLASH_FILE, DFLASH_FN, "dflash_preset")):
+        path = package / rel
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        shown = f"modelopt/{rel}"
+        node = _find_function(tree, fn_name)
+        if node is not None:
+            src.functions[fn_name] = (node, shown)
+            ret = next((s for s in node.body if isinstance(s, ast.Return)), node.body[-1])
+            src.reads[key] = Read(shown, ret.lineno, f"{fn_name}: {ast.unparse(ret)}")
+        if key == "eagle_default":
+            hook = _eagle_hook(tree, shown)
+            if hook is not None:
+                src.reads["eagle_hook"] = hook
+    path = package / DFLASH_HF_FILE
+    if path.exists():
+        found = _dflash_offset(ast.parse(path.read_text()), f"modelopt/{DFLASH_HF_FILE}")
+        if found is not None:
+            src.reads["dflash_offset"] = found
+    return src
+
+
+def candidates(root: str | Path | None = None) -> list[Path]:
+    """Package directories to try, best first."""
+    if root is not None:
+        p = Path(root)
+        return [p / "modelopt" if (p / "modelopt").is_dir() else p]
+    out: list[Path] = []
+    for base in (REPO_ROOT, Path.cwd()):
+        found = sorted((base / ".engines").glob("nvidia-modelopt-*/modelopt"), reverse=True)
+        out.extend(p for p in found if (p.parent / ".complete").exists() and p not in out)
+    spec = importlib.util.find_spec("modelopt")
+    if spec is not None and spec.submodule_search_locations:
+        out.extend(Path(p) for p in spec.submodule_search_locations)
+    return out
+
+
+def open_modelopt(root: str | Path | None = None) -> ModeloptSource | None:
+    """The Model Optimizer source, or None when none is on this machine (then answers come from
+    the cited table and say so). A ``root`` that is not a Model Optimizer package is bad input."""
+    for package in candidates(root):
+        if (package / EAGLE_FILE).exists():
+            return _read(package.resolve())
+    if root is not None:
+        raise BadInput(f"{root}: no modelopt/{EAGLE_FILE} there: not a Model Optimizer source")
+    return None
