@@ -11,7 +11,7 @@ import torch
 from surgeon.core.points import parse_point
 from surgeon.draft.accept import PromptStates, bug_wirings, measure_one_thread
 from surgeon.draft.model import load_draft
-from surgeon.draft.synthetic import induction_batch, load_lean, train_draft
+from surgeon.draft.synthetic import PERIOD, induction_batch, load_lean, train_draft
 
 SEED_WIRING = ["layer_out[1]", "layer_out[2]", "layer_out[3]"]  # as in conftest.py
 
@@ -39,7 +39,7 @@ def test_the_trained_wiring_beats_the_miswirings(synthetic_target, seed_draft):
     seqs = induction_batch(16, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         states, logits = lean.states(seqs)
-    prompts = [PromptStates(seqs[b], 12, {p: v[b] for p, v in states.items()}, logits[b].argmax(-1)) for b in range(16)]
+    prompts = [PromptStates(seqs[b], PERIOD, {p: v[b] for p, v in states.items()}, logits[b].argmax(-1)) for b in range(16)]
     wiring = [parse_point(p, 4) for p in SEED_WIRING]
     rows = {r.wiring.name: r for r in measure_one_thread(draft, prompts, bug_wirings(wiring, 4), 3)}
     spec = rows["spec"]
