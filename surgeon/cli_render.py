@@ -161,9 +161,14 @@ def print_inferred_wiring(r: Any) -> None:
     out.print(table)
     b = data["behaviour"]
     if b is not None:
-        margin = "-" if b["margin"] is None else f"{100 * b['margin']:+.1f} points"
-        out.print(f"behaviour: agreement {b['agreement']:.3f} over {b['evaluations']} wirings, runner-up "
-                  f"{', '.join(b['runner_up'] or [])} ({margin})" + ("" if b["decides"] else ": does not decide"))
+        def num(x: Any, fmt: str) -> str:
+            return "-" if x is None else format(x, fmt)
+
+        out.print(f"behaviour over {b['evaluations']} wirings: divergence from the target {num(b['divergence'], '.4f')} "
+                  f"nats ({b['steps']} chained steps), step-1 agreement {num(b['agreement'], '.1%')}")
+        out.print(f"  runner-up {', '.join(b['runner_up'] or ['-'])}: divergence {num(b['runner_up_divergence'], '.4f')}, "
+                  f"agreement {num(b['runner_up_agreement'], '.1%')}; margin {num(b['margin'], '+.4f')} nats, "
+                  f"{num(b['z'], '.1f')} standard errors" + ("" if b["decides"] else ": [yellow]does not decide[/]"))
     verdict = "" if data["decided"] else " [yellow](the evidence does not decide: see margins)[/]"
     out.print(f"inferred fc input: [bold]{', '.join(data['wiring'])}[/]{verdict}")
     for target, ids in data["ids"].items():

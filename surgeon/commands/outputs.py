@@ -508,9 +508,15 @@ class InferWeightSpace(_Closed):
 
 class InferBehaviour(_Closed):
     wiring: list[Point]
-    agreement: float | None = Field(description="top-1 agreement of the draft with the target's greedy next token")
+    steps: int = Field(description="chained draft steps the divergence sums over")
+    divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats per "
+                                                 "position summed over the chained steps, mean over prompts (searched)")
+    agreement: float | None = Field(description="step-1 top-1 agreement with the target's greedy next token (reported)")
     runner_up: list[Point] | None
-    margin: float | None = Field(description="agreement minus the runner-up wiring's")
+    runner_up_divergence: float | None
+    runner_up_agreement: float | None
+    margin: float | None = Field(description="the runner-up's divergence minus the chosen wiring's (nats)")
+    z: float | None = Field(description="margin over the standard error of the per-prompt differences (null: one prompt)")
     decides: bool | None
     evaluations: int
 
@@ -520,6 +526,7 @@ class InferCandidate(_Closed):
     wiring: list[Point]
     weight_score: float = Field(description="mean over slots of the alignment relative to the slot's best (1: every slot's best)")
     agreement: float | None
+    divergence: float | None
 
 
 class InferIds(_Closed):
@@ -552,7 +559,8 @@ class InferWiringOutput(_Output):
     n_slots: int
     tokens: int
     wiring: list[Point] = Field(description="the inferred fc input, in slot order")
-    decided: bool = Field(description="the behaviour signal decides (weight-space evidence alone never does)")
+    decided: bool = Field(description="the behaviour signal (chained divergence, paired over prompts) decides; "
+                                      "weight-space evidence alone never does")
     weight_space: InferWeightSpace
     behaviour: InferBehaviour | None
     candidates: list[InferCandidate]

@@ -619,14 +619,20 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
     found = search(fc.weight, states.states, states.points, contrib, named, bias=fc.bias, behaviour=signal, fuse=fuse,
                    sketch=SKETCH if large else None)
     text = spec_text(Path(draft).resolve().name, states, [states.points[i] for i in found.wiring], draft)
-    spec = load_spec("<inferred spec>", text=text)
     stated_ids = {k: v for k, v in fc.stated.items() if v is not None}
+    try:
+        spec = load_spec("<inferred spec>", text=text)
+        ids, stated = engine_ids(spec), stated_check(spec, draft)
+    except SurgeonError as e:  # e.g. final_norm in a slot: no engine captures it as an fc input
+        notes.append(f"the inferred wiring is not a servable spec ({str(e).splitlines()[0]}): no engine ids, "
+                     "stated ids not checked")
+        ids = {t: {"ids": None, "error": str(e).splitlines()[0], "origin": None} for t in RENDER_TARGETS}
+        stated = []
     if not stated_ids:
         notes.append("the draft config states no ids (eagle_aux_hidden_state_layer_ids, eagle_config's, "
                      "dflash_config.target_layer_ids): every engine silently uses its default")
     return InferReport(fc.path, fc.tensor, states.source, states.num_layers, states.hidden_size,
-                       states.states.shape[1], found, engine_ids(spec), stated_ids, stated_check(spec, draft),
-                       text, None, notes)
+                       states.states.shape[1], found, ids, stated_ids, stated, text, None, notes)
 
 
 def _draft_fuse(model: Eagle3Draft, states: TargetStates) -> Callable[[Wiring], torch.Tensor]:
