@@ -191,7 +191,7 @@ def synthetic_target(*, num_layers: int = 4, hidden_size: int = 64, vocab: int =
                      period: int = PERIOD, min_period: int | None = MIN_PERIOD, steps: int = 300, seed: int = 0) -> Path:
     """A tiny Llama trained on the induction language (a ``save_pretrained`` folder, cached);
     ``copy_accuracy.json`` there holds its greedy accuracy on the repeated part."""
-    params = dict(num_layers=num_layers, hidden_size=hidden_size, vocab=vocab, seq=seq, period=period,
+    params: dict[str, Any] = dict(num_layers=num_layers, hidden_size=hidden_size, vocab=vocab, seq=seq, period=period,
                   min_period=min_period, steps=steps, seed=seed)
     return _cached("target", params, lambda out: _train_target(out, **params))
 
