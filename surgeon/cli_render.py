@@ -428,12 +428,12 @@ def demo_display(as_json: bool, started: float, console: Console | None = None, 
 
         def step(title: str) -> None:
             n[0] += 1
-            line = f"[{n[0]}/7] {title}"
+            line = f"[{n[0]}/8] {title}"
             console.print(f"[bold]{escape(line)}[/]  [dim]{time.perf_counter() - started:5.1f} s[/]")
             if live is not None:
                 live.reset(task, description=escape(line))
             if heartbeat is not None:
-                heartbeat.step(f"still at step {n[0]}/7")
+                heartbeat.step(f"still at step {n[0]}/8")
 
         def note(text: str) -> None:
             console.print(f"      {escape(text)}")
@@ -449,11 +449,20 @@ def print_demo(report: Any, started: float) -> None:
     print_match(result.right)
     out.print("\n[bold]a mis-wired variant[/] (the same dump, labelled as the Kimi-K2.5 dumps were):")
     print_match(result.wrong)
+    if result.draft is not None:
+        d = result.draft
+        out.print(f"\n[bold]the draft as evidence[/] (trained on {', '.join(d.to_json()['trained_on'])}; "
+                  "what infer-wiring names from its weights and behaviour alone):")
+        print_inferred_wiring(d.inferred)
+        out.print("\n[bold]its acceptance[/] under the inferred wiring and the wirings bugs produce:")
+        print_accept(d.accept)
     out.print("")
     rows = [("work folder", result.workdir), ("tiny model", result.model), ("spec", result.spec),
             ("mis-wired spec", result.wrong_spec), ("HF reference", result.reference), ("vLLM dump", result.dump),
             ("heatmap (mis-wired)", result.heatmap), ("heatmap (right)", result.heatmap_right),
             ("patched, then reverted", result.engine_root / result.model_file)]
+    if result.draft is not None:
+        rows += [("draft (cached)", result.draft.draft), ("its inferred spec", result.draft.spec)]
     table = Table("what", "where", show_header=False)
     for what, where in rows:
         table.add_row(what, escape(str(where)))
@@ -461,4 +470,5 @@ def print_demo(report: Any, started: float) -> None:
     out.print(f"model file reverted byte-identical: {result.reverted_identical}; "
               f"total {time.perf_counter() - started:.0f} s")
     if report.ok:
-        out.print("[green]demo ok[/]: the wiring is proven on the real engine, and the mis-wiring is named slot by slot")
+        out.print("[green]demo ok[/]: the wiring is proven on the real engine, the mis-wiring is named slot by slot, "
+                  "and the draft's own wiring is read from its weights and behaviour")

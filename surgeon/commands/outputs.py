@@ -471,7 +471,8 @@ class CoverageOutput(_Output):
 
 # -- demo -------------------------------------------------------------------------------------------------
 class DemoOutput(_Output):
-    ok: bool = Field(description="the spec's wiring verified, the mis-wiring was caught, the revert is byte-identical")
+    ok: bool = Field(description="the spec's wiring verified, the mis-wiring was caught, the revert is byte-identical, "
+                                 "and the draft step named its trained wiring")
     workdir: str
     model: str
     spec: str
@@ -485,6 +486,8 @@ class DemoOutput(_Output):
     reverted_byte_identical: bool
     right: MatchResult | None
     wrong: MatchResult | None
+    draft: dict[str, Any] | None = Field(description="the draft step (surgeon.draft.demo): ok, trained_on, drop, and "
+                                                     "the infer-wiring and accept outputs")
     timings_s: dict[str, float]
 
 
