@@ -193,14 +193,15 @@ def print_accept(r: Any) -> None:
               f"greedy, {r.n_prompts} prompts continued to {r.length} tokens")
     out.print(f"  prompts: {escape(r.prompts)}")
     table = Table(title="teacher-forced acceptance (P(accepted > j) per draft position)")
-    for h in ("wiring", "points", *(f"pos {j + 1}" for j in range(r.steps)), "accept len", "note"):
+    for h in ("wiring", "points", *(f"pos {j + 1}" for j in range(r.steps)), "accept len", "KL (nats)", "note"):
         table.add_column(h)
     for row in r.rows:
         pts = ", ".join("-" if p is None else str(p) for p in row.wiring.points)
         if row.per_position is None:
-            cells = ["-"] * r.steps + ["-", escape("; ".join(x for x in (row.not_servable, row.wiring.note) if x))]
+            cells = ["-"] * r.steps + ["-", "-", escape("; ".join(x for x in (row.not_servable, row.wiring.note) if x))]
         else:
-            cells = [f"{x:.1%}" for x in row.per_position] + [f"{1 + row.expected_accepted:.2f}",
+            kl = "-" if row.divergence is None else f"{row.divergence:.3f}"
+            cells = [f"{x:.1%}" for x in row.per_position] + [f"{1 + row.expected_accepted:.2f}", kl,
                                                               escape(row.wiring.note or "")]
         table.add_row(escape(row.wiring.name), escape(pts), *cells)
     out.print(table)

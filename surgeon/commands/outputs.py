@@ -584,6 +584,8 @@ class AcceptWiring(_Closed):
     expected_accepted: float | None = Field(description="expected accepted draft tokens per chain")
     accept_length: float | None = Field(description="1 + expected_accepted: the target's bonus token counted")
     chains: int
+    divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats "
+                                                 "per chain summed over its K steps (null: not measured)")
 
 
 class AcceptOutput(_Output):
