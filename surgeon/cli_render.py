@@ -157,7 +157,8 @@ def print_inferred_wiring(r: Any) -> None:
         margin = "-" if x["margin"] is None else f"{100 * x['margin']:.1f}%"
         table.add_row(str(x["slot"]), x["point"], f"{x['score']:.4g}", x["runner_up"] or "-",
                       "-" if x["runner_up_score"] is None else f"{x['runner_up_score']:.4g}", margin,
-                      "[green]yes[/]" if x["decides"] else "[yellow]does not decide[/]")
+                      "[green]yes[/]" if x["decides"] else
+                      "[yellow]contradicted by behaviour[/]" if x["contradicted"] else "[yellow]does not decide[/]")
     out.print(table)
     b = data["behaviour"]
     if b is not None:

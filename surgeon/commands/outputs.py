@@ -499,7 +499,8 @@ class InferSlot(_Closed):
     runner_up: Point | None
     runner_up_score: float | None
     margin: float | None = Field(description="(score - runner_up_score) / score; null when nothing aligns")
-    decides: bool
+    decides: bool = Field(description="the margin is wide enough and the decided behaviour signal does not contradict it")
+    contradicted: bool = Field(description="the decided behaviour signal names another point for this slot")
 
 
 class InferWeightSpace(_Closed):

@@ -297,8 +297,9 @@ FULL_CONTRIBUTIONS_MACS = 5e10
 SKETCH = 512
 WEIGHT_ONLY = ("weight-space evidence alone never decides: on fc layers fit to known points it names them "
                "(tests/draft/test_weightspace.py), but on an EAGLE-3 draft trained end to end with AdamW "
-               "(surgeon.draft.synthetic's seed draft) it named wrong points by margins up to 54%; "
-               "give a draft that loads as an EAGLE-3 model for the behaviour signal")
+               "(surgeon.draft.synthetic's seed draft) it named wrong points by margins up to 54%: such an fc "
+               "hardly leaves its initialisation (surgeon/draft/weightspace.py); give a draft that loads as an "
+               "EAGLE-3 model for the behaviour signal")
 
 
 @dataclass(frozen=True)
@@ -528,6 +529,16 @@ class InferReport:
         return bool(self.behaviour_decides)
 
     @property
+    def contradicted(self) -> list[int]:
+        """Slots whose weight-space point differs from the point the decided behaviour signal names:
+        that table's margins are not calibrated on this draft, so none of its slots is shown as
+        deciding there (measured: an AdamW-trained draft's fc barely leaves its initialisation)."""
+        if not self.behaviour_decides:
+            return []
+        s = self.search
+        return [j for j, (a, b) in enumerate(zip(s.weight_wiring, s.wiring)) if a != b]
+
+    @property
     def stated_agree(self) -> bool | None:
         checked = [r["agrees"] for r in self.stated if r["agrees"] is not None]
         return all(checked) if checked else None
@@ -540,9 +551,11 @@ class InferReport:
 
     def to_json(self) -> dict:
         s = self.search
+        against = set(self.contradicted)
         slots = [{"slot": x.slot, "point": str(x.best), "score": x.best_score,
                   "runner_up": None if x.runner_up is None else str(x.runner_up),
-                  "runner_up_score": x.runner_up_score, "margin": x.margin, "decides": x.decides} for x in s.slots]
+                  "runner_up_score": x.runner_up_score, "margin": x.margin,
+                  "decides": x.decides and x.slot not in against, "contradicted": x.slot in against} for x in s.slots]
         behaviour = None
         if s.behaviour_evaluations:
             chosen = next((c for c in s.candidates if c.wiring == s.wiring), None)
@@ -560,7 +573,7 @@ class InferReport:
             "hidden_size": self.hidden_size, "n_slots": len(s.slots), "tokens": self.tokens,
             "wiring": self.wiring, "decided": self.decided,
             "weight_space": {"wiring": describe(s.points, s.weight_wiring), "margin": s.weight_margin,
-                             "decides": s.weight_decides, "slots": slots},
+                             "decides": s.weight_decides and not against, "slots": slots},
             "behaviour": behaviour,
             "candidates": [{"label": c.label, "wiring": describe(s.points, c.wiring), "weight_score": c.weight_score,
                             "agreement": c.agreement, "divergence": c.divergence} for c in s.candidates[:20]],

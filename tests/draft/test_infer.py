@@ -240,6 +240,10 @@ def test_the_trained_seed_draft_is_named_with_a_clear_margin(synthetic_target, s
     assert data["wiring"] == SEED_WIRING and data["decided"], b
     assert b["z"] >= BEHAVIOUR_Z + 1 and b["margin"] >= 0.05 * b["divergence"], b  # a clear lead, not a scrape
     assert data["stated"]["agree"] is False and report.exit_code == 3
+    # weight space never shows a wrong point as deciding: where the decided behaviour contradicts it, it does not
+    ws = data["weight_space"]
+    assert not any(x["decides"] for x in ws["slots"] if x["point"] != SEED_WIRING[x["slot"]]), ws
+    assert ws["decides"] is (ws["wiring"] == SEED_WIRING and ws["decides"])
     # the argmax agreement beside it separates nothing: why it is reported, not searched
     agreements = [c["agreement"] for c in data["candidates"] if c["agreement"] is not None]
     assert max(agreements) - min(agreements[:5]) < 0.02
