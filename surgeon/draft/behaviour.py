@@ -15,6 +15,7 @@ Prompts of equal length are run as one batch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,7 +73,9 @@ class DraftBehaviour:
     def evaluate(self, fused: torch.Tensor) -> Evaluation:
         divergence = torch.zeros(self.n, dtype=torch.float64)
         hits = total = 0
-        with torch.no_grad(), one_thread():
+        # one thread for tiny matrices (contention on a shared 2-core machine); all of them for large ones
+        threads = one_thread() if self.draft.info.hidden_size <= 1024 else contextlib.nullcontext()
+        with torch.no_grad(), threads:
             for T, idx, starts, ids, logp in self.groups:
                 h = torch.stack([fused[s:s + T] for s in starts])
                 cache = DraftCache()
