@@ -91,6 +91,22 @@ def _wrong_spec_text(text: str) -> str:
             .replace("dumps: {layout: specforge, ", "dumps: {").split("engines:")[0])
 
 
+def _write_specs(work: Path) -> tuple[Path, Path]:
+    """The demo spec and its mis-wired variant, written into ``work`` and loaded once to check them."""
+    from surgeon.core.spec import load_spec
+
+    spec_path = work / "spec.yaml"
+    spec_text = data_file("specs", DEMO_SPEC_NAME).read_text(encoding="utf-8")
+    spec_path.write_text(spec_text, encoding="utf-8")
+    spec = load_spec(spec_path)
+    wrong_path = work / "spec-miswired.yaml"
+    wrong_path.write_text(_wrong_spec_text(spec_text), encoding="utf-8")
+    load_spec(wrong_path)
+    if spec.model.target.architecture not in _FAMILY:
+        raise BadInput(f"{DEMO_SPEC_NAME}: the demo makes {', '.join(_FAMILY)} models, not {spec.model.target.architecture}")
+    return spec_path, wrong_path
+
+
 def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: None,
              note: Callable[[str], None] = lambda s: None, engine_root: str | Path | None = None) -> DemoResult:
     """Run the demo in ``workdir`` (created; must be empty or absent). ``step`` is called with the
@@ -112,16 +128,9 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     work = work.resolve()
     t: dict[str, float] = {}
 
-    spec_path = work / "spec.yaml"
-    spec_text = data_file("specs", DEMO_SPEC_NAME).read_text(encoding="utf-8")
-    spec_path.write_text(spec_text, encoding="utf-8")
+    spec_path, wrong_path = _write_specs(work)
     spec = load_spec(spec_path)
-    wrong_path = work / "spec-miswired.yaml"
-    wrong_path.write_text(_wrong_spec_text(spec_text), encoding="utf-8")
-    load_spec(wrong_path)
-    family = _FAMILY.get(spec.model.target.architecture)
-    if family is None:
-        raise BadInput(f"{DEMO_SPEC_NAME}: the demo makes {', '.join(_FAMILY)} models, not {spec.model.target.architecture}")
+    family = _FAMILY[spec.model.target.architecture]
 
     step(f"making a tiny random {family} ({spec.num_layers} layers, hidden {spec.hidden_size})")
     t0 = time.perf_counter()
