@@ -72,6 +72,8 @@ def run_draft_demo(work: Path, note: Callable[[str], None] = lambda s: None) -> 
     draft = train_draft(target, TRAINED_ON, stated=STATED)
     t["train"] = time.perf_counter() - t0
     note(f"target {target} (induction language), draft {draft} trained on {', '.join(TRAINED_ON)}")
+    note(f"its config states vLLM's ids for them, {STATED}; SGLang cannot capture the last layer's output, "
+         "so the stated-ids check below says it disagrees there")
     held_out = induction_batch(16, generator=torch.Generator().manual_seed(2024))  # not the training seeds
     prompts = work / "prompts.txt"
     prompts.write_text("".join(" ".join(map(str, row[:2 * PERIOD].tolist())) + "\n" for row in held_out))
