@@ -158,13 +158,19 @@ def print_inferred_wiring(r: Any) -> None:
         margin = "-" if x["margin"] is None else f"{100 * x['margin']:.1f}%"
         table.add_row(str(x["slot"]), x["point"], f"{x['score']:.4g}", x["runner_up"] or "-",
                       "-" if x["runner_up_score"] is None else f"{x['runner_up_score']:.4g}", margin,
-                      "[green]yes[/]" if x["decides"] else "[yellow]does not decide[/]")
+                      "[green]yes[/]" if x["decides"] else
+                      "[yellow]contradicted by behaviour[/]" if x["contradicted"] else "[yellow]does not decide[/]")
     out.print(table)
     b = data["behaviour"]
     if b is not None:
-        margin = "-" if b["margin"] is None else f"{100 * b['margin']:+.1f} points"
-        out.print(f"behaviour: agreement {b['agreement']:.3f} over {b['evaluations']} wirings, runner-up "
-                  f"{', '.join(b['runner_up'] or [])} ({margin})" + ("" if b["decides"] else ": does not decide"))
+        def num(x: Any, fmt: str) -> str:
+            return "-" if x is None else format(x, fmt)
+
+        out.print(f"behaviour over {b['evaluations']} wirings: divergence from the target {num(b['divergence'], '.4f')} "
+                  f"nats ({b['steps']} chained steps), step-1 agreement {num(b['agreement'], '.1%')}")
+        out.print(f"  runner-up {', '.join(b['runner_up'] or ['-'])}: divergence {num(b['runner_up_divergence'], '.4f')}, "
+                  f"agreement {num(b['runner_up_agreement'], '.1%')}; margin {num(b['margin'], '+.4f')} nats, "
+                  f"{num(b['z'], '.1f')} standard errors" + ("" if b["decides"] else ": [yellow]does not decide[/]"))
     verdict = "" if data["decided"] else " [yellow](the evidence does not decide: see margins)[/]"
     out.print(f"inferred fc input: [bold]{', '.join(data['wiring'])}[/]{verdict}")
     for target, ids in data["ids"].items():
@@ -189,14 +195,15 @@ def print_accept(r: Any) -> None:
               f"greedy, {r.n_prompts} prompts continued to {r.length} tokens")
     out.print(f"  prompts: {escape(r.prompts)}")
     table = Table(title="teacher-forced acceptance (P(accepted > j) per draft position)")
-    for h in ("wiring", "points", *(f"pos {j + 1}" for j in range(r.steps)), "accept len", "note"):
+    for h in ("wiring", "points", *(f"pos {j + 1}" for j in range(r.steps)), "accept len", "KL (nats)", "note"):
         table.add_column(h)
     for row in r.rows:
         pts = ", ".join("-" if p is None else str(p) for p in row.wiring.points)
         if row.per_position is None:
-            cells = ["-"] * r.steps + ["-", escape("; ".join(x for x in (row.not_servable, row.wiring.note) if x))]
+            cells = ["-"] * r.steps + ["-", "-", escape("; ".join(x for x in (row.not_servable, row.wiring.note) if x))]
         else:
-            cells = [f"{x:.1%}" for x in row.per_position] + [f"{1 + row.expected_accepted:.2f}",
+            kl = "-" if row.divergence is None else f"{row.divergence:.3f}"
+            cells = [f"{x:.1%}" for x in row.per_position] + [f"{1 + row.expected_accepted:.2f}", kl,
                                                               escape(row.wiring.note or "")]
         table.add_row(escape(row.wiring.name), escape(pts), *cells)
     out.print(table)
@@ -424,12 +431,12 @@ def demo_display(as_json: bool, started: float, console: Console | None = None, 
 
         def step(title: str) -> None:
             n[0] += 1
-            line = f"[{n[0]}/7] {title}"
+            line = f"[{n[0]}/8] {title}"
             console.print(f"[bold]{escape(line)}[/]  [dim]{time.perf_counter() - started:5.1f} s[/]")
             if live is not None:
                 live.reset(task, description=escape(line))
             if heartbeat is not None:
-                heartbeat.step(f"still at step {n[0]}/7")
+                heartbeat.step(f"still at step {n[0]}/8")
 
         def note(text: str) -> None:
             console.print(f"      {escape(text)}")
@@ -445,11 +452,20 @@ def print_demo(report: Any, started: float) -> None:
     print_match(result.right)
     out.print("\n[bold]a mis-wired variant[/] (the same dump, labelled as the Kimi-K2.5 dumps were):")
     print_match(result.wrong)
+    if result.draft is not None:
+        d = result.draft
+        out.print(f"\n[bold]the draft as evidence[/] (trained on {', '.join(d.to_json()['trained_on'])}; "
+                  "what infer-wiring names from its weights and behaviour alone):")
+        print_inferred_wiring(d.inferred)
+        out.print("\n[bold]its acceptance[/] under the inferred wiring and the wirings bugs produce:")
+        print_accept(d.accept)
     out.print("")
     rows = [("work folder", result.workdir), ("tiny model", result.model), ("spec", result.spec),
             ("mis-wired spec", result.wrong_spec), ("HF reference", result.reference), ("vLLM dump", result.dump),
             ("heatmap (mis-wired)", result.heatmap), ("heatmap (right)", result.heatmap_right),
             ("patched, then reverted", result.engine_root / result.model_file)]
+    if result.draft is not None:
+        rows += [("draft (cached)", result.draft.draft), ("its inferred spec", result.draft.spec)]
     table = Table("what", "where", show_header=False)
     for what, where in rows:
         table.add_row(what, escape(str(where)))
@@ -457,4 +473,5 @@ def print_demo(report: Any, started: float) -> None:
     out.print(f"model file reverted byte-identical: {result.reverted_identical}; "
               f"total {time.perf_counter() - started:.0f} s")
     if report.ok:
-        out.print("[green]demo ok[/]: the wiring is proven on the real engine, and the mis-wiring is named slot by slot")
+        out.print("[green]demo ok[/]: the wiring is proven on the real engine, the mis-wiring is named slot by slot, "
+                  "and the draft's own wiring is read from its weights and behaviour")

@@ -471,7 +471,8 @@ class CoverageOutput(_Output):
 
 # -- demo -------------------------------------------------------------------------------------------------
 class DemoOutput(_Output):
-    ok: bool = Field(description="the spec's wiring verified, the mis-wiring was caught, the revert is byte-identical")
+    ok: bool = Field(description="the spec's wiring verified, the mis-wiring was caught, the revert is byte-identical, "
+                                 "and the draft step named its trained wiring")
     workdir: str
     model: str
     spec: str
@@ -485,6 +486,8 @@ class DemoOutput(_Output):
     reverted_byte_identical: bool
     right: MatchResult | None
     wrong: MatchResult | None
+    draft: dict[str, Any] | None = Field(description="the draft step (surgeon.draft.demo): ok, trained_on, drop, and "
+                                                     "the infer-wiring and accept outputs")
     timings_s: dict[str, float]
 
 
@@ -496,7 +499,8 @@ class InferSlot(_Closed):
     runner_up: Point | None
     runner_up_score: float | None
     margin: float | None = Field(description="(score - runner_up_score) / score; null when nothing aligns")
-    decides: bool
+    decides: bool = Field(description="the margin is wide enough and the decided behaviour signal does not contradict it")
+    contradicted: bool = Field(description="the decided behaviour signal names another point for this slot")
 
 
 class InferWeightSpace(_Closed):
@@ -508,9 +512,15 @@ class InferWeightSpace(_Closed):
 
 class InferBehaviour(_Closed):
     wiring: list[Point]
-    agreement: float | None = Field(description="top-1 agreement of the draft with the target's greedy next token")
+    steps: int = Field(description="chained draft steps the divergence sums over")
+    divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats per "
+                                                 "position summed over the chained steps, mean over prompts (searched)")
+    agreement: float | None = Field(description="step-1 top-1 agreement with the target's greedy next token (reported)")
     runner_up: list[Point] | None
-    margin: float | None = Field(description="agreement minus the runner-up wiring's")
+    runner_up_divergence: float | None
+    runner_up_agreement: float | None
+    margin: float | None = Field(description="the runner-up's divergence minus the chosen wiring's (nats)")
+    z: float | None = Field(description="margin over the standard error of the per-prompt differences (null: one prompt)")
     decides: bool | None
     evaluations: int
 
@@ -520,6 +530,7 @@ class InferCandidate(_Closed):
     wiring: list[Point]
     weight_score: float = Field(description="mean over slots of the alignment relative to the slot's best (1: every slot's best)")
     agreement: float | None
+    divergence: float | None
 
 
 class InferIds(_Closed):
@@ -552,7 +563,8 @@ class InferWiringOutput(_Output):
     n_slots: int
     tokens: int
     wiring: list[Point] = Field(description="the inferred fc input, in slot order")
-    decided: bool = Field(description="the behaviour signal decides (weight-space evidence alone never does)")
+    decided: bool = Field(description="the behaviour signal (chained divergence, paired over prompts) decides; "
+                                      "weight-space evidence alone never does")
     weight_space: InferWeightSpace
     behaviour: InferBehaviour | None
     candidates: list[InferCandidate]
@@ -573,6 +585,8 @@ class AcceptWiring(_Closed):
     expected_accepted: float | None = Field(description="expected accepted draft tokens per chain")
     accept_length: float | None = Field(description="1 + expected_accepted: the target's bonus token counted")
     chains: int
+    divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats "
+                                                 "per chain summed over its K steps (null: not measured)")
 
 
 class AcceptOutput(_Output):

@@ -341,6 +341,9 @@ class DemoReport:
             return "the demo's wiring check did not come out as expected (see above): the spec's wiring failed verify"
         if r.wrong.ok:
             return "the demo's wiring check did not come out as expected (see above): the mis-wiring was not caught"
+        if r.draft is not None and not r.draft.ok:
+            return ("the demo's draft step did not come out as expected (see above): the trained wiring was not "
+                    "named with a decided margin, or the mis-labelled deployment did not accept less")
         return None
 
     @property

@@ -13,6 +13,13 @@ Where sampling would differ: with temperature > 0 the engines accept a draft tok
 probability ``min(1, p_target / p_draft)`` (rejection sampling), so acceptance depends on both
 distributions, not only on argmax agreement; that is not modelled here.
 
+Beside it, a signal that does not saturate: the KL from the target's next-token distribution to the
+draft's at every step of every chain (nats, summed over the ``K`` steps, mean over chains). Greedy
+acceptance of a draft that copies well saturates at ``K`` for the trained wiring and its
+single-slot neighbours alike (measured on ``surgeon.draft.synthetic``'s seed draft: 3.00 for the
+trained wiring and four of its neighbours); the divergence still orders them. It needs the
+target's log-probabilities at every position, kept only while they fit ``LOGPROB_BYTES``.
+
 The target's states are captured ONCE per prompt (``capture_reference``, every point) and reused
 for every wiring; only the draft runs once per wiring.
 """
@@ -29,11 +36,14 @@ import torch
 from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
 from surgeon.core.spec import Spec
-from surgeon.draft.model import Eagle3Draft, one_thread, teacher_forced
+from surgeon.draft.behaviour import LOG_FLOOR
+from surgeon.draft.model import Eagle3Draft, chained_logits, one_thread
 
 DEFAULT_PROMPTS = 32
 DEFAULT_PROMPT_LEN = 16
 DEFAULT_LENGTH = 128
+#: the target's log-probabilities are kept for the divergence column while they fit in this
+LOGPROB_BYTES = 1 << 30
 SAMPLING_NOTE = ("greedy: with sampling (temperature > 0) engines accept a draft token with probability "
                  "min(1, p_target/p_draft) (rejection sampling); that depends on both distributions and is not modelled")
 
@@ -90,6 +100,7 @@ class WiringResult:
     expected_accepted: float | None
     chains: int
     not_servable: str | None = None
+    divergence: float | None = None  # nats per chain, summed over the K steps (module docstring)
 
     def to_json(self) -> dict[str, Any]:
         w = self.wiring
@@ -97,7 +108,7 @@ class WiringResult:
                 "note": w.note, "not_servable": self.not_servable, "per_position": self.per_position,
                 "expected_accepted": self.expected_accepted,
                 "accept_length": None if self.expected_accepted is None else 1 + self.expected_accepted,
-                "chains": self.chains}
+                "chains": self.chains, "divergence": self.divergence}
 
 
 # -- the wirings real bugs produce ----------------------------------------------------------
@@ -198,6 +209,7 @@ class PromptStates:
     prompt_len: int
     states: dict[Point, torch.Tensor]  # [T, H]
     greedy: torch.Tensor  # [T] the target's argmax next token at each position
+    logprobs: torch.Tensor | None = None  # [T, V] the target's next-token log-probabilities (None: not kept)
 
 
 def measure(draft: Eagle3Draft, prompts: Sequence[PromptStates], wirings: Sequence[Wiring], steps: int,
@@ -213,10 +225,17 @@ def measure(draft: Eagle3Draft, prompts: Sequence[PromptStates], wirings: Sequen
             results.append(WiringResult(w, None, None, 0, blocked))
             continue
         tally = Tally(steps)
+        kl = [0.0, 0]
         with torch.no_grad():
             for pr in prompts:
-                tally.add(_chain_hits(draft, pr, [pr.states[p] for p in w.points if p is not None], steps))
-        results.append(WiringResult(w, tally.per_position(), tally.expected_accepted(), tally.chains))
+                hits, div = _chain_hits(draft, pr, [pr.states[p] for p in w.points if p is not None], steps)
+                tally.add(hits)
+                if div is not None:
+                    kl[0] += float(div.sum())
+                    kl[1] += int(div.numel())
+        divergence = kl[0] / kl[1] if kl[1] and all(pr.logprobs is not None for pr in prompts) else None
+        results.append(WiringResult(w, tally.per_position(), tally.expected_accepted(), tally.chains,
+                                    divergence=divergence))
     return results
 
 
@@ -227,15 +246,25 @@ def measure_one_thread(*args: Any, **kwargs: Any) -> list[WiringResult]:
         return measure(*args, **kwargs)
 
 
-def _chain_hits(draft: Eagle3Draft, pr: PromptStates, slots: list[torch.Tensor], steps: int) -> torch.Tensor:
+def _chain_hits(draft: Eagle3Draft, pr: PromptStates, slots: list[torch.Tensor],
+                steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[K, n] hits of the chains that start in the continuation: chain ``t`` (from the target's
-    state at ``t``) step ``j`` guesses the target's greedy token after ``t+1+j``."""
+    state at ``t``) step ``j`` guesses the target's greedy token after ``t+1+j``; and [n] each
+    chain's KL from the target's distributions, summed over its steps (None without log-probs)."""
     T = pr.ids.shape[0]
-    guesses = teacher_forced(draft, draft.fuse(slots), pr.ids, steps)
+    logits = chained_logits(draft, draft.fuse(slots), pr.ids, steps)
     starts = torch.arange(max(pr.prompt_len - 1, 0), T - 1 - steps)
     if starts.numel() == 0:
-        return torch.zeros(steps, 0, dtype=torch.bool)
-    return torch.stack([guesses[j][starts] == pr.greedy[starts + 1 + j] for j in range(steps)])
+        return torch.zeros(steps, 0, dtype=torch.bool), None
+    hits = torch.stack([logits[j][starts].argmax(-1) == pr.greedy[starts + 1 + j] for j in range(steps)])
+    if pr.logprobs is None:
+        return hits, None
+    div = torch.zeros(starts.numel(), dtype=torch.float64)
+    for j in range(steps):
+        target = pr.logprobs[starts + 1 + j]
+        own = torch.log_softmax(logits[j][starts].float(), -1).clamp_min(LOG_FLOOR)
+        div += (target.exp() * (target - own)).sum(-1).double()
+    return hits, div
 
 
 # -- a whole run ----------------------------------------------------------------------------
@@ -325,6 +354,7 @@ def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tu
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), local_files_only=True, dtype=torch.float32).eval()
     head = model.get_output_embeddings().weight.detach().float()
     continued = _continue_greedily(model, prompts, length)
+    keep = sum(int(c.numel()) for c in continued) * head.shape[0] * 4 <= LOGPROB_BYTES
     out, flips = [], 0
     with one_thread():
         for prompt, seq in zip(prompts, continued, strict=True):
@@ -333,12 +363,15 @@ def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tu
             recorder.record(model, layers, norm, seq)
             recorder.check_plain_residual_stack(target_dir)
             states = recorder.states()
-            greedy = (states[FN] @ head.T).argmax(-1)
+            logits = states[FN] @ head.T
+            greedy = logits.argmax(-1)
             P = len(prompt)
             flips += int((seq[P:] != greedy[P - 1:-1]).sum())
-            out.append(PromptStates(seq, P, states, greedy))
+            out.append(PromptStates(seq, P, states, greedy, torch.log_softmax(logits, -1) if keep else None))
     notes = [f"{flips} generated tokens differ from the target's argmax on the full forward (numerics); "
              "labels are the full forward's argmax"] if flips else []
+    if not keep:
+        notes.append(f"divergence not measured: the target's log-probabilities would take over {LOGPROB_BYTES >> 20} MiB")
     return out, notes
 
 

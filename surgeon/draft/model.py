@@ -255,25 +255,31 @@ class Eagle3Draft(nn.Module):
         return full
 
 
-def teacher_forced(draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Greedy draft guesses for ``steps`` chained steps, SpecForge's alignment (module docstring).
+def chained_logits(draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The draft's logits for ``steps`` chained steps, SpecForge's alignment (module docstring).
 
     ``fused`` [T, H] is the fc output of the target's states at positions ``0..T-1`` of
-    ``input_ids`` [T]. Entry ``j`` of the result is [T - 1 - j] token ids: the draft's guess, at
-    step ``j+1``, of token ``t + 2 + j`` for the chain that starts at position ``t`` (step 1 pairs
-    state ``t`` with token ``t+1``; step ``j+1`` embeds token ``t+1+j``, teacher-forced)."""
+    ``input_ids`` [T]. Entry ``j`` of the result is [T - 1 - j, V]: the draft's logits, at step
+    ``j+1``, for token ``t + 2 + j`` of the chain that starts at position ``t`` (step 1 pairs state
+    ``t`` with token ``t+1``; step ``j+1`` embeds token ``t+1+j``, teacher-forced)."""
     T = input_ids.shape[0]
     cache = DraftCache()
     h = fused
-    guesses: list[torch.Tensor] = []
+    out: list[torch.Tensor] = []
     for j in range(steps):
         if T - 1 - j <= 0:
             break
         ids = torch.zeros_like(input_ids)
         ids[: T - 1 - j] = input_ids[1 + j:]  # padding(input_ids, left=False), j+1 times
         logits, h = draft.step(h, ids, cache)
-        guesses.append(logits[: T - 1 - j].argmax(-1))
-    return guesses
+        out.append(logits[: T - 1 - j])
+    return out
+
+
+def teacher_forced(draft: Eagle3Draft, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Greedy draft guesses for ``steps`` chained steps: the argmax of :func:`chained_logits`, entry
+    ``j`` [T - 1 - j] token ids."""
+    return [logits.argmax(-1) for logits in chained_logits(draft, fused, input_ids, steps)]
 
 
 # -- loading ------------------------------------------------------------------------------

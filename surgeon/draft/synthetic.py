@@ -3,10 +3,22 @@
 Why: on tiny random targets fed uniform random tokens a trained one-layer draft rebuilds the next
 token from its own embeddings and ignores the hidden states, so every wiring scores alike (issue
 15, point 4). Here the target is trained on an induction language: each sequence is a run of
-distinct random tokens followed by a copy of that run, so in the copy the next token is "the token
-that followed the previous occurrence of the current token" -- a two-step circuit (previous-token
-head, then induction head) that the target builds over its layers and that one draft layer fed the
-wrong states cannot rebuild.
+distinct random tokens repeated, so in the copy the next token is "the token that followed the
+previous occurrence of the current token" -- a two-step circuit (previous-token head, then
+induction head) that the target builds over its layers and that one draft layer fed the wrong
+states cannot rebuild.
+
+Measured (16 held-out prompts, 300 draft steps; ``surgeon.draft.behaviour``'s chained divergence,
+what infer-wiring searches): with one fixed run length (``PERIOD``, the default) the trained wiring
+comes first for drafts trained on [layer_out[1..3]], [embed, layer_out[1], layer_out[3]] and
+[layer_out[0], layer_out[2], final_norm], 4-12% (2.5-5.7 paired standard errors) ahead of the
+runner-up, while step-1 argmax agreement put every wiring within a point and the trained one 6th
+to 10th; greedy acceptance drops by over 0.3 tokens (of 3) for the labels shifted by a slot. With
+run lengths drawn from 5..12 (``min_period=5``, 1000 target steps, copy accuracy 0.97) the
+divergence margins grow to 10-20%, but greedy acceptance no longer drops for the seed case's
+shifted labels ([embed, layer_out[1], layer_out[2]]: 2.86 accepted, the trained wiring 2.86,
+layer_out[2] in the last slot 2.95): a draft that copies by token identity finds it at every
+layer, so that language is not the default.
 
 The drafts are trained as SpecForge trains EAGLE-3 (``surgeon.draft.model`` docstring): the fc
 reads the target's states at the wiring's points, the token embeddings are the target's (frozen),
@@ -39,6 +51,9 @@ from surgeon.draft.model import DraftCache, DraftInfo, Eagle3Draft, RMSNorm, Swi
 VOCAB = 64
 SEQ = 36
 PERIOD = 12
+#: None: every run is PERIOD long (the default, see the module docstring); an int: each run's length
+#: is drawn from MIN_PERIOD..PERIOD
+MIN_PERIOD: int | None = None
 HEADS = 4
 
 
@@ -81,12 +96,18 @@ def _cached(kind: str, params: dict[str, Any], build) -> Path:
 
 
 def induction_batch(n: int, *, seq: int = SEQ, period: int = PERIOD, vocab: int = VOCAB,
-                    generator: torch.Generator) -> torch.Tensor:
-    """``n`` sequences [n, seq]: ``period`` distinct random tokens, repeated to fill ``seq``."""
+                    generator: torch.Generator, min_period: int | None = MIN_PERIOD) -> torch.Tensor:
+    """``n`` sequences [n, seq]: a run of distinct random tokens, repeated to fill ``seq``; each
+    run's length is drawn from ``min_period..period`` (``None``: always ``period``)."""
     if period > vocab:
         raise BadInput(f"period {period} needs {period} distinct tokens, vocab is {vocab}")
-    run = torch.stack([torch.randperm(vocab, generator=generator)[:period] for _ in range(n)])
-    return run.repeat(1, -(-seq // period))[:, :seq]
+    low = period if min_period is None else min_period
+    rows = []
+    for _ in range(n):
+        k = int(torch.randint(low, period + 1, (1,), generator=generator)) if low < period else period
+        run = torch.randperm(vocab, generator=generator)[:k]
+        rows.append(run.repeat(-(-seq // k))[:seq])
+    return torch.stack(rows)
 
 
 # -- the target -----------------------------------------------------------------------------
@@ -167,11 +188,11 @@ def _target_config(num_layers: int, hidden_size: int, vocab: int):
 
 
 def synthetic_target(*, num_layers: int = 4, hidden_size: int = 64, vocab: int = VOCAB, seq: int = SEQ,
-                     period: int = PERIOD, steps: int = 300, seed: int = 0) -> Path:
+                     period: int = PERIOD, min_period: int | None = MIN_PERIOD, steps: int = 300, seed: int = 0) -> Path:
     """A tiny Llama trained on the induction language (a ``save_pretrained`` folder, cached);
     ``copy_accuracy.json`` there holds its greedy accuracy on the repeated part."""
-    params = dict(num_layers=num_layers, hidden_size=hidden_size, vocab=vocab, seq=seq, period=period, steps=steps,
-                  seed=seed)
+    params: dict[str, Any] = dict(num_layers=num_layers, hidden_size=hidden_size, vocab=vocab, seq=seq, period=period,
+                  min_period=min_period, steps=steps, seed=seed)
     return _cached("target", params, lambda out: _train_target(out, **params))
 
 
@@ -190,22 +211,22 @@ def _fit(model: nn.Module, steps: int, loss_of: Callable[[], torch.Tensor]) -> N
             sched.step()
 
 
-def _train_target(out: Path, *, num_layers: int, hidden_size: int, vocab: int, seq: int, period: int, steps: int,
-                  seed: int) -> None:
+def _train_target(out: Path, *, num_layers: int, hidden_size: int, vocab: int, seq: int, period: int,
+                  min_period: int | None, steps: int, seed: int) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         g = torch.Generator().manual_seed(seed)
         lean = LeanLlama(vocab, hidden_size, num_layers)
 
         def loss() -> torch.Tensor:
-            batch = induction_batch(16, seq=seq, period=period, vocab=vocab, generator=g)
+            batch = induction_batch(16, seq=seq, period=period, vocab=vocab, generator=g, min_period=min_period)
             _, logits = lean.states(batch)
             return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), batch[:, 1:].reshape(-1))
 
         _fit(lean, steps, loss)
         lean.eval()
         _to_transformers(lean, num_layers, hidden_size, vocab, seq, period).save_pretrained(out, safe_serialization=True)
-        accuracy = copy_accuracy(lean, seq, period, vocab)
+        accuracy = copy_accuracy(lean, seq, period, vocab, min_period)
         (out / "copy_accuracy.json").write_text(json.dumps({"copy_accuracy": accuracy}) + "\n")
 
 
@@ -229,11 +250,25 @@ def _to_transformers(lean: LeanLlama, num_layers: int, hidden_size: int, vocab: 
 
 
 @torch.no_grad()
-def copy_accuracy(model: LeanLlama, seq: int = SEQ, period: int = PERIOD, vocab: int = VOCAB) -> float:
-    """The target's greedy accuracy where the next token is a copy (after the first period)."""
-    batch = induction_batch(64, seq=seq, period=period, vocab=vocab, generator=torch.Generator().manual_seed(12345))
-    pred = model.states(batch)[1].argmax(-1)
-    return float((pred[:, period:-1] == batch[:, period + 1:]).float().mean())
+def copy_accuracy(model: LeanLlama, seq: int = SEQ, period: int = PERIOD, vocab: int = VOCAB,
+                  min_period: int | None = MIN_PERIOD) -> float:
+    """The target's greedy accuracy where the next token is a copy (after each sequence's first run)."""
+    batch = induction_batch(64, seq=seq, period=period, vocab=vocab, generator=torch.Generator().manual_seed(12345),
+                            min_period=min_period)
+    pred = model.states(batch)[1].argmax(-1)[:, :-1]
+    nxt = batch[:, 1:]
+    copied = torch.stack([torch.arange(seq - 1) + 1 >= first_repeat(row) for row in batch])
+    return float((pred == nxt)[copied].float().mean())
+
+
+def first_repeat(row: torch.Tensor) -> int:
+    """The position of the first token that repeats an earlier one (the run's length)."""
+    seen: set[int] = set()
+    for i, x in enumerate(row.tolist()):
+        if x in seen:
+            return i
+        seen.add(x)
+    return len(row)
 
 
 def load_lean(target_dir: Path) -> LeanLlama:
@@ -324,7 +359,8 @@ def _train_draft(out: Path, target_dir: Path, points: list[Point], seed: int, st
         g = torch.Generator().manual_seed(seed + 1)
         target = load_lean(target_dir)
         vocab = target.lm_head.out_features
-        pool = induction_batch(256, seq=params["seq"], period=params["period"], vocab=vocab, generator=g)
+        pool = induction_batch(256, seq=params["seq"], period=params["period"], vocab=vocab, generator=g,
+                               min_period=params.get("min_period"))
         with torch.no_grad():
             states, logits = target.states(pool)  # the target's states, once
         draft, layer = new_draft(target, len(points))

@@ -10,7 +10,10 @@
 7. a mis-wired variant, the mistake that started this project (the labels shifted to
    ``[embed, layer_out[1], layer_out[3]]``), is caught: each slot's true point is named, and the
    heatmap is written to a PNG;
-8. print where everything is (the CLI).
+8. the draft as evidence, offline (:mod:`surgeon.draft.demo`): a tiny EAGLE-3 draft trained on a
+   synthetic induction target (cached), its wiring inferred from its weights and behaviour with
+   margins, and its acceptance under that wiring and the wirings bugs produce;
+9. print where everything is (the CLI).
 
 The library function :func:`run_demo` does the work and reports each step to a callback; the CLI
 shows it with rich.
@@ -23,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from surgeon.core.data import data_file
 from surgeon.core.errors import BadInput
@@ -54,16 +57,18 @@ class DemoResult:
     wrong: HarnessResult | None = None  # the mis-wired labels
     reverted_identical: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    draft: Any = None  # surgeon.draft.demo.DraftDemo
 
     def to_json(self) -> dict:
         return {
             "ok": bool(self.right is not None and self.right.ok and self.wrong is not None and not self.wrong.ok
-                       and self.reverted_identical),
+                       and self.reverted_identical and (self.draft is None or self.draft.ok)),
             "workdir": str(self.workdir), "model": str(self.model), "spec": str(self.spec),
             "wrong_spec": str(self.wrong_spec), "reference": str(self.reference), "dump": str(self.dump),
             "heatmap": str(self.heatmap), "heatmap_right": str(self.heatmap_right),
             "engine_root": str(self.engine_root), "model_file": self.model_file,
             "reverted_byte_identical": self.reverted_identical,
+            "draft": self.draft.to_json() if self.draft is not None else None,
             "right": self.right.to_json() if self.right is not None else None,
             "wrong": self.wrong.to_json() if self.wrong is not None else None,
             "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
@@ -86,6 +91,22 @@ def _wrong_spec_text(text: str) -> str:
             .replace("dumps: {layout: specforge, ", "dumps: {").split("engines:")[0])
 
 
+def _write_specs(work: Path) -> tuple[Path, Path]:
+    """The demo spec and its mis-wired variant, written into ``work`` and loaded once to check them."""
+    from surgeon.core.spec import load_spec
+
+    spec_path = work / "spec.yaml"
+    spec_text = data_file("specs", DEMO_SPEC_NAME).read_text(encoding="utf-8")
+    spec_path.write_text(spec_text, encoding="utf-8")
+    spec = load_spec(spec_path)
+    wrong_path = work / "spec-miswired.yaml"
+    wrong_path.write_text(_wrong_spec_text(spec_text), encoding="utf-8")
+    load_spec(wrong_path)
+    if spec.model.target.architecture not in _FAMILY:
+        raise BadInput(f"{DEMO_SPEC_NAME}: the demo makes {', '.join(_FAMILY)} models, not {spec.model.target.architecture}")
+    return spec_path, wrong_path
+
+
 def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: None,
              note: Callable[[str], None] = lambda s: None, engine_root: str | Path | None = None) -> DemoResult:
     """Run the demo in ``workdir`` (created; must be empty or absent). ``step`` is called with the
@@ -93,6 +114,7 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     import torch
 
     from surgeon.core.spec import load_spec
+    from surgeon.draft.demo import run_draft_demo
     from surgeon.patch.apply import apply_spec, manager_for, revert_patch
     from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
     from surgeon.run.vllm_runner import run_vllm
@@ -106,16 +128,9 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     work = work.resolve()
     t: dict[str, float] = {}
 
-    spec_path = work / "spec.yaml"
-    spec_text = data_file("specs", DEMO_SPEC_NAME).read_text(encoding="utf-8")
-    spec_path.write_text(spec_text, encoding="utf-8")
+    spec_path, wrong_path = _write_specs(work)
     spec = load_spec(spec_path)
-    wrong_path = work / "spec-miswired.yaml"
-    wrong_path.write_text(_wrong_spec_text(spec_text), encoding="utf-8")
-    load_spec(wrong_path)
-    family = _FAMILY.get(spec.model.target.architecture)
-    if family is None:
-        raise BadInput(f"{DEMO_SPEC_NAME}: the demo makes {', '.join(_FAMILY)} models, not {spec.model.target.architecture}")
+    family = _FAMILY[spec.model.target.architecture]
 
     step(f"making a tiny random {family} ({spec.num_layers} layers, hidden {spec.hidden_size})")
     t0 = time.perf_counter()
@@ -164,5 +179,10 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     wrong = match(dump, str(ref_path), spec=load_spec(wrong_path))
     plot_heatmap(wrong, work / "heatmap-miswired.png")
     t["verify"] = time.perf_counter() - t0
+
+    step("the draft as evidence: a tiny EAGLE-3 draft's wiring inferred and its acceptance measured (offline)")
+    t0 = time.perf_counter()
+    draft = run_draft_demo(work / "draft", note)
+    t["draft"] = time.perf_counter() - t0
     return DemoResult(work, model, spec_path, wrong_path, ref_path, dump, work / "heatmap-miswired.png",
-                      work / "heatmap.png", manager.root, plan.model_file, right, wrong, identical, t)
+                      work / "heatmap.png", manager.root, plan.model_file, right, wrong, identical, t, draft)

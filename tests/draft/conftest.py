@@ -1,5 +1,5 @@
 """The synthetic target and drafts the draft tests share (trained once, cached on disk by
-``surgeon.draft.synthetic``; ~1.5 min cold on 2 busy cores, seconds warm)."""
+``surgeon.draft.synthetic``; ~35 s cold for the target and the seed draft on 2 busy cores, seconds warm)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,13 @@ def seed_draft(synthetic_target):
     from surgeon.draft.synthetic import train_draft
 
     return train_draft(synthetic_target, SEED_WIRING)
+
+
+@pytest.fixture(scope="session")
+def induction_prompts():
+    """32 held-out prompts of the target's language (seeded apart from training)."""
+    import torch
+
+    from surgeon.draft.synthetic import induction_batch
+
+    return list(induction_batch(32, generator=torch.Generator().manual_seed(11)))

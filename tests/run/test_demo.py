@@ -29,7 +29,9 @@ def test_demo_runs_end_to_end_and_leaves_the_engine_as_it_was(tmp_path: Path):
                      "high": ("layer_out[3]", "layer_out[5]", "mismatch"), "last": ("final_norm", "final_norm", "ok")}
     for key in ("heatmap", "heatmap_right"):
         assert Path(r[key]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[3/7] applying demo-tiny-llama-eagle3" in p.stderr and "[7/7]" in p.stderr  # progress throughout
+    assert "[3/8] applying demo-tiny-llama-eagle3" in p.stderr and "[8/8]" in p.stderr  # progress throughout
+    d = r["draft"]  # step 8, offline: the synthetic draft's wiring named and its acceptance measured
+    assert d["ok"] and d["infer_wiring"]["wiring"] == d["trained_on"] and d["infer_wiring"]["decided"] and d["drop"] > 0
     assert not patch_status(engine="vllm")
 
 

@@ -1,0 +1,39 @@
+"""The demo's draft step (surgeon.draft.demo), offline: the trained wiring is named with a decided
+margin, written as a spec, and the accept table shows the mis-labelled deployment's drop."""
+
+from __future__ import annotations
+
+import pytest
+
+from surgeon.core.spec import load_spec
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_demo_step_names_the_trained_wiring_and_shows_the_drop(synthetic_target, tmp_path):
+    from surgeon.draft.demo import MISWIRED, TRAINED_ON, run_draft_demo
+
+    d = run_draft_demo(tmp_path / "draft")
+    data = d.to_json()
+    assert d.ok and data["ok"], data["infer_wiring"]["behaviour"]
+    assert d.inferred.wiring == TRAINED_ON and d.inferred.decided
+    assert [str(p) for p in load_spec(d.spec).fc_points] == TRAINED_ON
+    rows = {r.wiring.name: r for r in d.accept.rows}
+    assert rows["spec"].expected_accepted - rows[MISWIRED].expected_accepted >= 0.3
+    vllm = next(e for e in data["infer_wiring"]["stated"]["engines"] if e["engine"] == "vllm")
+    assert vllm["agrees"] is True  # the config's ids are vLLM's for the trained points
+    assert d.prompts.read_text().count("\n") == 16
+
+
+def test_the_demo_report_fails_when_the_draft_step_does(tmp_path):
+    from types import SimpleNamespace
+
+    from surgeon.commands.results import DemoReport
+
+    ok = SimpleNamespace(ok=True)
+    result = SimpleNamespace(reverted_identical=True, right=ok, wrong=SimpleNamespace(ok=False),
+                             draft=SimpleNamespace(ok=False), engine_root=tmp_path, model_file="m.py")
+    report = DemoReport(result)
+    assert not report.ok and "draft step" in (report.problem or "") and report.exit_code == 3
+    result.draft = SimpleNamespace(ok=True)
+    assert report.ok
