@@ -281,18 +281,21 @@ def test_a_report_s_verdict_is_the_exit_code_after_it_is_rendered(tmp_path):
     assert res.exit_code == 2 and json.loads(res.stdout)["ok"] is False
 
 
-@pytest.mark.parametrize("right_ok, wrong_ok, identical, code, problem", [
-    (True, False, True, 0, None),
-    (False, False, True, 3, "the spec's wiring failed verify"),
-    (True, True, True, 3, "the mis-wiring was not caught"),
-    (True, False, False, 1, "internal error: /eng/llama.py is not byte-identical after the revert"),
+@pytest.mark.parametrize("right_ok, wrong_ok, identical, draft_ok, code, problem", [
+    (True, False, True, True, 0, None),
+    (True, False, True, None, 0, None),  # no draft step run
+    (False, False, True, True, 3, "the spec's wiring failed verify"),
+    (True, True, True, True, 3, "the mis-wiring was not caught"),
+    (True, False, True, False, 3, "or the mis-labelled deployment did not accept less"),
+    (True, False, False, True, 1, "internal error: /eng/llama.py is not byte-identical after the revert"),
 ])
-def test_the_demo_verdict(right_ok, wrong_ok, identical, code, problem):
+def test_the_demo_verdict(right_ok, wrong_ok, identical, draft_ok, code, problem):
     from types import SimpleNamespace
 
     from surgeon.commands.results import DemoReport
 
     result = SimpleNamespace(right=SimpleNamespace(ok=right_ok), wrong=SimpleNamespace(ok=wrong_ok),
+                             draft=None if draft_ok is None else SimpleNamespace(ok=draft_ok),
                              reverted_identical=identical, engine_root=Path("/eng"), model_file="llama.py")
     report = DemoReport(result)
     assert report.exit_code == code and report.ok is (code == 0)

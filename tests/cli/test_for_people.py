@@ -236,9 +236,9 @@ def test_the_demo_vllm_step_is_not_silent_in_a_log(harness, monkeypatch, tmp_pat
     monkeypatch.setattr("surgeon.cli_render.HEARTBEAT_S", 0.1)
     res = invoke("demo", "--workdir", tmp_path / "d")
     lines = res.stderr.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("[4/7] running the model on vLLM"))
-    nxt = next(i for i, line in enumerate(lines) if line.startswith("[5/7]"))
-    beats = [line for line in lines[at + 1:nxt] if "still at step 4/7" in line]
+    at = next(i for i, line in enumerate(lines) if line.startswith("[4/8] running the model on vLLM"))
+    nxt = next(i for i, line in enumerate(lines) if line.startswith("[5/8]"))
+    beats = [line for line in lines[at + 1:nxt] if "still at step 4/8" in line]
     assert len(beats) >= 3 and beats[-1].rstrip().endswith(" s"), lines  # the elapsed time, while it runs
 
 
@@ -250,7 +250,7 @@ def test_the_demo_step_shows_a_spinner_with_elapsed_time_on_a_terminal():
         step("running the model on vLLM (starting the engine takes a while on a CPU)")
         time.sleep(0.3)
     text = buf.getvalue()
-    assert "[1/7] running the model on vLLM" in text and "0:00:00" in text
+    assert "[1/8] running the model on vLLM" in text and "0:00:00" in text
 
 
 @pytest.mark.parametrize("verb", ["match", "verify"])
