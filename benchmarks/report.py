@@ -128,6 +128,22 @@ def rows_matrix(r: dict) -> list[Row]:
     return out
 
 
+def rows_accept(r: dict) -> list[Row]:
+    return [(f"accept, {r['prompts']} prompts x {r['length']} tokens x {r['wirings']} wirings "
+             f"(target {_s(r['ours_target_s'])} once, draft {_s(r['ours_draft_s'])})", _s(r["ours_s"]),
+             f"{r['baseline']} {_s(r['baseline_s'])} ({r['baseline_timed_wirings']} timed, scaled)",
+             f"{r['speedup']}x faster", f"< {r['budget_s']:.0f} s")]
+
+
+def rows_infer(r: dict) -> list[Row]:
+    naive = f"{r['naive_per_candidate_s']} s x {r['naive_candidates']:,}" + (" (estimated)" if r["naive_is_estimate"] else "")
+    return [(f"infer-wiring, Kimi shape ({r['points']} points, hidden {r['hidden']}, {r['tokens']} tokens): "
+             f"search {_s(r['search_s'])} + behaviour on {r['behaviour_candidates']} candidates {_s(r['behaviour_s'])}, "
+             f"{'named the true wiring' if r['correct'] else 'DID NOT name the true wiring'}",
+             _s(r["ours_total_s"]), f"naive: a chained draft forward per candidate, {naive}",
+             f"{r['speedup']:,.0f}x", f"< {r['budget_s']:.0f} s")]
+
+
 # name -> (command, rows); commands run from the repository root with this interpreter
 BENCHMARKS: dict[str, tuple[list[str], Callable[[dict], list[Row]]]] = {
     "probe": (["benchmarks/probe.py", "--json"], rows_probe),
@@ -138,6 +154,8 @@ BENCHMARKS: dict[str, tuple[list[str], Callable[[dict], list[Row]]]] = {
     "dumps": (["benchmarks/dumps.py", "--json"], rows_dumps),
     "identify": (["benchmarks/identify.py", "--json"], rows_identify),
     "vllm": (["benchmarks/vllm_aux.py", "--json"], rows_vllm),
+    "accept": (["benchmarks/accept.py", "--json"], rows_accept),
+    "infer_wiring": (["benchmarks/infer_wiring.py", "--json"], rows_infer),
 }
 
 
