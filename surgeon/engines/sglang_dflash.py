@@ -78,6 +78,8 @@ class DFlashRunner:
     key: str = "dflash_config.target_layer_ids"
     evidence: list[str] = field(default_factory=list)  # "path:line: what"
     conditional: list[str] = field(default_factory=list)  # rewrites that apply only to some pairs
+    conditional_literals: set[str] = field(default_factory=set)  # the strings those rewrites test for
+    range_check: str | None = None  # "path:line: test" of the runner's refusal of ids outside [0, L)
 
 
 def _parse(root: Path, rel: str) -> ast.Module | None:
@@ -216,6 +218,8 @@ def _helper_rewrite(rel: str, tree: ast.Module, helper: str, where: str, run: DF
             and isinstance(body.elt.right, ast.Constant) and isinstance(other, ast.Name)):
         return f"{where}: {helper} ({rel}:{rets[0].lineno}) returns {ast.unparse(ret)}, not modelled"
     test = ast.unparse(ret.test)
+    run.conditional_literals.update(n.value for n in ast.walk(fns[0]) if isinstance(n, ast.Constant)
+                                    and isinstance(n.value, str))
     conds = [ast.unparse(n) for n in ast.walk(fns[0]) if isinstance(n, ast.Assign)
              and any(isinstance(t, ast.Name) and t.id in test for t in n.targets)]
     run.conditional.append(f"{rel}:{rets[0].lineno}: {helper} adds {body.elt.right.value:+d} when {test} "
@@ -231,6 +235,10 @@ def _resolve_method(trees: dict[str, ast.Module], run: DFlashRunner) -> str | No
             if fn.name != RESOLVE:
                 continue
             rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+            for n in ast.walk(fn):
+                test = ast.unparse(n.test) if isinstance(n, ast.If) else ""
+                if "< 0" in test and ">= target_num_layers" in test and any(isinstance(b, ast.Raise) for b in n.body):
+                    run.range_check = f"{rel}:{n.lineno}: raises when {test}"
             for r in rets:
                 text = ast.unparse(r.value)  # type: ignore[arg-type]  # value checked non-None above
                 if isinstance(r.value, ast.Call) and "build_" in text:
