@@ -215,14 +215,16 @@ def _helper_rewrite(rel: str, tree: ast.Module, helper: str, where: str, run: DF
     ret = rets[0].value
     body, other = ret.body, ret.orelse
     if not (isinstance(body, ast.ListComp) and isinstance(body.elt, ast.BinOp) and isinstance(body.elt.op, ast.Add)
-            and isinstance(body.elt.right, ast.Constant) and isinstance(other, ast.Name)):
+            and isinstance(body.elt.right, ast.Constant) and isinstance(body.elt.right.value, int)
+            and isinstance(other, ast.Name)):
         return f"{where}: {helper} ({rel}:{rets[0].lineno}) returns {ast.unparse(ret)}, not modelled"
     test = ast.unparse(ret.test)
     run.conditional_literals.update(n.value for n in ast.walk(fns[0]) if isinstance(n, ast.Constant)
                                     and isinstance(n.value, str))
     conds = [ast.unparse(n) for n in ast.walk(fns[0]) if isinstance(n, ast.Assign)
              and any(isinstance(t, ast.Name) and t.id in test for t in n.targets)]
-    run.conditional.append(f"{rel}:{rets[0].lineno}: {helper} adds {body.elt.right.value:+d} when {test} "
+    offset = int(body.elt.right.value)
+    run.conditional.append(f"{rel}:{rets[0].lineno}: {helper} adds {offset:+d} when {test} "
                            f"({'; '.join(' '.join(c.split()) for c in conds)})")
     return None
 
@@ -235,8 +237,8 @@ def _resolve_method(trees: dict[str, ast.Module], run: DFlashRunner) -> str | No
             if fn.name != RESOLVE:
                 continue
             rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
-            for n in ast.walk(fn):
-                test = ast.unparse(n.test) if isinstance(n, ast.If) else ""
+            for n in (x for x in ast.walk(fn) if isinstance(x, ast.If)):
+                test = ast.unparse(n.test)
                 if "< 0" in test and ">= target_num_layers" in test and any(isinstance(b, ast.Raise) for b in n.body):
                     run.range_check = f"{rel}:{n.lineno}: raises when {test}"
             for r in rets:
