@@ -20,6 +20,11 @@ from surgeon.engines.source import ClassKey, SourceIndex
 SETTER = "set_eagle3_layers_to_capture"
 TRIGGERS = (SETTER,)
 ENTRY = EntryPoint(setter=SETTER)
+# DFlash drafts reach the same classes through another setter (``configure_aux_hidden_state_capture``
+# calls it with the draft's ``dflash_config.target_layer_ids``); :mod:`surgeon.engines.sglang_dflash`
+# classifies it with the same machinery, per class, on demand.
+DFLASH_SETTER = "set_dflash_layers_to_capture"
+DFLASH_ENTRY = EntryPoint(setter=DFLASH_SETTER)
 
 
 def select(index: SourceIndex, only: Collection[str] | None = None) -> tuple[list[Target], list[str]]:

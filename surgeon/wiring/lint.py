@@ -61,7 +61,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         return result
     for engine in targets:
         if kind == "dflash" and engine == "sglang":
-            result.checked.append("sglang: DFlash ids (set_dflash_layers_to_capture) are not modelled yet; not checked")
+            _lint_sglang_dflash(spec, roots.get(engine), result, strict=strict, explicit=explicit)
             continue
         view = open_engine(engine, roots.get(engine))
         pin_issues, pin_checked = check_pins(spec, engine, view)
@@ -106,6 +106,28 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
             ))
     _lint_field(spec, roots, result)
     return result
+
+
+def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, strict: bool, explicit: bool) -> None:
+    """SGLang DFlash: the class's ``set_dflash_layers_to_capture`` and the runner's path to it, read
+    from the installed source (:func:`surgeon.wiring.render.sglang_dflash`); what it cannot prove is
+    an issue with the reason (an error when the engine was asked for, else a warning)."""
+    from surgeon.wiring.render import sglang_dflash
+
+    try:
+        ans = sglang_dflash(spec, root)
+    except BadInput as e:
+        result.issues.append(spec.issue(("draft", "fc_input"), f"sglang: DFlash: {str(e).removeprefix(spec.file + ': ')}",
+                                        severity="error" if explicit else "warning"))
+        return
+    if ans.unverified is not None:
+        result.issues.append(spec.issue(("draft", "fc_input"), f"sglang: DFlash unverified: {ans.unverified}",
+                                        severity="error" if strict else "warning"))
+    result.checked.append(f"sglang: DFlash {ans.conv.name} via {ans.conv.origin}")
+    result.checked.append(f"sglang: DFlash dflash_config.target_layer_ids {ans.ids} capture "
+                          + ", ".join(str(p) for p in spec.fc_points))
+    result.checked.extend(n if n.startswith("sglang:") else f"sglang: {n}" for n in ans.notes)
+    result.checked.extend(f"sglang: evidence: {e}" for e in ans.evidence)
 
 
 def _lint_field(spec: Spec, roots: dict[str, str | None], result: LintResult) -> None:

@@ -16,6 +16,8 @@ from surgeon.core.errors import BadInput
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
+from surgeon.engines.sglang_dflash import SETTER as DFLASH_SETTER
+from surgeon.engines.sglang_dflash import classify_dflash, read_dflash_runner
 from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import explain_field
@@ -277,8 +279,10 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         raise BadInput(
             f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render"
         )
+    if kind == "dflash" and target == "sglang":
+        return _render_sglang_dflash(spec, engine_root, model_class)
     if kind == "dflash" and target != "vllm":
-        raise BadInput(f"{spec.file}: DFlash drafts are rendered for vLLM only (dflash_config.target_layer_ids); "
+        raise BadInput(f"{spec.file}: DFlash drafts are rendered for vLLM and SGLang only (dflash_config.target_layer_ids); "
                        f"{target}'s DFlash path is not modelled yet, and its EAGLE-3 ids would not be read")
     if target == "specforge" and engine_root is not None:
         raise BadInput("--engine-root does not apply to specforge (its ids follow the EAGLE config convention)")
@@ -334,3 +338,74 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     platform = view.probe.platform if view is not None and view.probe is not None else None
     return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes,
                      verified, unverified_reason, evidence, platform)
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang DFlash
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DFlashAnswer:
+    """SGLang's DFlash ids for a spec's fc list, with what they rest on."""
+
+    model_class: str
+    conv: EngineConvention
+    ids: list[int]
+    captures: list[str]  # what the ids capture, replayed through the probed setter
+    notes: list[str]
+    evidence: list[str]
+    unverified: str | None
+
+
+def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None) -> DFlashAnswer:
+    """The ``dflash_config.target_layer_ids`` that make SGLang feed the draft the spec's points, from
+    the class's ``set_dflash_layers_to_capture`` (run by the probe's classifier) and the runner's
+    path to it (:mod:`surgeon.engines.sglang_dflash`). BadInput with the reason where either was
+    not read to the end, or the ids cannot express the points."""
+    view = open_engine("sglang", engine_root)
+    cls = model_class_for(spec, "sglang", model_class)
+    if view.location is None:
+        raise BadInput(f"{spec.file}: SGLang is not installed here: its DFlash ids are read from its source only "
+                       "(install it or pass --engine-root)")
+    where = f"sglang {view.version}"
+    cc = classify_dflash(view.location.root, cls)
+    if cc is None:
+        raise BadInput(f"{spec.file}: cannot render for sglang: {where} has no class {cls!r} with {DFLASH_SETTER}")
+    if cc.status != "classified":
+        raise BadInput(f"{spec.file}: cannot render for sglang: {where} {cc.class_name} ({cc.path}:{cc.line}): the probe "
+                       f"cannot tell what its DFlash ids mean: {cc.reason}")
+    runner = read_dflash_runner(view.location.root)
+    if not runner.verified:
+        raise BadInput(f"{spec.file}: cannot render for sglang: {where} runner unverified for DFlash: {runner.reason}")
+    hit = sorted(runner.conditional_literals & {spec.model.target.model_type or "", cc.path.rsplit("/", 1)[-1][:-3]})
+    if hit:
+        raise BadInput(f"{spec.file}: cannot render for sglang: {where} rewrites DFlash ids for {hit[0]} targets "
+                       f"depending on the draft's architecture: {'; '.join(runner.conditional)}")
+    L = spec.num_layers
+    positions = [p.position for p in spec.fc_points if p.position is not None]
+    refused = refusal(cc, positions, L)
+    if refused is not None:
+        raise BadInput(f"{spec.file}: cannot render for sglang: {refused}")
+    conv = EngineConvention(cc, f"{view.origin}; {DFLASH_SETTER}")
+    lst = _engine_ids(conv, spec.fc_points, L)
+    if lst.ids is None:
+        raise BadInput(f"{spec.file}: cannot render for sglang: {lst.error}")
+    bad = [i for i in lst.ids if i < 0 or i >= L]
+    if bad and runner.range_check:
+        raise BadInput(f"{spec.file}: cannot render for sglang: DFlash ids {bad} are refused by the runner "
+                       f"({runner.range_check})")
+    notes = [n if n.startswith("sglang:") else f"sglang: {n}" for n in engine_notes(cc, positions, L)]
+    notes.append(f"sglang: the runner passes the draft's dflash_config.target_layer_ids unchanged to {DFLASH_SETTER}")
+    notes.extend(f"sglang: not for this target: {c}" for c in runner.conditional)
+    evidence = evidence_lines(cc, positions, L) + runner.evidence + ([f"runner: {runner.range_check}"]
+                                                                     if runner.range_check else [])
+    return DFlashAnswer(cls, conv, lst.ids, lst.captures, notes, evidence, cc.unverified_for(positions, L))
+
+
+def _render_sglang_dflash(spec: Spec, engine_root, model_class: str | None) -> Rendering:
+    ans = sglang_dflash(spec, engine_root, model_class)
+    captures = [{"fc_slot": i, "name": n, "point": str(p), "captured": ans.captures[i]}
+                for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))]
+    draft_config = {"dflash_config": {"target_layer_ids": ans.ids}}
+    flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "<DRAFT>"]
+    return Rendering(spec.name, "sglang", ans.model_class, ans.conv.name, ans.conv.origin, ans.ids, captures,
+                     draft_config, flags, None, ans.notes, ans.unverified is None, ans.unverified, ans.evidence, "all")

@@ -1,0 +1,286 @@
+"""SGLang DFlash: what ``dflash_config.target_layer_ids`` captures, read from the installed source.
+
+Two readings, both from the release's files and never imported:
+
+* the model class: its ``set_dflash_layers_to_capture`` is run symbolically by the same
+  classifier as the EAGLE-3 setter (:class:`surgeon.engines.classify.Classifier` with another
+  :class:`EntryPoint`), so the id rule (``[val + 1 for val in layer_ids]`` in llama.py), where the
+  ids are stored and the capture loop that reads them all come from that class's source;
+* the runner: how the draft config's ids reach that setter. The call
+  ``model.set_dflash_layers_to_capture(dflash_target_layer_ids)``, the assignment of that field from
+  ``resolve_target_layer_ids`` (``dflash_utils.py``: the draft's ``target_layer_ids`` unchanged,
+  else a built default), and every other rewrite of the list on the way (the Muse ``+1`` for some
+  target/draft pairs), each with file:line. A step whose shape is not the one read here makes the
+  answer unverified, with the reason; nothing is assumed.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from surgeon.core.idrules import ClassConvention
+from surgeon.engines import probe_sglang
+from surgeon.engines.capture import CaptureAnalyzer
+from surgeon.engines.classify import Classifier, Target
+from surgeon.engines.source import ClassKey, SourceIndex
+
+SETTER = probe_sglang.DFLASH_SETTER
+FIELD = "dflash_target_layer_ids"
+RESOLVE = "resolve_target_layer_ids"
+RUNNER_DIRS = ("srt/model_executor", "srt/speculative")
+
+
+def _find_key(index: SourceIndex, model_class: str) -> tuple[ClassKey | None, list[str]]:
+    """The class an architecture or class name means among the files that mention the DFlash
+    setter (SGLang's ``EntryClass`` registration first), and those files."""
+    files, names = index.prefilter((SETTER,))
+    registered = probe_sglang.exported(index, files)
+    if model_class in registered:
+        return registered[model_class], files
+    found = [ci.key for ci in index.classes_in(files) if ci.name == model_class and ci.name in names]
+    return (found[0] if len(found) == 1 else None), files
+
+
+def classify_dflash(root: str | Path, model_class: str) -> ClassConvention | None:
+    """The DFlash convention of ``model_class`` in the SGLang package at ``root`` (None: no class of
+    that name reaches ``set_dflash_layers_to_capture``). Status "unclassified" carries the reason."""
+    from surgeon.engines.locate import locate_engine
+
+    location = locate_engine("sglang", root)
+    index = SourceIndex(location.root, "sglang", location.models_dirs)
+    key, _files = _find_key(index, model_class)
+    if key is None or index.find_function(key, SETTER) is None:
+        return None
+    found = index.find_function(key, SETTER)
+    assert found is not None
+    classifier = Classifier("sglang", index, probe_sglang.hooks(index), CaptureAnalyzer(index), None)
+    target = Target(key, probe_sglang.DFLASH_ENTRY, defines=found[0] == key)
+    try:
+        return classifier.classify(target)
+    except Exception as e:  # noqa: BLE001 - a classifier failure is a refusal with its reason, not a crash
+        info = index.class_info(key)
+        return ClassConvention(engine="sglang", path=key[0], class_name=key[1], line=info.line if info else 0,
+                               setter=SETTER, status="unclassified",
+                               reason=f"the probe failed on this setter ({type(e).__name__}: {e})")
+
+
+# ---------------------------------------------------------------------------------------------
+# the runner
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DFlashRunner:
+    """How the draft config's DFlash ids reach the setter, as read."""
+
+    verified: bool
+    reason: str | None = None  # why not verified
+    key: str = "dflash_config.target_layer_ids"
+    evidence: list[str] = field(default_factory=list)  # "path:line: what"
+    conditional: list[str] = field(default_factory=list)  # rewrites that apply only to some pairs
+    conditional_literals: set[str] = field(default_factory=set)  # the strings those rewrites test for
+    range_check: str | None = None  # "path:line: test" of the runner's refusal of ids outside [0, L)
+
+
+def _parse(root: Path, rel: str) -> ast.Module | None:
+    try:
+        return ast.parse((root / rel).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+
+
+def _calls_named(fn: ast.AST, name: str) -> list[ast.Call]:
+    out = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call):
+            f = n.func
+            if (isinstance(f, ast.Attribute) and f.attr == name) or (isinstance(f, ast.Name) and f.id == name):
+                out.append(n)
+    return out
+
+
+def _runner_files(root: Path) -> list[str]:
+    out: list[str] = []
+    for d in RUNNER_DIRS:
+        if (root / d).is_dir():
+            out += sorted(p.relative_to(root).as_posix() for p in (root / d).rglob("*.py"))
+    return out
+
+
+def read_dflash_runner(root: str | Path) -> DFlashRunner:
+    """Follow the DFlash ids from the setter call back to the draft config key, in the SGLang
+    package at ``root``."""
+    root = Path(root)
+    run = DFlashRunner(verified=False)
+    trees = {}
+    for rel in _runner_files(root):
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except OSError:
+            continue
+        if SETTER in text or FIELD in text or RESOLVE in text:
+            tree = _parse(root, rel)
+            if tree is not None:
+                trees[rel] = tree
+    why = (_setter_calls(trees, run) or _field_assignments(trees, run) or _resolve_method(trees, run)
+           or _parsed_key(trees, run))
+    if why:
+        run.reason = why
+        return run
+    run.verified = True
+    return run
+
+
+def _setter_calls(trees: dict[str, ast.Module], run: DFlashRunner) -> str | None:
+    calls = [(rel, c) for rel, tree in trees.items() for fn in _functions(tree) if fn.name != SETTER
+             for c in _calls_named(fn, SETTER)]
+    if not calls:
+        return f"no call of {SETTER} found in {', '.join(RUNNER_DIRS)}"
+    for rel, c in calls:
+        arg = c.args[0] if c.args else None
+        name = arg.id if isinstance(arg, ast.Name) else arg.attr if isinstance(arg, ast.Attribute) else None
+        if name != FIELD:
+            return f"{rel}:{c.lineno}: {SETTER} is passed {ast.unparse(arg) if arg else 'nothing'}, not the {FIELD} read here"
+        run.evidence.append(f"runner: {rel}:{c.lineno}: {ast.unparse(c)}")
+    return None
+
+
+def _field_assignments(trees: dict[str, ast.Module], run: DFlashRunner) -> str | None:
+    """Each ``<config>.dflash_target_layer_ids = <name>``: in the function that resolves a draft's ids,
+    every assignment of that name is a draft-config read or a rewrite this reading knows."""
+    draft_paths = 0
+    for rel, tree in trees.items():
+        for fn in _functions(tree):
+            for node in ast.walk(fn):
+                if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                        and isinstance(node.targets[0], ast.Attribute) and node.targets[0].attr == FIELD):
+                    continue
+                if not _calls_named(fn, RESOLVE):
+                    if "is_none" not in ast.unparse(fn):
+                        return f"{rel}:{node.lineno}: {FIELD} is set from {ast.unparse(node.value)}, a path not modelled"
+                    run.evidence.append(f"runner: {rel}:{node.lineno}: {ast.unparse(node)} only without a draft "
+                                        f"(in {fn.name}, which tests spec_algorithm.is_none())")
+                    continue
+                if not isinstance(node.value, ast.Name):
+                    return f"{rel}:{node.lineno}: {FIELD} is set from {ast.unparse(node.value)}, not modelled"
+                why = _name_sources(rel, tree, fn, node.value.id, run)
+                if why:
+                    return why
+                run.evidence.append(f"runner: {rel}:{node.lineno}: {ast.unparse(node)}")
+                draft_paths += 1
+    return None if draft_paths else f"no assignment of {FIELD} from {RESOLVE} found"
+
+
+def _name_sources(rel: str, tree: ast.Module, fn: ast.FunctionDef, name: str, run: DFlashRunner) -> str | None:
+    for node in ast.walk(fn):
+        if not (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)):
+            continue
+        value = node.value
+        where = f"{rel}:{node.lineno}"
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == RESOLVE:
+            run.evidence.append(f"runner: {where}: {name} = ...{RESOLVE}(...)")
+            continue
+        if _under_dspark(fn, node):
+            run.evidence.append(f"runner: {where}: {ast.unparse(node)} only for DSpark (is_dspark)")
+            continue
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+            why = _helper_rewrite(rel, tree, value.func.id, where, run)
+            if why:
+                return why
+            continue
+        return f"{where}: {ast.unparse(node)} is not modelled"
+    return None
+
+
+def _under_dspark(fn: ast.FunctionDef, target: ast.AST) -> bool:
+    for node in ast.walk(fn):
+        if isinstance(node, ast.If) and "is_dspark" in ast.unparse(node.test):
+            if any(target is n for n in ast.walk(node)):
+                return True
+    return False
+
+
+def _helper_rewrite(rel: str, tree: ast.Module, helper: str, where: str, run: DFlashRunner) -> str | None:
+    """A module function returning ``[i + c for i in ids] if <test> else ids``: a conditional offset."""
+    fns = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == helper]
+    if len(fns) != 1:
+        return f"{where}: the ids pass through {helper}, not found in {rel}"
+    rets = [n for n in ast.walk(fns[0]) if isinstance(n, ast.Return)]
+    if len(rets) != 1 or not isinstance(rets[0].value, ast.IfExp):
+        return f"{where}: the ids pass through {helper} ({rel}:{fns[0].lineno}), whose result is not modelled"
+    ret = rets[0].value
+    body, other = ret.body, ret.orelse
+    if not (isinstance(body, ast.ListComp) and isinstance(body.elt, ast.BinOp) and isinstance(body.elt.op, ast.Add)
+            and isinstance(body.elt.right, ast.Constant) and isinstance(body.elt.right.value, int)
+            and isinstance(other, ast.Name)):
+        return f"{where}: {helper} ({rel}:{rets[0].lineno}) returns {ast.unparse(ret)}, not modelled"
+    test = ast.unparse(ret.test)
+    run.conditional_literals.update(n.value for n in ast.walk(fns[0]) if isinstance(n, ast.Constant)
+                                    and isinstance(n.value, str))
+    conds = [ast.unparse(n) for n in ast.walk(fns[0]) if isinstance(n, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id in test for t in n.targets)]
+    offset = int(body.elt.right.value)
+    run.conditional.append(f"{rel}:{rets[0].lineno}: {helper} adds {offset:+d} when {test} "
+                           f"({'; '.join(' '.join(c.split()) for c in conds)})")
+    return None
+
+
+def _resolve_method(trees: dict[str, ast.Module], run: DFlashRunner) -> str | None:
+    """``resolve_target_layer_ids`` returns the parsed ``target_layer_ids`` unchanged (or a built
+    default when the draft config has none)."""
+    for rel, tree in trees.items():
+        for fn in _functions(tree):
+            if fn.name != RESOLVE:
+                continue
+            rets = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+            for n in (x for x in ast.walk(fn) if isinstance(x, ast.If)):
+                test = ast.unparse(n.test)
+                if "< 0" in test and ">= target_num_layers" in test and any(isinstance(b, ast.Raise) for b in n.body):
+                    run.range_check = f"{rel}:{n.lineno}: raises when {test}"
+            for r in rets:
+                text = ast.unparse(r.value)  # type: ignore[arg-type]  # value checked non-None above
+                if isinstance(r.value, ast.Call) and "build_" in text:
+                    run.evidence.append(f"runner: {rel}:{r.lineno}: without target_layer_ids: {text} (a default)")
+                    continue
+                if isinstance(r.value, ast.Name) and _bound_to_list_of_field(fn, r.value.id):
+                    run.evidence.append(f"runner: {rel}:{r.lineno}: returns {text} = list(self.target_layer_ids)")
+                    continue
+                return f"{rel}:{r.lineno}: {RESOLVE} returns {text}, not modelled"
+            return None
+    return f"no {RESOLVE} found in {', '.join(RUNNER_DIRS)}"
+
+
+def _bound_to_list_of_field(fn: ast.FunctionDef, name: str) -> bool:
+    values = [n.value for n in ast.walk(fn) if isinstance(n, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+    return bool(values) and all(ast.unparse(v) == "list(self.target_layer_ids)" for v in values)
+
+
+def _parsed_key(trees: dict[str, ast.Module], run: DFlashRunner) -> str | None:
+    """``parse_dflash_draft_config`` reads ``target_layer_ids`` from the draft's ``dflash_config``
+    (``[int(x) for x in ...]``: no offset) and stores it as the config's ``target_layer_ids``."""
+    for rel, tree in trees.items():
+        for fn in _functions(tree):
+            if fn.name != "parse_dflash_draft_config":
+                continue
+            gets = [c for c in _calls_named(fn, "get") if c.args and isinstance(c.args[0], ast.Constant)
+                    and c.args[0].value == "target_layer_ids"]
+            if len(gets) != 1:
+                return f"{rel}:{fn.lineno}: parse_dflash_draft_config reads target_layer_ids {len(gets)} times"
+            kws = [k for c in ast.walk(fn) if isinstance(c, ast.Call) for k in c.keywords if k.arg == "target_layer_ids"]
+            if len(kws) != 1 or not isinstance(kws[0].value, ast.Name):
+                return f"{rel}:{fn.lineno}: how parse_dflash_draft_config stores target_layer_ids is not modelled"
+            name = kws[0].value.id
+            values = [ast.unparse(n.value) for n in ast.walk(fn) if isinstance(n, ast.AnnAssign | ast.Assign)
+                      and n.value is not None and any(isinstance(t, ast.Name) and t.id == name
+                                                      for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+            bad = [v for v in values if v != "None" and not (v.startswith("[int(") and " for " in v and "+" not in v)]
+            if bad:
+                return f"{rel}:{fn.lineno}: parse_dflash_draft_config sets {name} = {bad[0]}, not modelled"
+            run.evidence.append(f"runner: {rel}:{gets[0].lineno}: {ast.unparse(gets[0])} (the draft's dflash_config)")
+            return None
+    return "no parse_dflash_draft_config found"

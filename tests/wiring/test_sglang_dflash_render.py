@@ -1,0 +1,72 @@
+"""`render` and `lint` of a DFlash draft for SGLang: ids from the installed source, the same
+layer-output ids vLLM's dflash_config reads, and refusals with the reason where not proven."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from surgeon.core.errors import BadInput
+from surgeon.core.spec import load_spec
+from surgeon.wiring.lint import lint_spec
+from surgeon.wiring.render import render
+from tests.conftest import release_engine
+
+
+def _spec(tmp_path, points=("layer_out[1]", "layer_out[3]", "layer_out[5]"), arch="LlamaForCausalLM", extra=""):
+    f = tmp_path / "s.yaml"
+    f.write_text(textwrap.dedent(f"""\
+        spec: 1
+        name: tiny
+        target: {{architecture: {arch}, num_layers: 8, hidden_size: 64{extra}}}
+        captures:
+          low: {points[0]}
+          mid: {points[1]}
+          high: {points[2]}
+          last: final_norm
+        draft: {{kind: dflash, fc_input: [low, mid, high], fc_in_features: 192}}
+        """))
+    return load_spec(f)
+
+
+def test_sglang_dflash_ids_are_layer_outputs_like_vllm(tmp_path):
+    spec = _spec(tmp_path)
+    r = render(spec, "sglang")
+    assert r.ids == [1, 3, 5] and r.verified
+    assert r.draft_config == {"dflash_config": {"target_layer_ids": [1, 3, 5]}}
+    assert [c["captured"] for c in r.captures] == ["layer_out[1]", "layer_out[3]", "layer_out[5]"]
+    assert r.launch_flags[:2] == ["--speculative-algorithm", "DFLASH"]
+    assert any(e.startswith("setter: srt/models/llama.py:") for e in r.evidence)
+    assert any("set_dflash_layers_to_capture(dflash_target_layer_ids)" in e for e in r.evidence)
+    # both engines read the same dflash_config.target_layer_ids for the same points
+    assert render(spec, "vllm").draft_config == r.draft_config
+
+
+def test_sglang_dflash_refuses_what_the_runner_range_check_refuses(tmp_path):
+    with pytest.raises(BadInput, match=r"dflash_utils\.py:\d+: raises when val < 0"):
+        render(_spec(tmp_path, points=("embed", "layer_out[3]", "layer_out[5]")), "sglang")
+
+
+def test_sglang_dflash_refuses_an_unclassified_setter_with_its_reason(tmp_path):
+    with pytest.raises(BadInput, match=r"BeamForCausalLM \(srt/models/beam\.py:\d+\).*raises"):
+        render(_spec(tmp_path), "sglang", model_class="BeamForCausalLM")
+
+
+def test_sglang_dflash_refuses_a_release_without_the_setter(tmp_path):
+    with pytest.raises(BadInput, match="has no class 'LlamaForCausalLM' with set_dflash_layers_to_capture"):
+        render(_spec(tmp_path), "sglang", engine_root=str(release_engine("sglang", "0.5.5")))
+
+
+def test_sglang_dflash_refuses_a_target_the_runner_rewrites(tmp_path):
+    with pytest.raises(BadInput, match=r"muse_glimmer.*spec_aux_hidden_state\.py:\d+"):
+        render(_spec(tmp_path, extra=", model_type: muse_glimmer"), "sglang")
+
+
+def test_lint_checks_sglang_dflash_ids(tmp_path):
+    res = lint_spec(_spec(tmp_path), engines=["sglang"])
+    assert res.ok
+    assert any("dflash_config.target_layer_ids [1, 3, 5]" in c for c in res.checked)
+    assert not any("not modelled" in c for c in res.checked)
+    bad = lint_spec(_spec(tmp_path, points=("embed", "layer_out[3]", "layer_out[5]")), engines=["sglang"])
+    assert not bad.ok and any("sglang: DFlash" in i.message and "val < 0" in i.message for i in bad.issues)
