@@ -187,7 +187,15 @@ def print_inferred_wiring(r: Any) -> None:
         out.print(f"[dim]note: {escape(note)}[/]")
     if data["written"]:
         out.print(f"spec written to {escape(data['written'])}")
-    out.print("[green]ok[/]" if data["ok"] else "[red]mismatch[/]")
+    against = [e["engine"] for e in stated["engines"] if e["agrees"] is False]
+    if data["ok"]:
+        out.print("[green]ok[/]: " + ("the inferred wiring is decided and the draft config's ids agree with it" if data["decided"]
+                                      else "nothing contradicts the draft config's ids (the evidence does not decide)"))
+    else:
+        why = ([f"the config's ids disagree for {', '.join(against)}"] if against else []) + (
+            ["the config states no ids"] if not stated["ids"] else []) + (
+            ["the evidence does not decide"] if not data["decided"] else [])
+        out.print(f"[red]mismatch[/]: {'; '.join(why) or 'see above'}")
 
 
 def print_accept(r: Any) -> None:
