@@ -252,6 +252,19 @@ def _vllm_guard(root: str) -> str | None:
     return None
 
 
+def _vllm_v1_setup(root: str) -> str:
+    """What the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``, or a feature V2 lacks) does, as
+    far as read: the line that sets up the drafter and aux capture only on the last rank."""
+    rel = "v1/worker/gpu_model_runner.py"
+    tree = _module(root, rel)
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.If) and "speculative_config" in ast.unparse(node.test) \
+                and "is_last_rank" in ast.unparse(node.test):
+            return (f"the V1 runner ({rel}:{node.lineno}) sets up the drafter and aux capture only "
+                    f"`if {ast.unparse(node.test)}`; what its earlier ranks then capture was not followed")
+    return f"the V1 runner ({rel}) was not read"
+
+
 def _loop_return(root: str, owner: str) -> tuple[bool, str] | None:
     """(carries aux states, file:line) of the loop method's ``return IntermediateTensors(...)``."""
     path, _, qual = owner.partition(":")
@@ -277,8 +290,7 @@ def _vllm_forwarding(root: str, cc: ClassConvention) -> tuple[bool | None, str, 
     flag, flag_at = vllm_flag(root, cc.loop_owner)
     guard = _vllm_guard(root)
     ret = _loop_return(root, cc.loop_owner)
-    notes = ["pp: the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) was not read; the answer is the V2 runner's"] \
-        if guard else []
+    notes = [f"pp: the answer is the V2 model runner's; {_vllm_v1_setup(root)}"] if guard else []
     if guard and not flag:
         return False, flag_at, f"{flag_at}; {guard}", notes
     if flag and ret is not None and ret[0]:
@@ -329,6 +341,41 @@ def _sglang_forwarding(root: str, cc: ClassConvention) -> tuple[bool | None, str
     return None, f"{cc.setter_owner}.{cc.setter} was not read to a pp rule", refused, []
 
 
+# -- tensor parallelism --------------------------------------------------------------------
+_TP_WORDS = ("tp_rank", "tp_size", "tp_group", "tensor_model_parallel", "attn_tp", "dp_attention")
+
+
+def _function(root: str, owner: str, name: str) -> tuple[str, ast.FunctionDef] | None:
+    path, _, cname = owner.partition(":")
+    tree = _module(root, path)
+    cls = _top(tree, cname.split(".")[0], ast.ClassDef) if tree is not None else None
+    fn = _method(cls, name) if isinstance(cls, ast.ClassDef) else None
+    return (path, fn) if fn is not None else None
+
+
+def tp_note(root: str, cc: ClassConvention, tp: int) -> tuple[str, str | None]:
+    """(note, unverified): whether the capture setter or the decoder loop read the tensor-parallel
+    rank or size (then which states are captured could depend on tp: not modelled)."""
+    parts = []
+    if cc.setter and cc.setter_owner:
+        parts.append(_function(root, cc.setter_owner, cc.setter))
+    if cc.loop_owner:
+        parts.append(_function(root, cc.loop_owner.rpartition(".")[0], cc.loop_owner.rpartition(".")[2]))
+    if not parts or any(p is None for p in parts):
+        return f"tp {tp}: the capture setter or the decoder loop was not read for tp", "tp not read" if tp > 1 else None
+    reads, cites = [], []
+    for path, fn in (p for p in parts if p is not None):
+        cites.append(f"{path}:{fn.lineno} {fn.name}")
+        reads += [f"{path}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(fn) if isinstance(n, ast.Name | ast.Attribute)
+                  and any(w in (n.id if isinstance(n, ast.Name) else n.attr) for w in _TP_WORDS)]
+    if reads:
+        return (f"tp {tp}: the capture code reads tensor-parallel state ({'; '.join(dict.fromkeys(reads))}): "
+                "not modelled", "the capture code reads tensor-parallel state" if tp > 1 else None)
+    return (f"tp {tp}: {' and '.join(cites)} read no tensor-parallel rank or size, so which indices are captured "
+            "does not depend on tp there (helpers they call were not scanned); the stage placement neither "
+            "(get_pp_indices takes no tp); whether a captured value is the full hidden state under tp was not read"), None
+
+
 # -- the answer ----------------------------------------------------------------------------
 def pipeline_answer(engine: str, root: str, release: str, cc: ClassConvention, points: list[Point],
                     num_layers: int, pp: int, tp: int = 1) -> PipelineAnswer:
@@ -355,8 +402,10 @@ def pipeline_answer(engine: str, root: str, release: str, cc: ClassConvention, p
             ans.placements.append(Placement(str(p), p.position, stage, layer, earlier, f"{site}; {why}"))
     if built is not None:
         ans.notes.append(f"pp: layers built by {built}")
-    ans.notes.append(f"tp {tp}: stage placement does not depend on tp ({where.split(' with ')[0]} takes no tp); "
-                     "what tp does to the captured values was not read")
+    note, tp_unverified = tp_note(root, cc, tp)
+    ans.notes.append(note)
+    if tp_unverified and not ans.unverified:
+        ans.unverified = tp_unverified
     return ans
 
 

@@ -127,6 +127,20 @@ def test_pp_1_everything_reaches():
     assert ans.refused is None and all(p.reaches and p.stage == 0 for p in ans.placements)
 
 
+def test_tp_reads_are_named_not_guessed():
+    """vLLM's deepseek_v2 loop all-gathers tp-sharded tokens around its capture: not modelled, so an
+    answer at tp > 1 is unverified (naming the lines); llama's setter and loop read no tp state."""
+    spec = load_spec(KIMI)
+    view = open_engine("vllm")
+    assert view.probe is not None
+    ds = view.class_convention("DeepseekV3ForCausalLM")
+    ans = pipeline_answer("vllm", view.probe.root, view.probe.version, ds, spec.fc_points, spec.num_layers, 2, 8)
+    assert ans.unverified == "the capture code reads tensor-parallel state"
+    assert "deepseek_v2.py:1564 tensor_model_parallel_all_gather" in ans.notes[-1]
+    llama = _answer("vllm", None, KIMI, 2, "LlamaForCausalLM")
+    assert llama.unverified is None and "read no tensor-parallel rank or size" in llama.notes[-1]
+
+
 # -- lint ------------------------------------------------------------------------------------------
 def test_lint_pp_errors_at_the_fc_input():
     spec = load_spec(KIMI)
@@ -146,5 +160,6 @@ def test_cli_lint_pp_json():
     OUTPUTS["lint"].model_validate(data)  # the documented, closed JSON shape
     [check] = data["specs"][0]["pipeline"]
     assert check["pp"] == 4 and check["tp"] == 8 and check["refused"]
-    assert any("tp 8: stage placement does not depend on tp" in n for n in check["notes"])
+    assert any(n.startswith("tp 8: the capture code reads tensor-parallel state") for n in check["notes"])
+    assert check["unverified"] == "the capture code reads tensor-parallel state"
     assert CliRunner().invoke(main, ["lint", str(LLAMA), "--engine", "vllm", "--pp", "2"]).exit_code == 0
