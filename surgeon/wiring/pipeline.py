@@ -22,6 +22,7 @@ answer says so.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -153,16 +154,22 @@ def place(cc: ClassConvention, position: int | None, num_layers: int,
     return _stage_of(layer, stages), layer, cite
 
 
-def _builds_layers(root: str, owner: str) -> str | None:
-    """file:line where the loop owner's class builds its layers through the partition, or None."""
+def _builds_layers(root: str, owner: str, package: str) -> str | None:
+    """file:line where the loop owner's class (or a base) builds its layers through the partition
+    with the pipeline rank (``make_layers`` given no rank builds every layer), or None."""
     path, _, qual = owner.partition(":")
-    tree = _module(root, path)
-    cls = _top(tree, qual.split(".")[0], ast.ClassDef) if tree is not None else None
-    if not isinstance(cls, ast.ClassDef):
+    try:
+        chain = list(_class_chain(root, path, qual.split(".")[0], package))
+    except PipelineUnread:
         return None
-    for node in ast.walk(cls):
-        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in _LAYER_BUILDERS:
-            return f"{path}:{node.lineno} {ast.unparse(node.func)}(...)"
+    for rel, cls in chain:
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in _LAYER_BUILDERS:
+                name = ast.unparse(node.func).split(".")[-1]
+                if package == "sglang" and name == "make_layers" and len(node.args) < 3 \
+                        and not any(k.arg == "pp_rank" for k in node.keywords):
+                    continue
+                return f"{rel}:{node.lineno} {ast.unparse(node.func)}(...)"
     return None
 
 
@@ -172,13 +179,20 @@ _VLLM_GUARD = ("v1/worker/gpu/spec_decode/eagle/eagle3_utils.py", "verify_suppor
                "v1/worker/gpu/model_runner.py")
 
 
-def _imports(tree: ast.Module, package: str) -> dict[str, str]:
-    """Names imported from the engine's own package -> the file (relative to its root)."""
+def _imports(tree: ast.Module, package: str, rel: str) -> dict[str, str]:
+    """Names imported from the engine's own package (absolute, or relative to ``rel``) -> the
+    file (relative to its root)."""
     out = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package + "."):
-            rel = node.module.removeprefix(package + ".").replace(".", "/") + ".py"
-            out.update({a.asname or a.name: rel for a in node.names})
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            parts = rel.split("/")[:-node.level] + (node.module.split(".") if node.module else [])
+        elif node.module and node.module.startswith(package + "."):
+            parts = node.module.removeprefix(package + ".").split(".")
+        else:
+            continue
+        out.update({a.asname or a.name: "/".join(parts) + ".py" for a in node.names})
     return out
 
 
@@ -195,11 +209,10 @@ def _class_flag(cls: ast.ClassDef) -> ast.Assign | ast.AnnAssign | None:
     return None
 
 
-def vllm_flag(root: str, owner: str) -> tuple[bool, str]:
-    """(value, file:line) of ``supports_aux_hidden_states_over_pp`` on the loop owner's class or
-    the nearest base that sets it (followed through the engine's own imports)."""
-    path, _, qual = owner.partition(":")
-    queue, seen = [(path, qual.split(".")[0])], set()
+def _class_chain(root: str, rel: str, name: str, package: str) -> Iterator[tuple[str, ast.ClassDef]]:
+    """(file, class) for ``name`` and its bases, nearest first, followed through the engine's own
+    imports; a base the engine defines but that was not found raises :class:`PipelineUnread`."""
+    queue, seen = [(rel, name)], set()
     while queue:
         rel, name = queue.pop(0)
         if (rel, name) in seen:
@@ -207,23 +220,32 @@ def vllm_flag(root: str, owner: str) -> tuple[bool, str]:
         seen.add((rel, name))
         tree = _module(root, rel)
         cls = _top(tree, name, ast.ClassDef) if tree is not None else None
-        if not isinstance(cls, ast.ClassDef):
-            raise PipelineUnread(f"{rel}: class {name} not found while reading {_FLAG}")
-        stmt = _class_flag(cls)
-        if stmt is not None:
-            value = stmt.value
-            if not isinstance(value, ast.Constant) or not isinstance(value.value, bool):
-                raise PipelineUnread(f"{rel}:{stmt.lineno}: {name}.{_FLAG} is not a constant")
-            return value.value, f"{rel}:{stmt.lineno} {name}.{_FLAG} = {value.value}"
-        assert tree is not None
-        imported = _imports(tree, "vllm")
+        if tree is None or not isinstance(cls, ast.ClassDef):
+            raise PipelineUnread(f"{rel}: class {name} not found")
+        yield rel, cls
+        imported = _imports(tree, package, rel)
         for base in cls.bases:
             bname = ast.unparse(base)
             if _top(tree, bname, ast.ClassDef) is not None:
                 queue.append((rel, bname))
             elif bname in imported:
                 queue.append((imported[bname], bname))
-    return False, f"{path}: {qual.split('.')[0]} and its bases in {', '.join(sorted({r for r, _ in seen}))} do not set {_FLAG}"
+
+
+def vllm_flag(root: str, owner: str) -> tuple[bool, str]:
+    """(value, file:line) of ``supports_aux_hidden_states_over_pp`` on the loop owner's class or
+    the nearest base that sets it (followed through the engine's own imports)."""
+    path, _, qual = owner.partition(":")
+    files = []
+    for rel, cls in _class_chain(root, path, qual.split(".")[0], "vllm"):
+        files.append(rel)
+        stmt = _class_flag(cls)
+        if stmt is not None:
+            value = stmt.value
+            if not isinstance(value, ast.Constant) or not isinstance(value.value, bool):
+                raise PipelineUnread(f"{rel}:{stmt.lineno}: {cls.name}.{_FLAG} is not a constant")
+            return value.value, f"{rel}:{stmt.lineno} {cls.name}.{_FLAG} = {value.value}"
+    return False, f"{path}: {qual.split('.')[0]} and its bases in {', '.join(sorted(set(files)))} do not set {_FLAG}"
 
 
 def _calls(tree: ast.AST, name: str) -> list[ast.Call]:
@@ -283,6 +305,12 @@ def _loop_return(root: str, owner: str) -> tuple[bool, str] | None:
     return None
 
 
+def _collects(root: str, owner: str) -> bool:
+    """The loop method reads the aux states of earlier stages (``collect_remote_aux_hidden_states``)."""
+    found = _function(root, owner.rpartition(".")[0], owner.rpartition(".")[2])
+    return found is not None and bool(_calls(found[1], "collect_remote_aux_hidden_states"))
+
+
 def _vllm_forwarding(root: str, cc: ClassConvention) -> tuple[bool | None, str, str | None, list[str]]:
     """(earlier-stage captures reach the draft, why, refused, notes)."""
     if cc.loop_owner is None:
@@ -297,6 +325,9 @@ def _vllm_forwarding(root: str, cc: ClassConvention) -> tuple[bool | None, str, 
         return True, f"forwarded: {flag_at}; {ret[1]}", None, notes
     if not guard and ret is not None and not ret[0]:
         return False, f"{ret[1]}, and no runner check refuses it", None, notes
+    if flag and ret is not None and not ret[0] and not _collects(root, cc.loop_owner):
+        return False, (f"{flag_at} passes the runner's check, but {ret[1]} and {cc.loop_owner} never calls "
+                       "collect_remote_aux_hidden_states"), None, notes
     return None, f"{flag_at}; {ret[1] if ret else 'the non-last-stage return was not read'}", None, notes
 
 
@@ -387,7 +418,7 @@ def pipeline_answer(engine: str, root: str, release: str, cc: ClassConvention, p
         raise PipelineUnread(f"pp {pp} exceeds the target's {num_layers} layers")
     stages, where = partition(engine, root, num_layers, pp)
     ans = PipelineAnswer(engine, release, pp, tp, stages, where)
-    built = _builds_layers(root, cc.loop_owner) if cc.loop_owner else None
+    built = _builds_layers(root, cc.loop_owner, engine) if cc.loop_owner else None
     if built is None:
         ans.unverified = f"{cc.loop_owner or cc.path}: the loop owner's layers were not read to come from get_pp_indices"
     forward = (_vllm_forwarding if engine == "vllm" else _sglang_forwarding)(root, cc) if pp > 1 else (True, "", None, [])

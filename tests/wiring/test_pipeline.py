@@ -105,6 +105,16 @@ def test_vllm_deepseek_refused_llama_forwarded(release):
     assert "llama.py:358 LlamaModel.supports_aux_hidden_states_over_pp = True" in llama.placements[0].why
 
 
+def test_vllm_inherited_flag_without_forwarding_is_dropped():
+    """qwen3_vl.py's Qwen3LLMModel inherits the flag from qwen2.py's Qwen2Model (so the runner's
+    check passes) but overrides forward: its non-last-stage return carries no aux states."""
+    ans = _answer("vllm", None, KIMI, 2, "Qwen3VLForConditionalGeneration")
+    assert ans.refused is None and ans.placements[0].reaches is False
+    why = ans.placements[0].why
+    assert "qwen2.py:335 Qwen2Model.supports_aux_hidden_states_over_pp = True" in why
+    assert "qwen3_vl.py:1891 the non-last-stage return IntermediateTensors(...) carries no aux states" in why
+
+
 def test_vllm_011_drops_earlier_stage_captures():
     ans = _answer("vllm", "0.11.0", KIMI, 2, "LlamaForCausalLM")
     assert ans.refused is None
