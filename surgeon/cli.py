@@ -123,19 +123,22 @@ def schema(output: str) -> Any:
               help="Check this engine (repeatable; default: the spec's engines section, else all).")
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe (with a single --engine).")
 @click.option("--strict", is_flag=True, help="An unverified engine answer (resting on code not read) is an error.")
+@click.option("--pp", type=click.IntRange(min=1), default=None,
+              help="Pipeline stages: which stage captures each fc point, and whether it reaches the draft.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size (with --pp).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @PLATFORM_OPTION
 @click.option("--skip-non-specs", is_flag=True,
               help="Leave out files without a top-level `spec:` key (other YAML; the pre-commit hooks pass every YAML file).")
-def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, strict: bool, as_json: bool,
-         platform: str | None, skip_non_specs: bool) -> Any:
+def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | None, strict: bool, pp: int | None,
+         tp: int, as_json: bool, platform: str | None, skip_non_specs: bool) -> Any:
     """Validate specs, and check each engine can feed the draft exactly what they declare.
 
     Exit 0 when every spec is clean (warnings allowed), 2 when any has an error; with --strict an
     unverified engine answer is an error too (exit 2).
     """
     report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, strict=strict, platform=platform,
-                           progress=RichProgress(), skip_non_specs=skip_non_specs)
+                           progress=RichProgress(), skip_non_specs=skip_non_specs, pp=pp, tp=tp)
     return _show(report, as_json, show.print_lint)
 
 

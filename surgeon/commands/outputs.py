@@ -37,11 +37,34 @@ class Issue(_Closed):
     message: str
 
 
+class StagePlacement(_Closed):
+    point: Point
+    position: int | None = Field(description="capture index (stream position); null: not captured")
+    stage: int | None = Field(description="0-based pipeline stage whose loop captures it; null: never captured")
+    layer: int | None = Field(description="the layer whose iteration captures it; null: before or after the loop")
+    reaches: bool | None = Field(description="it reaches the draft on the last stage; null: not verified")
+    why: str = Field(description="the capture site and the forwarding rule read, file:line")
+
+
+class PipelineCheck(_Closed):
+    engine: str
+    release: str
+    pp: int
+    tp: int
+    stages: list[list[int]] = Field(description="[start, end) layers of each stage, from the release's partition")
+    partition: str = Field(description="file:line of the partition function evaluated, and what was assumed")
+    placements: list[StagePlacement]
+    refused: str | None = Field(description="the engine refuses this draft with pipeline parallelism (file:line)")
+    unverified: str | None
+    notes: list[str]
+
+
 class LintedSpec(_Closed):
     file: str
     ok: bool
     checked: list[str] = Field(description="what was checked and passed, one line each")
     issues: list[Issue]
+    pipeline: list[PipelineCheck] = Field(default_factory=list, description="`lint --pp`: one per engine checked")
 
 
 class LintOutput(_Output):

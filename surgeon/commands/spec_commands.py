@@ -45,10 +45,11 @@ def schema(*, output: str = "spec") -> SchemaResult:
 @platform_command
 def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,
          strict: bool = False, platform: str | None = None, progress: Progress = QUIET,
-         skip_non_specs: bool = False) -> LintReport:
+         skip_non_specs: bool = False, pp: int | None = None, tp: int = 1) -> LintReport:
     """Validate ``specs`` and check each engine can feed the draft what they declare. ``strict``:
     an unverified engine answer is an error (exit 2); ``skip_non_specs``: leave out files without a
-    top-level ``spec:`` key (other YAML)."""
+    top-level ``spec:`` key (other YAML); ``pp``/``tp``: also place each capture on its pipeline
+    stage and check it reaches the draft (:mod:`surgeon.wiring.pipeline`)."""
     from surgeon.core.spec import is_spec_file
     from surgeon.wiring.lint import lint_files
 
@@ -59,7 +60,7 @@ def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str 
         raise BadInput("--engine-root needs exactly one --engine")
     roots: dict[str, str | None] = {engines[0]: engine_root} if engine_root else {}
     open_engines(sorted(set(engines) or set(ENGINES)), roots, progress)
-    return LintReport(lint_files(specs, engines=tuple(engines), roots=roots, strict=strict))
+    return LintReport(lint_files(specs, engines=tuple(engines), roots=roots, strict=strict, pp=pp, tp=tp))
 
 
 @platform_command

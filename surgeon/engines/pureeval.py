@@ -27,11 +27,14 @@ _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
 _CMPOPS: dict[type, Callable[[Any, Any], bool]] = {
     ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Eq: operator.eq,
     ast.NotEq: operator.ne, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+    ast.Is: operator.is_, ast.IsNot: operator.is_not,
 }
 _BUILTINS: dict[str, Callable[..., Any]] = {
     "min": min, "max": max, "sorted": sorted, "set": set, "list": list, "tuple": tuple, "round": round,
-    "range": range, "len": len, "int": int, "abs": abs,
+    "range": range, "len": len, "int": int, "abs": abs, "sum": sum,
 }
+_EXTERNALS = " externals"  # env key (not an identifier) of the caller's values for outside reads
+_LOGGERS = frozenset({"logger", "log", "_logger"})
 
 
 class _Return(Exception):
@@ -39,12 +42,16 @@ class _Return(Exception):
         self.value = value
 
 
-def call_function(fn: ast.FunctionDef, *args: Any) -> Any:
-    """``fn(*args)`` evaluated from its parsed body (positional parameters only)."""
+def call_function(fn: ast.FunctionDef, *args: Any, externals: dict[str, Any] | None = None) -> Any:
+    """``fn(*args)`` evaluated from its parsed body (positional parameters only). ``externals``:
+    the value of each outside read the caller decides, keyed by its source text (an environment
+    variable such as ``envs.VLLM_PP_LAYER_PARTITION`` taken as unset); any other outside read is
+    :class:`NotPure`. A statement that only calls ``logger.<level>(...)`` is skipped (logging)."""
     params = [a.arg for a in fn.args.args]
     if len(params) != len(args):
         raise NotPure(f"{fn.name} takes {len(params)} arguments, got {len(args)}")
-    env = dict(zip(params, args))
+    env: dict[str, Any] = dict(zip(params, args))
+    env[_EXTERNALS] = dict(externals or {})
     try:
         _run(fn.body, env)
     except _Return as r:
@@ -52,20 +59,61 @@ def call_function(fn: ast.FunctionDef, *args: Any) -> Any:
     raise NotPure(f"{fn.name} ends without a return")
 
 
+def _is_log_call(stmt: ast.stmt) -> bool:
+    call = stmt.value if isinstance(stmt, ast.Expr) else None
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name) and call.func.value.id in _LOGGERS)
+
+
 def _run(body: list[ast.stmt], env: dict[str, Any]) -> None:
     for stmt in body:
-        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
-            continue  # docstring
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) or _is_log_call(stmt):
+            continue  # docstring, logging
         if isinstance(stmt, ast.Return):
             raise _Return(None if stmt.value is None else _eval(stmt.value, env))
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
             env[stmt.targets[0].id] = _eval(stmt.value, env)
+        elif isinstance(stmt, ast.AugAssign) and type(stmt.op) in _BINOPS:
+            _augassign(stmt, env)
+        elif isinstance(stmt, ast.For) and isinstance(stmt.target, ast.Name) and not stmt.orelse:
+            for item in list(_eval(stmt.iter, env)):
+                env[stmt.target.id] = item
+                _run(stmt.body, env)
         elif isinstance(stmt, ast.If):
             _run(stmt.body if _eval(stmt.test, env) else stmt.orelse, env)
         elif isinstance(stmt, ast.Raise):
             raise NotPure(f"line {stmt.lineno}: the function raises for these arguments")
         else:
             raise NotPure(f"line {stmt.lineno}: {type(stmt).__name__} is not modelled")
+
+
+def _augassign(stmt: ast.AugAssign, env: dict[str, Any]) -> None:
+    op = _BINOPS[type(stmt.op)]
+    value = _eval(stmt.value, env)
+    target = stmt.target
+    if isinstance(target, ast.Name):
+        env[target.id] = op(_eval(target, env), value)
+    elif isinstance(target, ast.Subscript) and not isinstance(target.slice, ast.Slice):
+        container, key = _eval(target.value, env), _eval(target.slice, env)
+        if not isinstance(container, list):
+            raise NotPure(f"line {stmt.lineno}: item assignment to a {type(container).__name__} is not modelled")
+        container[key] = op(container[key], value)
+    else:
+        raise NotPure(f"line {stmt.lineno}: {ast.unparse(target)} += is not modelled")
+
+
+def _subscript(node: ast.Subscript, env: dict[str, Any]) -> Any:
+    container = _eval(node.value, env)
+    if not isinstance(container, list | tuple | str):
+        raise NotPure(f"line {node.lineno}: indexing a {type(container).__name__} is not modelled")
+    sl = node.slice
+    if isinstance(sl, ast.Slice):
+        if sl.step is not None:
+            raise NotPure(f"line {node.lineno}: a slice step is not modelled")
+        lo = None if sl.lower is None else _eval(sl.lower, env)
+        hi = None if sl.upper is None else _eval(sl.upper, env)
+        return container[lo:hi]
+    return container[_eval(sl, env)]
 
 
 def _comprehension(node: ast.ListComp | ast.SetComp | ast.GeneratorExp, env: dict[str, Any]) -> list[Any]:
@@ -85,6 +133,14 @@ def _comprehension(node: ast.ListComp | ast.SetComp | ast.GeneratorExp, env: dic
 def _eval(node: ast.expr, env: dict[str, Any]) -> Any:
     if isinstance(node, ast.Constant) and isinstance(node.value, int | float | str | bool | type(None)):
         return node.value
+    externals = env[_EXTERNALS]
+    if isinstance(node, ast.Attribute | ast.Call) and ast.unparse(node) in externals:
+        return externals[ast.unparse(node)]
+    if isinstance(node, ast.NamedExpr):
+        env[node.target.id] = _eval(node.value, env)
+        return env[node.target.id]
+    if isinstance(node, ast.Subscript):
+        return _subscript(node, env)
     if isinstance(node, ast.Name):
         if node.id in env:
             return env[node.id]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput, Unverified
+from surgeon.core.idrules import ClassConvention
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
 from surgeon.engines.modelopt import open_modelopt
-from surgeon.engines.view import SERVING_ENGINES, model_class_for, open_engine
+from surgeon.engines.view import SERVING_ENGINES, EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import hazards
 from surgeon.wiring.pins import check_pins
@@ -24,13 +25,17 @@ class LintResult:
     spec: Spec | None
     issues: list[Issue] = field(default_factory=list)
     checked: list[str] = field(default_factory=list)  # what was checked, one line each
+    pipeline: list[dict] = field(default_factory=list)  # `lint --pp`: per engine, surgeon.wiring.pipeline
 
     @property
     def ok(self) -> bool:
         return not any(i.severity == "error" for i in self.issues)
 
     def to_json(self) -> dict:
-        return {"file": self.file, "ok": self.ok, "checked": self.checked, "issues": [i.to_json() for i in self.issues]}
+        out = {"file": self.file, "ok": self.ok, "checked": self.checked, "issues": [i.to_json() for i in self.issues]}
+        if self.pipeline:
+            out["pipeline"] = self.pipeline
+        return out
 
 
 def engines_to_check(spec: Spec, requested: Sequence[str]) -> tuple[list[str], bool]:
@@ -45,9 +50,11 @@ def engines_to_check(spec: Spec, requested: Sequence[str]) -> tuple[list[str], b
 
 
 def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None,
-              strict: bool = False) -> LintResult:
+              strict: bool = False, pp: int | None = None, tp: int = 1) -> LintResult:
     """``strict``: an unverified engine answer (one resting on code the probe did not read) is an
-    error, not a warning (so ``surgeon lint --strict`` exits 2 on it)."""
+    error, not a warning (so ``surgeon lint --strict`` exits 2 on it). ``pp``: also check which
+    pipeline stage captures each fc point and whether it reaches the draft
+    (:mod:`surgeon.wiring.pipeline`)."""
     roots = roots or {}
     result = LintResult(spec.file, spec)
     targets, explicit = engines_to_check(spec, engines)
@@ -95,6 +102,10 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         result.checked.extend(n if n.startswith(f"{engine}:") else f"{engine}: {n}"
                               for n in engine_notes(conv.cc, positions, spec.num_layers) if not n.startswith("unverified"))
         result.checked.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, spec.num_layers))
+        if pp is not None and kind != "eagle3":
+            result.checked.append(f"{engine}: pp {pp}: not checked for a {kind} draft (only eagle3 captures are read)")
+        elif pp is not None:
+            _lint_pipeline(spec, engine, view, conv.cc, result, pp=pp, tp=tp, strict=strict)
         ignored = runner_refusal(view.probe, conv.cc, ids, spec.num_layers)
         if ignored:
             result.issues.append(spec.issue(fc_path, f"{engine}: {ignored}"))
@@ -106,6 +117,21 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
             ))
     _lint_field(spec, roots, result)
     return result
+
+
+def _lint_pipeline(spec: Spec, engine: str, view: EngineView, cc: ClassConvention, result: LintResult, *,
+                   pp: int, tp: int, strict: bool) -> None:
+    from surgeon.wiring.pipeline import lint_pipeline
+
+    if view.probe is None:
+        result.issues.append(spec.issue(("draft", "fc_input"), f"{engine}: pp {pp}: not checked: {engine} is not installed",
+                                        severity="error" if strict else "warning"))
+        return
+    issues, checked, answer = lint_pipeline(spec, engine, view.probe.root, view.probe.version, cc, pp, tp, strict=strict)
+    result.issues.extend(issues)
+    result.checked.extend(checked)
+    if answer is not None:
+        result.pipeline.append(answer)
 
 
 def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, strict: bool, explicit: bool) -> None:
@@ -144,7 +170,7 @@ def _lint_field(spec: Spec, roots: dict[str, str | None], result: LintResult) ->
 
 def lint_files(
     paths: Sequence[str | Path], *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None,
-    strict: bool = False,
+    strict: bool = False, pp: int | None = None, tp: int = 1,
 ) -> list[LintResult]:
     out = []
     for path in paths:
@@ -153,5 +179,5 @@ def lint_files(
         except SpecError as e:
             out.append(LintResult(str(path), None, list(e.issues)))
             continue
-        out.append(lint_spec(spec, engines=engines, roots=roots, strict=strict))
+        out.append(lint_spec(spec, engines=engines, roots=roots, strict=strict, pp=pp, tp=tp))
     return out

@@ -1,0 +1,471 @@
+"""Pipeline parallelism: which stage captures each fc point, and whether it reaches the draft.
+
+Everything is read from the engine's source, never imported:
+
+* the layer partition is the release's own ``get_pp_indices`` (vLLM ``distributed/utils.py``,
+  SGLang ``srt/distributed/utils.py``), evaluated from its parsed body by
+  :mod:`surgeon.engines.pureeval` with the partition environment variable taken as unset;
+* the stage that captures a point is the stage owning the layer whose iteration captures it, from
+  the capture sites the probe read (entry of layer ``p``, after layer ``p - 1``, before the loop on
+  the first rank, after it on the last);
+* the draft runs on the last stage. Whether captures of earlier stages reach it is read per release
+  and class: vLLM's runner refusing a class without ``supports_aux_hidden_states_over_pp`` at load,
+  the flag and the decoder loop's non-last-rank ``IntermediateTensors`` return (carrying the aux
+  states or not); SGLang's capture setter returning early on non-last ranks, and server-argument
+  checks refusing speculative decoding with ``pp_size > 1``.
+
+Tensor parallelism does not enter the stage placement: ``get_pp_indices`` takes no tp argument
+(shown by its signature, cited); what tp does to the captured values is not read here, and the
+answer says so.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from surgeon.core.idrules import ClassConvention
+from surgeon.core.points import Point
+from surgeon.core.spec import Issue, Spec
+from surgeon.engines.pureeval import NotPure, call_function
+
+_PARTITION_FILE = {"vllm": "distributed/utils.py", "sglang": "srt/distributed/utils.py"}
+_TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
+_LAYER_BUILDERS = ("make_layers", "make_pp_layers", "get_pp_indices")
+
+
+class PipelineUnread(ValueError):
+    """What the answer needs was not read (the reason names the file and construct)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    point: str
+    position: int | None
+    stage: int | None  # None: the point is never captured (lint refuses it elsewhere)
+    layer: int | None  # the layer whose iteration captures it; None before/after the loop
+    reaches: bool | None  # None: not verified
+    why: str
+
+
+@dataclass
+class PipelineAnswer:
+    engine: str
+    release: str
+    pp: int
+    tp: int
+    stages: list[tuple[int, int]]
+    partition: str  # file:line of the partition function and what was assumed
+    placements: list[Placement] = field(default_factory=list)
+    refused: str | None = None  # the engine refuses this draft at this pp (file:line)
+    unverified: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        title = f"{_TITLES.get(self.engine, self.engine)} {self.release}"
+        spans = ", ".join(f"{i}: layers {a}..{b - 1}" for i, (a, b) in enumerate(self.stages))
+        out = [f"{self.engine}: pp {self.pp}: {title} stages [{spans}] by {self.partition}"]
+        if self.refused:
+            out.append(f"{self.engine}: pp {self.pp}: {title} refuses this draft at pp > 1: {self.refused}")
+        for p in self.placements:
+            where = "never captured" if p.stage is None else f"stage {p.stage}" + (
+                f" (layer {p.layer}'s iteration)" if p.layer is not None else "")
+            fate = {True: "reaches the draft", False: "REFUSED" if self.refused else "DROPPED",
+                    None: "unverified"}[p.reaches]
+            out.append(f"{self.engine}: pp {self.pp}: {p.point} captured on {where}: {fate}: {p.why}")
+        out.extend(f"{self.engine}: {n}" for n in self.notes)
+        return out
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# -- source reading ------------------------------------------------------------------------
+@lru_cache(maxsize=64)
+def _parse(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
+
+
+def _module(root: str, rel: str) -> ast.Module | None:
+    path = Path(root) / rel
+    return _parse(str(path)) if path.is_file() else None
+
+
+def _top(tree: ast.Module, name: str, kind: type) -> ast.AST | None:
+    return next((n for n in tree.body if isinstance(n, kind) and getattr(n, "name", None) == name), None)
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _env_reads(fn: ast.FunctionDef) -> dict[str, None]:
+    """Each read of an environment variable in ``fn`` (``envs.X``, ``os.getenv(...)``,
+    ``os.environ.get(...)``), by source text, taken as unset."""
+    out: dict[str, None] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "envs":
+            out[ast.unparse(node)] = None
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.getenv", "os.environ.get"):
+            out[ast.unparse(node)] = None
+    return out
+
+
+def partition(engine: str, root: str, num_layers: int, pp: int) -> tuple[list[tuple[int, int]], str]:
+    """The release's stages ``[(start, end), ...]`` for ``num_layers`` over ``pp`` stages, and
+    where that was read: its ``get_pp_indices`` evaluated per rank with the override unset."""
+    rel = _PARTITION_FILE[engine]
+    tree = _module(root, rel)
+    fn = _top(tree, "get_pp_indices", ast.FunctionDef) if tree is not None else None
+    if not isinstance(fn, ast.FunctionDef):
+        raise PipelineUnread(f"{rel}: no get_pp_indices: the layer partition was not read")
+    externals = _env_reads(fn)
+    try:
+        stages = [tuple(call_function(fn, num_layers, rank, pp, externals=externals)) for rank in range(pp)]
+    except (NotPure, IndexError, TypeError, ZeroDivisionError) as e:
+        raise PipelineUnread(f"{rel}:{fn.lineno}: get_pp_indices not evaluated: {e}") from e
+    unset = ", ".join(sorted({k.split("'")[1] if "'" in k else k.split(".")[-1] for k in externals}))
+    params = ", ".join(a.arg for a in fn.args.args)
+    where = f"{rel}:{fn.lineno} get_pp_indices({params})" + (f" with {unset} unset" if unset else "")
+    return [(int(a), int(b)) for a, b in stages], where
+
+
+# -- stage placement -----------------------------------------------------------------------
+def _stage_of(layer: int, stages: list[tuple[int, int]]) -> int:
+    return next(i for i, (a, b) in enumerate(stages) if a <= layer < b)
+
+
+def place(cc: ClassConvention, position: int | None, num_layers: int,
+          stages: list[tuple[int, int]]) -> tuple[int | None, int | None, str]:
+    """(stage, layer whose iteration captures it, the site file:line) for capture index ``position``."""
+    if position is None or position not in cc.reachable(num_layers):
+        return None, None, "no capture site reaches it"
+    site = cc.site_for(position, num_layers)
+    where = site.where if site is not None else ("loop_entry" if cc.capture_site == "entry" else "loop_exit")
+    cite = f"{site.path}:{site.line} ({where})" if site is not None else f"{cc.path}:{cc.line} ({where}, no site recorded)"
+    if where == "before_loop":
+        return 0, None, cite
+    if where == "after_loop":
+        return len(stages) - 1, None, cite
+    layer = position if where == "loop_entry" else position - 1
+    return _stage_of(layer, stages), layer, cite
+
+
+def _builds_layers(root: str, owner: str, package: str) -> str | None:
+    """file:line where the loop owner's class (or a base) builds its layers through the partition
+    with the pipeline rank (``make_layers`` given no rank builds every layer), or None."""
+    path, _, qual = owner.partition(":")
+    try:
+        chain = list(_class_chain(root, path, qual.split(".")[0], package))
+    except PipelineUnread:
+        return None
+    for rel, cls in chain:
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in _LAYER_BUILDERS:
+                name = ast.unparse(node.func).split(".")[-1]
+                if package == "sglang" and name == "make_layers" and len(node.args) < 3 \
+                        and not any(k.arg == "pp_rank" for k in node.keywords):
+                    continue
+                return f"{rel}:{node.lineno} {ast.unparse(node.func)}(...)"
+    return None
+
+
+# -- forwarding: vLLM ----------------------------------------------------------------------
+_FLAG = "supports_aux_hidden_states_over_pp"
+_VLLM_GUARD = ("v1/worker/gpu/spec_decode/eagle/eagle3_utils.py", "verify_supports_aux_hidden_states_over_pp",
+               "v1/worker/gpu/model_runner.py")
+
+
+def _imports(tree: ast.Module, package: str, rel: str) -> dict[str, str]:
+    """Names imported from the engine's own package (absolute, or relative to ``rel``) -> the
+    file (relative to its root)."""
+    out = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            parts = rel.split("/")[:-node.level] + (node.module.split(".") if node.module else [])
+        elif node.module and node.module.startswith(package + "."):
+            parts = node.module.removeprefix(package + ".").split(".")
+        else:
+            continue
+        out.update({a.asname or a.name: "/".join(parts) + ".py" for a in node.names})
+    return out
+
+
+def _class_flag(cls: ast.ClassDef) -> ast.Assign | ast.AnnAssign | None:
+    for stmt in cls.body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target: ast.expr | None = stmt.targets[0]
+        elif isinstance(stmt, ast.AnnAssign):
+            target = stmt.target
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == _FLAG:
+            return stmt
+    return None
+
+
+def _class_chain(root: str, rel: str, name: str, package: str) -> Iterator[tuple[str, ast.ClassDef]]:
+    """(file, class) for ``name`` and its bases, nearest first, followed through the engine's own
+    imports; a base the engine defines but that was not found raises :class:`PipelineUnread`."""
+    queue, seen = [(rel, name)], set()
+    while queue:
+        rel, name = queue.pop(0)
+        if (rel, name) in seen:
+            continue
+        seen.add((rel, name))
+        tree = _module(root, rel)
+        cls = _top(tree, name, ast.ClassDef) if tree is not None else None
+        if tree is None or not isinstance(cls, ast.ClassDef):
+            raise PipelineUnread(f"{rel}: class {name} not found")
+        yield rel, cls
+        imported = _imports(tree, package, rel)
+        for base in cls.bases:
+            bname = ast.unparse(base)
+            if _top(tree, bname, ast.ClassDef) is not None:
+                queue.append((rel, bname))
+            elif bname in imported:
+                queue.append((imported[bname], bname))
+
+
+def vllm_flag(root: str, owner: str) -> tuple[bool, str]:
+    """(value, file:line) of ``supports_aux_hidden_states_over_pp`` on the loop owner's class or
+    the nearest base that sets it (followed through the engine's own imports)."""
+    path, _, qual = owner.partition(":")
+    files = []
+    for rel, cls in _class_chain(root, path, qual.split(".")[0], "vllm"):
+        files.append(rel)
+        stmt = _class_flag(cls)
+        if stmt is not None:
+            value = stmt.value
+            if not isinstance(value, ast.Constant) or not isinstance(value.value, bool):
+                raise PipelineUnread(f"{rel}:{stmt.lineno}: {cls.name}.{_FLAG} is not a constant")
+            return value.value, f"{rel}:{stmt.lineno} {cls.name}.{_FLAG} = {value.value}"
+    return False, f"{path}: {qual.split('.')[0]} and its bases in {', '.join(sorted(set(files)))} do not set {_FLAG}"
+
+
+def _calls(tree: ast.AST, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == name]
+
+
+def _vllm_guard(root: str) -> str | None:
+    """file:line of the runner refusing a class without the flag when pp > 1, or None: the check
+    called from the runner directly or through one function of its own file."""
+    rel, name, runner = _VLLM_GUARD
+    tree, rtree = _module(root, rel), _module(root, runner)
+    fn = _top(tree, name, ast.FunctionDef) if tree is not None else None
+    if not isinstance(fn, ast.FunctionDef) or rtree is None or tree is None:
+        return None
+    raises = [n for n in ast.walk(fn) if isinstance(n, ast.Raise)]
+    if not raises:
+        return None
+    said = f"{rel}:{raises[0].lineno} {name} raises ValueError"
+    direct = _calls(rtree, name)
+    if direct:
+        return f"{said}, called by {runner}:{direct[0].lineno} when pp > 1"
+    for outer in tree.body:
+        if isinstance(outer, ast.FunctionDef) and _calls(outer, name) and _calls(rtree, outer.name):
+            return (f"{said}, called at {rel}:{_calls(outer, name)[0].lineno} in {outer.name}, which "
+                    f"{runner}:{_calls(rtree, outer.name)[0].lineno} calls")
+    return None
+
+
+def _vllm_v1_setup(root: str) -> str:
+    """What the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``, or a feature V2 lacks) does, as
+    far as read: the line that sets up the drafter and aux capture only on the last rank."""
+    rel = "v1/worker/gpu_model_runner.py"
+    tree = _module(root, rel)
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.If) and "speculative_config" in ast.unparse(node.test) \
+                and "is_last_rank" in ast.unparse(node.test):
+            return (f"the V1 runner ({rel}:{node.lineno}) sets up the drafter and aux capture only "
+                    f"`if {ast.unparse(node.test)}`; what its earlier ranks then capture was not followed")
+    return f"the V1 runner ({rel}) was not read"
+
+
+def _loop_return(root: str, owner: str) -> tuple[bool, str] | None:
+    """(carries aux states, file:line) of the loop method's ``return IntermediateTensors(...)``."""
+    path, _, qual = owner.partition(":")
+    cname, _, mname = qual.partition(".")
+    tree = _module(root, path)
+    cls = _top(tree, cname, ast.ClassDef) if tree is not None else None
+    fn = _method(cls, mname) if isinstance(cls, ast.ClassDef) else None
+    if fn is None:
+        return None
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) \
+                and ast.unparse(node.value.func).endswith("IntermediateTensors"):
+            carries = "aux" in ast.unparse(node.value)
+            what = "packs the aux states into it" if carries else "carries no aux states"
+            return carries, f"{path}:{node.lineno} the non-last-stage return IntermediateTensors(...) {what}"
+    return None
+
+
+def _collects(root: str, owner: str) -> bool:
+    """The loop method reads the aux states of earlier stages (``collect_remote_aux_hidden_states``)."""
+    found = _function(root, owner.rpartition(".")[0], owner.rpartition(".")[2])
+    return found is not None and bool(_calls(found[1], "collect_remote_aux_hidden_states"))
+
+
+def _vllm_forwarding(root: str, cc: ClassConvention) -> tuple[bool | None, str, str | None, list[str]]:
+    """(earlier-stage captures reach the draft, why, refused, notes)."""
+    if cc.loop_owner is None:
+        return None, "the decoder loop's owner was not read", None, []
+    flag, flag_at = vllm_flag(root, cc.loop_owner)
+    guard = _vllm_guard(root)
+    ret = _loop_return(root, cc.loop_owner)
+    notes = [f"pp: the answer is the V2 model runner's; {_vllm_v1_setup(root)}"] if guard else []
+    if guard and not flag:
+        return False, flag_at, f"{flag_at}; {guard}", notes
+    if flag and ret is not None and ret[0]:
+        return True, f"forwarded: {flag_at}; {ret[1]}", None, notes
+    if not guard and ret is not None and not ret[0]:
+        return False, f"{ret[1]}, and no runner check refuses it", None, notes
+    if flag and ret is not None and not ret[0] and not _collects(root, cc.loop_owner):
+        return False, (f"{flag_at} passes the runner's check, but {ret[1]} and {cc.loop_owner} never calls "
+                       "collect_remote_aux_hidden_states"), None, notes
+    return None, f"{flag_at}; {ret[1] if ret else 'the non-last-stage return was not read'}", None, notes
+
+
+# -- forwarding: SGLang --------------------------------------------------------------------
+def _sglang_refusal(root: str) -> str | None:
+    """file:line where server arguments refuse speculative decoding with pp_size > 1, or None."""
+    rel = "srt/server_args.py"
+    tree = _module(root, rel)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "pp_size > 1" in ast.unparse(node.test):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Assert) and "speculative_algorithm is None" in ast.unparse(inner.test):
+                    return f"{rel}:{inner.lineno}: with pp_size > 1 it asserts speculative_algorithm is None"
+    return None
+
+
+def _sglang_early_return(root: str, cc: ClassConvention) -> str | None:
+    """file:line where the capture setter returns before storing any id unless on the last rank."""
+    if cc.setter is None or cc.setter_owner is None:
+        return None
+    path, _, cname = cc.setter_owner.partition(":")
+    tree = _module(root, path)
+    cls = _top(tree, cname, ast.ClassDef) if tree is not None else None
+    fn = _method(cls, cc.setter) if isinstance(cls, ast.ClassDef) else None
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))] if fn else []
+    first = body[0] if body else None
+    if isinstance(first, ast.If) and isinstance(first.test, ast.UnaryOp) and isinstance(first.test.op, ast.Not) \
+            and ast.unparse(first.test.operand).endswith("is_last_rank") \
+            and len(first.body) == 1 and isinstance(first.body[0], ast.Return) and first.body[0].value is None:
+        return f"{path}:{first.lineno} {cname}.{cc.setter} returns at once `if {ast.unparse(first.test)}`"
+    return None
+
+
+def _sglang_forwarding(root: str, cc: ClassConvention) -> tuple[bool | None, str, str | None, list[str]]:
+    refused = _sglang_refusal(root)
+    early = _sglang_early_return(root, cc)
+    if early is not None:
+        return False, f"{early}: earlier stages capture nothing (each stage's loop runs only its own layers)", \
+            refused, []
+    return None, f"{cc.setter_owner}.{cc.setter} was not read to a pp rule", refused, []
+
+
+# -- tensor parallelism --------------------------------------------------------------------
+_TP_WORDS = ("tp_rank", "tp_size", "tp_group", "tensor_model_parallel", "attn_tp", "dp_attention")
+
+
+def _function(root: str, owner: str, name: str) -> tuple[str, ast.FunctionDef] | None:
+    path, _, cname = owner.partition(":")
+    tree = _module(root, path)
+    cls = _top(tree, cname.split(".")[0], ast.ClassDef) if tree is not None else None
+    fn = _method(cls, name) if isinstance(cls, ast.ClassDef) else None
+    return (path, fn) if fn is not None else None
+
+
+def tp_note(root: str, cc: ClassConvention, tp: int) -> tuple[str, str | None]:
+    """(note, unverified): whether the capture setter or the decoder loop read the tensor-parallel
+    rank or size (then which states are captured could depend on tp: not modelled)."""
+    parts = []
+    if cc.setter and cc.setter_owner:
+        parts.append(_function(root, cc.setter_owner, cc.setter))
+    if cc.loop_owner:
+        parts.append(_function(root, cc.loop_owner.rpartition(".")[0], cc.loop_owner.rpartition(".")[2]))
+    if not parts or any(p is None for p in parts):
+        return f"tp {tp}: the capture setter or the decoder loop was not read for tp", "tp not read" if tp > 1 else None
+    reads, cites = [], []
+    for path, fn in (p for p in parts if p is not None):
+        cites.append(f"{path}:{fn.lineno} {fn.name}")
+        reads += [f"{path}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(fn) if isinstance(n, ast.Name | ast.Attribute)
+                  and any(w in (n.id if isinstance(n, ast.Name) else n.attr) for w in _TP_WORDS)]
+    if reads:
+        return (f"tp {tp}: the capture code reads tensor-parallel state ({'; '.join(dict.fromkeys(reads))}): "
+                "not modelled", "the capture code reads tensor-parallel state" if tp > 1 else None)
+    return (f"tp {tp}: {' and '.join(cites)} read no tensor-parallel rank or size, so which indices are captured "
+            "does not depend on tp there (helpers they call were not scanned); the stage placement neither "
+            "(get_pp_indices takes no tp); whether a captured value is the full hidden state under tp was not read"), None
+
+
+# -- the answer ----------------------------------------------------------------------------
+def pipeline_answer(engine: str, root: str, release: str, cc: ClassConvention, points: list[Point],
+                    num_layers: int, pp: int, tp: int = 1) -> PipelineAnswer:
+    """Per fc point: the stage capturing it (over the release's partition) and whether it reaches
+    the draft on the last stage. Raises :class:`PipelineUnread` when the partition was not read."""
+    if pp < 1 or tp < 1:
+        raise PipelineUnread(f"pp and tp must be >= 1 (got pp {pp}, tp {tp})")
+    if pp > num_layers:
+        raise PipelineUnread(f"pp {pp} exceeds the target's {num_layers} layers")
+    stages, where = partition(engine, root, num_layers, pp)
+    ans = PipelineAnswer(engine, release, pp, tp, stages, where)
+    built = _builds_layers(root, cc.loop_owner, engine) if cc.loop_owner else None
+    if built is None:
+        ans.unverified = f"{cc.loop_owner or cc.path}: the loop owner's layers were not read to come from get_pp_indices"
+    forward = (_vllm_forwarding if engine == "vllm" else _sglang_forwarding)(root, cc) if pp > 1 else (True, "", None, [])
+    earlier, why, ans.refused, ans.notes = forward
+    for p in points:
+        stage, layer, site = place(cc, p.position, num_layers, stages)
+        if stage is None:
+            ans.placements.append(Placement(str(p), p.position, None, None, False, site))
+        elif stage == pp - 1:
+            ans.placements.append(Placement(str(p), p.position, stage, layer, True, f"{site}: the draft's stage"))
+        else:
+            ans.placements.append(Placement(str(p), p.position, stage, layer, earlier, f"{site}; {why}"))
+    if built is not None:
+        ans.notes.append(f"pp: layers built by {built}")
+    note, tp_unverified = tp_note(root, cc, tp)
+    ans.notes.append(note)
+    if tp_unverified and not ans.unverified:
+        ans.unverified = tp_unverified
+    return ans
+
+
+def lint_pipeline(spec: Spec, engine: str, root: str, release: str, cc: ClassConvention, pp: int, tp: int,
+                  *, strict: bool) -> tuple[list[Issue], list[str], dict | None]:
+    """``surgeon lint --pp``: (issues at the spec's fc_input, checked lines, the answer as JSON).
+    A capture that does not reach the draft, or an engine refusing the draft at this pp, is an
+    error; an answer resting on code not read is a warning (an error when ``strict``)."""
+    fc = ("draft", "fc_input")
+    unverified = "error" if strict else "warning"
+    try:
+        ans = pipeline_answer(engine, root, release, cc, spec.fc_points, spec.num_layers, pp, tp)
+    except PipelineUnread as e:
+        return [spec.issue(fc, f"{engine}: pp {pp}: unverified: {e}", severity=unverified)], [], None
+    issues = []
+    title = f"{_TITLES.get(engine, engine)} {release}"
+    if ans.refused:
+        issues.append(spec.issue(fc, f"{engine}: pp {pp}: {title} refuses this draft with pipeline parallelism: "
+                                     f"{ans.refused}"))
+    if ans.unverified:
+        issues.append(spec.issue(fc, f"{engine}: pp {pp}: unverified: {ans.unverified}", severity=unverified))
+    last = pp - 1
+    for p in ans.placements:
+        if p.stage is None or p.stage == last:
+            continue  # never captured: refused by the capture check itself
+        if p.reaches is False and not ans.refused:
+            issues.append(spec.issue(fc, f"{engine}: pp {pp}: {p.point} is captured on stage {p.stage} and never "
+                                         f"reaches the draft on stage {last}: {p.why}"))
+        elif p.reaches is None:
+            issues.append(spec.issue(fc, f"{engine}: pp {pp}: unverified: whether {p.point} (stage {p.stage}) "
+                                         f"reaches the draft on stage {last}: {p.why}", severity=unverified))
+    return issues, ans.lines(), ans.to_json()

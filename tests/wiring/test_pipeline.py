@@ -1,0 +1,175 @@
+"""`lint --pp`: stage placement from each release's own partition function, and whether captures of
+earlier stages reach the draft, read from the real engine sources (installed and fetched releases)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from surgeon.cli import main
+from surgeon.commands.outputs import OUTPUTS
+from surgeon.core.spec import load_spec
+from surgeon.engines.pureeval import NotPure, call_function
+from surgeon.engines.view import model_class_for, open_engine
+from surgeon.wiring.lint import lint_spec
+from surgeon.wiring.pipeline import PipelineUnread, partition, pipeline_answer
+from tests.conftest import installed_engine, release_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = ROOT / "specs/kimi-k2.5-eagle3.yaml"
+LLAMA = ROOT / "specs/llama-3.1-8b-eagle3.yaml"
+
+
+def _root(engine: str, release: str | None) -> str:
+    if release is None:
+        return str(installed_engine(engine).root)
+    return str(release_engine(engine, release))
+
+
+def _answer(engine: str, release: str | None, spec_path: Path, pp: int, model_class: str | None = None):
+    spec = load_spec(spec_path)
+    view = open_engine(engine, None if release is None else _root(engine, release))
+    assert view.probe is not None
+    cc = view.class_convention(model_class or model_class_for(spec, engine))
+    return pipeline_answer(engine, view.probe.root, view.probe.version, cc, spec.fc_points, spec.num_layers, pp)
+
+
+# -- the partition, evaluated from each release's source -------------------------------------------
+@pytest.mark.parametrize(("engine", "release", "expected"), [
+    ("vllm", None, [(0, 15), (15, 31), (31, 47), (47, 62)]),  # remainder to all but the last
+    ("vllm", "0.11.0", [(0, 15), (15, 31), (31, 47), (47, 62)]),
+    ("sglang", None, [(0, 15), (15, 30), (30, 46), (46, 62)]),  # remainder to the last ones
+    ("sglang", "0.5.5", [(0, 15), (15, 30), (30, 45), (45, 62)]),  # remainder all to the last
+])
+def test_partition_is_each_release_own_rule(engine, release, expected):
+    stages, where = partition(engine, _root(engine, release), 62, 4)
+    assert stages == expected
+    assert "get_pp_indices(num_hidden_layers, pp_rank, pp_size)" in where and "PP_LAYER_PARTITION unset" in where
+
+
+def _vllm_rule(n: int, pp: int) -> list[tuple[int, int]]:
+    """vLLM's documented rule, restated: even split, the remainder one each to the partitions
+    before the last, nearest the last first."""
+    sizes = [n // pp] * pp
+    for i in range(n % pp):
+        sizes[pp - 2 - i] += 1
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [(s, s + k) for s, k in zip(starts, sizes)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6).flatmap(lambda pp: st.tuples(st.integers(pp, 130), st.just(pp))))
+def test_vllm_partition_evaluation_matches_the_rule(case):
+    """The evaluator runs the parsed loop, `partitions[-i] += 1` and the slices like Python would."""
+    n, pp = case
+    stages, _ = partition("vllm", _root("vllm", None), n, pp)
+    assert stages == _vllm_rule(n, pp)
+    assert stages[0][0] == 0 and stages[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(stages, stages[1:]))
+
+
+def test_pureeval_refuses_what_it_does_not_model():
+    fn = ast.parse("def f(n):\n    return os.environ['X']\n").body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    with pytest.raises(NotPure):
+        call_function(fn, 1)
+    fn2 = ast.parse("def f(n):\n    t = (1, 2)\n    t[0] += n\n    return t\n").body[0]
+    assert isinstance(fn2, ast.FunctionDef)
+    with pytest.raises(NotPure, match="item assignment to a tuple"):
+        call_function(fn2, 1)
+    fn3 = ast.parse("def f(n):\n    x = envs.X\n    return n if x is None else 0\n").body[0]
+    assert isinstance(fn3, ast.FunctionDef)
+    assert call_function(fn3, 5, externals={"envs.X": None}) == 5
+
+
+def test_pp_larger_than_layers_is_refused():
+    with pytest.raises(PipelineUnread, match="exceeds"):
+        _answer("vllm", None, KIMI, 99)
+
+
+# -- forwarding, per engine, release and class ------------------------------------------------------
+@pytest.mark.parametrize("release", [None, "0.33.0"])
+def test_vllm_deepseek_refused_llama_forwarded(release):
+    kimi = _answer("vllm", release, KIMI, 4)
+    assert kimi.refused and "supports_aux_hidden_states_over_pp" in kimi.refused
+    assert "verify_supports_aux_hidden_states_over_pp raises ValueError" in kimi.refused
+    assert [p.stage for p in kimi.placements] == [0, 2, 3]  # layer_out[2], [30], [58]; stages 0..14,15..29,30..45,46..60
+    llama = _answer("vllm", release, KIMI, 4, "LlamaForCausalLM")
+    assert llama.refused is None and all(p.reaches for p in llama.placements)
+    assert "llama.py:358 LlamaModel.supports_aux_hidden_states_over_pp = True" in llama.placements[0].why
+
+
+def test_vllm_inherited_flag_without_forwarding_is_dropped():
+    """qwen3_vl.py's Qwen3LLMModel inherits the flag from qwen2.py's Qwen2Model (so the runner's
+    check passes) but overrides forward: its non-last-stage return carries no aux states."""
+    ans = _answer("vllm", None, KIMI, 2, "Qwen3VLForConditionalGeneration")
+    assert ans.refused is None and ans.placements[0].reaches is False
+    why = ans.placements[0].why
+    assert "qwen2.py:335 Qwen2Model.supports_aux_hidden_states_over_pp = True" in why
+    assert "qwen3_vl.py:1891 the non-last-stage return IntermediateTensors(...) carries no aux states" in why
+
+
+def test_vllm_011_drops_earlier_stage_captures():
+    ans = _answer("vllm", "0.11.0", KIMI, 2, "LlamaForCausalLM")
+    assert ans.refused is None
+    assert [(p.stage, p.reaches) for p in ans.placements] == [(0, False), (1, True), (1, True)]
+    assert "carries no aux states" in ans.placements[0].why
+
+
+@pytest.mark.parametrize(("release", "refused"), [(None, False), ("0.5.5", True)])
+def test_sglang_setter_returns_early_off_the_last_rank(release, refused):
+    ans = _answer("sglang", release, KIMI, 2)
+    assert bool(ans.refused) is refused
+    assert [(p.stage, p.reaches) for p in ans.placements] == [(0, False), (1, True), (1, True)]
+    assert "returns at once `if not self.pp_group.is_last_rank`" in ans.placements[0].why
+    if refused:
+        assert ans.refused is not None and "srt/server_args.py:" in ans.refused
+
+
+def test_pp_1_everything_reaches():
+    ans = _answer("sglang", None, KIMI, 1)
+    assert ans.refused is None and all(p.reaches and p.stage == 0 for p in ans.placements)
+
+
+def test_tp_reads_are_named_not_guessed():
+    """vLLM's deepseek_v2 loop all-gathers tp-sharded tokens around its capture: not modelled, so an
+    answer at tp > 1 is unverified (naming the lines); llama's setter and loop read no tp state."""
+    spec = load_spec(KIMI)
+    view = open_engine("vllm")
+    assert view.probe is not None
+    ds = view.class_convention("DeepseekV3ForCausalLM")
+    ans = pipeline_answer("vllm", view.probe.root, view.probe.version, ds, spec.fc_points, spec.num_layers, 2, 8)
+    assert ans.unverified == "the capture code reads tensor-parallel state"
+    assert "deepseek_v2.py:1564 tensor_model_parallel_all_gather" in ans.notes[-1]
+    llama = _answer("vllm", None, KIMI, 2, "LlamaForCausalLM")
+    assert llama.unverified is None and "read no tensor-parallel rank or size" in llama.notes[-1]
+
+
+# -- lint ------------------------------------------------------------------------------------------
+def test_lint_pp_errors_at_the_fc_input():
+    spec = load_spec(KIMI)
+    res = lint_spec(spec, engines=["sglang"], pp=2)
+    errors = [i for i in res.issues if i.severity == "error" and "pp 2" in i.message]
+    assert len(errors) == 1 and "layer_out[2] is captured on stage 0" in errors[0].message
+    assert (errors[0].line, errors[0].col) == (13, 33)
+    assert res.pipeline and res.pipeline[0]["pp"] == 2
+    ok = lint_spec(load_spec(LLAMA), engines=["vllm"], pp=2)
+    assert ok.ok and any("reaches the draft" in c for c in ok.checked)
+
+
+def test_cli_lint_pp_json():
+    res = CliRunner().invoke(main, ["lint", str(KIMI), "--engine", "vllm", "--pp", "4", "--tp", "8", "--json"])
+    assert res.exit_code == 2, res.output
+    data = json.loads(res.stdout)
+    OUTPUTS["lint"].model_validate(data)  # the documented, closed JSON shape
+    [check] = data["specs"][0]["pipeline"]
+    assert check["pp"] == 4 and check["tp"] == 8 and check["refused"]
+    assert any(n.startswith("tp 8: the capture code reads tensor-parallel state") for n in check["notes"])
+    assert check["unverified"] == "the capture code reads tensor-parallel state"
+    assert CliRunner().invoke(main, ["lint", str(LLAMA), "--engine", "vllm", "--pp", "2"]).exit_code == 0
