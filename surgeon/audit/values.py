@@ -3,10 +3,12 @@
 Per slot ``[T, H]`` (any float dtype; statistics in float32):
 
 * rows holding NaN or Inf, all-zero rows, constant rows (every element equal, not zero);
-* per-token L2 norms: mean, spread, min, max over the finite rows, and the median of their
-  logarithm (the statistic the identity pass compares with the target's profile: a median is
-  not moved by the few huge "attention sink" tokens real models have);
-* a 64-bit hash of every row's *bits* (the dtype's integer view, so only bit-identical rows
+* per-token L2 norms (one pass in the slot's own dtype, several slots of one tensor at once):
+  mean, spread, min, max over the finite rows, and the 10%, 50% and 90% quantiles of their
+  logarithm (identity statistics: quantiles are not moved by the few huge "attention sink"
+  tokens real models have); a float32 sample of :data:`SAMPLE_ROWS` good rows, from which the
+  identity pass takes the per-channel statistics (:mod:`surgeon.audit.profile`);
+* a 64-bit hash of the *bits* of 64 columns of every row (the dtype's integer view, so only bit-identical rows
   share a hash): rows one slot shares with another slot of the same file are reported here;
   a few rows per slot (the :data:`KEEP` smallest hashes: the same rows are kept from two
   identical copies, whatever file they sit in) go to the driver, keyed by what the row depends
@@ -40,6 +42,8 @@ class SlotValues:
     norm_min: float | None = None
     norm_max: float | None = None
     log_norm_median: float | None = None
+    log_norm_q10: float | None = None
+    log_norm_q90: float | None = None
     findings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -64,14 +68,17 @@ def _columns(H: int) -> slice:
 
 
 def row_hashes(x):
-    """[T] int64: a hash of the bits of each row's :func:`_columns` (int64 arithmetic wraps, which
-    is what a hash wants). Bit-identical rows hash the same; two rows of a continuous state that
-    differ do so in every column, so a subset tells them apart as well as the whole row would."""
+    """[T] int64: a hash of the bits of each row's :func:`_hash_view`, read as int64 words (int64
+    arithmetic wraps, which is what a hash wants). Bit-identical rows hash the same; two rows of a
+    continuous state that differ do so in every column, so a subset tells them apart as well as
+    the whole row would."""
     import torch
 
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    cols = _columns(x.shape[1])
-    xi = x[:, cols].contiguous().view(bits).to(torch.int64)
+    xs = _hash_view(x).contiguous()
+    if (xs.shape[1] * xs.element_size()) % 8 == 0:
+        xi = xs.view(torch.int64)
+    else:
+        xi = xs.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[xs.element_size()]).to(torch.int64)
     h = (xi * _weights(xi.shape[1])).sum(1)
     return h ^ (h >> 31)
 
@@ -95,42 +102,69 @@ def prefix_hashes(ids):
     return _mix(torch.cumsum(_mix(ids + 0x9E37) * pos, 0))
 
 
-def _norm_stats(sv: SlotValues, norms) -> None:
+QUANTILES = (0.1, 0.5, 0.9)
+SAMPLE_ROWS = 64  # rows per slot for the per-channel statistics (mean direction, RMS profile)
+
+
+def norm_stats(sv: SlotValues, norms) -> None:
+    """Mean, spread, extremes of the finite norms; quantiles of log of the positive ones (one sort)."""
     import torch
 
-    ok = torch.isfinite(norms)
-    good = norms[ok]
+    good = norms[torch.isfinite(norms)]
     if good.numel():
         sv.norm_mean = float(good.mean())
         sv.norm_std = float(good.std()) if good.numel() > 1 else 0.0
         sv.norm_min, sv.norm_max = float(good.min()), float(good.max())
-        pos = good[good > 0]
-        sv.log_norm_median = float(pos.log().median()) if pos.numel() else None
+        logs = good[good > 0].log().sort().values
+        n = logs.numel()
+        if n:
+            q = [float(logs[min(n - 1, int(f * (n - 1) + 0.5))]) for f in QUANTILES]
+            sv.log_norm_q10, sv.log_norm_median, sv.log_norm_q90 = q
 
 
-def slot_values(name: str, declared: Point | None, x) -> tuple[SlotValues, Any]:
-    """The values of one slot and its row hashes ([T] int64)."""
+def _hash_view(x):
+    """[T, <=64] about :data:`HASH_COLUMNS` columns in 4 contiguous blocks of 16 (4 cache lines a
+    row, where a strided pick touches every line); a strided pick where H does not split in 4."""
+    H = x.shape[1]
+    if H % 4 == 0 and H >= 64:
+        return x.reshape(x.shape[0], 4, H // 4)[:, :, :16].reshape(x.shape[0], 64)
+    return x[:, _columns(H)]
+
+
+def _constant_rows(x, zero, finite):
+    """Rows holding one value repeated (not zero): 4 columns first, then the candidates whole."""
+    import torch
+
+    H = x.shape[1]
+    sub = x[:, [0, H // 3, (2 * H) // 3, H - 1]]
+    maybe = torch.nonzero((sub.amax(1) == sub.amin(1)) & ~zero & finite).reshape(-1)
+    const = torch.zeros_like(zero)
+    if maybe.numel():
+        const[maybe] = x[maybe].amax(1) == x[maybe].amin(1)
+    return const
+
+
+def slot_values(name: str, declared: Point | None, x, norms=None) -> tuple[SlotValues, Any, Any]:
+    """The values of one slot ``x`` [T, H], its row hashes ([T] int64) and a float32 sample of its
+    good rows (for the per-channel identity statistics). ``norms``: its per-row L2 norms when the
+    caller computed them for several slots in one pass."""
     import torch
 
     sv = SlotValues(name, None if declared is None else str(declared), str(x.dtype).replace("torch.", ""))
-    # one pass in the slot's own dtype (torch accumulates half types in float32; converting the slot
-    # first would cost ~10x more); NaN/Inf rows give NaN/Inf
-    norms = torch.linalg.vector_norm(x, dim=1).float()
-    finite_rows = torch.isfinite(norms)
-    if not bool(finite_rows.all()):  # which of them hold NaN/Inf, and which only overflowed float32
+    if norms is None:  # the slot's own dtype: torch accumulates half types in float32 (converting first: ~10x slower)
+        norms = torch.linalg.vector_norm(x, dim=1)
+    norms = norms.float()
+    finite_rows = torch.isfinite(norms)  # NaN/Inf rows give NaN/Inf
+    if not bool(finite_rows.all()):  # which of them hold NaN/Inf, and which only overflowed their dtype
         bad = torch.nonzero(~finite_rows).reshape(-1)
         finite_rows[bad] = torch.isfinite(x[bad]).all(1)
         norms[bad[finite_rows[bad]]] = torch.linalg.vector_norm(x[bad[finite_rows[bad]]].double(), dim=1).float()
     sv.nonfinite_rows = int((~finite_rows).sum())
     zero = norms == 0
     sv.zero_rows = int(zero.sum())
-    sub = x[:, _columns(x.shape[1])]  # a constant row is constant on any columns: check those first
-    maybe = torch.nonzero((sub.amax(1) == sub.amin(1)) & ~zero & finite_rows).reshape(-1)
-    const = torch.zeros_like(zero)
-    if maybe.numel():
-        const[maybe] = x[maybe].amax(1) == x[maybe].amin(1)
+    const = _constant_rows(x, zero, finite_rows)
     sv.constant_rows = int(const.sum())
-    _norm_stats(sv, torch.where(finite_rows, norms, torch.full_like(norms, math.nan)))
+    norm_stats(sv, torch.where(finite_rows, norms, torch.full_like(norms, math.nan)))
     T = x.shape[0]
     if sv.nonfinite_rows:
         sv.findings.append(f"nonfinite: {sv.nonfinite_rows} of {T} rows hold NaN or Inf")
@@ -138,8 +172,21 @@ def slot_values(name: str, declared: Point | None, x) -> tuple[SlotValues, Any]:
         sv.findings.append(f"zero: {sv.zero_rows} of {T} rows are all zeros" + (" (the whole slot)" if sv.zero_rows == T else ""))
     if sv.constant_rows:
         sv.findings.append(f"constant: {sv.constant_rows} of {T} rows hold one value repeated")
+    good = finite_rows & ~zero & ~const
     h = row_hashes(x)
-    return sv, torch.where(finite_rows & ~zero & ~const, h, torch.zeros_like(h))
+    return sv, torch.where(good, h, torch.zeros_like(h)), sample_rows(x, good)
+
+
+def sample_rows(x, good, n: int = SAMPLE_ROWS):
+    """float32 [<=n, H]: ``n`` evenly spaced good rows of ``x``, the first row (often a BOS sink) left out."""
+    import torch
+
+    idx = torch.nonzero(good).reshape(-1)
+    if idx.numel() > 1:
+        idx = idx[1:]
+    if idx.numel() > n:
+        idx = idx[torch.linspace(0, idx.numel() - 1, n).round().long()]
+    return x[idx].float()
 
 
 def repeated_across_slots(names: list[str], hashes: list) -> list[tuple[str, str]]:
