@@ -146,6 +146,42 @@ class Profile:
                 "points": [{"point": p.point, "centre": p.centre, "spread": p.spread, "tol": p.tol}
                            for p in self.points]}
 
+    def distances(self, s: Stats) -> dict[str, float]:
+        """Every point's :meth:`PointProfile.distance` from ``s``, in a few whole-profile tensor ops."""
+        import torch
+
+        m = self._matrices()
+        d = torch.zeros(len(self.points), dtype=torch.float64)
+        x = torch.tensor([math.nan if v is None else v for v in s.scalars], dtype=torch.float64)
+        ok = ~torch.isnan(x)
+        if bool(ok.any()):
+            d = torch.maximum(d, ((x - m["centres"]).abs() / m["tols"])[:, ok].amax(1))
+        for i, v in enumerate(s.vectors):
+            c = m["vectors"][i]
+            if v is not None and c is not None and c.shape[1] == v.shape[0]:
+                d = torch.maximum(d, ((1.0 - c @ v.float()).double() / m["vtols"][i]).nan_to_num(0.0))
+        return dict(zip((p.point for p in self.points), d.tolist()))
+
+    def _matrices(self) -> dict[str, Any]:
+        cached = self.__dict__.get("_mats")
+        if cached is None:
+            import torch
+
+            pts = self.points
+            vectors = []
+            for i in range(len(VECTORS)):
+                vs = [p.vectors[i] for p in pts]
+                shapes = {v.shape for v in vs if v is not None}
+                vectors.append(None if len(shapes) != 1 else torch.stack(
+                    [torch.full(next(iter(shapes)), math.nan) if v is None else v.float() for v in vs]))
+            cached = {"centres": torch.tensor([p.centres for p in pts], dtype=torch.float64),
+                      "tols": torch.tensor([[max(MIN_TOL, p.k * sp) for sp in p.spreads] for p in pts],
+                                           dtype=torch.float64),
+                      "vectors": vectors,
+                      "vtols": [torch.tensor([p.vtols[i] for p in pts], dtype=torch.float64) for i in range(len(VECTORS))]}
+            object.__setattr__(self, "_mats", cached)
+        return cached
+
     def digest(self) -> str:
         """A sha256 of every statistic's centre and tolerance (what a resume state must agree on)."""
         import hashlib
@@ -255,7 +291,7 @@ def match_slot(profile: Profile | None, declared: str | None, stats: Stats | Non
     if profile is None or declared is None or stats is None or stats.scalars[0] is None \
             or not math.isfinite(stats.scalars[0]):
         return {"nearest": None, "verdict": "not_run", "distance": None}
-    dist = {p.point: p.distance(stats) for p in profile.points}
+    dist = profile.distances(stats)
     if declared not in dist:
         return {"nearest": min(dist, key=lambda k: dist[k]), "verdict": "not_run", "distance": None}
     fits = [p for p in profile.points if dist[p.point] <= 1.0]

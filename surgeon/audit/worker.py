@@ -146,7 +146,7 @@ def _specforge_slots(st: Structure) -> tuple[list, Any, list]:
 
 def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> None:
     from surgeon.audit.profile import stats_of
-    from surgeon.audit.values import repeated_across_slots, sampled_rows, slot_values
+    from surgeon.audit.values import file_values, repeated_across_slots, sampled_rows
 
     spec = ctx.spec
     if st.loaded is not None:
@@ -156,22 +156,21 @@ def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> 
         norms = [None] * len(tensors)
     names, declared = _declared(spec, st.layout, st.names if len(st.names) == len(tensors)
                                 else [f"slot{i}" for i in range(len(tensors))])
-    slots, hashes = [], []
     first = int(ids[0]) if ids is not None and ids.numel() else None
-    for name, point, x, n in zip(names, declared, tensors, norms):
-        sv, h, sample = slot_values(name, point, x, n)
+    svs, hashes, samples = file_values(names, declared, tensors, norms)
+    slots = []
+    for sv, x, sample in zip(svs, tensors, samples):
         row = sv.to_json()
         row["identity"] = match_slot(ctx.profile, sv.declared, stats_of(sv, sample, first, x[0]) if ctx.profile else None)
         slots.append(row)
-        hashes.append(h)
         for f in sv.findings:
             kind, _, detail = f.partition(": ")
-            out["findings"].append(_finding(kind, name, detail))
+            out["findings"].append(_finding(kind, sv.name, detail))
         ident = row["identity"]
         if ident["verdict"] in ("mismatch", "no_match"):
             what = f"holds {ident['nearest']}" if ident["nearest"] else "fits no point of the target"
-            out["findings"].append(_finding("identity", name, f"declared {sv.declared}, its statistics: {what} "
-                                                              f"({ident['distance']:.1f} tolerances from the declared)"))
+            out["findings"].append(_finding("identity", sv.name, f"declared {sv.declared}, its statistics: {what} "
+                                                                 f"({ident['distance']:.1f} tolerances from the declared)"))
     for name, detail in repeated_across_slots(names, hashes):
         kind, _, rest = detail.partition(": ")
         out["findings"].append(_finding(kind, name, rest))
