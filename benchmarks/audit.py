@@ -8,7 +8,8 @@ workers, memory vs the number of files, and the structure pass on 100k files, in
     ``--files`` samples of ``--lengths`` tokens, 4 slots in bf16, seeded faults: ~25 MB a file at
     the defaults) in a temporary directory (``--set DIR``: made there once and reused). The raw
     sequential read rate: every file read whole with ``readinto``, in path order, page cache warm
-    (the second of two passes). The audit (structure, values, identity against an ``hf:``
+    (the second of two passes); a control: a busy loop in 2 processes vs 1, what two processes can
+    get on the machine at that moment. The audit (structure, values, identity against an ``hf:``
     profile; the profile's build is outside the timed loop, no exact identification) with 1 and 2
     local workers. Each ratio is the median over ``--repeat`` rounds of (raw read, 1 worker, 2
     workers) measured back to back, so that a neighbour's load moves both sides alike.
@@ -63,6 +64,28 @@ def audit_rate(root: Path, spec: Path, reference: str, workers: int, state: Path
             "verdicts": {s["name"]: s["verdicts"] for s in j["slots"]}}
 
 
+def _busy(n: int) -> float:
+    t, acc = time.process_time(), 0
+    for i in range(n):
+        acc += i
+    return time.process_time() - t
+
+
+def two_process_control(n: int = 5_000_000) -> float:
+    """What two processes get on this machine now: a pure-Python busy loop in 2 forked processes vs
+    1 (the ceiling for the 2-worker ratio while other jobs share the cores; 2.0 on an idle machine)."""
+    import multiprocessing
+
+    t = time.perf_counter()
+    _busy(n)
+    one = time.perf_counter() - t
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        t = time.perf_counter()
+        pool.map(_busy, [n, n])
+        two = time.perf_counter() - t
+    return 2 * one / two
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
@@ -70,8 +93,9 @@ def _median(xs: list[float]) -> float:
 
 def rounds(paths: list[Path], root: Path, spec: Path, ref: str, tmp: Path, n: int) -> dict:
     """``n`` rounds of (raw read, audit with 1 worker, audit with 2 workers), back to back."""
-    out: dict = {"raw_read": [], "audit_1_worker": [], "audit_2_workers": []}
+    out: dict = {"raw_read": [], "audit_1_worker": [], "audit_2_workers": [], "control_2_vs_1_processes": []}
     for i in range(n):
+        out["control_2_vs_1_processes"].append(two_process_control())
         rate, total = raw_read_rate(paths)
         out["raw_read"].append({"bytes": total, "bytes_per_s": rate})
         out["audit_1_worker"].append(audit_rate(root, spec, ref, 1, tmp / f"s1-{i}.jsonl"))
@@ -138,6 +162,7 @@ def run(args) -> dict:
     rep["raw_read"] = r["raw_read"][0]
     rep["ratio_audit_vs_raw_read"] = _median(r["ratios_audit_vs_raw_read"])
     rep["ratio_2_vs_1_workers"] = _median(r["ratios_2_vs_1_workers"])
+    rep["control_2_vs_1_processes"] = _median(r["control_2_vs_1_processes"])
     quarter = subset(synth.root, len(paths) // 4, tmp / "quarter")
     rep["memory"] = {"files": [len(paths) // 4, len(paths)],
                      "maxrss_kb": [child_peak(quarter, synth.spec, tmp / "m1.jsonl"),
@@ -201,6 +226,8 @@ def main() -> None:
           f"{', '.join(f'{x:.3f}' for x in r['ratios_audit_vs_raw_read'])}; target >= 0.5x)")
     print(f"2 workers / 1: {rep['ratio_2_vs_1_workers']:.2f}x (median of "
           f"{', '.join(f'{x:.2f}' for x in r['ratios_2_vs_1_workers'])}; target >= 1.6x)")
+    print(f"control, a busy loop in 2 processes / 1: {rep['control_2_vs_1_processes']:.2f}x (median of "
+          f"{', '.join(f'{x:.2f}' for x in r['control_2_vs_1_processes'])}; 2.0 on an idle machine)")
     print(f"identity verdicts (1 worker, last round): {r['audit_1_worker'][-1]['verdicts']}")
     m = rep["memory"]
     print(f"peak RSS: {m['maxrss_kb'][0] / 1024:.0f} MB at {m['files'][0]} files, {m['maxrss_kb'][1] / 1024:.0f} MB at "

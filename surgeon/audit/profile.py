@@ -74,17 +74,17 @@ def stats_of(sv, sample=None, first_token: int | None = None, first_row=None) ->
 
     vec: tuple[Any, ...] = (None, None)
     if sample is not None and sample.shape[0] >= 2:
-        mean = sample.mean(0)
         rms = sample.square().mean(0).sqrt().clamp_min(1e-30).log()
-        vec = (_unit(mean), _unit(rms - rms.mean()))
-        if not all(bool(torch.isfinite(v).all()) for v in vec):
-            vec = (None, None)
+        both = torch.stack([sample.mean(0), rms - rms.mean()])
+        both = both / torch.linalg.vector_norm(both, dim=1, keepdim=True).clamp_min(1e-30)
+        if bool(torch.isfinite(both).all()):
+            vec = (both[0], both[1])
     width = None if sv.log_norm_q90 is None else sv.log_norm_q90 - sv.log_norm_q10
     row = None
     if first_token is not None and first_row is not None:
-        row = _unit(first_row.float())
-        if not bool(torch.isfinite(row).all()) or not bool(row.any()):
-            first_token, row = None, None
+        row = first_row.float()
+        n = float(torch.linalg.vector_norm(row))
+        row = row / n if math.isfinite(n) and n > 0 else None
     return Stats((sv.log_norm_median, width), vec, first_token if row is not None else None, row)
 
 

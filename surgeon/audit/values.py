@@ -62,20 +62,27 @@ def _weights(n: int):
     return _WEIGHTS[n]
 
 
-def row_hashes(blocks):
-    """[..., T] int64: a hash of the bits of each row of ``blocks`` ([..., T, W], :func:`_block`
-    of the slots), read as int64 words (int64 arithmetic wraps, which is what a hash wants).
-    Bit-identical rows hash the same; two rows of a continuous state that differ do so in every
-    column, so a block tells them apart as well as the whole row would."""
+def _words(blocks):
+    """The bits of ``blocks`` ([..., T, W]) as int64 words: 8-byte words where the row's bytes split so."""
     import torch
 
     xs = blocks.contiguous()
     if (xs.shape[-1] * xs.element_size()) % 8 == 0:
-        xi = xs.view(torch.int64)
-    else:
-        xi = xs.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[xs.element_size()]).to(torch.int64)
-    h = (xi * _weights(xi.shape[-1])).sum(-1)
-    return h ^ (h >> 31)
+        return xs.view(torch.int64)
+    return xs.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[xs.element_size()]).to(torch.int64)
+
+
+def row_hashes(blocks, raw: bool = False):
+    """[..., T] int64: a hash of the bits of each row of ``blocks`` ([..., T, W], :func:`_block` of
+    the slots; int64 arithmetic wraps, which is what a hash wants). Bit-identical rows hash the
+    same; two rows of a continuous state that differ do so in every column, so a block tells them
+    apart as well as the whole row would. ``raw``: also whether each row may be constant (every
+    word the same gives ``word x sum(weights)``, before the final mix; the whole row decides)."""
+    xi = _words(blocks)
+    w = _weights(xi.shape[-1])
+    h = (xi * w).sum(-1)
+    mixed = h ^ (h >> 31)
+    return (mixed, h == xi[..., 0] * w.sum()) if raw else mixed
 
 
 def _mix(x):
@@ -160,14 +167,14 @@ def _bad_rows(xs: list, N, finite) -> None:
         N[s, fixed] = torch.linalg.vector_norm(x[fixed].double(), dim=1).float()
 
 
-def _constant(xs: list, blocks, zero, finite):
-    """[S, T] rows holding one value repeated (not zero): on the blocks first, then the candidates whole."""
+def _constant(xs: list, maybe, zero, finite):
+    """[S, T] rows holding one value repeated (not zero): the candidates ``maybe`` checked whole."""
     import torch
 
-    const = (blocks.amax(2) == blocks.amin(2)) & ~zero & finite
+    const = maybe & ~zero & finite
     for s in torch.nonzero(const.any(1)).reshape(-1).tolist():
-        maybe = torch.nonzero(const[s]).reshape(-1)
-        const[s, maybe] = xs[s][maybe].amax(1) == xs[s][maybe].amin(1)
+        rows = torch.nonzero(const[s]).reshape(-1)
+        const[s, rows] = xs[s][rows].amax(1) == xs[s][rows].amin(1)
     return const
 
 
@@ -194,8 +201,9 @@ def file_values(names: list[str], declared: list[Point | None], xs: list, norms:
     if not bool(finite.all()):
         _bad_rows(xs, N, finite)
     zero = N == 0
-    blocks = torch.stack([_block(x) for x in xs])
-    const = _constant(xs, blocks, zero, finite)
+    blocks = torch.stack([_block(x) for x in xs])  # [S, T, 64]: one page a row of each slot
+    h, maybe = row_hashes(blocks, raw=True)
+    const = _constant(xs, maybe, zero, finite)
     good = finite & ~zero & ~const
     table = _norm_table(N, finite)
     counts = torch.stack([(~finite).sum(1), zero.sum(1), const.sum(1)], 1).tolist()
@@ -207,7 +215,6 @@ def file_values(names: list[str], declared: list[Point | None], xs: list, norms:
             setattr(sv, k, val)
         _findings(sv, T)
         out.append(sv)
-    h = row_hashes(blocks)
     return out, torch.where(good, h, torch.zeros_like(h)), [sample_rows(x, g) for x, g in zip(xs, good)]
 
 
@@ -218,15 +225,13 @@ def slot_values(name: str, declared: Point | None, x, norms=None) -> tuple[SlotV
 
 
 def sample_rows(x, good, n: int = SAMPLE_ROWS):
-    """float32 [<=n, H]: ``n`` evenly spaced good rows of ``x``, the first row (often a BOS sink) left out."""
+    """float32 [<=n, H]: about ``n`` evenly spaced rows of ``x``, those of them that are good, the
+    first row (often a BOS sink) left out."""
     import torch
 
-    idx = torch.nonzero(good).reshape(-1)
-    if idx.numel() > 1:
-        idx = idx[1:]
-    if idx.numel() > n:
-        idx = idx[torch.linspace(0, idx.numel() - 1, n).round().long()]
-    return x[idx].float()
+    T = x.shape[0]
+    idx = torch.arange(1, T, max(1, (T - 1) // n))[:n] if T > 1 else torch.zeros(1, dtype=torch.long)
+    return x[idx[good[idx]]].float()
 
 
 def repeated_across_slots(names: list[str], hashes) -> list[tuple[str, str]]:
