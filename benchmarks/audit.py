@@ -2,16 +2,19 @@
 workers, memory vs the number of files, and the structure pass on 100k files, in one run.
 
     .venv/bin/python benchmarks/audit.py [--json] [--files 48] [--hidden 2048] [--lengths 1024,1536,2048]
-                                         [--repeat 3] [--structure-files 100000] [--set DIR]
+                                         [--repeat 3] [--links 4] [--structure-files 100000] [--set DIR]
 
 (1) A synthetic SpecForge set (surgeon.audit.synthetic: a tiny 8-layer Llama of ``--hidden``,
     ``--files`` samples of ``--lengths`` tokens, 4 slots in bf16, seeded faults: ~25 MB a file at
     the defaults) in a temporary directory (``--set DIR``: made there once and reused). The raw
     sequential read rate: every file read whole with ``readinto``, in path order, page cache warm
-    (the second of two passes); a control: a busy loop in 2 processes vs 1, what two processes can
-    get on the machine at that moment. The audit (structure, values, identity against an ``hf:``
+    (the second of two passes). Two controls: a busy loop in 2 processes vs 1 (what two processes
+    get of the CPU at that moment) and the raw read in 2 processes vs 1 (what a second core adds
+    to a memory-bound pass). The audit (structure, values, identity against an ``hf:``
     profile; the profile's build is outside the timed loop, no exact identification) with 1 and 2
-    local workers. Each ratio is the median over ``--repeat`` rounds of (raw read, 1 worker, 2
+    local workers, of a directory holding ``--links`` symlinks to each sample (both sides read the
+    same entries: an audit of a few seconds, the set's own 1.2 GB in the page cache; the seeded
+    faults are flagged once per link). Each ratio is the median over ``--repeat`` rounds of (raw read, 1 worker, 2
     workers) measured back to back, so that a neighbour's load moves both sides alike.
     Targets: audit >= 50% of the raw read rate; 2 workers >= 1.6x one. The CPU seconds of each
     process (the driver, each worker) are reported with the wall time: on a machine shared with
@@ -86,6 +89,32 @@ def two_process_control(n: int = 5_000_000) -> float:
     return 2 * one / two
 
 
+def _read_all(paths: list[Path]) -> int:
+    buf, total = bytearray(1 << 24), 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def two_process_read(paths: list[Path]) -> float:
+    """The raw read in 2 forked processes (every other file each) vs 1, warm: what the memory system
+    gives a second core (the ceiling for a pipeline that, like this one, is bound by memory bandwidth)."""
+    import multiprocessing
+
+    _read_all(paths)
+    t = time.perf_counter()
+    _read_all(paths)
+    one = time.perf_counter() - t
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        pool.map(_read_all, [paths[:1], paths[1:2]])  # started
+        t = time.perf_counter()
+        pool.map(_read_all, [paths[0::2], paths[1::2]])
+        two = time.perf_counter() - t
+    return one / two
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
@@ -93,9 +122,11 @@ def _median(xs: list[float]) -> float:
 
 def rounds(paths: list[Path], root: Path, spec: Path, ref: str, tmp: Path, n: int) -> dict:
     """``n`` rounds of (raw read, audit with 1 worker, audit with 2 workers), back to back."""
-    out: dict = {"raw_read": [], "audit_1_worker": [], "audit_2_workers": [], "control_2_vs_1_processes": []}
+    out: dict = {"raw_read": [], "audit_1_worker": [], "audit_2_workers": [], "control_2_vs_1_processes": [],
+                 "raw_read_2_vs_1_processes": []}
     for i in range(n):
         out["control_2_vs_1_processes"].append(two_process_control())
+        out["raw_read_2_vs_1_processes"].append(two_process_read(paths))
         rate, total = raw_read_rate(paths)
         out["raw_read"].append({"bytes": total, "bytes_per_s": rate})
         out["audit_1_worker"].append(audit_rate(root, spec, ref, 1, tmp / f"s1-{i}.jsonl"))
@@ -117,6 +148,16 @@ def subset(root: Path, n: int, dest: Path) -> Path:
     for p in sorted(root.iterdir())[:n]:
         if not p.name.startswith("."):
             os.symlink(p, dest / p.name)
+    return dest
+
+
+def linked(root: Path, n: int, dest: Path) -> Path:
+    """``dest`` holding ``n`` symlinks to each sample of ``root`` (``{k}-data_*``): an audit long enough
+    that starting two workers is not what is measured, with the set's own bytes in the page cache."""
+    dest.mkdir()
+    for k in range(n):
+        for p in sorted(root.glob("data_*")):
+            os.symlink(p, dest / f"{k}-{p.name}")
     return dest
 
 
@@ -156,13 +197,16 @@ def run(args) -> dict:
     synth = make_set(args, Path(args.set) if args.set else tmp)
     rep["generate_s"] = time.perf_counter() - t
     paths = sorted(synth.root.glob("data_*"))
-    rep["files"] = len(paths)
-    r = rounds(paths, synth.root, synth.spec, f"hf:{synth.model}", tmp, args.repeat)
+    rep["files"], rep["links"] = len(paths), args.links
+    root = linked(synth.root, args.links, tmp / "linked") if args.links > 1 else synth.root
+    timed = sorted(root.glob("*data_*"))
+    r = rounds(timed, root, synth.spec, f"hf:{synth.model}", tmp, args.repeat)
     rep["rounds"] = r
     rep["raw_read"] = r["raw_read"][0]
     rep["ratio_audit_vs_raw_read"] = _median(r["ratios_audit_vs_raw_read"])
     rep["ratio_2_vs_1_workers"] = _median(r["ratios_2_vs_1_workers"])
     rep["control_2_vs_1_processes"] = _median(r["control_2_vs_1_processes"])
+    rep["raw_read_2_vs_1_processes"] = _median(r["raw_read_2_vs_1_processes"])
     quarter = subset(synth.root, len(paths) // 4, tmp / "quarter")
     rep["memory"] = {"files": [len(paths) // 4, len(paths)],
                      "maxrss_kb": [child_peak(quarter, synth.spec, tmp / "m1.jsonl"),
@@ -193,6 +237,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,1536,2048", help="sample lengths in tokens, comma-separated")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of (raw read, 1 worker, 2 workers)")
     ap.add_argument("--set", help="make the synthetic set here once, and reuse it")
+    ap.add_argument("--links", type=int, default=4, help="audit and read each sample this many times (symlinks)")
     ap.add_argument("--structure-files", type=int, default=100_000)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -212,8 +257,8 @@ def main() -> None:
         print(json.dumps(rep, indent=2))
         return
     mb = 1e6
-    print(f"{rep['files']} files ({rep['raw_read']['bytes'] / mb:.0f} MB), {args.repeat} rounds of (raw read, 1 worker, "
-          "2 workers) back to back")
+    print(f"{rep['files']} files, each linked {rep['links']} times ({rep['raw_read']['bytes'] / mb:.0f} MB read), "
+          f"{args.repeat} rounds of (raw read, 1 worker, 2 workers) back to back")
     r = rep["rounds"]
     for i in range(args.repeat):
         one, two = r["audit_1_worker"][i], r["audit_2_workers"][i]
@@ -228,6 +273,8 @@ def main() -> None:
           f"{', '.join(f'{x:.2f}' for x in r['ratios_2_vs_1_workers'])}; target >= 1.6x)")
     print(f"control, a busy loop in 2 processes / 1: {rep['control_2_vs_1_processes']:.2f}x (median of "
           f"{', '.join(f'{x:.2f}' for x in r['control_2_vs_1_processes'])}; 2.0 on an idle machine)")
+    print(f"control, the raw read in 2 processes / 1: {rep['raw_read_2_vs_1_processes']:.2f}x (median of "
+          f"{', '.join(f'{x:.2f}' for x in r['raw_read_2_vs_1_processes'])}; what a second core adds to reading)")
     print(f"identity verdicts (1 worker, last round): {r['audit_1_worker'][-1]['verdicts']}")
     m = rep["memory"]
     print(f"peak RSS: {m['maxrss_kb'][0] / 1024:.0f} MB at {m['files'][0]} files, {m['maxrss_kb'][1] / 1024:.0f} MB at "

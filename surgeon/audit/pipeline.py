@@ -70,6 +70,20 @@ class AuditReport:
         }
 
 
+LOCAL_BATCH = 2  # files per task in a local pool: a small result crosses a pipe; fine grains balance the end
+
+
+def _trim_heap() -> None:
+    """Give freed heap back to the OS (glibc's malloc_trim; nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int, cpu: dict[str, float]) -> Iterator[dict[str, Any]]:
     """Results in ``todo`` order: inline for one worker, else a pool of ``workers`` persistent
     processes (forked: no start-up import; the context handed over once) with a bounded window of
@@ -100,7 +114,7 @@ def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int, cpu: dict[s
             cpu[f"worker {pid}"] = used
             return results
 
-        for batch in batches(todo, BATCH):
+        for batch in batches(todo, LOCAL_BATCH):
             window.append(pool.submit(run_batch_here, batch))
             if len(window) >= 4 * workers:
                 yield from take()
@@ -152,6 +166,8 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         raise BadInput(f"{plan.root}: no .ckpt, .safetensors or .pt files under it")
     notes: list[str] = []
     profile, exact_model = (None, None) if plan.structure_only else build_profile(plan.reference, spec, paths, notes)
+    if plan.workers > 1 and not plan.ray_address:
+        _trim_heap()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)
     picks = _exact_picks(len(paths), plan.exact_files if exact_model else 0)
     state = State(plan.state_path or plan.root / STATE_NAME,

@@ -57,7 +57,8 @@ _WORKER_CTX: list[Context] = []  # a pool worker's context, set once when it sta
 
 def init_worker(ctx: Context) -> None:
     """A local pool worker's start: one torch thread (a worker is a core; threads of two workers on
-    two cores stall each other at barriers), its context kept for every batch."""
+    two cores stall each other at barriers; and a forked child must not enter the OpenMP pool its
+    parent used), its context kept for every batch."""
     import torch
 
     torch.set_num_threads(1)
