@@ -204,6 +204,8 @@ def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model, p
         notes.append("structure pass only: values and identity not checked")
     elif profile is None:
         notes.append("identity not checked: no --reference to build the target's per-point profile from")
+    else:
+        notes.append(profile.describe())
     if not plan.structure_only and exact_model is None:
         notes.append("exact identification not run: it needs --reference hf:MODEL to run the target on each "
                      "sampled file's own tokens")

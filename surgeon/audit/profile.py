@@ -146,6 +146,16 @@ class Profile:
                 "points": [{"point": p.point, "centre": p.centre, "spread": p.spread, "tol": p.tol}
                            for p in self.points]}
 
+    def describe(self) -> str:
+        """Which statistics this profile compares (a reference of norms only has no others)."""
+        has = ["the median and the 10-90% width of log per-token norms"]
+        if any(v is not None for p in self.points for v in p.vectors):
+            has.append("the per-channel mean direction and RMS profile")
+        tok = next((p.first_token for p in self.points if p.first_row is not None), None)
+        if tok is not None:
+            has.append(f"the first row of samples that start with token {tok} (its state depends on that token only)")
+        return "identity statistics: " + ", ".join(has)
+
     def distances(self, s: Stats) -> dict[str, float]:
         """Every point's :meth:`PointProfile.distance` from ``s``, in a few whole-profile tensor ops."""
         import torch

@@ -61,6 +61,7 @@ def test_specforge_every_seeded_fault_found_and_nothing_else(specforge_set, tiny
     assert j["exact"]["files"] == 4 and all(sum(s["exact"].values()) == 4 for s in j["slots"])
     low = next(s for s in j["slots"] if s["name"] == "low")
     assert max(low["identity"], key=low["identity"].get) == "layer_out[0]"
+    assert any("mean direction" in n and "start with token 0" in n for n in rep.notes), rep.notes
 
 
 @pytest.mark.slow
