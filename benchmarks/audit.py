@@ -1,15 +1,24 @@
 """Benchmark: `surgeon audit` throughput against the raw read rate of the same files, one vs two
 workers, memory vs the number of files, and the structure pass on 100k files, in one run.
 
-    .venv/bin/python benchmarks/audit.py [--json] [--files 400] [--hidden 1024] [--lengths 512,768,1024]
-                                         [--structure-files 100000]
+    .venv/bin/python benchmarks/audit.py [--json] [--files 48] [--hidden 2048] [--lengths 1024,1536,2048]
+                                         [--repeat 3] [--links 4] [--structure-files 100000] [--set DIR]
 
 (1) A synthetic SpecForge set (surgeon.audit.synthetic: a tiny 8-layer Llama of ``--hidden``,
-    ``--files`` samples of ``--lengths`` tokens in bf16, seeded faults) in a temporary directory. The raw
+    ``--files`` samples of ``--lengths`` tokens, 4 slots in bf16, seeded faults: ~25 MB a file at
+    the defaults) in a temporary directory (``--set DIR``: made there once and reused). The raw
     sequential read rate: every file read whole with ``readinto``, in path order, page cache warm
-    (second pass). The audit (structure, values, identity against an ``hf:`` profile; the profile's
-    build is outside the timed loop, no exact identification) with 1 and 2 local workers.
-    Targets: audit >= 50% of the raw read rate; 2 workers >= 1.6x one.
+    (the second of two passes). Two controls: a busy loop in 2 processes vs 1 (what two processes
+    get of the CPU at that moment) and the raw read in 2 processes vs 1 (what a second core adds
+    to a memory-bound pass). The audit (structure, values, identity against an ``hf:``
+    profile; the profile's build is outside the timed loop, no exact identification) with 1 and 2
+    local workers, of a directory holding ``--links`` symlinks to each sample (both sides read the
+    same entries: an audit of a few seconds, the set's own 1.2 GB in the page cache; the seeded
+    faults are flagged once per link). Each ratio is the median over ``--repeat`` rounds of (raw read, 1 worker, 2
+    workers) measured back to back, so that a neighbour's load moves both sides alike.
+    Targets: audit >= 50% of the raw read rate; 2 workers >= 1.6x one. The CPU seconds of each
+    process (the driver, each worker) are reported with the wall time: on a machine shared with
+    other jobs, sum(worker CPU) / (workers x wall) says how much of the two cores the workers got.
 (2) Memory: the peak RSS of a child process auditing the first quarter of the files and all of
     them (flat: the tensors of one file at a time per worker).
 (3) The structure pass (``--structure-only``: headers only) over ``--structure-files`` tiny
@@ -51,8 +60,81 @@ def audit_rate(root: Path, spec: Path, reference: str, workers: int, state: Path
 
     rep = run_audit(Plan(root, str(spec), reference=reference, workers=workers, exact_files=0, state_path=state))
     j = rep.to_json()
-    return {"seconds": j["seconds"], "files_per_s": j["files_per_s"], "bytes_per_s": rep.bytes / rep.seconds,
-            "flagged": j["flagged"]}
+    workers_cpu = sum(v for k, v in rep.cpu_s.items() if k.startswith("worker"))
+    return {"seconds": rep.seconds, "files_per_s": j["files_per_s"], "bytes_per_s": rep.bytes / rep.seconds,
+            "flagged": j["flagged"], "cpu_s": {k: round(v, 3) for k, v in rep.cpu_s.items()},
+            "worker_cpu_share": workers_cpu / (workers * rep.seconds) if workers > 1 else None,
+            "verdicts": {s["name"]: s["verdicts"] for s in j["slots"]}}
+
+
+def _busy(n: int) -> float:
+    t, acc = time.process_time(), 0
+    for i in range(n):
+        acc += i
+    return time.process_time() - t
+
+
+def two_process_control(n: int = 5_000_000) -> float:
+    """What two processes get on this machine now: a pure-Python busy loop in 2 forked processes vs
+    1 (the ceiling for the 2-worker ratio while other jobs share the cores; 2.0 on an idle machine)."""
+    import multiprocessing
+
+    t = time.perf_counter()
+    _busy(n)
+    one = time.perf_counter() - t
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        t = time.perf_counter()
+        pool.map(_busy, [n, n])
+        two = time.perf_counter() - t
+    return 2 * one / two
+
+
+def _read_all(paths: list[Path]) -> int:
+    buf, total = bytearray(1 << 24), 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def two_process_read(paths: list[Path]) -> float:
+    """The raw read in 2 forked processes (every other file each) vs 1, warm: what the memory system
+    gives a second core (the ceiling for a pipeline that, like this one, is bound by memory bandwidth)."""
+    import multiprocessing
+
+    _read_all(paths)
+    t = time.perf_counter()
+    _read_all(paths)
+    one = time.perf_counter() - t
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        pool.map(_read_all, [paths[:1], paths[1:2]])  # started
+        t = time.perf_counter()
+        pool.map(_read_all, [paths[0::2], paths[1::2]])
+        two = time.perf_counter() - t
+    return one / two
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def rounds(paths: list[Path], root: Path, spec: Path, ref: str, tmp: Path, n: int) -> dict:
+    """``n`` rounds of (raw read, audit with 1 worker, audit with 2 workers), back to back."""
+    out: dict = {"raw_read": [], "audit_1_worker": [], "audit_2_workers": [], "control_2_vs_1_processes": [],
+                 "raw_read_2_vs_1_processes": []}
+    for i in range(n):
+        out["control_2_vs_1_processes"].append(two_process_control())
+        out["raw_read_2_vs_1_processes"].append(two_process_read(paths))
+        rate, total = raw_read_rate(paths)
+        out["raw_read"].append({"bytes": total, "bytes_per_s": rate})
+        out["audit_1_worker"].append(audit_rate(root, spec, ref, 1, tmp / f"s1-{i}.jsonl"))
+        out["audit_2_workers"].append(audit_rate(root, spec, ref, 2, tmp / f"s2-{i}.jsonl"))
+    one = [a["bytes_per_s"] for a in out["audit_1_worker"]]
+    out["ratios_audit_vs_raw_read"] = [a / r["bytes_per_s"] for a, r in zip(one, out["raw_read"])]
+    out["ratios_2_vs_1_workers"] = [b["bytes_per_s"] / a for b, a in zip(out["audit_2_workers"], one)]
+    return out
 
 
 def child_peak(root: Path, spec: Path, state: Path) -> int:
@@ -66,6 +148,16 @@ def subset(root: Path, n: int, dest: Path) -> Path:
     for p in sorted(root.iterdir())[:n]:
         if not p.name.startswith("."):
             os.symlink(p, dest / p.name)
+    return dest
+
+
+def linked(root: Path, n: int, dest: Path) -> Path:
+    """``dest`` holding ``n`` symlinks to each sample of ``root`` (``{k}-data_*``): an audit long enough
+    that starting two workers is not what is measured, with the set's own bytes in the page cache."""
+    dest.mkdir()
+    for k in range(n):
+        for p in sorted(root.glob("data_*")):
+            os.symlink(p, dest / f"{k}-{p.name}")
     return dest
 
 
@@ -84,27 +176,37 @@ def structure_set(dest: Path, n: int) -> Path:
     return dest
 
 
-def run(args) -> dict:
-    from surgeon.audit.synthetic import make_synthetic_set
-    from surgeon.audit.synthetic import spec_text as _spec_text
+def make_set(args, where: Path):
+    from surgeon.audit.synthetic import SyntheticSet, make_synthetic_set
     from surgeon.run.tinymodels import make_tiny_model
+
+    if (where / "set").is_dir() and (where / "spec.yaml").is_file() and (where / "model").is_dir():
+        return SyntheticSet(where / "set", where / "spec.yaml", where / "model", {}, len(list((where / "set").glob("data_*"))))
+    where.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_model("llama", where / "model", num_layers=8, hidden_size=args.hidden, seed=0, residual_scale=4.0)
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    return make_synthetic_set(where, model, files=args.files, layout="specforge", count=2, lengths=lengths)
+
+
+def run(args) -> dict:
+    from surgeon.audit.synthetic import spec_text as _spec_text
 
     tmp = Path(tempfile.mkdtemp(prefix="surgeon-audit-bench-"))
     rep: dict = {"files": args.files, "hidden": args.hidden, "lengths": args.lengths, "cpus": os.cpu_count()}
-    model = make_tiny_model("llama", tmp / "model", num_layers=8, hidden_size=args.hidden, seed=0, residual_scale=4.0)
     t = time.perf_counter()
-    lengths = tuple(int(x) for x in args.lengths.split(","))
-    synth = make_synthetic_set(tmp, model, files=args.files, layout="specforge", count=2, lengths=lengths)
+    synth = make_set(args, Path(args.set) if args.set else tmp)
     rep["generate_s"] = time.perf_counter() - t
     paths = sorted(synth.root.glob("data_*"))
-    rate, total = raw_read_rate(paths)
-    rep["raw_read"] = {"bytes": total, "bytes_per_s": rate}
-    ref = f"hf:{model}"
-    one = audit_rate(synth.root, synth.spec, ref, 1, tmp / "s1.jsonl")
-    two = audit_rate(synth.root, synth.spec, ref, 2, tmp / "s2.jsonl")
-    rep["audit_1_worker"], rep["audit_2_workers"] = one, two
-    rep["ratio_audit_vs_raw_read"] = one["bytes_per_s"] / rate
-    rep["ratio_2_vs_1_workers"] = two["bytes_per_s"] / one["bytes_per_s"]
+    rep["files"], rep["links"] = len(paths), args.links
+    root = linked(synth.root, args.links, tmp / "linked") if args.links > 1 else synth.root
+    timed = sorted(root.glob("*data_*"))
+    r = rounds(timed, root, synth.spec, f"hf:{synth.model}", tmp, args.repeat)
+    rep["rounds"] = r
+    rep["raw_read"] = r["raw_read"][0]
+    rep["ratio_audit_vs_raw_read"] = _median(r["ratios_audit_vs_raw_read"])
+    rep["ratio_2_vs_1_workers"] = _median(r["ratios_2_vs_1_workers"])
+    rep["control_2_vs_1_processes"] = _median(r["control_2_vs_1_processes"])
+    rep["raw_read_2_vs_1_processes"] = _median(r["raw_read_2_vs_1_processes"])
     quarter = subset(synth.root, len(paths) // 4, tmp / "quarter")
     rep["memory"] = {"files": [len(paths) // 4, len(paths)],
                      "maxrss_kb": [child_peak(quarter, synth.spec, tmp / "m1.jsonl"),
@@ -130,9 +232,12 @@ def run(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--files", type=int, default=400)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--lengths", default="512,768,1024", help="sample lengths in tokens, comma-separated")
+    ap.add_argument("--files", type=int, default=48)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--lengths", default="1024,1536,2048", help="sample lengths in tokens, comma-separated")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of (raw read, 1 worker, 2 workers)")
+    ap.add_argument("--set", help="make the synthetic set here once, and reuse it")
+    ap.add_argument("--links", type=int, default=4, help="audit and read each sample this many times (symlinks)")
     ap.add_argument("--structure-files", type=int, default=100_000)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -152,13 +257,25 @@ def main() -> None:
         print(json.dumps(rep, indent=2))
         return
     mb = 1e6
-    print(f"raw sequential read (warm): {rep['raw_read']['bytes_per_s'] / mb:.0f} MB/s over {rep['files']} files "
-          f"({rep['raw_read']['bytes'] / mb:.0f} MB)")
-    for k in ("audit_1_worker", "audit_2_workers"):
-        a = rep[k]
-        print(f"{k}: {a['bytes_per_s'] / mb:.1f} MB/s, {a['files_per_s']} files/s, {a['flagged']} files flagged")
-    print(f"audit / raw read: {rep['ratio_audit_vs_raw_read']:.3f}x (target >= 0.5x)")
-    print(f"2 workers / 1: {rep['ratio_2_vs_1_workers']:.2f}x (target >= 1.6x)")
+    print(f"{rep['files']} files, each linked {rep['links']} times ({rep['raw_read']['bytes'] / mb:.0f} MB read), "
+          f"{args.repeat} rounds of (raw read, 1 worker, 2 workers) back to back")
+    r = rep["rounds"]
+    for i in range(args.repeat):
+        one, two = r["audit_1_worker"][i], r["audit_2_workers"][i]
+        share = two["worker_cpu_share"]
+        print(f"  round {i}: raw read {r['raw_read'][i]['bytes_per_s'] / mb:.0f} MB/s, 1 worker "
+              f"{one['bytes_per_s'] / mb:.0f} MB/s ({one['seconds']:.2f} s wall, CPU {one['cpu_s']}), 2 workers "
+              f"{two['bytes_per_s'] / mb:.0f} MB/s ({two['seconds']:.2f} s wall, CPU {two['cpu_s']}, the workers got "
+              f"{share:.0%} of 2 cores); flagged {one['flagged']} / {two['flagged']}")
+    print(f"audit / raw read: {rep['ratio_audit_vs_raw_read']:.3f}x (median of "
+          f"{', '.join(f'{x:.3f}' for x in r['ratios_audit_vs_raw_read'])}; target >= 0.5x)")
+    print(f"2 workers / 1: {rep['ratio_2_vs_1_workers']:.2f}x (median of "
+          f"{', '.join(f'{x:.2f}' for x in r['ratios_2_vs_1_workers'])}; target >= 1.6x)")
+    print(f"control, a busy loop in 2 processes / 1: {rep['control_2_vs_1_processes']:.2f}x (median of "
+          f"{', '.join(f'{x:.2f}' for x in r['control_2_vs_1_processes'])}; 2.0 on an idle machine)")
+    print(f"control, the raw read in 2 processes / 1: {rep['raw_read_2_vs_1_processes']:.2f}x (median of "
+          f"{', '.join(f'{x:.2f}' for x in r['raw_read_2_vs_1_processes'])}; what a second core adds to reading)")
+    print(f"identity verdicts (1 worker, last round): {r['audit_1_worker'][-1]['verdicts']}")
     m = rep["memory"]
     print(f"peak RSS: {m['maxrss_kb'][0] / 1024:.0f} MB at {m['files'][0]} files, {m['maxrss_kb'][1] / 1024:.0f} MB at "
           f"{m['files'][1]} files")

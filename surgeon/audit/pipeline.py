@@ -21,7 +21,7 @@ from surgeon.audit.aggregate import Aggregate
 from surgeon.audit.profile import Profile
 from surgeon.audit.state import State
 from surgeon.audit.structure import STATE_NAME, discover
-from surgeon.audit.worker import BATCH, Context, batches, file_key, run_batch
+from surgeon.audit.worker import BATCH, Context, batches, file_key, init_worker, run_batch, run_batch_here
 from surgeon.core.errors import BadInput
 
 FAILING = ("identity", "exact")  # finding kinds that say a slot is not what the spec declares
@@ -43,6 +43,7 @@ class AuditReport:
     structure_only: bool
     notes: list[str] = field(default_factory=list)
     report_path: str | None = None
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process (local runs), not in the JSON
 
     @property
     def ok(self) -> bool:
@@ -69,18 +70,28 @@ class AuditReport:
         }
 
 
-def _init_worker() -> None:
+LOCAL_BATCH = 2  # files per task in a local pool: a small result crosses a pipe; fine grains balance the end
+
+
+def _trim_heap() -> None:
+    """Give freed heap back to the OS (glibc's malloc_trim; nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int, cpu: dict[str, float]) -> Iterator[dict[str, Any]]:
+    """Results in ``todo`` order: inline for one worker, else a pool of ``workers`` persistent
+    processes (forked: no start-up import; the context handed over once) with a bounded window of
+    batches in flight. ``cpu``: CPU seconds per process (``driver``, ``worker PID``)."""
     import torch
 
-    torch.set_num_threads(1)
-
-
-def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int) -> Iterator[dict[str, Any]]:
-    """Results in ``todo`` order: inline for one worker, else a spawn process pool with a bounded
-    window of batches in flight."""
+    start = time.process_time()
     if workers <= 1:
-        import torch
-
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # many small ops: one thread each (a worker = a core); threads stall at
         try:  # barriers when a neighbour is busy (~10x slower on a loaded 2-core machine, measured)
@@ -88,19 +99,28 @@ def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int) -> Iterator
                 yield from run_batch(ctx, batch)
         finally:
             torch.set_num_threads(threads)
+            cpu["driver"] = time.process_time() - start
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker) as pool:
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=init_worker,
+                             initargs=(ctx,)) as pool:
         window: deque = deque()
-        for batch in batches(todo, BATCH):
-            window.append(pool.submit(run_batch, ctx, batch))
+
+        def take() -> list[dict[str, Any]]:
+            results, pid, used = window.popleft().result()
+            cpu[f"worker {pid}"] = used
+            return results
+
+        for batch in batches(todo, LOCAL_BATCH):
+            window.append(pool.submit(run_batch_here, batch))
             if len(window) >= 4 * workers:
-                yield from window.popleft().result()
+                yield from take()
         while window:
-            yield from window.popleft().result()
+            yield from take()
+    cpu["driver"] = time.process_time() - start
 
 
 def _exact_picks(n: int, k: int) -> set[int]:
@@ -123,12 +143,13 @@ class Plan:
     state_path: Path | None = None
 
 
-def _executor(plan: Plan, ctx: Context) -> tuple[Callable[[list[tuple[str, bool]]], Iterator[dict[str, Any]]], str]:
+def _executor(plan: Plan, ctx: Context,
+              cpu: dict[str, float]) -> tuple[Callable[[list[tuple[str, bool]]], Iterator[dict[str, Any]]], str]:
     if plan.ray_address:
         from surgeon.audit.ray_backend import run_on_ray
 
         return (lambda todo: run_on_ray(plan.ray_address, ctx, todo, plan.workers)), f"ray:{plan.ray_address}"
-    return (lambda todo: _local(ctx, todo, plan.workers)), "local"
+    return (lambda todo: _local(ctx, todo, plan.workers, cpu)), "local"
 
 
 def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None) -> AuditReport:
@@ -145,13 +166,16 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         raise BadInput(f"{plan.root}: no .ckpt, .safetensors or .pt files under it")
     notes: list[str] = []
     profile, exact_model = (None, None) if plan.structure_only else build_profile(plan.reference, spec, paths, notes)
+    if plan.workers > 1 and not plan.ray_address:
+        _trim_heap()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)
     picks = _exact_picks(len(paths), plan.exact_files if exact_model else 0)
     state = State(plan.state_path or plan.root / STATE_NAME,
-                  {"spec_sha256": spec.sha256, "profile": profile.to_json() if profile else None,
+                  {"spec_sha256": spec.sha256, "profile": profile.digest() if profile else None,
                    "exact_model": exact_model, "exact_files": len(picks), "structure_only": plan.structure_only},
                   plan.resume)
-    run, backend = _executor(plan, ctx)
+    cpu: dict[str, float] = {}
+    run, backend = _executor(plan, ctx, cpu)
     agg, resumed, started = Aggregate(), 0, time.perf_counter()
     try:
         done = [plan.resume and state.done(file_key(p), read=False) is not None for p in paths]
@@ -167,11 +191,12 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
                 state.record(r)
             agg.add(r)
             update(i + 1, len(paths))
+        next(fresh, None)  # runs the executor to its end: the pool closed, the CPU times taken
     finally:
         state.close()
     _notes(notes, agg, plan, profile, exact_model, len(picks))
     return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,
-                       plan.workers, backend, agg, profile, exact_model, plan.structure_only, notes)
+                       plan.workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu)
 
 
 def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model, picked: int) -> None:
@@ -179,6 +204,8 @@ def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model, p
         notes.append("structure pass only: values and identity not checked")
     elif profile is None:
         notes.append("identity not checked: no --reference to build the target's per-point profile from")
+    else:
+        notes.append(profile.describe())
     if not plan.structure_only and exact_model is None:
         notes.append("exact identification not run: it needs --reference hf:MODEL to run the target on each "
                      "sampled file's own tokens")

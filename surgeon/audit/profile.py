@@ -1,25 +1,36 @@
 """The identity pass: a per-point profile of the target that does not depend on the tokens, and
-each slot of each file matched to the nearest point's profile.
+each slot of each file matched to the points whose profile it fits.
 
-The statistic is the median over tokens of ``log ||h_t||`` (the per-token L2 norm): the residual
-stream's norm grows with depth and the final norm resets it to ~``sqrt(H) * |w|``, whatever the
-text (the Kimi-K2.5 mislabelling was found by hand exactly so, from per-token norms). A median
-ignores the few huge "attention sink" tokens. A point's profile is that statistic's centre and
-its spread from sample to sample, measured on the reference prompts (files of the set itself
-when the reference is a model): the median of the prompts' statistics and their standard deviation;
-with fewer than :data:`MIN_PROMPTS` prompts (a reference file holds one), the standard deviation of
-the statistic over chunks of :data:`CHUNK` tokens, which is wider than over whole samples
-(conservative: fewer false alarms, less power).
+Statistics (of one slot of one file, or of one reference prompt at one point):
 
-A slot *fits* a point when its statistic lies within ``tol = max(MIN_TOL, K * spread)`` of the
-point's centre. Verdicts:
+* the 10%, 50% and 90% quantiles over tokens of ``log ||h_t||`` (the per-token L2 norm): the
+  residual stream's norm grows with depth and the final norm resets it to ~``sqrt(H) * |w|``,
+  whatever the text (the Kimi-K2.5 mislabelling was found by hand exactly so, from per-token
+  norms); quantiles ignore the few huge "attention sink" tokens;
+* the per-channel mean direction (the unit mean of :data:`~surgeon.audit.values.SAMPLE_ROWS`
+  sampled rows) and the per-channel RMS profile (log RMS per channel, centred), compared with the
+  point's by cosine: real models carry massive activations in a few channels that move from
+  layer to layer, which a scalar norm does not see.
 
-* ``ok``: it fits its declared point and that point is the nearest;
+A point's profile holds each statistic's centre and its spread from sample to sample, measured
+on the reference prompts (files of the set itself when the reference is a model): scalars, the
+median of the prompts' values and their standard deviation, tolerance ``max(MIN_TOL, K *
+spread)``; directions, the normalised mean of the prompts' and, as tolerance, ``VK`` times the
+largest cosine distance of a prompt from it (at least :data:`MIN_VTOL`). With fewer than
+:data:`MIN_PROMPTS` prompts (a reference file holds one) the spreads are measured over chunks of
+:data:`CHUNK` tokens, which vary more than whole samples (conservative: fewer false alarms, less
+power). A statistic that varies as much within a point as between points gets a wide tolerance:
+it tells nothing apart, and flags nothing.
+
+A slot *fits* a point when every statistic lies within its tolerance of the point's (its
+distance, the largest of the statistics' in tolerances, is <= 1). Verdicts:
+
+* ``ok``: it fits its declared point and no other;
+* ``unresolved``: it fits its declared point and another one too: the statistics cannot tell
+  these points apart for this slot; not a failure, and said so (the exact identification on a
+  sample of files is what decides);
 * ``mismatch``: it does not fit its declared point but fits another (``nearest`` names it);
 * ``no_match``: it fits no point (a foreign state, a scaled or broken buffer);
-* ``unresolved``: it fits its declared point but another point is nearer: the profile cannot
-  tell these points apart (adjacent deep layers often differ in norm by less than the spread);
-  not a failure, and said so (the exact identification on a sample of files is what decides);
 * ``not_run``: no finite rows, no declared point, or no profile.
 
 Only ``mismatch`` and ``no_match`` fail an audit.
@@ -39,18 +50,88 @@ MIN_PROMPTS = 6  # fewer reference prompts: the spread is measured over CHUNK-to
 CHUNK = 32
 K_CHUNKS = 10.0  # chunks of one prompt vary less than whole samples do at some depths: a wider band
 MIN_TOL = 0.03  # log units: 3% in norm
+VK = 2.0  # direction tolerance: this many times the largest distance of a reference prompt
+MIN_VTOL = 0.02  # cosine distance
+ANCHOR_TOL = 0.02  # cosine distance within which a first row is the point's (engines' numerics differ a little)
+SCALARS = ("log_norm_median", "log_norm_width")
+VECTORS = ("direction", "rms_profile")
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One slot's (or one reference prompt's) identity statistics."""
+
+    scalars: tuple[float | None, ...]  # SCALARS
+    vectors: tuple[Any, ...] = (None, None)  # VECTORS: unit float32 [H] tensors, or None
+    first_token: int | None = None  # the anchor: the sample's first token and its row (unit float32 [H])
+    first_row: Any = None
+
+
+def stats_of(sv, sample=None, first_token: int | None = None, first_row=None) -> Stats:
+    """The statistics of a slot from its :class:`~surgeon.audit.values.SlotValues`, row sample and
+    first row (the state of position 0, which depends on the first token only)."""
+    import torch
+
+    vec: tuple[Any, ...] = (None, None)
+    if sample is not None and sample.shape[0] >= 2:
+        rms = sample.square().mean(0).sqrt().clamp_min(1e-30).log()
+        both = torch.stack([sample.mean(0), rms - rms.mean()])
+        both = both / torch.linalg.vector_norm(both, dim=1, keepdim=True).clamp_min(1e-30)
+        if bool(torch.isfinite(both).all()):
+            vec = (both[0], both[1])
+    width = None if sv.log_norm_q90 is None else sv.log_norm_q90 - sv.log_norm_q10
+    row = None
+    if first_token is not None and first_row is not None:
+        row = first_row.float()
+        n = float(torch.linalg.vector_norm(row))
+        row = row / n if math.isfinite(n) and n > 0 else None
+    return Stats((sv.log_norm_median, width), vec, first_token if row is not None else None, row)
+
+
+def _unit(v):
+    import torch
+
+    return v / torch.linalg.vector_norm(v).clamp_min(1e-30)
+
+
+def _cos_distance(a, b) -> float:
+    return float(1.0 - (a * b).sum())
 
 
 @dataclass(frozen=True)
 class PointProfile:
     point: str
-    centre: float  # median over tokens of log per-token norm
-    spread: float  # std of that statistic over prompts (or CHUNK-token chunks of too few prompts)
+    centre: float  # median over prompts of the median log per-token norm (the statistic the report plots)
+    spread: float  # its std over prompts (or CHUNK-token chunks of too few prompts)
     k: float = K  # tolerance in spreads
+    centres: tuple[float, ...] = ()  # SCALARS
+    spreads: tuple[float, ...] = ()
+    vectors: tuple[Any, ...] = (None, None)  # VECTORS' centres
+    vtols: tuple[float, ...] = (math.inf, math.inf)
+    first_token: int | None = None  # the anchor's token and this point's state there (unit), if any
+    first_row: Any = None
 
     @property
     def tol(self) -> float:
         return max(MIN_TOL, self.k * self.spread)
+
+    def distance(self, s: Stats) -> float:
+        """The slot's distance from this point, in tolerances: the largest of its statistics'."""
+        d = 0.0
+        for x, c, sp in zip(s.scalars, self.centres, self.spreads):
+            if x is not None:
+                d = max(d, abs(x - c) / max(MIN_TOL, self.k * sp))
+        for v, c, tol in zip(s.vectors, self.vectors, self.vtols):
+            if v is not None and c is not None and v.shape == c.shape:
+                d = max(d, _cos_distance(v, c) / tol)
+        return d
+
+    def anchored(self, s: Stats) -> bool | None:
+        """Whether the slot's first row is this point's (None: no anchor to compare on)."""
+        if s.first_row is None or self.first_row is None or s.first_token != self.first_token \
+                or s.first_row.shape != self.first_row.shape:
+            return None
+        return _cos_distance(s.first_row, self.first_row) <= ANCHOR_TOL
 
 
 @dataclass(frozen=True)
@@ -65,61 +146,173 @@ class Profile:
                 "points": [{"point": p.point, "centre": p.centre, "spread": p.spread, "tol": p.tol}
                            for p in self.points]}
 
+    def describe(self) -> str:
+        """Which statistics this profile compares (a reference of norms only has no others)."""
+        has = ["the median and the 10-90% width of log per-token norms"]
+        if any(v is not None for p in self.points for v in p.vectors):
+            has.append("the per-channel mean direction and RMS profile")
+        tok = next((p.first_token for p in self.points if p.first_row is not None), None)
+        if tok is not None:
+            has.append(f"the first row of samples that start with token {tok} (its state depends on that token only)")
+        return "identity statistics: " + ", ".join(has)
 
-def _log_norms(norms):
+    def distances(self, s: Stats) -> dict[str, float]:
+        """Every point's :meth:`PointProfile.distance` from ``s``, in a few whole-profile tensor ops."""
+        import torch
+
+        m = self._matrices()
+        d = torch.zeros(len(self.points), dtype=torch.float64)
+        x = torch.tensor([math.nan if v is None else v for v in s.scalars], dtype=torch.float64)
+        ok = ~torch.isnan(x)
+        if bool(ok.any()):
+            d = torch.maximum(d, ((x - m["centres"]).abs() / m["tols"])[:, ok].amax(1))
+        for i, v in enumerate(s.vectors):
+            c = m["vectors"][i]
+            if v is not None and c is not None and c.shape[1] == v.shape[0]:
+                d = torch.maximum(d, ((1.0 - c @ v.float()).double() / m["vtols"][i]).nan_to_num(0.0))
+        return dict(zip((p.point for p in self.points), d.tolist()))
+
+    def _matrices(self) -> dict[str, Any]:
+        cached = self.__dict__.get("_mats")
+        if cached is None:
+            import torch
+
+            pts = self.points
+            vectors = []
+            for i in range(len(VECTORS)):
+                vs = [p.vectors[i] for p in pts]
+                shapes = {v.shape for v in vs if v is not None}
+                vectors.append(None if len(shapes) != 1 else torch.stack(
+                    [torch.full(next(iter(shapes)), math.nan) if v is None else v.float() for v in vs]))
+            cached = {"centres": torch.tensor([p.centres for p in pts], dtype=torch.float64),
+                      "tols": torch.tensor([[max(MIN_TOL, p.k * sp) for sp in p.spreads] for p in pts],
+                                           dtype=torch.float64),
+                      "vectors": vectors,
+                      "vtols": [torch.tensor([p.vtols[i] for p in pts], dtype=torch.float64) for i in range(len(VECTORS))]}
+            object.__setattr__(self, "_mats", cached)
+        return cached
+
+    def digest(self) -> str:
+        """A sha256 of every statistic's centre and tolerance (what a resume state must agree on)."""
+        import hashlib
+
+        h = hashlib.sha256(repr(self.to_json()).encode())
+        for p in self.points:
+            h.update(repr((p.centres, p.spreads, p.vtols, p.k, p.first_token)).encode())
+            for v in (*p.vectors, p.first_row):
+                if v is not None:
+                    h.update(v.numpy().tobytes())
+        return h.hexdigest()
+
+
+def _norm_stats(norms) -> Stats:
+    from surgeon.audit.values import SlotValues, norm_stats
+
+    sv = SlotValues("", None, "")
+    norm_stats(sv, norms.float().reshape(-1))
+    return stats_of(sv)
+
+
+def _state_stats(x) -> Stats:
+    from surgeon.audit.values import slot_values
+
+    sv, _, sample = slot_values("", None, x.float())
+    return stats_of(sv, sample)
+
+
+def _vector_centre(vs: list, pieces: list) -> tuple[Any, float]:
     import torch
 
-    n = norms.double().reshape(-1)
-    return n[torch.isfinite(n) & (n > 0)].log()
+    if not vs or len(pieces) < 2:
+        return None, math.inf
+    c = _unit(torch.stack(vs).mean(0))
+    return c, max(MIN_VTOL, VK * max(_cos_distance(v, c) for v in pieces))
 
 
-def profile_from_norms(prompts: list[dict[Point, object]], num_layers: int, source: str) -> Profile:
-    """A profile from per-token norms ``{point: [T]}`` of one or more prompts (deltas ignored):
-    per point, the median of the prompts' statistics and their spread (one prompt: the spread of
-    its halves)."""
+def _point(p: str, whole: list[Stats], pieces: list[Stats], k: float, anchor: tuple[int | None, Any]) -> PointProfile:
     import torch
 
+    centres, spreads = [], []
+    for i in range(len(SCALARS)):
+        xs = torch.tensor([s.scalars[i] for s in whole if s.scalars[i] is not None], dtype=torch.float64)
+        ps = torch.tensor([s.scalars[i] for s in pieces if s.scalars[i] is not None], dtype=torch.float64)
+        if not xs.numel():
+            raise BadInput(f"the reference's {p} holds no finite nonzero rows: no profile")
+        sd = float(ps.std()) if ps.numel() > 1 else 0.0
+        centres.append(float(xs.median()))
+        spreads.append(sd if math.isfinite(sd) else 0.0)
+    vecs = [_vector_centre([s.vectors[i] for s in whole if s.vectors[i] is not None],
+                           [s.vectors[i] for s in pieces if s.vectors[i] is not None]) for i in range(len(VECTORS))]
+    return PointProfile(p, centres[0], spreads[0], k, tuple(centres), tuple(spreads), tuple(v for v, _ in vecs),
+                        tuple(t for _, t in vecs), *anchor)
+
+
+def _chunks(x, n: int) -> list:
+    return [x[a:a + CHUNK] for a in range(0, n, CHUNK) if min(CHUNK, n - a) >= CHUNK // 2]
+
+
+def _anchor(states: list, first_tokens: list[int] | None) -> tuple[int | None, Any]:
+    """The most common first token of the prompts and the point's unit state there (their mean)."""
+    import torch
+
+    if not first_tokens or states[0].dim() != 2:
+        return None, None
+    tok = max(set(first_tokens), key=first_tokens.count)
+    rows = [x[0].float() for x, t in zip(states, first_tokens) if t == tok]
+    row = _unit(torch.stack(rows).mean(0))
+    return (tok, row) if bool(torch.isfinite(row).all()) and bool(row.any()) else (None, None)
+
+
+def _profile(prompts: list[dict[Point, Any]], num_layers: int, source: str, stats,
+             first_tokens: list[int] | None = None) -> Profile:
     if not prompts:
         raise BadInput("no reference states to build the identity profile from")
     points = [p for p in sorted(prompts[0], key=lambda p: p.depth(num_layers)) if p.kind != "layer_delta"]
-    out, tokens = [], 0
+    few = len(prompts) < MIN_PROMPTS  # too few prompts to measure a spread: chunks of them, conservatively
+    out = []
     for p in points:
-        logs = [_log_norms(norms[p]) for norms in prompts]
-        if not sum(ln.numel() for ln in logs):
-            raise BadInput(f"the reference's {p} holds no finite nonzero rows: no profile")
-        if len(logs) < MIN_PROMPTS:  # too few prompts to measure a spread: chunks of one prompt, conservatively
-            stats = torch.tensor([float(ln[a:a + CHUNK].median()) for ln in logs for a in range(0, ln.numel(), CHUNK)
-                                  if ln[a:a + CHUNK].numel() >= CHUNK // 2], dtype=torch.float64)
-            centre = float(torch.cat(logs).median())
-            k = K_CHUNKS
-        else:
-            k = K
-            stats = torch.tensor([float(ln.median()) for ln in logs if ln.numel()], dtype=torch.float64)
-            centre = float(stats.median())
-        spread = float(stats.std()) if stats.numel() > 1 else 0.0
-        out.append(PointProfile(str(p), centre, spread if math.isfinite(spread) else 0.0, k))
-        tokens = sum(int(ln.numel()) for ln in logs)
+        whole = [stats(x[p]) for x in prompts]
+        pieces = [stats(c) for x in prompts for c in _chunks(x[p], x[p].shape[0])] if few else whole
+        out.append(_point(str(p), whole, pieces, K_CHUNKS if few else K, _anchor([x[p] for x in prompts], first_tokens)))
+    tokens = sum(int(x[points[-1]].shape[0]) for x in prompts) if points else 0
     return Profile(tuple(out), source, len(prompts), tokens)
 
 
-def profile_from_states(prompts: list[dict[Point, Any]], num_layers: int, source: str) -> Profile:
-    """A profile from reference states ``{point: [T, H]}`` of one or more prompts."""
-    import torch
-
-    return profile_from_norms([{p: torch.linalg.vector_norm(x.float(), dim=1) for p, x in states.items()}
-                               for states in prompts], num_layers, source)
+def profile_from_norms(prompts: list[dict[Point, object]], num_layers: int, source: str) -> Profile:
+    """A profile from per-token norms ``{point: [T]}`` of one or more prompts (deltas ignored): the
+    norm statistics only."""
+    return _profile(prompts, num_layers, source, _norm_stats)
 
 
-def match_slot(profile: Profile | None, declared: str | None, stat: float | None) -> dict:
-    """The identity of one slot against the profile: nearest point, verdict, distance (in tols)."""
-    if profile is None or declared is None or stat is None or not math.isfinite(stat):
+def profile_from_states(prompts: list[dict[Point, Any]], num_layers: int, source: str,
+                        first_tokens: list[int] | None = None) -> Profile:
+    """A profile from reference states ``{point: [T, H]}`` of one or more prompts: every statistic,
+    and the first-row anchor when ``first_tokens`` (each prompt's first token id) are given."""
+    return _profile(prompts, num_layers, source, _state_stats, first_tokens)
+
+
+def match_slot(profile: Profile | None, declared: str | None, stats: Stats | None) -> dict:
+    """The identity of one slot against the profile: nearest point, verdict, distance (in tolerances).
+
+    The points whose statistics the slot fits are the candidates; when several are, the first-row
+    anchor (where the slot's sample starts with the profile's first token) keeps those whose state
+    at position 0 the slot's first row is; a first row that is no candidate's (a sample cut from
+    the middle of a sequence: its position 0 has context) decides nothing."""
+    if profile is None or declared is None or stats is None or stats.scalars[0] is None \
+            or not math.isfinite(stats.scalars[0]):
         return {"nearest": None, "verdict": "not_run", "distance": None}
-    dist = {p.point: abs(stat - p.centre) / p.tol for p in profile.points}
-    nearest = min(profile.points, key=lambda p: abs(stat - p.centre)).point  # in norm, not in tolerances
+    dist = profile.distances(stats)
     if declared not in dist:
-        return {"nearest": nearest, "verdict": "not_run", "distance": None}
-    if dist[declared] <= 1.0:
-        verdict = "ok" if nearest == declared or dist[nearest] == dist[declared] else "unresolved"
+        return {"nearest": min(dist, key=lambda k: dist[k]), "verdict": "not_run", "distance": None}
+    fits = [p for p in profile.points if dist[p.point] <= 1.0]
+    if len(fits) > 1:
+        anchored = [p for p in fits if p.anchored(stats)]
+        fits = anchored or fits
+    names = [p.point for p in fits]
+    nearest = min(names, key=lambda k: dist[k]) if names else None
+    if declared in names:
+        verdict = "ok" if len(names) == 1 else "unresolved"
+        nearest = declared if len(names) == 1 else nearest
     else:
-        verdict = "mismatch" if dist[nearest] <= 1.0 else "no_match"
-    return {"nearest": nearest if dist[nearest] <= 1.0 else None, "verdict": verdict, "distance": dist[declared]}
+        verdict = "mismatch" if names else "no_match"
+    return {"nearest": nearest, "verdict": verdict, "distance": dist[declared]}

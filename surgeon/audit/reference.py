@@ -48,7 +48,8 @@ def build_profile(reference: str | None, spec, paths: list[str], notes: list[str
         refs = [capture_reference(model_dir, ids) for ids in _prompt_ids(paths, spec.num_layers)]
         _check_layers(refs[0].num_layers, spec)
         notes.append(f"identity profile: {label} run on the input ids of {len(refs)} files of the set")
-        return profile_from_states([r.states for r in refs], spec.num_layers, label), str(Path(model_dir).resolve())
+        return (profile_from_states([r.states for r in refs], spec.num_layers, label, [int(r.input_ids[0]) for r in refs]),
+                str(Path(model_dir).resolve()))
     from surgeon.verify.fingerprint import Fingerprint
     from surgeon.verify.harness import load_reference_arg
 
@@ -57,7 +58,7 @@ def build_profile(reference: str | None, spec, paths: list[str], notes: list[str
     notes.append(f"identity profile: {reference} (one prompt, {ref.input_ids.numel()} tokens)")
     if isinstance(ref, Fingerprint):
         return profile_from_norms([ref.norms], spec.num_layers, reference), None
-    return profile_from_states([ref.states], spec.num_layers, reference), None
+    return profile_from_states([ref.states], spec.num_layers, reference, [int(ref.input_ids.reshape(-1)[0])]), None
 
 
 def _check_layers(num_layers: int, spec) -> None:

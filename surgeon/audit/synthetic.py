@@ -29,6 +29,7 @@ LENGTHS = (64, 96, 128)
 BOS = 0
 AUX = (0, 2, 4)  # the spec's aux layers: early layers, where a tiny random target's norms tell layers apart
 LAYOUTS = ("specforge", "speculators", "surgeon")
+BATCH_TOKENS = 16384  # tokens per forward pass of the target
 
 
 @dataclass
@@ -160,8 +161,9 @@ def make_synthetic_set(out_dir: str | Path, model_dir: str | Path, *, files: int
     result = SyntheticSet(root, spec, Path(model_dir), {}, files)
     for t in sorted(set(choices)):
         idx = [i for i in range(files) if sizes[i] == t]
-        for a in range(0, len(idx), 64):
-            chunk = idx[a:a + 64]
+        rows = max(1, min(64, BATCH_TOKENS // t))  # every point of the batch is kept: bound its tokens
+        for a in range(0, len(idx), rows):
+            chunk = idx[a:a + rows]
             got = _run(model, torch.stack([ids[i] for i in chunk]))
             for b, i in enumerate(chunk):
                 fault = faulty.get(i)

@@ -3,10 +3,12 @@
 Per slot ``[T, H]`` (any float dtype; statistics in float32):
 
 * rows holding NaN or Inf, all-zero rows, constant rows (every element equal, not zero);
-* per-token L2 norms: mean, spread, min, max over the finite rows, and the median of their
-  logarithm (the statistic the identity pass compares with the target's profile: a median is
-  not moved by the few huge "attention sink" tokens real models have);
-* a 64-bit hash of every row's *bits* (the dtype's integer view, so only bit-identical rows
+* per-token L2 norms (one pass in the slot's own dtype, several slots of one tensor at once):
+  mean, spread, min, max over the finite rows, and the 10%, 50% and 90% quantiles of their
+  logarithm (identity statistics: quantiles are not moved by the few huge "attention sink"
+  tokens real models have); a float32 sample of :data:`SAMPLE_ROWS` good rows, from which the
+  identity pass takes the per-channel statistics (:mod:`surgeon.audit.profile`);
+* a 64-bit hash of the *bits* of 64 columns of every row (the dtype's integer view, so only bit-identical rows
   share a hash): rows one slot shares with another slot of the same file are reported here;
   a few rows per slot (the :data:`KEEP` smallest hashes: the same rows are kept from two
   identical copies, whatever file they sit in) go to the driver, keyed by what the row depends
@@ -40,6 +42,8 @@ class SlotValues:
     norm_min: float | None = None
     norm_max: float | None = None
     log_norm_median: float | None = None
+    log_norm_q10: float | None = None
+    log_norm_q90: float | None = None
     findings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -58,22 +62,27 @@ def _weights(n: int):
     return _WEIGHTS[n]
 
 
-def _columns(H: int) -> slice:
-    """About :data:`HASH_COLUMNS` evenly spaced columns (a strided view: nothing is gathered)."""
-    return slice(None, None, max(1, H // HASH_COLUMNS))
-
-
-def row_hashes(x):
-    """[T] int64: a hash of the bits of each row's :func:`_columns` (int64 arithmetic wraps, which
-    is what a hash wants). Bit-identical rows hash the same; two rows of a continuous state that
-    differ do so in every column, so a subset tells them apart as well as the whole row would."""
+def _words(blocks):
+    """The bits of ``blocks`` ([..., T, W]) as int64 words: 8-byte words where the row's bytes split so."""
     import torch
 
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    cols = _columns(x.shape[1])
-    xi = x[:, cols].contiguous().view(bits).to(torch.int64)
-    h = (xi * _weights(xi.shape[1])).sum(1)
-    return h ^ (h >> 31)
+    xs = blocks.contiguous()
+    if (xs.shape[-1] * xs.element_size()) % 8 == 0:
+        return xs.view(torch.int64)
+    return xs.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[xs.element_size()]).to(torch.int64)
+
+
+def row_hashes(blocks, raw: bool = False):
+    """[..., T] int64: a hash of the bits of each row of ``blocks`` ([..., T, W], :func:`_block` of
+    the slots; int64 arithmetic wraps, which is what a hash wants). Bit-identical rows hash the
+    same; two rows of a continuous state that differ do so in every column, so a block tells them
+    apart as well as the whole row would. ``raw``: also whether each row may be constant (every
+    word the same gives ``word x sum(weights)``, before the final mix; the whole row decides)."""
+    xi = _words(blocks)
+    w = _weights(xi.shape[-1])
+    h = (xi * w).sum(-1)
+    mixed = h ^ (h >> 31)
+    return (mixed, h == xi[..., 0] * w.sum()) if raw else mixed
 
 
 def _mix(x):
@@ -95,61 +104,144 @@ def prefix_hashes(ids):
     return _mix(torch.cumsum(_mix(ids + 0x9E37) * pos, 0))
 
 
-def _norm_stats(sv: SlotValues, norms) -> None:
+QUANTILES = (0.1, 0.5, 0.9)
+SAMPLE_ROWS = 64  # rows per slot for the per-channel statistics (mean direction, RMS profile)
+
+
+def _norm_table(N, finite) -> list[dict[str, float | None]]:
+    """Per row of ``N`` [S, T] (float32 norms): mean, std, min, max over its ``finite`` entries and the
+    :data:`QUANTILES` of log of the finite positive ones, for every slot in a few ops."""
     import torch
 
-    ok = torch.isfinite(norms)
-    good = norms[ok]
-    if good.numel():
-        sv.norm_mean = float(good.mean())
-        sv.norm_std = float(good.std()) if good.numel() > 1 else 0.0
-        sv.norm_min, sv.norm_max = float(good.min()), float(good.max())
-        pos = good[good > 0]
-        sv.log_norm_median = float(pos.log().median()) if pos.numel() else None
+    cnt = finite.sum(1)
+    safe = torch.where(finite, N, torch.zeros_like(N)).double()
+    mean = safe.sum(1) / cnt.clamp_min(1)
+    var = (torch.where(finite, safe - mean[:, None], torch.zeros_like(safe)) ** 2).sum(1) / (cnt - 1).clamp_min(1)
+    lo = torch.where(finite, N, torch.full_like(N, math.inf)).amin(1)
+    hi = torch.where(finite, N, torch.full_like(N, -math.inf)).amax(1)
+    pos = finite & (N > 0)
+    logs = torch.where(pos, N.clamp_min(1e-38).log(), torch.full_like(N, math.inf)).sort(1).values
+    n = pos.sum(1)
+    at = torch.stack([(f * (n - 1).clamp_min(0) + 0.5).floor().long() for f in QUANTILES], 1)
+    qs = logs.gather(1, at.clamp_max(N.shape[1] - 1)).tolist()
+    out = []
+    for s, (c, m, v, a, b, k) in enumerate(zip(cnt.tolist(), mean.tolist(), var.tolist(), lo.tolist(), hi.tolist(),
+                                              n.tolist())):
+        row: dict[str, float | None] = dict.fromkeys(("norm_mean", "norm_std", "norm_min", "norm_max", "log_norm_q10",
+                                                      "log_norm_median", "log_norm_q90"))
+        if c:
+            row.update(norm_mean=m, norm_std=math.sqrt(v) if c > 1 else 0.0, norm_min=a, norm_max=b)
+        if k:
+            row.update(log_norm_q10=qs[s][0], log_norm_median=qs[s][1], log_norm_q90=qs[s][2])
+        out.append(row)
+    return out
 
 
-def slot_values(name: str, declared: Point | None, x) -> tuple[SlotValues, Any]:
-    """The values of one slot and its row hashes ([T] int64)."""
+def norm_stats(sv: SlotValues, norms) -> None:
+    """Mean, spread, extremes of the finite norms ``[T]``; quantiles of log of the positive ones."""
     import torch
 
-    sv = SlotValues(name, None if declared is None else str(declared), str(x.dtype).replace("torch.", ""))
-    # one pass in the slot's own dtype (torch accumulates half types in float32; converting the slot
-    # first would cost ~10x more); NaN/Inf rows give NaN/Inf
-    norms = torch.linalg.vector_norm(x, dim=1).float()
-    finite_rows = torch.isfinite(norms)
-    if not bool(finite_rows.all()):  # which of them hold NaN/Inf, and which only overflowed float32
-        bad = torch.nonzero(~finite_rows).reshape(-1)
-        finite_rows[bad] = torch.isfinite(x[bad]).all(1)
-        norms[bad[finite_rows[bad]]] = torch.linalg.vector_norm(x[bad[finite_rows[bad]]].double(), dim=1).float()
-    sv.nonfinite_rows = int((~finite_rows).sum())
-    zero = norms == 0
-    sv.zero_rows = int(zero.sum())
-    sub = x[:, _columns(x.shape[1])]  # a constant row is constant on any columns: check those first
-    maybe = torch.nonzero((sub.amax(1) == sub.amin(1)) & ~zero & finite_rows).reshape(-1)
-    const = torch.zeros_like(zero)
-    if maybe.numel():
-        const[maybe] = x[maybe].amax(1) == x[maybe].amin(1)
-    sv.constant_rows = int(const.sum())
-    _norm_stats(sv, torch.where(finite_rows, norms, torch.full_like(norms, math.nan)))
-    T = x.shape[0]
+    N = norms.float().reshape(1, -1)
+    for k, x in _norm_table(N, torch.isfinite(N))[0].items():
+        setattr(sv, k, x)
+
+
+def _block(x):
+    """[T, <=64] the :data:`HASH_COLUMNS` contiguous columns in the middle of each row: one page of a
+    memory-mapped file a row (scattered columns cost a TLB miss each, ~10x the arithmetic)."""
+    H = x.shape[1]
+    a = max(0, H // 2 - HASH_COLUMNS // 2)
+    return x[:, a:a + HASH_COLUMNS]
+
+
+def _bad_rows(xs: list, N, finite) -> None:
+    """For the rows whose norm is not finite: which hold NaN/Inf, and which only overflowed their
+    dtype (their norm recomputed in float64), in place."""
+    import torch
+
+    for s in torch.nonzero(~finite.all(1)).reshape(-1).tolist():
+        x = xs[s]
+        bad = torch.nonzero(~finite[s]).reshape(-1)
+        finite[s, bad] = torch.isfinite(x[bad]).all(1)
+        fixed = bad[finite[s, bad]]
+        N[s, fixed] = torch.linalg.vector_norm(x[fixed].double(), dim=1).float()
+
+
+def _constant(xs: list, maybe, zero, finite):
+    """[S, T] rows holding one value repeated (not zero): the candidates ``maybe`` checked whole."""
+    import torch
+
+    const = maybe & ~zero & finite
+    for s in torch.nonzero(const.any(1)).reshape(-1).tolist():
+        rows = torch.nonzero(const[s]).reshape(-1)
+        const[s, rows] = xs[s][rows].amax(1) == xs[s][rows].amin(1)
+    return const
+
+
+def _findings(sv: SlotValues, T: int) -> None:
     if sv.nonfinite_rows:
         sv.findings.append(f"nonfinite: {sv.nonfinite_rows} of {T} rows hold NaN or Inf")
     if sv.zero_rows:
         sv.findings.append(f"zero: {sv.zero_rows} of {T} rows are all zeros" + (" (the whole slot)" if sv.zero_rows == T else ""))
     if sv.constant_rows:
         sv.findings.append(f"constant: {sv.constant_rows} of {T} rows hold one value repeated")
-    h = row_hashes(x)
-    return sv, torch.where(finite_rows & ~zero & ~const, h, torch.zeros_like(h))
 
 
-def repeated_across_slots(names: list[str], hashes: list) -> list[tuple[str, str]]:
-    """(slot, finding) for rows one slot shares bit for bit with another slot of the same file
-    (two different points are never bit-identical; bad rows, hashed 0, are reported already)."""
+def file_values(names: list[str], declared: list[Point | None], xs: list, norms: list | None = None):
+    """The values of a file's slots ``xs`` (each [T, H], one T and H): per slot its
+    :class:`SlotValues`, the row hashes ``[S, T]`` int64 (0 for bad rows) and a float32 sample of
+    its good rows (for the per-channel identity statistics). ``norms``: per slot its row norms
+    where the caller computed several slots' in one pass (None: computed here)."""
     import torch
 
-    live = [torch.unique(h[h != 0]) for h in hashes]
-    allh = torch.cat(live) if live else torch.empty(0, dtype=torch.int64)
-    if allh.numel() == torch.unique(allh).numel():  # no hash in two slots: the usual case, one pass
+    # the slot's own dtype: torch accumulates half types in float32 (converting first: ~10x slower)
+    N = torch.stack([(torch.linalg.vector_norm(x, dim=1) if n is None else n).float()
+                     for x, n in zip(xs, norms or [None] * len(xs))])
+    finite = torch.isfinite(N)  # NaN/Inf rows give NaN/Inf
+    if not bool(finite.all()):
+        _bad_rows(xs, N, finite)
+    zero = N == 0
+    blocks = torch.stack([_block(x) for x in xs])  # [S, T, 64]: one page a row of each slot
+    h, maybe = row_hashes(blocks, raw=True)
+    const = _constant(xs, maybe, zero, finite)
+    good = finite & ~zero & ~const
+    table = _norm_table(N, finite)
+    counts = torch.stack([(~finite).sum(1), zero.sum(1), const.sum(1)], 1).tolist()
+    T = N.shape[1]
+    out = []
+    for name, d, x, row, (nf, nz, nc) in zip(names, declared, xs, table, counts):
+        sv = SlotValues(name, None if d is None else str(d), str(x.dtype).replace("torch.", ""), nf, nz, nc)
+        for k, val in row.items():
+            setattr(sv, k, val)
+        _findings(sv, T)
+        out.append(sv)
+    return out, torch.where(good, h, torch.zeros_like(h)), [sample_rows(x, g) for x, g in zip(xs, good)]
+
+
+def slot_values(name: str, declared: Point | None, x, norms=None) -> tuple[SlotValues, Any, Any]:
+    """:func:`file_values` of one slot: its values, row hashes ([T]) and row sample."""
+    svs, h, samples = file_values([name], [declared], [x], [norms])
+    return svs[0], h[0], samples[0]
+
+
+def sample_rows(x, good, n: int = SAMPLE_ROWS):
+    """float32 [<=n, H]: about ``n`` evenly spaced rows of ``x``, those of them that are good, the
+    first row (often a BOS sink) left out."""
+    import torch
+
+    T = x.shape[0]
+    idx = torch.arange(1, T, max(1, (T - 1) // n))[:n] if T > 1 else torch.zeros(1, dtype=torch.long)
+    return x[idx[good[idx]]].float()
+
+
+def repeated_across_slots(names: list[str], hashes) -> list[tuple[str, str]]:
+    """(slot, finding) for rows one slot shares bit for bit with another slot of the same file
+    (two different points are never bit-identical; bad rows, hashed 0, are reported already).
+    ``hashes``: [S, T]."""
+    import torch
+
+    live = hashes[hashes != 0]
+    if live.numel() == torch.unique(live).numel():  # no hash twice in the file: the usual case, one sort
         return []
     out = []
     for i in range(len(hashes)):
@@ -162,22 +254,21 @@ def repeated_across_slots(names: list[str], hashes: list) -> list[tuple[str, str
     return out
 
 
-def sampled_rows(declared: list[Point | None], hashes: list, ids) -> list[list[int]]:
-    """[slot, row hash, context hash, token] of the :data:`KEEP` smallest-hash rows of each slot,
-    the context being what the row may depend on: the token for ``embed``, the prefix otherwise."""
+def sampled_rows(declared: list[Point | None], hashes, ids) -> list[list[int]]:
+    """[slot, row hash, context hash, token] of the :data:`KEEP` smallest-hash rows of each slot
+    (``hashes`` [S, T]), the context being what the row may depend on: the token for ``embed``,
+    the prefix otherwise."""
     import torch
 
-    if ids is None:
+    if ids is None or not hashes.numel():
         return []
     ids = ids.reshape(-1).to(torch.int64)
     pre = prefix_hashes(ids)
-    out = []
-    for s, (d, h) in enumerate(zip(declared, hashes)):
-        nz = torch.nonzero(h != 0).reshape(-1)
-        if not nz.numel():
-            continue
-        order = torch.argsort(h[nz], stable=True)[:KEEP]
+    top = torch.iinfo(torch.int64).max
+    vals, rows = torch.where(hashes == 0, torch.full_like(hashes, top), hashes).topk(
+        min(KEEP, hashes.shape[1]), dim=1, largest=False, sorted=True)
+    out: list[list[int]] = []
+    for s, (d, vs, ts) in enumerate(zip(declared, vals.tolist(), rows.tolist())):
         ctx = ids if d == EMBED else pre
-        for t in nz[order].tolist():
-            out.append([s, int(h[t]), int(ctx[t]), t])
+        out.extend([s, v, int(ctx[t]), t] for v, t in zip(vs, ts) if v != top)
     return out

@@ -52,6 +52,27 @@ def run_batch(ctx: Context, batch: list[tuple[str, bool]]) -> list[dict[str, Any
     return [audit_file(ctx, path, exact) for path, exact in batch]
 
 
+_WORKER_CTX: list[Context] = []  # a pool worker's context, set once when it starts (nothing pickled per task)
+
+
+def init_worker(ctx: Context) -> None:
+    """A local pool worker's start: one torch thread (a worker is a core; threads of two workers on
+    two cores stall each other at barriers; and a forked child must not enter the OpenMP pool its
+    parent used), its context kept for every batch."""
+    import torch
+
+    torch.set_num_threads(1)
+    _WORKER_CTX[:] = [ctx]
+
+
+def run_batch_here(batch: list[tuple[str, bool]]) -> tuple[list[dict[str, Any]], int, float]:
+    """A pool worker's task: :func:`run_batch` with the context :func:`init_worker` kept, this
+    process's id and the CPU seconds it has used so far (parallel efficiency is judged by them)."""
+    import time
+
+    return run_batch(_WORKER_CTX[0], batch), os.getpid(), time.process_time()
+
+
 def file_key(path: str | Path) -> dict[str, Any]:
     """What says a file is the one already audited: its path, size and mtime (ns)."""
     st = os.stat(path)
@@ -102,43 +123,55 @@ def _subject_slots(path: str, spec) -> tuple[list, Any]:
     return [t for _, _, t in subject.slots], subject.input_ids
 
 
-def _specforge_slots(st: Structure) -> tuple[list, Any]:
+def _specforge_slots(st: Structure) -> tuple[list, Any, list]:
     """The slots of a SpecForge dict the structure pass loaded (checked there): the aux states split
-    by the hidden width, then ``hidden_state``, as :func:`surgeon.verify.subjects.read_subject` reads them."""
+    by the hidden width, then ``hidden_state``, as :func:`surgeon.verify.subjects.read_subject` reads
+    them; and their per-row norms, each tensor's slots in one pass (``[T, k, H]`` viewed)."""
+    import torch
+
     data, H = st.loaded, st.hidden
     width = data["aux_hidden_state"].shape[-1]
     if not H or not st.tokens or width % H or data["hidden_state"].numel() != st.tokens * H:
         raise BadInput(f"aux_hidden_state width {width} and hidden_state {list(data['hidden_state'].shape)}: "
                        "no way to split the slots")
     aux = data["aux_hidden_state"].reshape(-1, width)
-    tensors = [aux[:, i * H:(i + 1) * H] for i in range(aux.shape[1] // H)]
+    k = width // H
+    tensors = [aux[:, i * H:(i + 1) * H] for i in range(k)]
     tensors.append(data["hidden_state"].reshape(-1, H))
+    norms = list(torch.linalg.vector_norm(aux.reshape(-1, k, H), dim=2).unbind(1)) if aux.is_contiguous() \
+        else [None] * k
+    norms.append(None)
     ids = data.get("input_ids")
-    return tensors, None if ids is None else ids.reshape(-1)
+    return tensors, None if ids is None else ids.reshape(-1), norms
 
 
 def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> None:
-    from surgeon.audit.values import repeated_across_slots, sampled_rows, slot_values
+    from surgeon.audit.profile import stats_of
+    from surgeon.audit.values import file_values, repeated_across_slots, sampled_rows
 
     spec = ctx.spec
-    tensors, ids = _specforge_slots(st) if st.loaded is not None else _subject_slots(path, spec)
+    if st.loaded is not None:
+        tensors, ids, norms = _specforge_slots(st)
+    else:
+        tensors, ids = _subject_slots(path, spec)
+        norms = [None] * len(tensors)
     names, declared = _declared(spec, st.layout, st.names if len(st.names) == len(tensors)
                                 else [f"slot{i}" for i in range(len(tensors))])
-    slots, hashes = [], []
-    for name, point, x in zip(names, declared, tensors):
-        sv, h = slot_values(name, point, x)
+    first = int(ids[0]) if ids is not None and ids.numel() else None
+    svs, hashes, samples = file_values(names, declared, tensors, norms)
+    slots = []
+    for sv, x, sample in zip(svs, tensors, samples):
         row = sv.to_json()
-        row["identity"] = match_slot(ctx.profile, sv.declared, sv.log_norm_median)
+        row["identity"] = match_slot(ctx.profile, sv.declared, stats_of(sv, sample, first, x[0]) if ctx.profile else None)
         slots.append(row)
-        hashes.append(h)
         for f in sv.findings:
             kind, _, detail = f.partition(": ")
-            out["findings"].append(_finding(kind, name, detail))
+            out["findings"].append(_finding(kind, sv.name, detail))
         ident = row["identity"]
         if ident["verdict"] in ("mismatch", "no_match"):
             what = f"holds {ident['nearest']}" if ident["nearest"] else "fits no point of the target"
-            out["findings"].append(_finding("identity", name, f"declared {sv.declared}, its norm profile {what} "
-                                                              f"({ident['distance']:.1f} tolerances from the declared)"))
+            out["findings"].append(_finding("identity", sv.name, f"declared {sv.declared}, its statistics: {what} "
+                                                                 f"({ident['distance']:.1f} tolerances from the declared)"))
     for name, detail in repeated_across_slots(names, hashes):
         kind, _, rest = detail.partition(": ")
         out["findings"].append(_finding(kind, name, rest))

@@ -34,6 +34,9 @@ def assert_faults_exactly(report, synthetic) -> None:
     for name, fault in synthetic.faults.items():
         assert EXPECTED[fault] in got[name], (name, fault, got[name])
     assert not report.ok and report.exit_code == 3
+    if report.profile is not None:  # every slot of every file resolved to one point: none "unresolved"
+        verdicts = {s["name"]: s["verdicts"] for s in report.to_json()["slots"]}
+        assert not any("unresolved" in v for v in verdicts.values()), verdicts
 
 
 def stable(report) -> dict:
@@ -58,6 +61,7 @@ def test_specforge_every_seeded_fault_found_and_nothing_else(specforge_set, tiny
     assert j["exact"]["files"] == 4 and all(sum(s["exact"].values()) == 4 for s in j["slots"])
     low = next(s for s in j["slots"] if s["name"] == "low")
     assert max(low["identity"], key=low["identity"].get) == "layer_out[0]"
+    assert any("mean direction" in n and "start with token 0" in n for n in rep.notes), rep.notes
 
 
 @pytest.mark.slow

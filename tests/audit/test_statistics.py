@@ -1,0 +1,107 @@
+"""The audit's per-file statistics and the identity verdicts they give: bad rows of every kind
+found in one pass over all slots, and a slot resolved to one point only when its statistics fit
+that point alone (or the first-row anchor picks it), "unresolved" when they fit several."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from surgeon.audit.profile import ANCHOR_TOL, PointProfile, Profile, Stats, match_slot, profile_from_states
+from surgeon.audit.values import file_values, repeated_across_slots, sampled_rows
+from surgeon.core.points import layer_out
+
+
+def _slots(T=40, H=128, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(T, H, generator=g).to(dtype) for _ in range(3)]
+
+
+def test_bad_rows_of_every_kind_in_one_pass():
+    xs = _slots()
+    xs[0][3] = float("nan")
+    xs[0][4, 7] = float("inf")
+    xs[1][5] = 0
+    xs[1][6] = 0.75
+    xs[2][7, :] = xs[2][7, 0]  # constant, not zero
+    svs, hashes, samples = file_values(["a", "b", "c"], [None] * 3, xs)
+    assert [(s.nonfinite_rows, s.zero_rows, s.constant_rows) for s in svs] == [(2, 0, 0), (0, 1, 1), (0, 0, 1)]
+    assert [f.split(":")[0] for f in svs[0].findings] == ["nonfinite"]
+    assert sorted(f.split(":")[0] for f in svs[1].findings) == ["constant", "zero"]
+    assert hashes.shape == (3, 40) and int((hashes == 0).sum()) == 2 + 2 + 1  # bad rows are not hashed
+    assert all(s.dtype == torch.float32 and s.shape[1] == 128 for s in samples)
+    assert svs[2].norm_min is not None and math.isfinite(svs[2].log_norm_median)
+
+
+def test_a_half_row_whose_norm_overflows_is_not_a_bad_row():
+    xs = [torch.full((8, 64), 1.0, dtype=torch.float16) for _ in range(2)]
+    xs[0] = torch.randn(8, 64).half()
+    xs[0][2] = 60000.0 * torch.sign(torch.randn(64)).half()  # each value finite, the float16 norm is not
+    svs, _, _ = file_values(["a", "b"], [None, None], xs)
+    assert svs[0].nonfinite_rows == 0 and svs[0].norm_max == pytest.approx(60000.0 * 8, rel=1e-3)
+    assert svs[1].constant_rows == 8
+
+
+def test_rows_repeated_across_slots_and_the_sampled_rows():
+    xs = _slots()
+    xs[2][10:20] = xs[0][10:20]
+    _, hashes, _ = file_values(["a", "b", "c"], [None] * 3, xs)
+    found = repeated_across_slots(["a", "b", "c"], hashes)
+    assert found == [("c", "repeated: 10 of its rows are bit-identical to rows of slot a (a stale or shared buffer)")]
+    rows = sampled_rows([None] * 3, hashes, torch.arange(40))
+    assert len(rows) == 12 and {r[0] for r in rows} == {0, 1, 2}
+    for s, h, _ctx, t in rows:
+        assert int(hashes[s, t]) == h != 0
+    xs[2][10:20] = xs[2][10:20] + 0.5  # a copy that differs: no finding
+    assert repeated_across_slots(["a", "b", "c"], file_values(["a", "b", "c"], [None] * 3, xs)[1]) == []
+
+
+def _point(name, centre, spread, row=None, token=None):
+    return PointProfile(name, centre, spread, 8.0, (centre, 0.1), (spread, 0.0), (None, None), (math.inf, math.inf),
+                        token, row)
+
+
+def test_verdicts_say_unresolved_where_statistics_overlap_and_the_anchor_decides():
+    a, b = torch.zeros(16), torch.zeros(16)
+    a[0], b[1] = 1.0, 1.0
+    prof = Profile((_point("layer_out[5]", 4.30, 0.01, a, 1), _point("layer_out[6]", 4.34, 0.01, b, 1),
+                    _point("layer_out[9]", 6.0, 0.01, None, None)), "test", 12, 100)
+    plain = Stats((4.32, 0.1))
+    assert match_slot(prof, "layer_out[5]", plain)["verdict"] == "unresolved"  # fits both bands
+    assert match_slot(prof, "layer_out[5]", Stats((4.32, 0.1), first_token=1, first_row=a))["verdict"] == "ok"
+    got = match_slot(prof, "layer_out[5]", Stats((4.32, 0.1), first_token=1, first_row=b))
+    assert got["verdict"] == "mismatch" and got["nearest"] == "layer_out[6]"
+    # a first row that is neither point's (a sample cut mid-sequence), or after another first token: decides nothing
+    c = torch.zeros(16)
+    c[2] = 1.0
+    assert match_slot(prof, "layer_out[5]", Stats((4.32, 0.1), first_token=1, first_row=c))["verdict"] == "unresolved"
+    assert match_slot(prof, "layer_out[5]", Stats((4.32, 0.1), first_token=7, first_row=b))["verdict"] == "unresolved"
+    # the anchor never rescues a slot whose statistics fit no point, nor condemns one that fits only its own
+    assert match_slot(prof, "layer_out[5]", Stats((5.0, 0.1), first_token=1, first_row=a))["verdict"] == "no_match"
+    assert match_slot(prof, "layer_out[9]", Stats((6.0, 0.1), first_token=1, first_row=b))["verdict"] == "ok"
+    assert 1 - float((a * a).sum()) <= ANCHOR_TOL < 1 - float((a * b).sum())
+
+
+def test_the_direction_statistics_separate_what_the_norm_does_not():
+    """Two points with the same norm distribution but massive activations in other channels (what
+    real models have): the median norm fits both, the mean direction and RMS profile only one."""
+    g = torch.Generator().manual_seed(0)
+
+    def states(channel):
+        x = torch.randn(256, 64, generator=g)
+        x[:, channel] += 20.0
+        return x * (10.0 / torch.linalg.vector_norm(x, dim=1, keepdim=True))  # every row of norm 10
+
+    pts = (layer_out(0), layer_out(1))
+    prof = profile_from_states([{pts[0]: states(3), pts[1]: states(40)} for _ in range(8)], 4, "test", [5] * 8)
+    from surgeon.audit.profile import stats_of
+    from surgeon.audit.values import slot_values
+
+    x = states(3)
+    sv, _, sample = slot_values("s", pts[0], x)
+    got = match_slot(prof, str(pts[0]), stats_of(sv, sample))
+    assert got["verdict"] == "ok", got
+    norm_only = Stats(stats_of(sv, sample).scalars)  # the same slot with its norm statistics only
+    assert match_slot(prof, str(pts[0]), norm_only)["verdict"] == "unresolved"
