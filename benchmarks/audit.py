@@ -19,6 +19,8 @@ workers, memory vs the number of files, and the structure pass on 100k files, in
     Targets: audit >= 50% of the raw read rate; 2 workers >= 1.6x one. The CPU seconds of each
     process (the driver, each worker) are reported with the wall time: on a machine shared with
     other jobs, sum(worker CPU) / (workers x wall) says how much of the two cores the workers got.
+    Then one cold round (root only): the page cache emptied before the raw read of every sample
+    once and before each audit, the read rate of a set larger than memory, which comes from disk.
 (2) Memory: the peak RSS of a child process auditing the first quarter of the files and all of
     them (flat: the tensors of one file at a time per worker).
 (3) The structure pass (``--structure-only``: headers only) over ``--structure-files`` tiny
@@ -65,6 +67,41 @@ def audit_rate(root: Path, spec: Path, reference: str, workers: int, state: Path
             "flagged": j["flagged"], "cpu_s": {k: round(v, 3) for k, v in rep.cpu_s.items()},
             "worker_cpu_share": workers_cpu / (workers * rep.seconds) if workers > 1 else None,
             "verdicts": {s["name"]: s["verdicts"] for s in j["slots"]}}
+
+
+def drop_caches() -> bool:
+    """Empty the page cache (root only, and where the kernel lets a container): then the next read
+    of a file comes from the disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def cold_round(root: Path, spec: Path, ref: str, tmp: Path) -> dict | None:
+    """The same comparison with the page cache emptied before each side: the raw read of every file
+    once, then the audit with 1 and with 2 workers (the profile's reference run is outside the timed
+    part and reads none of the set). This is the read rate of a set larger than memory, where the
+    files come from the disk; None where the cache cannot be dropped (not root)."""
+    paths = sorted(root.glob("data_*"))
+    if not drop_caches():
+        return None
+    buf, total, t = bytearray(1 << 24), 0, time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    raw = total / (time.perf_counter() - t)
+    out: dict = {"files": len(paths), "bytes": total, "raw_read_bytes_per_s": raw}
+    for workers in (1, 2):
+        drop_caches()
+        a = audit_rate(root, spec, ref, workers, tmp / f"cold-{workers}.jsonl")
+        out[f"audit_{workers}_bytes_per_s"] = a["bytes_per_s"]
+    out["ratio_audit_vs_raw_read"] = out["audit_1_bytes_per_s"] / raw
+    out["ratio_2_vs_1_workers"] = out["audit_2_bytes_per_s"] / out["audit_1_bytes_per_s"]
+    return out
 
 
 def _busy(n: int) -> float:
@@ -207,6 +244,7 @@ def run(args) -> dict:
     rep["ratio_2_vs_1_workers"] = _median(r["ratios_2_vs_1_workers"])
     rep["control_2_vs_1_processes"] = _median(r["control_2_vs_1_processes"])
     rep["raw_read_2_vs_1_processes"] = _median(r["raw_read_2_vs_1_processes"])
+    rep["cold"] = cold_round(synth.root, synth.spec, f"hf:{synth.model}", tmp)
     quarter = subset(synth.root, len(paths) // 4, tmp / "quarter")
     rep["memory"] = {"files": [len(paths) // 4, len(paths)],
                      "maxrss_kb": [child_peak(quarter, synth.spec, tmp / "m1.jsonl"),
@@ -276,6 +314,14 @@ def main() -> None:
     print(f"control, the raw read in 2 processes / 1: {rep['raw_read_2_vs_1_processes']:.2f}x (median of "
           f"{', '.join(f'{x:.2f}' for x in r['raw_read_2_vs_1_processes'])}; what a second core adds to reading)")
     print(f"identity verdicts (1 worker, last round): {r['audit_1_worker'][-1]['verdicts']}")
+    c = rep["cold"]
+    if c is None:
+        print("cold page cache: not measured (emptying the page cache needs root)")
+    else:
+        print(f"cold page cache ({c['files']} files, {c['bytes'] / mb:.0f} MB from disk): raw read "
+              f"{c['raw_read_bytes_per_s'] / mb:.0f} MB/s, audit 1 worker {c['audit_1_bytes_per_s'] / mb:.0f} MB/s "
+              f"({c['ratio_audit_vs_raw_read']:.2f}x), 2 workers {c['audit_2_bytes_per_s'] / mb:.0f} MB/s "
+              f"({c['ratio_2_vs_1_workers']:.2f}x one)")
     m = rep["memory"]
     print(f"peak RSS: {m['maxrss_kb'][0] / 1024:.0f} MB at {m['files'][0]} files, {m['maxrss_kb'][1] / 1024:.0f} MB at "
           f"{m['files'][1]} files")

@@ -144,6 +144,37 @@ def rows_infer(r: dict) -> list[Row]:
              f"{r['speedup']:,.0f}x", f"< {r['budget_s']:.0f} s")]
 
 
+def rows_audit(r: dict) -> list[Row]:
+    rd, n = r["rounds"], len(r["rounds"]["raw_read"])
+    one = _median([a["bytes_per_s"] for a in rd["audit_1_worker"]])
+    two = _median([a["bytes_per_s"] for a in rd["audit_2_workers"]])
+    raw = _median([x["bytes_per_s"] for x in rd["raw_read"]])
+    what = f"{r['files']} SpecForge samples (hidden {r['hidden']}, {r['lengths']} tokens) linked {r['links']} times"
+    out = [(f"audit, 1 worker, page cache warm: {what} (median of {n} rounds)", f"{one / 1e9:.2f} GB/s",
+            f"raw sequential read, warm {raw / 1e9:.2f} GB/s", f"{r['ratio_audit_vs_raw_read']:.3f}x", ">= 0.5x"),
+           (f"audit, 2 workers vs 1, warm (control: a busy loop {r['control_2_vs_1_processes']:.2f}x)",
+            f"{two / 1e9:.2f} GB/s", f"1 worker {one / 1e9:.2f} GB/s", f"{r['ratio_2_vs_1_workers']:.2f}x", ">= 1.6x")]
+    c = r.get("cold")
+    if c:
+        out.append((f"audit, 1 worker, page cache emptied (from disk): {c['files']} samples, {c['bytes'] / 1e9:.2f} GB",
+                    f"{c['audit_1_bytes_per_s'] / 1e9:.2f} GB/s",
+                    f"raw sequential read, cold {c['raw_read_bytes_per_s'] / 1e9:.2f} GB/s",
+                    f"{c['ratio_audit_vs_raw_read']:.2f}x", ">= 0.5x"))
+    m = r["memory"]
+    out.append((f"audit peak RSS, {m['files'][0]} vs {m['files'][1]} files", f"{m['maxrss_kb'][1] / 1024:.0f} MB",
+                f"{m['maxrss_kb'][0] / 1024:.0f} MB", f"{m['maxrss_kb'][1] / m['maxrss_kb'][0]:.2f}x", "flat"))
+    if "structure_pass" in r:
+        sp = r["structure_pass"]
+        out.append((f"audit --structure-only, {sp['files']:,} files", _s(sp["seconds"]), "", f"{sp['files_per_s']:.0f} files/s",
+                    "reported"))
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
 # name -> (command, rows); commands run from the repository root with this interpreter
 BENCHMARKS: dict[str, tuple[list[str], Callable[[dict], list[Row]]]] = {
     "probe": (["benchmarks/probe.py", "--json"], rows_probe),
@@ -156,6 +187,7 @@ BENCHMARKS: dict[str, tuple[list[str], Callable[[dict], list[Row]]]] = {
     "vllm": (["benchmarks/vllm_aux.py", "--json"], rows_vllm),
     "accept": (["benchmarks/accept.py", "--json"], rows_accept),
     "infer_wiring": (["benchmarks/infer_wiring.py", "--json"], rows_infer),
+    "audit": (["benchmarks/audit.py", "--json"], rows_audit),
 }
 
 
