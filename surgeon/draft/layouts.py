@@ -245,8 +245,12 @@ def write_checkpoint(folder: str | Path, layout: str, config: dict[str, Any], st
 def config_for(layout: str, *, hidden_size: int, num_attention_heads: int, num_key_value_heads: int,
                intermediate_size: int, vocab_size: int, draft_vocab_size: int, ids: list[int] | None,
                target_hidden_size: int | None = None, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
-               max_position_embeddings: int = 2048) -> dict[str, Any]:
-    """A ``config.json`` as ``layout``'s tool writes it (``ids=None``: no id list at all)."""
+               max_position_embeddings: int = 2048, verifier: str | None = None,
+               steps: int = 3) -> dict[str, Any]:
+    """A ``config.json`` as ``layout``'s tool writes it (``ids=None``: no id list at all). For
+    speculators: the ``speculators_config`` its own converter writes, whose ``proposal_methods`` and
+    ``verifier`` its loader requires (speculators 0.9.0 ``config.py``: a ``null`` verifier path is
+    allowed; ``verifier`` names the target's folder); ``steps`` is the greedy proposal's length."""
     layer = {"hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
              "num_key_value_heads": num_key_value_heads, "intermediate_size": intermediate_size,
              "vocab_size": vocab_size, "rms_norm_eps": rms_norm_eps, "rope_theta": rope_theta,
@@ -256,7 +260,10 @@ def config_for(layout: str, *, hidden_size: int, num_attention_heads: int, num_k
         cfg: dict[str, Any] = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
                                "transformer_layer_config": {**layer, "model_type": "llama"},
                                "draft_vocab_size": draft_vocab_size, "norm_before_residual": False,
-                               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy"}}
+                               "speculators_config": {
+                                   "algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps}],
+                                   "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}}
         if ids is not None:
             cfg["eagle_aux_hidden_state_layer_ids"] = list(ids)
     else:

@@ -344,3 +344,19 @@ def test_speculators_dflash_config_is_read(tmp_path):
     assert (info.layout, info.kind, info.n_slots, info.draft_vocab_size) == ("speculators-dflash", "dflash", 2, VD)
     assert info.stated_ids["aux_hidden_state_layer_ids"] == [2, 5]
     assert "not modelled" in info.notes[0]
+
+
+def test_the_speculators_config_carries_what_speculators_requires():
+    """speculators 0.9.0's SpeculatorsConfig (``speculators/config.py``) requires ``proposal_methods``
+    (holding the default method) and ``verifier`` (a null path allowed); without them its loader
+    refuses the config (found by scripts/check-speculators-parity)."""
+    cfg = config_for("speculators", hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV,
+                     intermediate_size=INTER, vocab_size=V, draft_vocab_size=VD, ids=[1, 3, 5],
+                     verifier="/models/target", steps=4)
+    sc = cfg["speculators_config"]
+    assert sc["default_proposal_method"] in [m["proposal_type"] for m in sc["proposal_methods"]]
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 4
+    assert sc["verifier"] == {"name_or_path": "/models/target", "architectures": ["LlamaForCausalLM"]}
+    bare = config_for("speculators", hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV,
+                      intermediate_size=INTER, vocab_size=V, draft_vocab_size=VD, ids=None)
+    assert bare["speculators_config"]["verifier"]["name_or_path"] is None
