@@ -64,6 +64,10 @@ class RunnerModel:
     calls: tuple[RunnerCall, ...]
     verified: bool
     reason: str | None = None  # why not verified, or what the calls add up to
+    # Read where one call sets the model's default while a device-graph runner is built (and captures
+    # its graphs), before another call hands the model the draft's ids (SGLang 0.5.5): graph replays
+    # then capture the default's states, eager passes the draft's. The order as read, with file:line.
+    graph_default: str | None = None
 
     @property
     def ignores_draft_ids(self) -> bool:
@@ -78,7 +82,7 @@ class RunnerModel:
         if not named:
             return self
         calls = tuple(c for c in self.calls if c.setter in named)
-        return summarise(self.engine, self.version, self.files, calls, tuple(sorted(named)))
+        return summarise(self.engine, self.version, self.files, calls, tuple(sorted(named)), self.graph_default)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -87,7 +91,7 @@ class RunnerModel:
 
 
 def summarise(engine: str, version: str, files: tuple[str, ...], calls: tuple[RunnerCall, ...],
-              setters: tuple[str, ...]) -> RunnerModel:
+              setters: tuple[str, ...], graph_default: str | None = None) -> RunnerModel:
     """Whether the calls found add up to one verified answer, and why not."""
     if not calls:
         return RunnerModel(engine, version, files, calls, False,
@@ -104,6 +108,8 @@ def summarise(engine: str, version: str, files: tuple[str, ...], calls: tuple[Ru
     if kinds == {"draft_ids"}:
         return RunnerModel(engine, version, files, calls, True, "the runner passes the draft config's ids")
     both = ", ".join(f"{c.where} ({c.passes})" for c in calls)
+    if graph_default is not None:
+        return RunnerModel(engine, version, files, calls, False, f"not verified: {graph_default}", graph_default)
     return RunnerModel(engine, version, files, calls, False,
                        f"not verified: some calls pass the draft's ids and some the default ({both}); "
                        "which one the model keeps depends on their order at runtime, which is not modelled")

@@ -39,6 +39,16 @@ class _Module:
     parents: dict[ast.AST, ast.AST]
 
 
+@dataclass
+class _Site:
+    """One setter call as found: its module, enclosing function, node and reading."""
+
+    mod: _Module
+    fn: ast.FunctionDef | ast.AsyncFunctionDef
+    node: ast.Call
+    call: RunnerCall
+
+
 class RunnerReader:
     def __init__(self, engine: str, root: Path) -> None:
         self.engine = engine
@@ -75,6 +85,7 @@ class RunnerReader:
         setters = SETTERS[self.engine]
         files = self.runner_files()
         calls: list[RunnerCall] = []
+        sites: list[_Site] = []
         for rel in files:
             try:
                 text = (self.root / rel).read_text(encoding="utf-8")
@@ -93,8 +104,9 @@ class RunnerReader:
                     if fn.name in setters:  # a wrapper forwarding its own argument is a model, not the runner
                         continue
                     calls.append(self._call(mod, fn, node))
+                    sites.append(_Site(mod, fn, node, calls[-1]))
         calls.sort(key=lambda c: (c.path, c.line))
-        return summarise(self.engine, version, tuple(files), tuple(calls), setters)
+        return summarise(self.engine, version, tuple(files), tuple(calls), setters, graph_default_first(sites))
 
     def _call(self, mod: _Module, fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call) -> RunnerCall:
         assert isinstance(call.func, ast.Attribute)
@@ -258,9 +270,7 @@ class RunnerReader:
     def _built_by(self, mod: _Module, call: ast.Call, attr: str) -> list[tuple[_Module, ast.FunctionDef]]:
         """The engine helpers whose results are assigned to ``self.<attr>`` in the class holding
         ``call``; empty where any such assignment is not a call of a helper the reader resolves."""
-        cls: ast.AST | None = mod.parents.get(call)
-        while cls is not None and not isinstance(cls, ast.ClassDef):
-            cls = mod.parents.get(cls)
+        cls = _enclosing_class(mod, call)
         if cls is None:
             return []
         out = []
@@ -275,6 +285,48 @@ class RunnerReader:
                 return []
             out.append(helper)
         return out
+
+
+# -- the order of a default and the draft's ids ---------------------------------------------------
+def graph_default_first(sites: list[_Site]) -> str | None:
+    """Where a device-graph runner's constructor sets the model's default and then captures its
+    graphs (``self.capture()`` after the call, in its ``__init__``), and the class holding the
+    draft-ids call builds that runner through one of its methods *before* that call, in the same
+    function (SGLang 0.5.5: ``ModelRunner.initialize`` calls ``init_device_graphs()`` at
+    model_runner.py:479, which builds ``CudaGraphRunner``, then passes the draft's ids at :509): the
+    order as read, with file:line; None where the source does not show that order."""
+    for g in (s for s in sites if s.call.passes == "default" and s.fn.name == "__init__"):
+        gcls = _enclosing_class(g.mod, g.fn)
+        capture = next((x for x in _self_calls(g.fn, "capture") if x.lineno > g.node.lineno), None)
+        if gcls is None or capture is None:
+            continue
+        for d in (s for s in sites if s.call.passes == "draft_ids"):
+            dcls = _enclosing_class(d.mod, d.fn)
+            builder = next((m for m in (dcls.body if dcls else []) if isinstance(m, ast.FunctionDef)
+                            and any(isinstance(x, ast.Name) and x.id == gcls.name for x in ast.walk(m))), None)
+            before = sorted(x.lineno for x in (_self_calls(d.fn, builder.name) if builder is not None else [])
+                            if x.lineno < d.node.lineno)
+            if dcls is None or builder is None or not before:
+                continue
+            return (f"{g.call.where}: {gcls.name}.__init__ sets the model's default, then captures its graphs "
+                    f"({g.mod.path}:{capture.lineno}: self.capture()); {dcls.name}.{d.fn.name} builds it through "
+                    f"self.{builder.name}() ({d.mod.path}:{before[0]}) before it passes the draft's ids ({d.call.where}): "
+                    "graph replays capture the default's states and eager passes the draft's, so unless graphs are "
+                    "off (--disable-cuda-graph) a wiring other than the model's default is served inconsistently")
+    return None
+
+
+def _self_calls(fn: ast.AST, name: str) -> list[ast.Call]:
+    """The calls ``self.<name>(...)`` in ``fn``."""
+    return [x for x in ast.walk(fn) if isinstance(x, ast.Call) and isinstance(x.func, ast.Attribute)
+            and isinstance(x.func.value, ast.Name) and x.func.value.id == "self" and x.func.attr == name]
+
+
+def _enclosing_class(mod: _Module, node: ast.AST) -> ast.ClassDef | None:
+    cur = mod.parents.get(node)
+    while cur is not None and not isinstance(cur, ast.ClassDef):
+        cur = mod.parents.get(cur)
+    return cur
 
 
 # -- ast helpers -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from surgeon.engines.view import SERVING_ENGINES, EngineView, model_class_for, o
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import hazards
 from surgeon.wiring.pins import check_pins
-from surgeon.wiring.runnercheck import runner_refusal
+from surgeon.wiring.runnercheck import runner_graph_hazard, runner_refusal
 
 
 @dataclass
@@ -106,9 +106,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
             result.checked.append(f"{engine}: pp {pp}: not checked for a {kind} draft (only eagle3 captures are read)")
         elif pp is not None:
             _lint_pipeline(spec, engine, view, conv.cc, result, pp=pp, tp=tp, strict=strict)
-        ignored = runner_refusal(view.probe, conv.cc, ids, spec.num_layers)
-        if ignored:
-            result.issues.append(spec.issue(fc_path, f"{engine}: {ignored}"))
+        _lint_runner(spec, engine, view, conv.cc, ids, result, strict=strict)
         for b in conv.cc.bypasses:
             result.issues.append(spec.issue(
                 fc_path,
@@ -117,6 +115,21 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
             ))
     _lint_field(spec, roots, result)
     return result
+
+
+def _lint_runner(spec: Spec, engine: str, view: EngineView, cc: ClassConvention, ids: list[int], result: LintResult, *,
+                 strict: bool) -> None:
+    """What the release's model runner does with the ids: an error where it ignores them; where it
+    builds its device graphs with the model's default before the draft's ids arrive (read, not run:
+    a warning, an error under ``strict``) when the spec's captures differ from that default."""
+    fc_path = ("draft", "fc_input")
+    ignored = runner_refusal(view.probe, cc, ids, spec.num_layers)
+    if ignored:
+        result.issues.append(spec.issue(fc_path, f"{engine}: {ignored}"))
+    kind = spec.model.draft.kind if spec.model.draft is not None else "eagle3"
+    hazard = runner_graph_hazard(view.probe, cc, ids, spec.num_layers, kind)
+    if hazard:
+        result.issues.append(spec.issue(fc_path, f"{engine}: {hazard}", severity="error" if strict else "warning"))
 
 
 def _lint_pipeline(spec: Spec, engine: str, view: EngineView, cc: ClassConvention, result: LintResult, *,

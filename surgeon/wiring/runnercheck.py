@@ -48,6 +48,28 @@ def runner_refusal(probe: EngineProbe | None, cc: ClassConvention, ids: Sequence
     return f"{ignores}; {cc.class_name} then captures {_points(served)}, the spec needs {_points(wanted)}"
 
 
+def runner_graph_hazard(probe: EngineProbe | None, cc: ClassConvention, ids: Sequence[int], num_layers: int,
+                        kind: str = "eagle3") -> str | None:
+    """Where the release's runner builds its device graphs with the model's default before the
+    draft's ids arrive (:attr:`RunnerModel.graph_default`, SGLang 0.5.5) and ``ids`` capture other
+    states than that default: the order as read and both captures; else None."""
+    runner = probe.runner.for_kind(kind) if probe is not None and probe.runner is not None else None
+    if probe is None or runner is None or runner.graph_default is None:
+        return None
+    wanted = cc.capture(list(ids), num_layers)
+    try:
+        served = cc.capture(None, num_layers)
+    except ValueError as e:
+        served_text = f"no default ({e})"
+    else:
+        if served == wanted:
+            return None
+        served_text = _points(served)
+    release = f"{_TITLES.get(probe.engine, probe.engine)} {probe.version}"
+    return (f"{release} runner: {runner.graph_default}; {cc.class_name}'s default captures {served_text}, "
+            f"this wiring {_points(wanted)}")
+
+
 def runner_notes(probe: EngineProbe | None, kind: str = "eagle3") -> list[str]:
     """What the runner read says about this rendering of a ``kind`` draft: each call passing the
     draft's ids (file:line, the config keys it reads and their offsets), or why the runner is not

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,42 @@ def test_sglang_055_runner_is_not_claimed_verified():
     assert "set_eagle3_layers_to_capture()" in _line(old_root, graph.path, graph.line)
     cfg = next(c for c in old.calls if c.passes == "draft_ids")
     assert [s.key for s in cfg.sources] == ["eagle_config.eagle_aux_hidden_state_layer_ids"]
+    # the order read: the graph runner is built (and captures its graphs with the default) first
+    order = old.graph_default or ""
+    assert order in (old.reason or "") and graph.where in order and cfg.where in order
+    cites = dict(re.findall(r"\((srt/model_executor/[\w/]+\.py:\d+)(?:: ([^)]*))?\)", order))
+    build = next(k for k in cites if k.startswith("srt/model_executor/model_runner.py:"))
+    assert "self.init_device_graphs()" in _line(old_root, *_split(build))
+    capture = next(k for k in cites if k.startswith("srt/model_executor/cuda_graph_runner.py:"))
+    assert "self.capture()" in _line(old_root, *_split(capture))
+
+
+def _split(where: str) -> tuple[str, int]:
+    path, line = where.rsplit(":", 1)
+    return path, int(line)
+
+
+def test_the_order_is_read_not_assumed(tmp_path):
+    """The same 0.5.5 runner with the graphs built after the draft's ids are set (what SGLang
+    0.5.23 does: "Must be called BEFORE init_decode_cuda_graph()"): no such order is reported."""
+    src = release_engine("sglang", "0.5.5") / "srt" / "model_executor"
+    dest = tmp_path / "sglang" / "srt" / "model_executor"
+    shutil.copytree(src, dest)
+    runner = dest / "model_runner.py"
+    text = runner.read_text(encoding="utf-8")
+    assert read_runner("sglang", tmp_path / "sglang").graph_default is not None
+    lines = text.splitlines(keepends=True)
+    builds = [i for i, line in enumerate(lines) if line.strip() == "self.init_device_graphs()"]
+    setter = next(i for i, line in enumerate(lines) if "self.model.set_eagle3_layers_to_capture(eagle_aux" in line)
+    early = [i for i in builds if i < setter]
+    assert early, "0.5.5 builds its graphs before the setter call"
+    for i in early:  # the graphs are no longer built there ...
+        lines[i] = lines[i].replace("self.init_device_graphs()", "pass")
+    indent = lines[setter][: len(lines[setter]) - len(lines[setter].lstrip())]
+    lines.insert(setter + 1, f"{indent}self.init_device_graphs()\n")  # ... but after the ids arrive
+    runner.write_text("".join(lines), encoding="utf-8")
+    moved = read_runner("sglang", tmp_path / "sglang")
+    assert moved.graph_default is None and not moved.verified  # still two calls whose interplay is not modelled
 
 
 def test_probe_carries_the_runner():
@@ -153,6 +191,24 @@ def test_lint_and_check_draft_see_the_runner(tmp_path):
     assert report.exit_code == 3
     assert any(f["kind"] == "runner_ignores_ids" for f in data["findings"])
     assert data["captured"] == ["layer_out[1]", "layer_out[15]", "layer_out[28]"]  # what 0.11 really captures
+
+
+def test_lint_warns_where_sglang_055_builds_its_graphs_with_the_default(tmp_path):
+    """A wiring other than the model's default: a warning naming the order read (an error under
+    --strict); the model's own default wiring: nothing to warn about."""
+    root = str(release_engine("sglang", "0.5.5"))
+    spec = _spec_on(tmp_path, "layer_out[3]")
+    def graph_issues(path: Path, strict: bool = False) -> list[dict]:
+        lint = commands.lint(specs=[str(path)], engines=["sglang"], engine_root=root, strict=strict)
+        return [i for i in lint.to_json()["specs"][0]["issues"] if "CudaGraphRunner.__init__" in i["message"]]
+
+    warned = graph_issues(spec)
+    assert len(warned) == 1 and warned[0]["severity"] == "warning"
+    assert "before it passes the draft's ids (srt/model_executor/model_runner.py:" in warned[0]["message"]
+    assert "default captures [layer_out[1], layer_out[15], layer_out[28]]" in warned[0]["message"]
+    assert [i["severity"] for i in graph_issues(spec, strict=True)] == ["error"]
+    default = _spec_on(tmp_path, "layer_out[1]")  # the llama spec's own wiring is SGLang's default
+    assert graph_issues(default) == []
 
 
 def test_vllm_011_classes_are_classified_without_eagle_model_mixin():
