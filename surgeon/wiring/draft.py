@@ -210,9 +210,12 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
     captured = [None if p is None else str(p) for p in out]
     if any(p is None for p in out):
         why = sorted({r for i in conv.cc.capture_indices(ids, L) if (r := conv.cc.refusal(i, L)) is not None})
+        sites = "the sites read are " + "; ".join(s.describe() for s in conv.cc.sites)
+        said = [r.removesuffix(sites).rstrip(":; ") for r in why]  # the sites once, not once per index
         findings.append(Finding("error", "never_captured",
                                 f"ids {ids} include an index the {engine} engine cannot capture; "
-                                "that capture silently does not happen or fails: " + "; ".join(why)))
+                                "that capture silently does not happen or fails: " + "; ".join(said)
+                                + (f"; {sites}" if any(r.endswith(sites) for r in why) else "")))
     try:
         used = [i for i in conv.cc.capture_indices(ids, L) if i in conv.cc.reachable(L)]
     except ValueError:
