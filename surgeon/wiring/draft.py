@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
 from surgeon.core.conventions import EAGLE, InvalidId
@@ -21,6 +21,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, read_regular_file
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, refusal
+from surgeon.wiring.norms import norm_lines
 from surgeon.wiring.runnercheck import runner_ignores_ids
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
@@ -171,6 +172,8 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
                                 "SGLang captures no aux hidden states for this draft"))
     findings += _slot_findings(spec, engine, ids, key, captured, expected)
     findings += _id_list_findings(engine, found, captured, expected)
+    findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
+                 norm_lines(spec, engine, data, engine_root)]
     fc = _check_widths(spec, draft, cfg, data, expected, findings)
     return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
                        {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings)
