@@ -154,3 +154,35 @@ def test_unparsable_engine_file_is_one_line(tmp_path):
     with pytest.raises(BadInput) as e:
         read_norms(locate_engine("sglang", root), {"architectures": ["LlamaForCausalLMEagle3"]})
     assert "\n" not in str(e.value) and "llama_eagle3.py:1:" in str(e.value)
+
+
+def test_render_writes_the_flags_and_cites_the_engine(tmp_path):
+    from surgeon.wiring.render import render
+
+    installed_engine("vllm")
+    installed_engine("sglang")
+    s = spec(tmp_path, "norm_before_fc: true")
+    r = render(s, "vllm")
+    assert r.draft_config["norm_before_fc"] is True
+    assert any(n.startswith("vllm: norm flag norm_before_fc = True: read") and "llama_eagle3.py:" in n for n in r.notes)
+    assert render(s, "sglang").draft_config["norm_before_fc"] is True
+
+
+def test_render_refuses_an_engine_that_ignores_a_declared_flag(tmp_path):
+    from surgeon.core.errors import BadInput
+    from surgeon.wiring.render import render
+
+    installed_engine("sglang")
+    with pytest.raises(BadInput) as e:
+        render(spec(tmp_path, "norm_before_residual: true"), "sglang")
+    assert "\n" not in str(e.value) and "never reads norm_before_residual" in str(e.value)
+
+
+def test_explain_notes_each_engine(tmp_path):
+    from surgeon.wiring.render import explain
+
+    installed_engine("vllm")
+    installed_engine("sglang")
+    notes = explain(spec(tmp_path, "norm_before_residual: true")).notes
+    assert any(n.startswith("vllm: norm flag norm_before_residual = True: read") for n in notes)
+    assert any(n.startswith("sglang: norm flag norm_before_residual = True: NOT SERVED") for n in notes)
