@@ -130,6 +130,7 @@ def _returned_states(fn: ast.FunctionDef, rel: str) -> tuple[set[str | None], li
     """The kind of state each ``return <name>`` / ``return <name>, ...`` hands back, with evidence."""
     kinds: set[str | None] = set()
     evidence: list[str] = []
+    returns: dict[tuple[int, str], list[int]] = {}
     for r in sorted((n for n in ast.walk(fn) if isinstance(n, ast.Return)), key=lambda n: n.lineno):
         v = r.value
         first = v.elts[0] if isinstance(v, ast.Tuple) and v.elts else v
@@ -140,9 +141,10 @@ def _returned_states(fn: ast.FunctionDef, rel: str) -> tuple[set[str | None], li
             kinds.add(None)
             continue
         line, val = before[-1]
-        kind = _kind_of(val)
-        kinds.add(kind)
-        evidence.append(f"{rel}:{line}: {first.id} = {ast.unparse(val)[:60]} -> returned at {rel}:{r.lineno}")
+        kinds.add(_kind_of(val))
+        returns.setdefault((line, ast.unparse(val)[:80]), []).append(r.lineno)
+    for (line, text), at in returns.items():
+        evidence.append(f"{rel}:{line}: hidden_states = {text}, returned at line {', '.join(map(str, at))}")
     return kinds, evidence
 
 

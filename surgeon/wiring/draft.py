@@ -21,6 +21,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, read_regular_file
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, refusal
+from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.norms import norm_lines
 from surgeon.wiring.runnercheck import runner_ignores_ids
 
@@ -163,6 +164,10 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
     found = read_ids(cfg, data)
     expected = [str(p) for p in spec.fc_points]
     findings: list[Finding] = []
+    if spec.model.draft.kind == "mtp":  # an MTP head reads the returned hidden state: no aux ids
+        findings = [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in mtp_lines(spec, engine, engine_root)]
+        return DraftReport(spec.name, str(draft), engine, None, "MTP: the target's returned hidden state",
+                           CONFIG_RULES[engine], {}, None, [], expected, None, findings)
 
     ids, key = ids_engine_uses(engine, data, found)
     captured, origin, cls = _decode_captures(spec, engine, ids, cfg, engine_root, model_class, findings)

@@ -21,6 +21,7 @@ from surgeon.engines.sglang_dflash import classify_dflash, read_dflash_runner
 from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import explain_field
+from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.norms import render_lines
 from surgeon.wiring.runnercheck import runner_notes, runner_refusal
 
@@ -170,6 +171,7 @@ def explain(
 
     for engine in ("sglang", "vllm"):
         notes.extend(render_lines(spec, engine, roots.get(engine)))
+        notes.extend(f"{engine}: {d}" for _, _, d in mtp_lines(spec, engine, roots.get(engine)))
     field = explain_field(spec, engines.get("vllm"))
     conventions.update(field.conventions)
     fc_lists.update({c: IdList(f.convention, f.origin, f.ids, f.error, f.captures) for c, f in field.fc_lists.items()})
@@ -279,8 +281,10 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         raise BadInput(f"{spec.file}: the spec has no draft section, so there is no fc input to render")
     kind = spec.model.draft.kind
     if kind == "mtp":
+        checked = [d for _, _, d in mtp_lines(spec, target, engine_root)]
         raise BadInput(
             f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render"
+            + (f" ({checked[0]})" if checked else "")
         )
     if kind == "dflash" and target == "sglang":
         return _render_sglang_dflash(spec, engine_root, model_class)
