@@ -115,7 +115,7 @@ def _read_of(call: ast.Call, path: str) -> FlagRead | None:
     return FlagRead(flag, f"{scope}.{name}", path, call.lineno, None if default is _NO_DEFAULT else default)
 
 
-def _parse(file: Path, rel: str) -> ast.Module:
+def parse_source(file: Path, rel: str) -> ast.Module:
     try:
         return ast.parse(file.read_text(encoding="utf-8"), filename=rel)
     except SyntaxError as e:
@@ -135,7 +135,7 @@ def flag_reads(tree: ast.AST, rel: str) -> dict[str, list[FlagRead]]:
     return out
 
 
-def _vllm_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str | None]:
+def vllm_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str | None]:
     """(module file, class) the vLLM registry maps ``arch`` to."""
     registry = loc.root / VLLM_REGISTRY
     if not registry.is_file():
@@ -149,7 +149,7 @@ def _vllm_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str | 
     return None, m.group(2)
 
 
-def _sglang_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str | None]:
+def sglang_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str | None]:
     """The SGLang model file whose ``EntryClass`` names ``arch``."""
     pattern = re.compile(rf"^EntryClass\s*=.*\b{re.escape(arch)}\b", re.M)
     for f in sorted(loc.models_dir.glob("*.py")):
@@ -164,7 +164,7 @@ def _speculators_translation(loc: EngineLocation, algo: str) -> tuple[dict[str, 
     rel = f"{loc.layout.package}/{SPECULATORS_ALGOS}"
     if not file.is_file():
         return None, f"{rel} is absent: this vLLM does not read speculators configs"
-    for node in ast.walk(_parse(file, rel)):
+    for node in ast.walk(parse_source(file, rel)):
         if isinstance(node, ast.FunctionDef) and any(
                 isinstance(d, ast.Call) and d.args and _literal(d.args[0]) == algo for d in node.decorator_list):
             reads = flag_reads(node, rel)
@@ -191,10 +191,10 @@ def read_norms(loc: EngineLocation, config: dict) -> NormReading:
         arch = speculators_model(config)
     if arch is None:
         arch = "Eagle3LlamaForCausalLM" if loc.engine == "vllm" else "LlamaForCausalLMEagle3"
-    finder = _vllm_model_file if loc.engine == "vllm" else _sglang_model_file
+    finder = vllm_model_file if loc.engine == "vllm" else sglang_model_file
     reading.model_file, reading.model_class = finder(loc, arch)
     if reading.model_file is not None:
         rel = f"{loc.layout.package}/{reading.model_file}"
-        reading.reads = flag_reads(_parse(loc.root / reading.model_file, rel), rel)
+        reading.reads = flag_reads(parse_source(loc.root / reading.model_file, rel), rel)
         reading.model_file = rel
     return reading

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from surgeon.engines.draft_norms import _parse, _sglang_model_file, _vllm_model_file
+from surgeon.engines.draft_norms import parse_source, sglang_model_file, vllm_model_file
 from surgeon.engines.locate import EngineLocation
 
 # The MTP head class each engine runs for a target architecture (vLLM's registry name, SGLang's class).
@@ -150,14 +150,14 @@ def _returned_states(fn: ast.FunctionDef, rel: str) -> tuple[set[str | None], li
 
 def read_mtp_input(loc: EngineLocation, architecture: str) -> MtpInput:
     """The state the engine at ``loc`` hands the MTP head of an ``architecture`` target."""
-    finder = _vllm_model_file if loc.engine == "vllm" else _sglang_model_file
+    finder = vllm_model_file if loc.engine == "vllm" else sglang_model_file
     model_file, cls = finder(loc, architecture)
     ans = MtpInput(loc.engine, loc.version, cls or architecture, None)
     if model_file is None or cls is None:
         ans.reason = f"{loc.engine} {loc.version} has no model file for {architecture}"
         return ans
     rel = f"{loc.layout.package}/{model_file}"
-    classes = _classes(_parse(loc.root / model_file, rel))
+    classes = _classes(parse_source(loc.root / model_file, rel))
     inner = _inner_model(classes, cls)
     forward = _method(classes, inner, "forward") if inner is not None else None
     if forward is None:
@@ -177,12 +177,12 @@ def _head_evidence(loc: EngineLocation, architecture: str) -> list[str]:
     head = MTP_CLASSES.get(loc.engine, {}).get(architecture)
     if head is None:
         return []
-    finder = _vllm_model_file if loc.engine == "vllm" else _sglang_model_file
+    finder = vllm_model_file if loc.engine == "vllm" else sglang_model_file
     model_file, _ = finder(loc, head)
     if model_file is None:
         return []
     rel = f"{loc.layout.package}/{model_file}"
-    tree = _parse(loc.root / model_file, rel)
+    tree = parse_source(loc.root / model_file, rel)
     for n in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: n.lineno):
         if isinstance(n.func, ast.Attribute) and n.func.attr == "hnorm" and n.args:
             return [f"{rel}:{n.lineno}: the MTP head ({head}) applies hnorm to the state it is handed"]
