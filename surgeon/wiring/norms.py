@@ -117,3 +117,28 @@ def render_lines(spec: Spec, engine: str, engine_root=None) -> list[str]:
         state = "read" if got == data[flag] else f"NOT SERVED: the engine builds the draft with {got}"
         out.append(f"{engine}: norm flag {flag} = {data[flag]}: {state} ({reading.model_class}): {why}")
     return out
+
+
+# The tensors each flag adds to a draft (speculators 0.9.0 models/eagle3/core.py: input_norm,
+# fc_norm.{i}); vLLM's loader drops input_norm.* when norm_before_fc is off (llama_eagle3.py
+# load_weights), so trained norm weights under a config without the flag vanish, silently.
+NORM_WEIGHTS = {"norm_before_fc": "input_norm.weight", "fc_norm": "fc_norm.0.weight"}
+
+
+def weight_lines(spec: Spec, data: dict, names: list[tuple[str, str]]) -> list[Line]:
+    """The draft's norm tensors (``names``: (file, tensor)) against the flags it needs."""
+    if spec.model.draft is None or spec.model.draft.kind != "eagle3" or not names:
+        return []
+    want = wanted(spec, data)
+    lines: list[Line] = []
+    for flag, suffix in NORM_WEIGHTS.items():
+        hits = [f"{file}:{t}" for file, t in names if t in (suffix, f"model.{suffix}")]
+        need, src = want[flag]
+        if hits and not need:
+            lines.append(("error", "norm_weights", f"{hits[0]} is a trained {flag} norm, but {flag} is {need} ({src}): "
+                          "an engine builds no such norm and drops the weight, silently; set "
+                          f"{flag}: true in the draft config (and the spec's draft.norms)"))
+        elif need and not hits:
+            lines.append(("warning", "norm_weights", f"{flag} is {need} ({src}) but the draft has no {suffix}: "
+                          "the engine's norm would keep its initial weight"))
+    return lines

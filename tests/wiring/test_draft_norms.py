@@ -186,3 +186,32 @@ def test_explain_notes_each_engine(tmp_path):
     notes = explain(spec(tmp_path, "norm_before_residual: true")).notes
     assert any(n.startswith("vllm: norm flag norm_before_residual = True: read") for n in notes)
     assert any(n.startswith("sglang: norm flag norm_before_residual = True: NOT SERVED") for n in notes)
+
+
+def _weights(d, *names):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({n: torch.zeros(4) for n in names}, str(d / "model.safetensors"))
+
+
+def test_trained_norm_weights_without_the_flag(tmp_path):
+    installed_engine("vllm")
+    d = draft(tmp_path)
+    _weights(d, "fc.weight", "input_norm.weight")
+    r = check_draft(spec(tmp_path), d, "vllm")
+    bad = [f.detail for f in r.findings if f.kind == "norm_weights" and f.severity == "error"]
+    assert bad and bad[0].startswith("model.safetensors:input_norm.weight is a trained norm_before_fc norm")
+    d2 = tmp_path / "d2"
+    d2.mkdir()
+    (d2 / "config.json").write_text((d / "config.json").read_text())
+    _weights(d2, "fc.weight", "input_norm.weight")
+    assert not any(f.kind == "norm_weights" for f in check_draft(spec(tmp_path, "norm_before_fc: true"), d2, "vllm").findings)
+
+
+def test_declared_flag_without_its_weights_is_a_warning(tmp_path):
+    installed_engine("vllm")
+    d = draft(tmp_path, fc_norm=True)
+    _weights(d, "fc.weight")
+    r = check_draft(spec(tmp_path, "fc_norm: true"), d, "vllm")
+    assert [f.severity for f in r.findings if f.kind == "norm_weights"] == ["warning"]
