@@ -136,7 +136,8 @@ def weight_lines(spec: Spec, data: dict, names: list[tuple[str, str]]) -> list[L
         need, src = want[flag]
         if hits and not need:
             lines.append(("error", "norm_weights", f"{hits[0]} is a trained {flag} norm, but {flag} is {need} ({src}): "
-                          "an engine builds no such norm and drops the weight, silently; set "
+                          "the engine builds no such norm (vLLM's llama_eagle3.py load_weights drops input_norm.*), so the "
+                          "trained norm is not applied, silently; set "
                           f"{flag}: true in the draft config (and the spec's draft.norms)"))
         elif need and not hits:
             lines.append(("warning", "norm_weights", f"{flag} is {need} ({src}) but the draft has no {suffix}: "
