@@ -93,6 +93,24 @@ class Target(_Model):
     model_type: str | None = Field(default=None, description="HF config model_type, informational")
 
 
+class DraftNorms(_Model):
+    """The EAGLE 3.1 norm flags the draft was trained with (speculators' names; unset: not declared,
+    so not checked). ``surgeon check-draft`` compares them with the draft's config and with what
+    each engine reads."""
+
+    norm_before_residual: bool | None = Field(
+        default=None, description="the first layer's hidden_norm is applied before the residual is taken")
+    norm_before_fc: bool | None = Field(
+        default=None, description="one RMSNorm (input_norm) over the concatenated fc input")
+    fc_norm: bool | None = Field(
+        default=None, description="one RMSNorm per fc slot (fc_norm.{i}), before concatenation")
+    norm_output: bool | None = Field(
+        default=None, description="the draft passes its post-norm state (not the pre-norm one) to its next step")
+
+
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
 class Draft(_Model):
     """The draft model and the order its fc layer consumes captures in."""
 
@@ -100,6 +118,12 @@ class Draft(_Model):
     fc_input: list[str] = Field(min_length=1, description="capture names, in the order the draft's fc concatenates them")
     fc_in_features: int | None = Field(
         default=None, ge=1, description="fc weight's input width; must be len(fc_input) * hidden_size"
+    )
+    norms: DraftNorms | None = Field(default=None, description="eagle3 only: the norm flags the draft was trained with")
+    mtp_input: PointText | None = Field(
+        default=None,
+        description="mtp only: the target state the MTP/NextN head was trained on: final_norm (after the final "
+                    "norm) or layer_out[L-1] (the last layer's output, before it)",
     )
 
 
@@ -159,7 +183,7 @@ class SpecModel(_Model):
 
 
 _SECTION_MODELS: dict[tuple, type[_Model]] = {
-    (): SpecModel, ("target",): Target, ("draft",): Draft, ("engines",): Engines,
+    (): SpecModel, ("target",): Target, ("draft",): Draft, ("draft", "norms"): DraftNorms, ("engines",): Engines,
     ("engines", "sglang"): EnginePin, ("engines", "vllm"): EnginePin, ("dumps",): Dumps,
 }
 
@@ -315,6 +339,12 @@ class Spec:
     @property
     def fc_points(self) -> list[Point]:
         return [self.captures[n] for n in self.fc_names]
+
+    @property
+    def mtp_input(self) -> Point | None:
+        """The state an MTP draft was trained on (``draft.mtp_input``), or None when undeclared."""
+        d = self.model.draft
+        return parse_point(d.mtp_input, self.num_layers) if d is not None and d.mtp_input is not None else None
 
     @property
     def dump_slots(self) -> list[str]:
@@ -513,6 +543,9 @@ def _check_meaning(spec: Spec) -> list[Issue]:
                         f"{n!r} is {p}: an fc input must be a residual-stream state (embed or layer_out[k]); "
                         "engines capture final_norm as the returned hidden state, not an aux input")
 
+    if m.draft is not None:
+        _check_draft_extras(spec, m.draft, add)
+
     if m.dumps is not None:
         slots = spec.dump_slots
         if check_names(("dumps", "slots"), slots, "dumps.slots"):
@@ -526,6 +559,30 @@ def _check_meaning(spec: Spec) -> list[Issue]:
     if m.engines is not None:
         _check_pin_syntax(m.engines, add)
     return issues
+
+
+def _check_draft_extras(spec: Spec, draft: Draft, add: Callable[[tuple, str], None]) -> None:
+    """The norm flags and the MTP input point: each only for the kind that has it, and the MTP
+    input one of the two states an MTP head can read."""
+    L = spec.num_layers
+    if draft.norms is not None:
+        if draft.kind != "eagle3":
+            add(("draft", "norms"), f"norms are EAGLE-3 draft flags; a {draft.kind} draft has none")
+        elif draft.norms.norm_before_fc and draft.norms.fc_norm:
+            add(("draft", "norms", "fc_norm"), "norm_before_fc and fc_norm are exclusive (speculators refuses both)")
+    if draft.mtp_input is None:
+        return
+    if draft.kind != "mtp":
+        add(("draft", "mtp_input"), f"mtp_input is for an mtp draft; this draft is {draft.kind}")
+        return
+    try:
+        point = parse_point(draft.mtp_input, L)
+    except PointError as e:
+        add(("draft", "mtp_input"), e.message)
+        return
+    if str(point) not in ("final_norm", f"layer_out[{L - 1}]"):
+        add(("draft", "mtp_input"), f"an MTP head reads final_norm or layer_out[{L - 1}] (the last layer's output, "
+            f"before the final norm), not {point}")
 
 
 def _check_pin_syntax(engines: Engines, add: Callable[[tuple, str], None]) -> None:

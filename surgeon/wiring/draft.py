@@ -13,14 +13,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
 from surgeon.core.conventions import EAGLE, InvalidId
 from surgeon.core.errors import BadInput
-from surgeon.core.spec import Spec, read_regular_file
+from surgeon.core.spec import NORM_FLAGS, Spec, read_regular_file
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, refusal
+from surgeon.wiring.mtp import mtp_lines
+from surgeon.wiring.norms import config_flag, norm_lines, weight_lines
 from surgeon.wiring.runnercheck import runner_ignores_ids
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
@@ -138,6 +140,14 @@ def ids_engine_uses(engine: str, data: dict, found: dict[str, list[int] | None])
     return (nested, "eagle_config.eagle_aux_hidden_state_layer_ids") if nested is not None else (None, None)
 
 
+def tensor_names(draft: Path) -> list[tuple[str, str]]:
+    """(file, tensor name) of every tensor in the draft's safetensors headers (nothing is loaded)."""
+    if not draft.is_dir():
+        return []
+    return [(f.name, name) for f in sorted(draft.glob("*.safetensors"))
+            for name in sorted(open_tensor_file(f, formats=(SAFETENSORS,)).tensors)]
+
+
 def fc_weight_shape(draft: Path) -> dict | None:
     """The fc weight's name, shape and file, from safetensors headers (no tensor is loaded)."""
     if not draft.is_dir():
@@ -160,8 +170,16 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
     draft = Path(draft)
     cfg, data = read_config(draft)
     found = read_ids(cfg, data)
+    for flag in NORM_FLAGS:
+        value = config_flag(data, flag)
+        if value is not None and type(value) is not bool:
+            raise BadInput(f"{cfg}: {flag} must be true or false, not {json.dumps(value)[:40]}")
     expected = [str(p) for p in spec.fc_points]
     findings: list[Finding] = []
+    if spec.model.draft.kind == "mtp":  # an MTP head reads the returned hidden state: no aux ids
+        findings = [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in mtp_lines(spec, engine, engine_root)]
+        return DraftReport(spec.name, str(draft), engine, None, "MTP: the target's returned hidden state",
+                           CONFIG_RULES[engine], {}, None, [], expected, None, findings)
 
     ids, key = ids_engine_uses(engine, data, found)
     captured, origin, cls = _decode_captures(spec, engine, ids, cfg, engine_root, model_class, findings)
@@ -171,6 +189,8 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
                                 "SGLang captures no aux hidden states for this draft"))
     findings += _slot_findings(spec, engine, ids, key, captured, expected)
     findings += _id_list_findings(engine, found, captured, expected)
+    findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
+                 norm_lines(spec, engine, data, engine_root) + weight_lines(spec, data, tensor_names(draft))]
     fc = _check_widths(spec, draft, cfg, data, expected, findings)
     return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
                        {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings)

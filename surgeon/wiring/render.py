@@ -15,12 +15,14 @@ from surgeon.core.conventions import DUMP_LAYOUTS, EAGLE, HF, EngineConvention, 
 from surgeon.core.errors import BadInput
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
-from surgeon.core.spec import Spec
+from surgeon.core.spec import NORM_FLAGS, Spec
 from surgeon.engines.sglang_dflash import SETTER as DFLASH_SETTER
 from surgeon.engines.sglang_dflash import classify_dflash, read_dflash_runner
 from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import explain_field
+from surgeon.wiring.mtp import mtp_lines
+from surgeon.wiring.norms import render_lines
 from surgeon.wiring.runnercheck import runner_notes, runner_refusal
 
 RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
@@ -167,6 +169,9 @@ def explain(
         labels = DUMP_LAYOUTS[spec.model.dumps.layout].slots(slots, [spec.captures[n] for n in slots], L)
         dump_labels = {n: f"{spec.model.dumps.layout} {lab}" for n, lab in zip(slots, labels)}
 
+    for engine in ("sglang", "vllm"):
+        notes.extend(render_lines(spec, engine, roots.get(engine)))
+        notes.extend(f"{engine}: {d}" for _, _, d in mtp_lines(spec, engine, roots.get(engine)))
     field = explain_field(spec, engines.get("vllm"))
     conventions.update(field.conventions)
     fc_lists.update({c: IdList(f.convention, f.origin, f.ids, f.error, f.captures) for c, f in field.fc_lists.items()})
@@ -276,8 +281,10 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
         raise BadInput(f"{spec.file}: the spec has no draft section, so there is no fc input to render")
     kind = spec.model.draft.kind
     if kind == "mtp":
+        checked = [d for _, _, d in mtp_lines(spec, target, engine_root)]
         raise BadInput(
             f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render"
+            + (f" ({checked[0]})" if checked else "")
         )
     if kind == "dflash" and target == "sglang":
         return _render_sglang_dflash(spec, engine_root, model_class)
@@ -334,10 +341,26 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
                  "<DRAFT>/config.json"]
         dump = {"layout": "specforge", "aux_hidden_state": [c["point"] for c in captures], "hidden_state": "final_norm"}
         notes.append("SpecForge ids are layer outputs (id k = layer_out[k]); it refuses -1, so embed cannot be an fc input")
+    _norm_flags(spec, target, engine_root, draft_config, notes)
     conv_name = lst.convention
     platform = view.probe.platform if view is not None and view.probe is not None else None
     return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes,
                      verified, unverified_reason, evidence, platform)
+
+
+def _norm_flags(spec: Spec, target: str, engine_root, draft_config: dict, notes: list[str]) -> None:
+    """The spec's declared norm flags go into the draft config's top level (where speculators
+    writes them and both engines read them); each engine's reading of them (file:line) goes into
+    the notes, and an engine that would build the draft without a declared flag refuses the render."""
+    draft = spec.model.draft
+    if draft is None or draft.kind != "eagle3" or draft.norms is None:
+        return
+    draft_config.update({f: v for f in NORM_FLAGS if (v := getattr(draft.norms, f)) is not None})
+    lines = render_lines(spec, target, engine_root)
+    wrong = [line for line in lines if "NOT SERVED" in line]
+    if wrong:
+        raise BadInput(f"{spec.file}: cannot render for {target}: {wrong[0]}")
+    notes.extend(lines)
 
 
 # ---------------------------------------------------------------------------------------------

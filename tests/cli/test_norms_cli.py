@@ -1,0 +1,55 @@
+"""The norm flags and the MTP input point through the CLI: bad input is one located line and exit 2,
+a draft served wrong is exit 3."""
+
+import json
+import textwrap
+
+from click.testing import CliRunner
+
+from surgeon.cli import main
+
+SPEC = textwrap.dedent("""\
+    spec: 1
+    name: tiny
+    target: {architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}
+    captures:
+      low: layer_out[1]
+      mid: layer_out[3]
+      high: layer_out[5]
+    draft: {kind: eagle3, fc_input: [low, mid, high]NORMS}
+    """)
+
+
+def run(*args, code=0):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == code, (res.exit_code, res.output, res.stderr)
+    return res
+
+
+def write(tmp_path, norms="", config=None):
+    f = tmp_path / "s.yaml"
+    f.write_text(SPEC.replace("NORMS", norms))
+    c = tmp_path / "config.json"
+    c.write_text(json.dumps(config or {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}))
+    return f, c
+
+
+def test_bad_norm_flag_in_the_spec_is_located(tmp_path):
+    f, c = write(tmp_path, ", norms: {norm_output: maybe}")
+    res = run("check-draft", f, c, "--engine", "sglang", code=2)
+    line = res.stderr.strip()
+    assert "\n" not in line and f"{f}:8:72: " in line and "draft.norms.norm_output" in line
+
+
+def test_non_bool_flag_in_the_draft_config(tmp_path):
+    f, c = write(tmp_path, config={"norm_before_fc": "yes"})
+    res = run("check-draft", f, c, "--engine", "sglang", code=2)
+    assert "norm_before_fc must be true or false" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_ignored_flag_is_exit_3(tmp_path):
+    f, c = write(tmp_path, ", norms: {norm_before_residual: true}",
+                 {"norm_before_residual": True, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}})
+    res = run("check-draft", f, c, "--engine", "sglang", "--json", code=3)
+    kinds = [x["kind"] for x in json.loads(res.stdout)["findings"] if x["severity"] == "error"]
+    assert kinds == ["norm_ignored"]

@@ -1,0 +1,119 @@
+"""MTP / NextN: the spec's draft.mtp_input against the state each engine hands its MTP head, read
+from the real engine sources, and a before/after where a changed engine file changes the answer."""
+
+import json
+import shutil
+import textwrap
+
+import pytest
+
+from surgeon.core.errors import BadInput
+from surgeon.core.spec import load_spec
+from surgeon.engines.locate import locate_engine
+from surgeon.engines.mtp_input import read_mtp_input
+from surgeon.wiring.draft import check_draft
+from surgeon.wiring.mtp import mtp_lines
+from surgeon.wiring.render import explain, render
+from tests.conftest import installed_engine, release_engine
+
+SPEC = textwrap.dedent("""\
+    spec: 1
+    name: kimi-mtp
+    target: {architecture: DeepseekV3ForCausalLM, num_layers: 61, hidden_size: 7168}
+    captures:
+      last: final_norm
+      pre: layer_out[60]
+    draft: {kind: mtp, fc_input: [last]MTP}
+    """)
+
+
+def spec(tmp_path, mtp_input=None):
+    f = tmp_path / "s.yaml"
+    f.write_text(SPEC.replace("MTP", f", mtp_input: '{mtp_input}'" if mtp_input else ""))
+    return load_spec(f)
+
+
+@pytest.mark.parametrize("engine, release", [("vllm", None), ("sglang", None), ("vllm", "0.33.0"), ("vllm", "0.11.0"),
+                                             ("sglang", "0.5.5")])
+def test_engines_hand_the_mtp_head_the_final_norm(engine, release):
+    root = release_engine(engine, release) if release else None
+    if root is None:
+        installed_engine(engine)
+    ans = read_mtp_input(locate_engine(engine, root), "DeepseekV3ForCausalLM")
+    assert ans.state == "final_norm" and ans.point(61) == "final_norm", ans.reason
+    assert any("deepseek_v2.py:" in e and "norm" in e for e in ans.evidence)
+    head = "deepseek_mtp.py" if engine == "vllm" else "deepseek_nextn.py"
+    assert any(head in e and "hnorm" in e for e in ans.evidence)
+
+
+def test_installed_vllm_evidence_cites_the_norm_line():
+    installed_engine("vllm")
+    loc = locate_engine("vllm")
+    ans = read_mtp_input(loc, "DeepseekV3ForCausalLM")
+    path, line = ans.evidence[0].split(":")[:2]
+    assert "self.norm(" in (loc.root.parent / path).read_text().splitlines()[int(line) - 1]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_check_draft_errors_when_trained_before_the_norm(tmp_path, engine):
+    installed_engine(engine)
+    d = tmp_path / "draft"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    bad = check_draft(spec(tmp_path, "layer_out[60]"), d, engine)
+    assert not bad.ok and [f.kind for f in bad.findings if f.severity == "error"] == ["mtp_input"]
+    assert "hands it final_norm" in bad.findings[0].detail
+    good = check_draft(spec(tmp_path, "final_norm"), d, engine)
+    assert good.ok and good.findings[0].kind == "mtp_input"
+    undeclared = check_draft(spec(tmp_path), d, engine)
+    assert undeclared.ok and undeclared.findings[0].kind == "mtp_undeclared"
+
+
+def test_render_and_explain_say_it(tmp_path):
+    installed_engine("vllm")
+    installed_engine("sglang")
+    with pytest.raises(BadInput) as e:
+        render(spec(tmp_path, "layer_out[60]"), "vllm")
+    assert "\n" not in str(e.value) and "hands it final_norm" in str(e.value)
+    notes = explain(spec(tmp_path, "final_norm")).notes
+    assert {n.split(":")[0] for n in notes if "MTP head" in n} == {"sglang", "vllm"}
+
+
+def test_a_changed_engine_file_changes_the_answer(tmp_path):
+    """Before: vLLM 0.33.0's deepseek_v2.py returns the final norm's output. After: the same file
+    returning hidden_states + residual -> the pre-norm layer_out[60], and the spec that said
+    final_norm is now an error."""
+    src = release_engine("vllm", "0.33.0")
+    root = tmp_path / "vllm"
+    models = root / "model_executor" / "models"
+    models.mkdir(parents=True)
+    for name in ("registry.py", "deepseek_v2.py", "deepseek_mtp.py"):
+        shutil.copy(src / "model_executor/models" / name, models / name)
+    s = spec(tmp_path, "final_norm")
+    assert [k for sev, k, _ in mtp_lines(s, "vllm", root) if sev == "error"] == []
+    model = models / "deepseek_v2.py"
+    text = model.read_text()
+    old = "hidden_states, _ = self.norm(hidden_states, residual)"
+    assert text.count(old) == 1
+    model.write_text(text.replace(old, "hidden_states = hidden_states + residual"))
+    assert read_mtp_input(locate_engine("vllm", root), "DeepseekV3ForCausalLM").state == "pre_norm"
+    after = mtp_lines(s, "vllm", root)
+    assert after[0][:2] == ("error", "mtp_input") and "hands it layer_out[60]" in after[0][2]
+
+
+def test_undecided_engine_is_a_warning_not_a_guess(tmp_path):
+    root = tmp_path / "vllm"
+    models = root / "model_executor" / "models"
+    models.mkdir(parents=True)
+    (models / "registry.py").write_text('_M = {"DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM")}\n')
+    (models / "deepseek_v2.py").write_text(textwrap.dedent("""\
+        class Inner:
+            def forward(self, x):
+                hidden_states = mystery(x)
+                return hidden_states
+        class DeepseekV3ForCausalLM:
+            def __init__(self):
+                self.model = Inner()
+        """))
+    lines = mtp_lines(spec(tmp_path, "final_norm"), "vllm", root)
+    assert lines[0][:2] == ("warning", "mtp_unverified") and "deepseek_v2.py:2" in lines[0][2]
