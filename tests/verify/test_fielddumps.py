@@ -273,3 +273,15 @@ def test_labelling_by_ids_needs_the_layer_count(tmp_path, tiny):
     f = write_modelopt_hf(tmp_path / "n.pt", tiny[0], [1, 3, 5])
     res = run("match", f, "--reference", tiny[1], "--slots", "modelopt-hf:1,3,5", code=2)
     assert "pass --spec" in res.stderr
+
+
+def test_a_vllm_dump_without_aux_ids_and_a_trtllm_file_of_several_records(tmp_path, tiny):
+    ref = tiny[0]
+    f = write_modelopt_vllm(tmp_path / "none.pt", ref, [])  # :303 aux_hidden_states = torch.empty(0)
+    s = read_subject(f, num_layers=L)
+    assert s.names == ["hidden_states"] and s.layout == "modelopt"
+    several = tmp_path / "data_2.pt"  # write_interval 2: two records in one torch.save (:63, :69)
+    torch.save([trtllm_record(ref, {2, 4}), {**trtllm_record(ref, {2, 4}), "id": 2}], several)
+    s = read_subject(several, slots=["trtllm:2,4"], num_layers=L)
+    assert [d for _, d, _ in s.slots] == [layer_out(2), layer_out(4), FINAL_NORM]
+    assert any("record 1 of 2 (id 1)" in n for n in s.notes)
