@@ -6,6 +6,9 @@ Formats (by content, not by file name):
   order, ``hidden_state`` [1, T, H] (after the final norm in SpecForge's semantics), ``input_ids``;
 * speculators ``hs_{i}.safetensors``: ``hidden_states`` [T, n, H] and ``token_ids`` [T] (the last
   slot is layer_out[L-1] before the final norm in speculators' semantics);
+* TensorRT-LLM ``SaveHiddenStatesDecodingConfig`` ``.pt`` lists and NVIDIA Model Optimizer
+  ``collect_hidden_states`` ``.pt`` dicts (hf, vllm, trtllm backends), labelled per the tool's cited
+  convention when ``--slots PRODUCER:IDS`` names the ids it was given (:mod:`surgeon.verify.fielddumps`);
 * a surgeon dump (``surgeon.kind = dump``, :mod:`surgeon.capture.dumps`): slots named and declared by the dump;
 * a surgeon reference file (``surgeon.kind = reference``): one slot per point, labelled;
 * plain ``.pt`` / ``.safetensors`` holding a list, a dict or a stacked tensor, named with ``--slots``.
@@ -26,6 +29,7 @@ import torch
 from surgeon.capture.tensorfiles import SAFETENSORS, TensorFile, open_tensor_file, read_safetensors
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, layer_out, parse_point
+from surgeon.verify import fielddumps
 
 IDS_KEYS = ("input_ids", "token_ids")
 
@@ -124,14 +128,17 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
     slot)."""
     gated = open_tensor_file(path)  # the one sniff: a regular file, its format and header
     p = gated.path
+    producer, slots = fielddumps.split_producer(slots)
     named = parse_slot_names(slots, num_layers)
     n = len(named) or None
     if gated.format != SAFETENSORS:
-        read = _read_pickled(p, n)
+        read = _read_pickled(p, n, producer, num_layers)
     elif gated.kind == "dump":
         read = _read_dump(gated)
     else:
         read = _read_safetensors_slots(gated, n, num_layers)
+    if producer is not None and read.layout not in ("trtllm", "modelopt"):
+        raise BadInput(f"{p}: --slots {producer.name}:... names a {producer.name} dump, but this is a {read.layout} file")
     if not read.tensors:
         raise BadInput(f"{p}: holds no hidden-state tensors")
     names, declared = _apply_slot_names(p, named, read)
@@ -161,9 +168,19 @@ def _check_shapes(p: Path, tensors: list[torch.Tensor], ids: torch.Tensor | None
         raise BadInput(f"{p}: {ids.numel()} input ids for {next(iter(T))} tokens")
 
 
-def _read_pickled(p: Path, n: int | None) -> _FileSlots:
-    """A ``torch.save`` file: a SpecForge dict, another dict of tensors, a list, or one tensor."""
+def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None = None,
+                  num_layers: int | None = None) -> _FileSlots:
+    """A ``torch.save`` file: a SpecForge dict, a TensorRT-LLM or Model Optimizer dump, another dict
+    of tensors, a list, or one tensor."""
     data = _load_pickle(p)
+    try:
+        kind = fielddumps.detect(data)
+    except BadInput as e:
+        raise BadInput(f"{p}: {e}") from None
+    if kind is not None:
+        reader = fielddumps.read_trtllm if kind == "trtllm" else fielddumps.read_modelopt
+        f = reader(str(p), data, producer, num_layers)
+        return _FileSlots(f.layout, f.names, f.tensors, f.declared, f.ids, f.notes)
     if isinstance(data, dict) and "aux_hidden_state" in data:
         return _read_specforge(p, data, n)
     if isinstance(data, dict):

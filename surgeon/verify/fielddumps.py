@@ -1,0 +1,294 @@
+"""The rest of the field's dumps as subjects: TensorRT-LLM's ``SaveHiddenStatesDecodingConfig``
+files and NVIDIA Model Optimizer's ``collect_hidden_states`` files (hf, vllm and trtllm backends).
+
+Layouts, recognised by their keys (never by the file's name), each read from its source:
+
+* TensorRT-LLM (``tensorrt_llm/_torch/speculative/save_hidden_state.py``, NVIDIA/TensorRT-LLM@3e906a0
+  lines 36-63, 69): ``torch.save`` of a *list* of records, one per request, each
+  ``{"id": int, "input_ids": long [T], "hidden_state": [T, H], "aux_hidden_states": [T, n*H]}``.
+  ``hidden_state`` is the last H columns of the capture buffer, the ``-1`` slot (the final
+  post-norm state); the aux key is present only with more than one capture, holds every column
+  but the last (all of them when the user listed ``-1``), and is ``hidden_state_features`` in
+  releases such as @17c59c3. The columns follow ``layers_to_capture``: sorted, ``-1`` last.
+* Model Optimizer (examples/speculative_decoding/collect_hidden_states at a2fbac7): a *dict*
+  ``{"input_ids": [T], "hidden_states": [T, H], "aux_hidden_states": [T, n*H], "loss_mask": [T],
+  "conversation_id": ...}`` written by hf (compute_hidden_states_hf.py:193-201) and vllm
+  (compute_hidden_states_vllm.py:317-325; ``aux_hidden_states`` is ``torch.empty(0)`` without aux
+  ids, :303); the trtllm backend rewrites TensorRT-LLM's record (compute_hidden_states_trtllm.py:
+  236-241: ``id`` dropped, ``conversation_id`` added, ``hidden_state`` renamed ``hidden_states``).
+  The hf and vllm backends write the same keys, so the backend is never guessed: the caller says it.
+
+Which point a slot holds depends on the ids the tool was given, which no file records. The
+caller names the producer and its ids as one ``--slots`` entry, ``PRODUCER:IDS``
+(``trtllm:1,15,28``, ``modelopt-vllm:1,17,29``; presets ``eagle``/``dflash`` for Model Optimizer,
+``default`` for TensorRT-LLM), and each slot is labelled by that tool's cited convention
+(:mod:`surgeon.engines.field_tables`). Without it only what the layout itself fixes is labelled:
+TensorRT-LLM's ``hidden_state``. Labels are declarations: ``verify``/``match`` still identify
+every slot against the reference.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from surgeon.core.conventions import EngineConvention, InvalidId, builtin_convention
+from surgeon.core.errors import BadInput
+from surgeon.core.points import FINAL_NORM, Point
+from surgeon.engines.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, Cite
+
+PRODUCERS = ("trtllm", "modelopt-hf", "modelopt-vllm", "modelopt-trtllm")
+_DIRECTIVE = re.compile(r"\s*(?P<producer>trtllm|modelopt-hf|modelopt-vllm|modelopt-trtllm)\s*:\s*(?P<ids>.*)", re.S)
+TRT_AUX_KEYS = ("aux_hidden_states", "hidden_state_features")
+TRT_RECORD_KEYS = frozenset({"id", "input_ids", "hidden_state", *TRT_AUX_KEYS})
+MODELOPT_KEYS = frozenset({"input_ids", "hidden_states", "loss_mask", "conversation_id", *TRT_AUX_KEYS})
+TABLE = "from a cited table, not verified against a source on this machine"
+TRT_SAVE = "NVIDIA/TensorRT-LLM@3e906a0 tensorrt_llm/_torch/speculative/save_hidden_state.py"
+TRT_DUMP_NOTE = (f"{TRT_SAVE}:41-49: hidden_state is the capture buffer's last H columns, the -1 slot "
+                 f"(TensorRT-LLM's final post-norm state: {TRTLLM['minus_one']}), {TABLE}")
+
+
+@dataclass(frozen=True)
+class Producer:
+    """A ``--slots PRODUCER:IDS`` entry: which tool wrote the file, and the ids it was given."""
+
+    name: str
+    ids_text: str
+
+
+@dataclass
+class FieldSlots:
+    """What a field layout yields (the fields of :class:`surgeon.verify.subjects._FileSlots`)."""
+
+    layout: str
+    names: list[str]
+    tensors: list[torch.Tensor]
+    declared: list[Point | None]
+    ids: torch.Tensor | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def split_producer(entries: Sequence[str]) -> tuple[Producer | None, list[str]]:
+    """The ``PRODUCER:IDS`` entry of ``--slots``, if any, and the other entries. A producer entry
+    stands alone: it names every slot (the file's own names are kept)."""
+    found = [(raw, m) for raw in entries if (m := _DIRECTIVE.fullmatch(raw)) is not None]
+    if not found:
+        return None, list(entries)
+    if len(found) > 1 or len(entries) > 1:
+        raise BadInput(f"--slots {found[0][0]!r} names the producer and its ids; give it alone (one --slots entry)")
+    m = found[0][1]
+    return Producer(m.group("producer"), m.group("ids").strip()), []
+
+
+def detect(data: Any) -> str | None:
+    """``trtllm``, ``modelopt`` or None, from the loaded object's structure and keys. A file that
+    carries a field layout's markers but keys the source never writes is refused, one line."""
+    if isinstance(data, list) and data and all(isinstance(r, dict) for r in data) \
+            and any("hidden_state" in r for r in data):
+        for r in data:
+            extra = sorted(map(str, set(r) - TRT_RECORD_KEYS))
+            missing = sorted({"id", "input_ids", "hidden_state"} - set(r))
+            if extra or missing:
+                raise BadInput("a list of records like TensorRT-LLM's SaveHiddenStates dump, but a record has "
+                               + (f"unexpected keys {extra}" if extra else f"no {missing}")
+                               + f" (its records hold {sorted(TRT_RECORD_KEYS)})")
+        return "trtllm"
+    if isinstance(data, dict) and "hidden_states" in data and (
+            set(TRT_AUX_KEYS) & set(data) or "conversation_id" in data):
+        extra = sorted(map(str, set(data) - MODELOPT_KEYS))
+        if extra or "input_ids" not in data:
+            raise BadInput("a dict like Model Optimizer's collect_hidden_states dump, but with "
+                           + (f"unexpected keys {extra}" if extra else "no input_ids")
+                           + f" (it writes {sorted(MODELOPT_KEYS)})")
+        return "modelopt"
+    return None
+
+
+def _float2d(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise BadInput(f"{what}: expected a floating-point tensor")
+    while t.dim() > 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 2:
+        raise BadInput(f"{what}: expected a [tokens, hidden] tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def _int1d(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.is_floating_point():
+        raise BadInput(f"{what}: expected an integer tensor")
+    return t.reshape(-1).to(torch.int64)
+
+
+def _split_aux(p: str, aux: Any, key: str, H: int, T: int) -> list[torch.Tensor]:
+    """[T, n*H] into n [T, H] slots; an empty tensor (the vllm backend without aux ids) is none."""
+    if isinstance(aux, torch.Tensor) and aux.numel() == 0:
+        return []
+    aux = _float2d(aux, f"{p}: {key}")
+    if aux.shape[0] != T or aux.shape[1] % H:
+        raise BadInput(f"{p}: {key} of shape {tuple(aux.shape)} is not [{T}, n*{H}]")
+    return [aux[:, i * H:(i + 1) * H] for i in range(aux.shape[1] // H)]
+
+
+def _int_list(producer: Producer) -> list[int]:
+    try:
+        ids = [int(t) for t in producer.ids_text.split(",") if t.strip()]
+    except ValueError:
+        raise BadInput(f"--slots {producer.name}:{producer.ids_text}: expected comma-separated integer ids"
+                       + (" or eagle/dflash" if producer.name.startswith("modelopt") else " or default")) from None
+    if not ids:
+        raise BadInput(f"--slots {producer.name}: names no ids")
+    return ids
+
+
+def _modelopt_ids(producer: Producer, L: int, notes: list[str]) -> list[int]:
+    """The backend's aux ids in dump order, as common.py / the vllm script resolve --aux-layers."""
+    preset = producer.ids_text.strip().lower()
+    if preset in ("eagle", "dflash"):
+        if preset == "eagle" and producer.name == "modelopt-vllm":
+            raise BadInput(f"--slots modelopt-vllm:eagle: the vllm backend does not take 'eagle' ({MODELOPT['vllm_presets']})")
+        from surgeon.engines.modelopt import open_modelopt
+
+        source = open_modelopt()
+        if source is None:
+            raise BadInput(f"--slots {producer.name}:{preset}: the preset needs the Model Optimizer source "
+                           "(scripts/fetch-engines); pass the ids instead")
+        ids = source.eagle_default(L) if preset == "eagle" else source.dflash_preset(L)
+        notes.append(f"--aux-layers {preset} = {ids}, evaluated from {source.origin}")
+        return sorted(set(ids)) if producer.name == "modelopt-trtllm" else ids  # TRT-LLM sorts its set
+    ids = _int_list(producer)
+    bad = [i for i in ids if not 0 <= i < L]
+    if bad:
+        raise BadInput(f"--slots {producer.name}: ids {bad} are outside [0, {L}), which the script refuses "
+                       f"({MODELOPT['common_presets']})")
+    return sorted(set(ids))  # common.py resolve_aux_layers and the vllm script's line 76 both sort and de-duplicate
+
+
+def _trtllm_ids(producer: Producer, L: int) -> list[int]:
+    """eagle3_layers_to_capture as the engine orders it: sorted, -1 last (added when absent)."""
+    if producer.ids_text.strip().lower() == "default":
+        ids = [t.evaluate(L) for t in TRTLLM_CONV.default or ()]
+    else:
+        ids = sorted(set(_int_list(producer)))
+        if ids[0] == -1:
+            ids = ids[1:] + [-1]
+    return ids if -1 in ids else [*ids, -1]
+
+
+def _decode(conv_name: str, ids: list[int], L: int) -> list[Point]:
+    try:
+        if conv_name == "modelopt-vllm":
+            vllm = EngineConvention(builtin_convention("vllm", None), "built-in")
+            points = vllm.decode(ids, L)
+        else:
+            conv = {"trtllm": TRTLLM_CONV, "modelopt-hf": MODELOPT_HF, "modelopt-trtllm": MODELOPT_TRTLLM}[conv_name]
+            points = conv.decode(ids, L)
+    except (InvalidId, ValueError) as e:
+        raise BadInput(f"--slots {conv_name}: {e}") from None
+    if any(pt is None for pt in points):
+        raise BadInput(f"--slots {conv_name}: ids {ids} are not all captured for {L} layers")
+    return [pt for pt in points if pt is not None]
+
+
+def _need_layers(producer: Producer, num_layers: int | None) -> int:
+    if num_layers is None:
+        raise BadInput(f"--slots {producer.name}:{producer.ids_text}: labelling by ids needs the target's layer "
+                       "count: pass --spec")
+    return num_layers
+
+
+def _cite(c: Cite) -> str:
+    return f"{c.path.rsplit('/', 1)[-1]}:{c.line}" if c.line else c.path.rsplit("/", 1)[-1]
+
+
+def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int | None) -> FieldSlots:
+    """One record of a TensorRT-LLM SaveHiddenStates dump (the first: a subject is one sequence)."""
+    if producer is not None and producer.name != "trtllm":
+        raise BadInput(f"{p}: a TensorRT-LLM SaveHiddenStates dump (a list of records), not a Model Optimizer "
+                       f"{producer.name} file: pass --slots trtllm:IDS (its eagle3_layers_to_capture)")
+    rec = data[0]
+    last = _float2d(rec["hidden_state"], f"{p}: hidden_state")
+    T, H = last.shape
+    key = next((k for k in TRT_AUX_KEYS if k in rec), None)
+    aux = _split_aux(p, rec[key], key, H, T) if key else []
+    out = FieldSlots("trtllm", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_state"], [*aux, last],
+                     [None] * len(aux) + [FINAL_NORM], _int1d(rec["input_ids"], f"{p}: input_ids"))
+    out.notes.append(f"TensorRT-LLM SaveHiddenStates dump: record 1 of {len(data)} (id {rec['id']}); {TRT_DUMP_NOTE}")
+    if key == "hidden_state_features":
+        out.notes.append("hidden_state_features is the aux key of older releases (NVIDIA/TensorRT-LLM@17c59c3); "
+                         "one of them wrote the last captured layer as hidden_state unless "
+                         "save_last_layer_post_norm: the label is what current releases write, identification decides")
+    if producer is None:
+        out.notes.append("aux slots unlabelled: the file does not record eagle3_layers_to_capture; "
+                         "pass --slots trtllm:IDS (or trtllm:default) to label them")
+        return out
+    L = _need_layers(producer, num_layers)
+    full = _trtllm_ids(producer, L)
+    if len(aux) not in (len(full), len(full) - 1):
+        raise BadInput(f"{p}: {len(aux)} aux slots, but eagle3_layers_to_capture {full} gives {len(full) - 1} "
+                       f"(or {len(full)} with -1 listed): the ids do not fit this file")
+    points = _decode("trtllm", full, L)
+    out.declared = [*points[:len(aux)], FINAL_NORM]
+    out.notes.append(f"labelled as TensorRT-LLM eagle3_layers_to_capture {full} (sorted, -1 last: "
+                     f"{_cite(TRTLLM['sorted'])}, {_cite(TRTLLM['minus_one_last'])}; id k = layer_out[k]: "
+                     f"{TRTLLM['call']}), {TABLE}")
+    return out
+
+
+def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int | None) -> FieldSlots:
+    """A Model Optimizer collect_hidden_states dump, any backend."""
+    last = _float2d(data["hidden_states"], f"{p}: hidden_states")
+    T, H = last.shape
+    key = next((k for k in TRT_AUX_KEYS if k in data), None)
+    aux = _split_aux(p, data[key], key, H, T) if key else []
+    out = FieldSlots("modelopt", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_states"], [*aux, last],
+                     [None] * (len(aux) + 1), _int1d(data["input_ids"], f"{p}: input_ids"))
+    out.notes.append(f"Model Optimizer collect_hidden_states dump (conversation {data.get('conversation_id', '?')}): "
+                     f"keys as {_cite(MODELOPT['dump'])} (hf) and compute_hidden_states_vllm.py:317 write them, "
+                     f"NVIDIA/Model-Optimizer@{MODELOPT['dump'].commit[:7]}")
+    if "loss_mask" in data:
+        mask = data["loss_mask"]
+        if not isinstance(mask, torch.Tensor):
+            raise BadInput(f"{p}: loss_mask is a {type(mask).__name__}, not a tensor")
+        if mask.numel() != T:
+            raise BadInput(f"{p}: loss_mask has {mask.numel()} entries for {T} tokens")
+        out.notes.append(f"loss_mask: {int((mask != 0).sum())} of {T} tokens in the loss")
+    if producer is None:
+        out.notes.append("slots unlabelled: its hf and vllm backends write the same keys and no file records "
+                         "--aux-layers; pass --slots modelopt-hf:IDS, modelopt-vllm:IDS or modelopt-trtllm:IDS")
+        return out
+    if producer.name == "trtllm":
+        raise BadInput(f"{p}: a Model Optimizer dump (a dict), not TensorRT-LLM's own list: pass "
+                       "--slots modelopt-trtllm:IDS for its trtllm backend")
+    L = _need_layers(producer, num_layers)
+    ids = _modelopt_ids(producer, L, out.notes)
+    extra = 1 if producer.name == "modelopt-trtllm" and len(aux) == len(ids) + 1 else 0  # TRT-LLM's -1 column kept
+    if len(aux) != len(ids) + extra:
+        raise BadInput(f"{p}: {len(aux)} aux slots, but --aux-layers {ids} gives {len(ids)}: the ids do not fit this file")
+    out.declared = _modelopt_labels(producer.name, ids, L, extra, out.notes)
+    return out
+
+
+def _modelopt_labels(backend: str, ids: list[int], L: int, extra: int, notes: list[str]) -> list[Point | None]:
+    if backend == "modelopt-vllm":
+        vllm_ids = [*ids, L]  # compute_hidden_states_vllm.py:178 extract_layer_ids = [*aux_layer_ids, L]
+        points: list[Point | None] = list(_decode(backend, vllm_ids, L))
+        notes.append(f"labelled as the vllm backend: ids {vllm_ids} handed to vLLM unchanged "
+                     f"({_cite(MODELOPT['vllm_ids'])}, {_cite(MODELOPT['vllm_config'])}), read by surgeon's built-in "
+                     f"vLLM table (id j = layer_out[j-1], {builtin_convention('vllm', None).reason}; not probed for "
+                     f"the model's class): one layer earlier than hf and trtllm, the last slot layer_out[{L - 1}] "
+                     f"before the final norm ({_cite(MODELOPT['vllm_last'])}), {TABLE}")
+        return points
+    points = [*_decode(backend, ids, L), *([FINAL_NORM] * extra), FINAL_NORM]
+    if backend == "modelopt-hf":
+        notes.append(f"labelled as the hf backend: aux id k = hidden_states[k + 1] ({_cite(MODELOPT['hf_aux'])}), "
+                     f"the last slot the final norm's output ({_cite(MODELOPT['hf_last'])}), {TABLE}")
+    else:
+        notes.append(f"labelled as the trtllm backend: ids unchanged as eagle3_layers_to_capture "
+                     f"({_cite(MODELOPT['trtllm_ids'])}), id k = layer_out[k], hidden_states = TensorRT-LLM's "
+                     f"post-norm hidden_state ({_cite(MODELOPT['trtllm_rename'])}), {TABLE}")
+    return points
