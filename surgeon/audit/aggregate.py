@@ -97,7 +97,8 @@ class Aggregate:
         for slot, (src, src_slot) in sorted(seen.items()):
             name = names[slot] if slot < len(names) else str(slot)
             r["findings"].append({"kind": "stale", "slot": name,
-                                  "detail": f"rows bit-identical to rows of {src} (slot {src_slot}) on other tokens: "
+                                  "detail": f"rows identical (on the hashed columns) to rows of {src} "
+                                            f"(slot {src_slot}) on other tokens: "
                                             "a stale buffer or a copy of another sample"})
 
     def add(self, r: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ finished file's result on disk.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -104,7 +105,9 @@ def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int, cpu: dict[s
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # fork on Linux only: macOS made spawn the default because forking after system frameworks (and
+    # torch's thread pools) start is unsafe there
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=init_worker,
                              initargs=(ctx,)) as pool:
         window: deque = deque()

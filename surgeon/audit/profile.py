@@ -305,8 +305,10 @@ def match_slot(profile: Profile | None, declared: str | None, stats: Stats | Non
     if declared not in dist:
         return {"nearest": min(dist, key=lambda k: dist[k]), "verdict": "not_run", "distance": None}
     fits = [p for p in profile.points if dist[p.point] <= 1.0]
+    by_anchor = False
     if len(fits) > 1:
         anchored = [p for p in fits if p.anchored(stats)]
+        by_anchor = bool(anchored) and len(anchored) < len(fits)
         fits = anchored or fits
     names = [p.point for p in fits]
     nearest = min(names, key=lambda k: dist[k]) if names else None
@@ -315,4 +317,4 @@ def match_slot(profile: Profile | None, declared: str | None, stats: Stats | Non
         nearest = declared if len(names) == 1 else nearest
     else:
         verdict = "mismatch" if names else "no_match"
-    return {"nearest": nearest, "verdict": verdict, "distance": dist[declared]}
+    return {"nearest": nearest, "verdict": verdict, "distance": dist[declared], "by_anchor": by_anchor}

@@ -240,8 +240,11 @@ def repeated_across_slots(names: list[str], hashes) -> list[tuple[str, str]]:
     ``hashes``: [S, T]."""
     import torch
 
-    live = hashes[hashes != 0]
-    if live.numel() == torch.unique(live).numel():  # no hash twice in the file: the usual case, one sort
+    # each slot's distinct hashes (an embed slot repeats a row wherever its token repeats): no hash
+    # in two slots is the usual case, settled with one sort
+    per_slot = [torch.unique(h[h != 0]) for h in hashes]
+    live = torch.cat(per_slot) if per_slot else hashes.reshape(-1)
+    if live.numel() == torch.unique(live).numel():
         return []
     out = []
     for i in range(len(hashes)):
@@ -249,8 +252,8 @@ def repeated_across_slots(names: list[str], hashes) -> list[tuple[str, str]]:
             a, b = hashes[i][hashes[i] != 0], hashes[j][hashes[j] != 0]
             n = int(torch.isin(b, a).sum()) if a.numel() and b.numel() else 0
             if n:
-                out.append((names[j], f"repeated: {n} of its rows are bit-identical to rows of slot {names[i]} "
-                                      "(a stale or shared buffer)"))
+                out.append((names[j], f"repeated: {n} of its rows are identical to rows of slot {names[i]} on the "
+                                      f"{HASH_COLUMNS} hashed columns, bit for bit (a stale or shared buffer)"))
     return out
 
 

@@ -169,9 +169,13 @@ def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> 
             out["findings"].append(_finding(kind, sv.name, detail))
         ident = row["identity"]
         if ident["verdict"] in ("mismatch", "no_match"):
-            what = f"holds {ident['nearest']}" if ident["nearest"] else "fits no point of the target"
-            out["findings"].append(_finding("identity", sv.name, f"declared {sv.declared}, its statistics: {what} "
-                                                                 f"({ident['distance']:.1f} tolerances from the declared)"))
+            if ident.get("by_anchor"):  # the statistics fit several points; position 0 told them apart
+                what = (f"its statistics fit several points; its first row is {ident['nearest']}'s state at "
+                        f"position 0 (the profile's first token), not {sv.declared}'s")
+            else:
+                what = ("its statistics: " + (f"holds {ident['nearest']}" if ident["nearest"] else "fits no point of the target")
+                        + f" ({ident['distance']:.1f} tolerances from the declared)")
+            out["findings"].append(_finding("identity", sv.name, f"declared {sv.declared}, {what}"))
     for name, detail in repeated_across_slots(names, hashes):
         kind, _, rest = detail.partition(": ")
         out["findings"].append(_finding(kind, name, rest))

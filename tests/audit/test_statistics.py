@@ -49,7 +49,12 @@ def test_rows_repeated_across_slots_and_the_sampled_rows():
     xs[2][10:20] = xs[0][10:20]
     _, hashes, _ = file_values(["a", "b", "c"], [None] * 3, xs)
     found = repeated_across_slots(["a", "b", "c"], hashes)
-    assert found == [("c", "repeated: 10 of its rows are bit-identical to rows of slot a (a stale or shared buffer)")]
+    assert found == [("c", "repeated: 10 of its rows are identical to rows of slot a on the 64 hashed columns, "
+                           "bit for bit (a stale or shared buffer)")]
+    within = _slots()
+    within[1][5:9] = within[1][0]  # rows repeated inside one slot (an embed slot's repeated token): not across slots
+    _, h2, _ = file_values(["a", "b", "c"], [None] * 3, within)
+    assert repeated_across_slots(["a", "b", "c"], h2) == []
     rows = sampled_rows([None] * 3, hashes, torch.arange(40))
     assert len(rows) == 12 and {r[0] for r in rows} == {0, 1, 2}
     for s, h, _ctx, t in rows:
