@@ -188,14 +188,18 @@ def print_inferred_wiring(r: Any) -> None:
     if data["written"]:
         out.print(f"spec written to {escape(data['written'])}")
     against = [e["engine"] for e in stated["engines"] if e["agrees"] is False]
-    if data["ok"]:
-        out.print("[green]ok[/]: " + ("the inferred wiring is decided and the draft config's ids agree with it" if data["decided"]
-                                      else "nothing contradicts the draft config's ids (the evidence does not decide)"))
-    else:
-        why = ([f"the config's ids disagree for {', '.join(against)}"] if against else []) + (
-            ["the config states no ids"] if not stated["ids"] else []) + (
-            ["the evidence does not decide"] if not data["decided"] else [])
-        out.print(f"[red]mismatch[/]: {'; '.join(why) or 'see above'}")
+    if data["ok"]:  # exit 0: ids stated, and no decided wiring they disagree with
+        if not data["decided"]:
+            text = "nothing contradicts the draft config's ids (the evidence does not decide)"
+        elif stated["agree"] is None:
+            text = "the inferred wiring is decided; the config's ids were checked against no engine (see above)"
+        else:
+            text = "the inferred wiring is decided and the draft config's ids agree with it"
+        out.print(f"[green]ok[/]: {text}")
+    else:  # exit 3: no ids stated, or a decided wiring some engine's reading of them disagrees with
+        why = ["the config states no ids"] if not stated["ids"] else [
+            f"the config's ids disagree with the decided wiring for {', '.join(against)}"]
+        out.print(f"[red]mismatch[/]: {'; '.join(why)}")
 
 
 def print_accept(r: Any) -> None:

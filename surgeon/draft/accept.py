@@ -36,14 +36,13 @@ import torch
 from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
 from surgeon.core.spec import Spec
-from surgeon.draft.behaviour import LOG_FLOOR
+from surgeon.draft.behaviour import LOG_FLOOR, LOGPROB_BYTES
 from surgeon.draft.model import Eagle3Draft, chained_logits, one_thread
 
 DEFAULT_PROMPTS = 32
 DEFAULT_PROMPT_LEN = 16
 DEFAULT_LENGTH = 128
 #: the target's log-probabilities are kept for the divergence column while they fit in this
-LOGPROB_BYTES = 1 << 30
 SAMPLING_NOTE = ("greedy: with sampling (temperature > 0) engines accept a draft token with probability "
                  "min(1, p_target/p_draft) (rejection sampling); that depends on both distributions and is not modelled")
 

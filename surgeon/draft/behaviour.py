@@ -28,6 +28,10 @@ from surgeon.draft.model import DraftCache, Eagle3Draft, one_thread
 LOG_FLOOR = -50.0
 
 
+# the target's log-probabilities [T, V] of every prompt are kept while the signal runs: at most this
+LOGPROB_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """A behaviour signal's reading of one wiring: ``divergence`` ``[n_prompts]`` (nats per chained

@@ -44,7 +44,7 @@ from surgeon.core.conventions import EAGLE, HF, Convention
 from surgeon.core.errors import BadInput, SurgeonError
 from surgeon.core.points import Point, all_points
 from surgeon.core.spec import load_spec
-from surgeon.draft.behaviour import DraftBehaviour, Evaluation, target_logprobs
+from surgeon.draft.behaviour import LOGPROB_BYTES, DraftBehaviour, Evaluation, target_logprobs
 from surgeon.draft.model import Eagle3Draft, load_draft
 from surgeon.draft.weightspace import SlotScore, alignment_table, contributions, slot_blocks, slot_scores
 from surgeon.engines.view import open_engine
@@ -596,6 +596,12 @@ def draft_runtime(draft: str, states: TargetStates, notes: list[str]) -> tuple[E
         notes.append(f"behaviour not measured: the draft's target vocabulary is {model.info.target_vocab_size}, "
                      f"the target's {vocab}")
         return None, None
+    need = sum(int(p.numel()) for p in states.input_ids) * vocab * 4 * 2  # the log-probs, and stacked by length
+    if need > LOGPROB_BYTES:
+        notes.append(f"behaviour not measured: the target's log-probabilities over these prompts would take "
+                     f"{need >> 20} MiB (over {LOGPROB_BYTES >> 20} MiB); fewer or shorter prompts; weight-space "
+                     "evidence only")
+        return model, None
     return model, DraftBehaviour(model, states.input_ids, target_logprobs(states.folder, states.input_ids),
                                  CHAIN_STEPS)
 

@@ -89,7 +89,8 @@ def runner_notes(probe: EngineProbe | None, kind: str = "eagle3") -> list[str]:
         if c.passes == "draft_ids":
             keys = ", ".join(dict.fromkeys(f"{s.key}{f' {s.offset:+d}' if s.offset else ''}" for s in c.sources
                                            if s.origin == "draft_config"))
-            other = "".join(f"; ids from the engine's {s.key} ({s.path}:{s.line}) instead when {s.when or 'always'}"
+            other = "".join(f"; ids from the engine's {s.key} ({s.path}:{s.line})"
+                            + (f" instead when {s.when}" if s.when else ", under a condition not read")
                             for s in c.sources if s.origin == "engine")
             notes.append(f"{release} runner {c.where} passes the draft config's ids ({keys})"
                          + (f", else {c.default_method}()" if c.default_method else "")

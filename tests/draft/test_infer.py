@@ -272,3 +272,15 @@ def test_one_prompt_is_no_verdict(synthetic_target, seed_draft, induction_prompt
 
     data = infer_wiring(str(seed_draft), str(synthetic_target), prompts=induction_prompts[:1]).to_json()
     assert data["behaviour"]["z"] is None and not data["decided"]
+
+
+@pytest.mark.slow
+def test_log_probabilities_over_the_budget_are_not_kept(synthetic_target, seed_draft, induction_prompts, monkeypatch):
+    """The target's log-probabilities of every prompt stay in memory while behaviour is measured: past
+    the budget, behaviour is not measured (said), never an out-of-memory crash or a partial signal."""
+    from surgeon.draft import infer
+
+    monkeypatch.setattr(infer, "LOGPROB_BYTES", 1024)
+    data = infer.infer_wiring(str(seed_draft), str(synthetic_target), prompts=induction_prompts[:4]).to_json()
+    assert data["behaviour"] is None and not data["decided"]
+    assert any(n.startswith("behaviour not measured: the target's log-probabilities") for n in data["notes"])
