@@ -36,7 +36,7 @@ import torch
 from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
 from surgeon.core.spec import Spec
-from surgeon.draft.behaviour import LOG_FLOOR, LOGPROB_BYTES
+from surgeon.draft.behaviour import LOGPROB_BYTES, kl_to_draft
 from surgeon.draft.model import Eagle3Draft, chained_logits, one_thread
 
 DEFAULT_PROMPTS = 32
@@ -261,8 +261,7 @@ def _chain_hits(draft: Eagle3Draft, pr: PromptStates, slots: list[torch.Tensor],
     div = torch.zeros(starts.numel(), dtype=torch.float64)
     for j in range(steps):
         target = pr.logprobs[starts + 1 + j]
-        own = torch.log_softmax(logits[j][starts].float(), -1).clamp_min(LOG_FLOOR)
-        div += (target.exp() * (target - own)).sum(-1).double()
+        div += kl_to_draft(target, logits[j][starts]).double()
     return hits, div
 
 

@@ -28,6 +28,15 @@ from surgeon.draft.model import DraftCache, Eagle3Draft, one_thread
 LOG_FLOOR = -50.0
 
 
+def kl_to_draft(target_lp: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """KL(target || draft) per row, from the target's log-probabilities and the draft's logits (the
+    draft's log-probabilities floored at :data:`LOG_FLOOR`, so a token it rules out costs a bounded
+    amount; a token the target rules out, ``-inf``, contributes 0, never NaN)."""
+    draft_lp = torch.log_softmax(draft_logits.float(), -1).clamp_min(LOG_FLOOR)
+    p = target_lp.exp()
+    return torch.where(p > 0, p * (target_lp - draft_lp), torch.zeros_like(p)).sum(-1)
+
+
 # the target's log-probabilities [T, V] of every prompt are kept while the signal runs: at most this
 LOGPROB_BYTES = 1 << 30
 
@@ -88,9 +97,8 @@ class DraftBehaviour:
                     step_ids = torch.zeros_like(ids)
                     step_ids[:, :n] = ids[:, 1 + j:]
                     out, h = self.draft.step(h, step_ids, cache)
-                    draft_lp = torch.log_softmax(out[:, :n].float(), -1).clamp_min(LOG_FLOOR)
                     target_lp = logp[:, 1 + j:]
-                    kl = (target_lp.exp() * (target_lp - draft_lp)).sum(-1).mean(-1)
+                    kl = kl_to_draft(target_lp, out[:, :n]).mean(-1)
                     divergence[idx] += kl.double()
                     if j == 0:
                         hits += int((out[:, :n].argmax(-1) == target_lp.argmax(-1)).sum())

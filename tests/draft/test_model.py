@@ -360,3 +360,16 @@ def test_the_speculators_config_carries_what_speculators_requires():
     bare = config_for("speculators", hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV,
                       intermediate_size=INTER, vocab_size=V, draft_vocab_size=VD, ids=None)
     assert bare["speculators_config"]["verifier"]["name_or_path"] is None
+
+
+def test_the_kl_to_the_draft_is_finite_where_the_target_rules_a_token_out():
+    """A target log-probability of -inf (a masked vocabulary entry) contributes 0, not NaN; a token
+    the draft rules out costs a bounded amount (the floor)."""
+    from surgeon.draft.behaviour import LOG_FLOOR, kl_to_draft
+
+    target = torch.log_softmax(torch.tensor([[2.0, 1.0, float("-inf")]]), -1)
+    same = torch.tensor([[2.0, 1.0, -1e4]])
+    assert torch.isfinite(kl_to_draft(target, same)).all() and float(kl_to_draft(target, same)) < 1e-6
+    ruled_out = torch.tensor([[2.0, float("-inf"), 0.0]])
+    got = float(kl_to_draft(target, ruled_out))
+    assert 0 < got <= -LOG_FLOOR
