@@ -115,17 +115,6 @@ class PointProfile:
     def tol(self) -> float:
         return max(MIN_TOL, self.k * self.spread)
 
-    def distance(self, s: Stats) -> float:
-        """The slot's distance from this point, in tolerances: the largest of its statistics'."""
-        d = 0.0
-        for x, c, sp in zip(s.scalars, self.centres, self.spreads):
-            if x is not None:
-                d = max(d, abs(x - c) / max(MIN_TOL, self.k * sp))
-        for v, c, tol in zip(s.vectors, self.vectors, self.vtols):
-            if v is not None and c is not None and v.shape == c.shape:
-                d = max(d, _cos_distance(v, c) / tol)
-        return d
-
     def anchored(self, s: Stats) -> bool | None:
         """Whether the slot's first row is this point's (None: no anchor to compare on)."""
         if s.first_row is None or self.first_row is None or s.first_token != self.first_token \
