@@ -130,22 +130,54 @@ def partition(engine: str, root: str, num_layers: int, pp: int) -> tuple[list[tu
     unset = ", ".join(sorted({k.split("'")[1] if "'" in k else k.split(".")[-1] for k in externals}))
     params = ", ".join(a.arg for a in fn.args.args)
     where = f"{rel}:{fn.lineno} get_pp_indices({params})" + (f" with {unset} unset" if unset else "")
-    return [(int(a), int(b)) for a, b in stages], where
+    return check_stages(stages, num_layers, f"{rel}:{fn.lineno} get_pp_indices"), where
+
+
+def check_stages(stages: list, num_layers: int, source: str) -> list[tuple[int, int]]:
+    """``stages`` as ``[(start, end), ...]`` when they are integer pairs, in order, contiguous and
+    covering ``[0, num_layers)``; otherwise :class:`PipelineUnread` naming what is wrong."""
+    out = []
+    for rank, stage in enumerate(stages):
+        if len(stage) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in stage):
+            raise PipelineUnread(f"{source}: rank {rank} evaluated to {stage!r}, not a (start, end) pair of ints")
+        out.append((stage[0], stage[1]))
+    bad = next((f"rank {r} is ({a}, {b}): end before start" for r, (a, b) in enumerate(out) if b < a), None)
+    if bad is None and out and out[0][0] != 0:
+        bad = f"rank 0 starts at layer {out[0][0]}, not 0"
+    if bad is None:
+        bad = next((f"rank {r + 1} starts at {c}, rank {r} ends at {b}" for r, ((_, b), (c, _d))
+                    in enumerate(zip(out, out[1:])) if b != c), None)
+    if bad is None and (not out or out[-1][1] != num_layers):
+        bad = f"the stages end at {out[-1][1] if out else 'nothing'}, not at the {num_layers} layers"
+    if bad is not None:
+        raise PipelineUnread(f"{source}: the evaluated partition {out} does not cover layers 0..{num_layers - 1} "
+                             f"in order: {bad}")
+    return out
 
 
 # -- stage placement -----------------------------------------------------------------------
 def _stage_of(layer: int, stages: list[tuple[int, int]]) -> int:
-    return next(i for i, (a, b) in enumerate(stages) if a <= layer < b)
+    found = next((i for i, (a, b) in enumerate(stages) if a <= layer < b), None)
+    if found is None:
+        raise PipelineUnread(f"layer {layer} is in no stage of the partition {stages}")
+    return found
+
+
+def _site(cc: ClassConvention, position: int, num_layers: int) -> tuple[str, str]:
+    """(where: before_loop, loop_entry, loop_exit or after_loop; the site file:line)."""
+    site = cc.site_for(position, num_layers)
+    where = site.where if site is not None else ("loop_entry" if cc.capture_site == "entry" else "loop_exit")
+    cite = f"{site.path}:{site.line} ({where})" if site is not None else f"{cc.path}:{cc.line} ({where}, no site recorded)"
+    return where, cite
 
 
 def place(cc: ClassConvention, position: int | None, num_layers: int,
           stages: list[tuple[int, int]]) -> tuple[int | None, int | None, str]:
-    """(stage, layer whose iteration captures it, the site file:line) for capture index ``position``."""
+    """(stage, layer whose iteration captures it, the site file:line) for capture index ``position``,
+    for a loop whose index is the global layer number (see :func:`loop_index`)."""
     if position is None or position not in cc.reachable(num_layers):
         return None, None, "no capture site reaches it"
-    site = cc.site_for(position, num_layers)
-    where = site.where if site is not None else ("loop_entry" if cc.capture_site == "entry" else "loop_exit")
-    cite = f"{site.path}:{site.line} ({where})" if site is not None else f"{cc.path}:{cc.line} ({where}, no site recorded)"
+    where, cite = _site(cc, position, num_layers)
     if where == "before_loop":
         return 0, None, cite
     if where == "after_loop":

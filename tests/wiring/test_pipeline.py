@@ -18,7 +18,7 @@ from surgeon.core.spec import load_spec
 from surgeon.engines.pureeval import NotPure, call_function
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.lint import lint_spec
-from surgeon.wiring.pipeline import PipelineUnread, partition, pipeline_answer
+from surgeon.wiring.pipeline import PipelineUnread, check_stages, lint_pipeline, partition, pipeline_answer
 from tests.conftest import installed_engine, release_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +86,38 @@ def test_pureeval_refuses_what_it_does_not_model():
     fn3 = ast.parse("def f(n):\n    x = envs.X\n    return n if x is None else 0\n").body[0]
     assert isinstance(fn3, ast.FunctionDef)
     assert call_function(fn3, 5, externals={"envs.X": None}) == 5
+
+
+@pytest.mark.parametrize(("stages", "why"), [
+    ([(0, 4), (5, 8)], "rank 1 starts at 5, rank 0 ends at 4"),  # a gap
+    ([(0, 5), (4, 8)], "rank 1 starts at 4, rank 0 ends at 5"),  # an overlap
+    ([(4, 8), (0, 4)], "rank 0 starts at layer 4"),  # out of order
+    ([(0, 4), (4, 7)], "the stages end at 7, not at the 8 layers"),  # short
+    ([(0, 4, 1), (4, 8)], "not a (start, end) pair of ints"),
+    ([(0, 4.0), (4, 8)], "not a (start, end) pair of ints"),
+    ([(0, 6), (6, 4), (4, 8)], "end before start"),
+])
+def test_partition_result_is_validated(stages, why):
+    with pytest.raises(PipelineUnread) as e:
+        check_stages(stages, 8, "f.py:1 get_pp_indices")
+    assert why in str(e.value) and str(e.value).startswith("f.py:1 get_pp_indices: ")
+    assert check_stages([(0, 4), (4, 8)], 8, "x") == [(0, 4), (4, 8)]
+
+
+def test_a_bad_partition_is_reported_unverified_by_lint(tmp_path):
+    """A release whose get_pp_indices leaves a gap: lint says unverified (an error under --strict)."""
+    src = tmp_path / "distributed"
+    src.mkdir()
+    (src / "utils.py").write_text("def get_pp_indices(num_hidden_layers, pp_rank, pp_size):\n"
+                                  "    return (pp_rank * 10, pp_rank * 10 + 5)\n")
+    with pytest.raises(PipelineUnread, match="rank 1 starts at 10, rank 0 ends at 5"):
+        partition("vllm", str(tmp_path), 20, 2)
+    spec = load_spec(LLAMA)
+    cc = open_engine("vllm").class_convention("LlamaForCausalLM")
+    for strict, severity in ((False, "warning"), (True, "error")):
+        issues, checked, data = lint_pipeline(spec, "vllm", str(tmp_path), "x", cc, 2, 1, strict=strict)
+        assert [i.severity for i in issues] == [severity] and checked == [] and data is None
+        assert "vllm: pp 2: unverified: distributed/utils.py:1 get_pp_indices: the evaluated partition" in issues[0].message
 
 
 def test_pp_larger_than_layers_is_refused():
