@@ -7,7 +7,11 @@ Everything is read from the engine's source, never imported:
   :mod:`surgeon.engines.pureeval` with the partition environment variable taken as unset;
 * the stage that captures a point is the stage owning the layer whose iteration captures it, from
   the capture sites the probe read (entry of layer ``p``, after layer ``p - 1``, before the loop on
-  the first rank, after it on the last);
+  the first rank, after it on the last), over a loop whose index is read from its header (and any
+  ``idx = idx + self.start_layer`` in its body) to be the global layer number; an index that
+  restarts at 0 on every stage (``enumerate(islice(self.layers, start, end))``) captures other
+  layers on later stages, and is reported as such; a shape not read leaves the answer unverified;
+* the evaluated partition is checked to be contiguous ``(start, end)`` pairs covering all layers;
 * the draft runs on the last stage. Whether captures of earlier stages reach it is read per release
   and class: vLLM's runner refusing a class without ``supports_aux_hidden_states_over_pp`` at load,
   the flag and the decoder loop's non-last-rank ``IntermediateTensors`` return (carrying the aux
@@ -240,7 +244,7 @@ def _rebinding(loop: ast.For, name: str, fn: ast.FunctionDef | None) -> tuple[bo
         and isinstance(n.target, ast.Name) and n.target.id == name)]
     if not binds:
         return None
-    first = next(s for s in loop.body if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(s)))
+    first = next((s for s in loop.body if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(s))), None)
     value = first.value if isinstance(first, ast.Assign | ast.AugAssign) else None
     if len(binds) == 1 and binds[0] is first and value is not None:
         if isinstance(first, ast.AugAssign) and isinstance(first.op, ast.Add):
