@@ -7,7 +7,11 @@ Everything is read from the engine's source, never imported:
   :mod:`surgeon.engines.pureeval` with the partition environment variable taken as unset;
 * the stage that captures a point is the stage owning the layer whose iteration captures it, from
   the capture sites the probe read (entry of layer ``p``, after layer ``p - 1``, before the loop on
-  the first rank, after it on the last);
+  the first rank, after it on the last), over a loop whose index is read from its header (and any
+  ``idx = idx + self.start_layer`` in its body) to be the global layer number; an index that
+  restarts at 0 on every stage (``enumerate(islice(self.layers, start, end))``) captures other
+  layers on later stages, and is reported as such; a shape not read leaves the answer unverified;
+* the evaluated partition is checked to be contiguous ``(start, end)`` pairs covering all layers;
 * the draft runs on the last stage. Whether captures of earlier stages reach it is read per release
   and class: vLLM's runner refusing a class without ``supports_aux_hidden_states_over_pp`` at load,
   the flag and the decoder loop's non-last-rank ``IntermediateTensors`` return (carrying the aux
@@ -63,6 +67,9 @@ class PipelineAnswer:
     refused: str | None = None  # the engine refuses this draft at this pp (file:line)
     unverified: str | None = None
     notes: list[str] = field(default_factory=list)
+    # A stage-local loop index: per point captured wrongly or never, what each stage captures
+    # (lint reports these as errors; not part of the JSON shape, the issues carry them).
+    misread: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         title = f"{_TITLES.get(self.engine, self.engine)} {self.release}"
@@ -80,7 +87,9 @@ class PipelineAnswer:
         return out
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("misread")
+        return out
 
 
 # -- source reading ------------------------------------------------------------------------
@@ -130,28 +139,264 @@ def partition(engine: str, root: str, num_layers: int, pp: int) -> tuple[list[tu
     unset = ", ".join(sorted({k.split("'")[1] if "'" in k else k.split(".")[-1] for k in externals}))
     params = ", ".join(a.arg for a in fn.args.args)
     where = f"{rel}:{fn.lineno} get_pp_indices({params})" + (f" with {unset} unset" if unset else "")
-    return [(int(a), int(b)) for a, b in stages], where
+    return check_stages(stages, num_layers, f"{rel}:{fn.lineno} get_pp_indices"), where
+
+
+def check_stages(stages: list, num_layers: int, source: str) -> list[tuple[int, int]]:
+    """``stages`` as ``[(start, end), ...]`` when they are integer pairs, in order, contiguous and
+    covering ``[0, num_layers)``; otherwise :class:`PipelineUnread` naming what is wrong."""
+    out = []
+    for rank, stage in enumerate(stages):
+        if len(stage) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in stage):
+            raise PipelineUnread(f"{source}: rank {rank} evaluated to {stage!r}, not a (start, end) pair of ints")
+        out.append((stage[0], stage[1]))
+    bad = next((f"rank {r} is ({a}, {b}): end before start" for r, (a, b) in enumerate(out) if b < a), None)
+    if bad is None and out and out[0][0] != 0:
+        bad = f"rank 0 starts at layer {out[0][0]}, not 0"
+    if bad is None:
+        bad = next((f"rank {r + 1} starts at {c}, rank {r} ends at {b}" for r, ((_, b), (c, _d))
+                    in enumerate(zip(out, out[1:])) if b != c), None)
+    if bad is None and (not out or out[-1][1] != num_layers):
+        bad = f"the stages end at {out[-1][1] if out else 'nothing'}, not at the {num_layers} layers"
+    if bad is not None:
+        raise PipelineUnread(f"{source}: the evaluated partition {out} does not cover layers 0..{num_layers - 1} "
+                             f"in order: {bad}")
+    return out
 
 
 # -- stage placement -----------------------------------------------------------------------
 def _stage_of(layer: int, stages: list[tuple[int, int]]) -> int:
-    return next(i for i, (a, b) in enumerate(stages) if a <= layer < b)
+    found = next((i for i, (a, b) in enumerate(stages) if a <= layer < b), None)
+    if found is None:
+        raise PipelineUnread(f"layer {layer} is in no stage of the partition {stages}")
+    return found
+
+
+def _site(cc: ClassConvention, position: int, num_layers: int) -> tuple[str, str]:
+    """(where: before_loop, loop_entry, loop_exit or after_loop; the site file:line)."""
+    site = cc.site_for(position, num_layers)
+    where = site.where if site is not None else ("loop_entry" if cc.capture_site == "entry" else "loop_exit")
+    cite = f"{site.path}:{site.line} ({where})" if site is not None else f"{cc.path}:{cc.line} ({where}, no site recorded)"
+    return where, cite
 
 
 def place(cc: ClassConvention, position: int | None, num_layers: int,
           stages: list[tuple[int, int]]) -> tuple[int | None, int | None, str]:
-    """(stage, layer whose iteration captures it, the site file:line) for capture index ``position``."""
+    """(stage, layer whose iteration captures it, the site file:line) for capture index ``position``,
+    for a loop whose index is the global layer number (see :func:`loop_index`)."""
     if position is None or position not in cc.reachable(num_layers):
         return None, None, "no capture site reaches it"
-    site = cc.site_for(position, num_layers)
-    where = site.where if site is not None else ("loop_entry" if cc.capture_site == "entry" else "loop_exit")
-    cite = f"{site.path}:{site.line} ({where})" if site is not None else f"{cc.path}:{cc.line} ({where}, no site recorded)"
+    where, cite = _site(cc, position, num_layers)
     if where == "before_loop":
         return 0, None, cite
     if where == "after_loop":
         return len(stages) - 1, None, cite
     layer = position if where == "loop_entry" else position - 1
     return _stage_of(layer, stages), layer, cite
+
+
+# -- the loop's index: global layer number, or counted from 0 on every stage -----------------
+_START = "self.start_layer"
+
+
+def _point_name(position: int) -> str:
+    return "embed" if position == 0 else f"layer_out[{position - 1}]"
+
+
+def _enclosing(tree: ast.Module, node: ast.AST) -> ast.FunctionDef | None:
+    line = getattr(node, "lineno", 0)
+    fns = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.lineno <= line <= (f.end_lineno or 0)]
+    return max(fns, key=lambda f: f.lineno, default=None)
+
+
+def _is_start(expr: ast.expr | None, fn: ast.FunctionDef | None, before: int) -> str | None:
+    """How ``expr`` is the stage's first global layer (``self.start_layer``, or a local name whose
+    first assignment before line ``before`` is), or None."""
+    if expr is None:
+        return None
+    if ast.unparse(expr) == _START:
+        return _START
+    if not isinstance(expr, ast.Name) or fn is None:
+        return None
+    assigns = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Assign) and n.lineno < before
+                      and any(isinstance(t, ast.Name) and t.id == expr.id for t in n.targets)), key=lambda n: n.lineno)
+    if not assigns or ast.unparse(assigns[0].value) != _START:
+        return None
+    later = [f"{n.lineno}" for n in assigns[1:]]
+    return f"{expr.id} = {_START} at line {assigns[0].lineno}" + (
+        f" (reassigned at line {', '.join(later)}: not followed)" if later else "")
+
+
+def _slice_start(expr: ast.expr) -> ast.expr | None:
+    """The start of ``islice(X, start, end)`` or ``X[start:end]``; None when ``expr`` is neither."""
+    if isinstance(expr, ast.Call) and ast.unparse(expr.func).split(".")[-1] == "islice" and len(expr.args) == 3:
+        return expr.args[1]
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice):
+        return expr.slice.lower
+    return None
+
+
+def _rebinding(loop: ast.For, name: str, fn: ast.FunctionDef | None) -> tuple[bool, str] | None:
+    """How the body rebinds the loop index ``name``: None when it does not; (True, how) for one
+    ``name = name + <stage start>`` (or ``+=``) before any other use; (False, how) otherwise."""
+    binds = [n for s in loop.body for n in ast.walk(s) if (isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == name for t in n.targets)) or (isinstance(n, ast.AugAssign | ast.AnnAssign)
+        and isinstance(n.target, ast.Name) and n.target.id == name)]
+    if not binds:
+        return None
+    first = next((s for s in loop.body if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(s))), None)
+    value = first.value if isinstance(first, ast.Assign | ast.AugAssign) else None
+    if len(binds) == 1 and binds[0] is first and value is not None:
+        if isinstance(first, ast.AugAssign) and isinstance(first.op, ast.Add):
+            shift = _is_start(value, fn, loop.lineno)
+        elif isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+            pair = (value.left, value.right)
+            other = next((e for e in pair if not (isinstance(e, ast.Name) and e.id == name)), None)
+            shift = _is_start(other, fn, loop.lineno) if len([e for e in pair if e is other]) == 1 else None
+        else:
+            shift = None
+        if shift:
+            return True, f"line {first.lineno} adds {shift} to {name}"
+    return False, f"{name} is rebound at line {binds[0].lineno} (`{ast.unparse(binds[0])}`), not read"
+
+
+def _index_kind(loop: ast.For, fn: ast.FunctionDef | None) -> tuple[str | None, str]:
+    """("global" | "local" | None when the shape is not recognised, how it was read), the
+    body's rebinding of the index (``idx = idx + self.start_layer``) taken into account."""
+    index = loop.target.elts[0] if isinstance(loop.target, ast.Tuple) and loop.target.elts else loop.target
+    kind, how = _header_kind(loop, fn)
+    rebound = _rebinding(loop, index.id, fn) if isinstance(index, ast.Name) and kind is not None else None
+    if rebound is None:
+        return kind, how + (": stage-local, it restarts at 0 on every stage" if kind == "local" else "")
+    if not rebound[0]:
+        return None, f"{how}, but {rebound[1]}"
+    if kind == "local":
+        return "global", f"{how}, and {rebound[1]}: global"
+    return None, f"{how}, and {rebound[1]} as well"
+
+
+def _header_kind(loop: ast.For, fn: ast.FunctionDef | None) -> tuple[str | None, str]:
+    """What the loop header alone makes of its index (see :func:`_index_kind`)."""
+    it, target = loop.iter, loop.target
+    func = ast.unparse(it.func).split(".")[-1] if isinstance(it, ast.Call) else ""
+    index = target.elts[0] if isinstance(target, ast.Tuple) and len(target.elts) == 2 else target
+    if not isinstance(index, ast.Name):
+        return None, "its target has no plain index name"
+    if not any(isinstance(n, ast.Name) and n.id == index.id for s in loop.body for n in ast.walk(s)):
+        return None, f"its body does not read {index.id}"
+    if func == "range" and isinstance(it, ast.Call) and len(it.args) == 1 and isinstance(target, ast.Name) \
+            and isinstance(it.args[0], ast.Call) and ast.unparse(it.args[0].func) == "len" \
+            and len(it.args[0].args) == 1 and isinstance(it.args[0].args[0], ast.Attribute):
+        return "global", f"it counts over all of {ast.unparse(it.args[0].args[0])} from 0"
+    if func == "range" and isinstance(it, ast.Call) and len(it.args) == 2 and isinstance(target, ast.Name):
+        how = _is_start(it.args[0], fn, loop.lineno)
+        return ("global", f"range starts at {how}") if how else (None, "its range does not start at the stage's first layer")
+    if func == "islice" and isinstance(it, ast.Call) and it.args and isinstance(it.args[0], ast.Call) \
+            and ast.unparse(it.args[0].func) == "enumerate" and len(it.args[0].args) == 1 \
+            and not it.args[0].keywords and _slice_start(it.args[0].args[0]) is None:
+        return "global", "it slices enumerate() of all the layers"
+    if func != "enumerate" or not isinstance(it, ast.Call) or not it.args or isinstance(target, ast.Name):
+        return None, "its shape is not one the check reads (enumerate, islice(enumerate(...)) or range)"
+    start = it.args[1] if len(it.args) > 1 else next((k.value for k in it.keywords if k.arg == "start"), None)
+    sliced = _slice_start(it.args[0])
+    if sliced is None:
+        if start is None and isinstance(it.args[0], ast.Attribute):
+            return "global", f"it enumerates all of {ast.unparse(it.args[0])} from 0"
+        return None, "it enumerates something other than a slice of the layers"
+    from_stage = _is_start(sliced, fn, loop.lineno)
+    if from_stage is None:
+        return None, "its slice does not start at the stage's first layer"
+    if start is None:
+        return "local", f"{index.id} counts from 0 over the slice starting at {from_stage}"
+    how = _is_start(start, fn, loop.lineno)
+    return ("global", f"enumerate starts at {how}") if how else (None, f"enumerate starts at {ast.unparse(start)}")
+
+
+def loop_index(root: str, cc: ClassConvention) -> tuple[str | None, str]:
+    """Whether the decoder loop's index, tested against the capture ids, is the global layer
+    number ("global") or restarts at 0 on every stage ("local"), read from the loop the probe
+    recorded; None when not recognised. The text cites the loop's file:line and header."""
+    loops = cc.evidence_of("loop")
+    if not loops:
+        return None, f"{cc.loop_owner or cc.path}: the decoder loop's line was not recorded"
+    ev = loops[0]
+    tree = _module(root, ev.path)
+    loop = next((n for n in ast.walk(tree) if isinstance(n, ast.For) and n.lineno == ev.line), None) if tree else None
+    if tree is None or loop is None:
+        return None, f"{ev.path}:{ev.line}: no for loop read there"
+    target = loop.target
+    names = ", ".join(map(ast.unparse, target.elts)) if isinstance(target, ast.Tuple) else ast.unparse(target)
+    header = f"for {names} in {ast.unparse(loop.iter)}"
+    kind, how = _index_kind(loop, _enclosing(tree, loop))
+    index = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
+    if isinstance(index, ast.Name):
+        kind, how = _what_sites_read(cc, ev.path, loop, index.id, kind, how)
+    return kind, f"{ev.path}:{ev.line} `{header}`: {how}"
+
+
+def _layer_names(loop: ast.For, index: str) -> set[str]:
+    """Names bound to the layer object: the loop's second target, or ``x = self.layers[index]``."""
+    names = {loop.target.elts[1].id} if isinstance(loop.target, ast.Tuple) and len(loop.target.elts) == 2 \
+        and isinstance(loop.target.elts[1], ast.Name) else set()
+    for node in (n for s in loop.body for n in ast.walk(s)):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and ast.unparse(node.value) == f"self.layers[{index}]":
+            names.add(node.targets[0].id)
+    return names
+
+
+def _what_sites_read(cc: ClassConvention, path: str, loop: ast.For, index: str, kind: str | None,
+                     how: str) -> tuple[str | None, str]:
+    """(kind, how) once the capture sites recorded inside ``loop`` are read: a site testing the
+    loop index keeps the header's answer; one testing the layer object's own attribute (a flag the
+    setter set on that layer) does not rest on the index; any other is not read."""
+    stmts = [n for s in loop.body for n in ast.walk(s) if isinstance(n, ast.stmt)]
+    layers = _layer_names(loop, index)
+    for site in cc.sites:
+        if site.path != path or site.where not in ("loop_entry", "loop_exit") \
+                or not loop.lineno < site.line <= (loop.end_lineno or 0):
+            continue
+        around = [n for n in stmts if n.lineno <= site.line <= (n.end_lineno or n.lineno)]
+        stmt = min(around, key=lambda n: (n.end_lineno or n.lineno) - n.lineno, default=None)
+        if stmt is None or any(isinstance(n, ast.Name) and n.id == index for n in ast.walk(stmt)):
+            continue
+        if any((isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in layers)
+               or (isinstance(n, ast.Call) and ast.unparse(n.func) == "getattr" and n.args
+                   and isinstance(n.args[0], ast.Name) and n.args[0].id in layers) for n in ast.walk(stmt)):
+            return "global", (f"the capture at {site.path}:{site.line} tests an attribute of the layer object, "
+                              f"not {index}: set per layer, it does not rest on the loop index")
+        return None, f"{how}, but the capture at {site.path}:{site.line} does not read {index}"
+    return kind, how
+
+
+def _local_placement(cc: ClassConvention, position: int | None, num_layers: int, stages: list[tuple[int, int]],
+                     loop: str) -> tuple[int | None, int | None, str, str | None]:
+    """For a stage-local loop index: (stage capturing ``position`` itself, its layer, why, the error
+    when a stage captures another state in its place or none captures it)."""
+    if position is None or position not in cc.reachable(num_layers):
+        return None, None, "no capture site reaches it", None
+    where, cite = _site(cc, position, num_layers)
+    if where in ("before_loop", "after_loop"):
+        stage = 0 if where == "before_loop" else len(stages) - 1
+        return stage, None, cite, None
+    local = position if where == "loop_entry" else position - 1
+    said, right, wrong = [], None, False
+    for s, (a, b) in enumerate(stages):
+        if not 0 <= local < b - a:
+            said.append(f"stage {s} (layers {a}..{b - 1}) counts 0..{b - a - 1}, never {position}")
+        elif a == 0:
+            right = s
+            said.append(f"stage {s} (layers {a}..{b - 1}) captures {_point_name(position)}")
+        else:
+            wrong = True
+            said.append(f"stage {s} (layers {a}..{b - 1}) captures {_point_name(a + position)} in its place")
+    what = "; ".join(said)
+    why = f"{cite}; {loop}: {what}"
+    error = None
+    if wrong or right is None:
+        fault = "a later stage matches its index on another layer" if right is not None else "no stage captures it"
+        error = f"{_point_name(position)} (capture index {position}): {fault}: {loop}: {what}"
+    return right, (local if right is not None else None), why, error
 
 
 def _builds_layers(root: str, owner: str, package: str) -> str | None:
@@ -423,14 +668,27 @@ def pipeline_answer(engine: str, root: str, release: str, cc: ClassConvention, p
         ans.unverified = f"{cc.loop_owner or cc.path}: the loop owner's layers were not read to come from get_pp_indices"
     forward = (_vllm_forwarding if engine == "vllm" else _sglang_forwarding)(root, cc) if pp > 1 else (True, "", None, [])
     earlier, why, ans.refused, ans.notes = forward
+    kind, loop = loop_index(root, cc) if pp > 1 else ("global", "")
+    if kind is None:
+        ans.unverified = "; ".join(filter(None, [ans.unverified, f"whether the decoder loop's index is the global "
+                                                 f"layer number was not read: {loop}"]))
     for p in points:
-        stage, layer, site = place(cc, p.position, num_layers, stages)
+        if kind == "local":
+            stage, layer, site, error = _local_placement(cc, p.position, num_layers, stages, loop)
+            ans.misread.extend([error] if error else [])
+        else:
+            stage, layer, site = place(cc, p.position, num_layers, stages)
+        sure = kind is not None or layer is None  # a loop-site capture rests on the loop's index
         if stage is None:
             ans.placements.append(Placement(str(p), p.position, None, None, False, site))
         elif stage == pp - 1:
-            ans.placements.append(Placement(str(p), p.position, stage, layer, True, f"{site}: the draft's stage"))
+            ans.placements.append(Placement(str(p), p.position, stage, layer, True if sure else None,
+                                            f"{site}: the draft's stage"))
         else:
-            ans.placements.append(Placement(str(p), p.position, stage, layer, earlier, f"{site}; {why}"))
+            ans.placements.append(Placement(str(p), p.position, stage, layer, earlier if sure else None,
+                                            f"{site}; {why}"))
+    if pp > 1:
+        ans.notes.append(f"pp: decoder loop {loop}")
     if built is not None:
         ans.notes.append(f"pp: layers built by {built}")
     note, tp_unverified = tp_note(root, cc, tp)
@@ -458,6 +716,7 @@ def lint_pipeline(spec: Spec, engine: str, root: str, release: str, cc: ClassCon
                                      f"{ans.refused}"))
     if ans.unverified:
         issues.append(spec.issue(fc, f"{engine}: pp {pp}: unverified: {ans.unverified}", severity=unverified))
+    issues.extend(spec.issue(fc, f"{engine}: pp {pp}: {m}") for m in ans.misread)
     last = pp - 1
     for p in ans.placements:
         if p.stage is None or p.stage == last:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,14 @@ from surgeon.core.spec import load_spec
 from surgeon.engines.pureeval import NotPure, call_function
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.lint import lint_spec
-from surgeon.wiring.pipeline import PipelineUnread, partition, pipeline_answer
+from surgeon.wiring.pipeline import (
+    PipelineUnread,
+    check_stages,
+    lint_pipeline,
+    loop_index,
+    partition,
+    pipeline_answer,
+)
 from tests.conftest import installed_engine, release_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +96,38 @@ def test_pureeval_refuses_what_it_does_not_model():
     assert call_function(fn3, 5, externals={"envs.X": None}) == 5
 
 
+@pytest.mark.parametrize(("stages", "why"), [
+    ([(0, 4), (5, 8)], "rank 1 starts at 5, rank 0 ends at 4"),  # a gap
+    ([(0, 5), (4, 8)], "rank 1 starts at 4, rank 0 ends at 5"),  # an overlap
+    ([(4, 8), (0, 4)], "rank 0 starts at layer 4"),  # out of order
+    ([(0, 4), (4, 7)], "the stages end at 7, not at the 8 layers"),  # short
+    ([(0, 4, 1), (4, 8)], "not a (start, end) pair of ints"),
+    ([(0, 4.0), (4, 8)], "not a (start, end) pair of ints"),
+    ([(0, 6), (6, 4), (4, 8)], "end before start"),
+])
+def test_partition_result_is_validated(stages, why):
+    with pytest.raises(PipelineUnread) as e:
+        check_stages(stages, 8, "f.py:1 get_pp_indices")
+    assert why in str(e.value) and str(e.value).startswith("f.py:1 get_pp_indices: ")
+    assert check_stages([(0, 4), (4, 8)], 8, "x") == [(0, 4), (4, 8)]
+
+
+def test_a_bad_partition_is_reported_unverified_by_lint(tmp_path):
+    """A release whose get_pp_indices leaves a gap: lint says unverified (an error under --strict)."""
+    src = tmp_path / "distributed"
+    src.mkdir()
+    (src / "utils.py").write_text("def get_pp_indices(num_hidden_layers, pp_rank, pp_size):\n"
+                                  "    return (pp_rank * 10, pp_rank * 10 + 5)\n")
+    with pytest.raises(PipelineUnread, match="rank 1 starts at 10, rank 0 ends at 5"):
+        partition("vllm", str(tmp_path), 20, 2)
+    spec = load_spec(LLAMA)
+    cc = open_engine("vllm").class_convention("LlamaForCausalLM")
+    for strict, severity in ((False, "warning"), (True, "error")):
+        issues, checked, data = lint_pipeline(spec, "vllm", str(tmp_path), "x", cc, 2, 1, strict=strict)
+        assert [i.severity for i in issues] == [severity] and checked == [] and data is None
+        assert "vllm: pp 2: unverified: distributed/utils.py:1 get_pp_indices: the evaluated partition" in issues[0].message
+
+
 def test_pp_larger_than_layers_is_refused():
     with pytest.raises(PipelineUnread, match="exceeds"):
         _answer("vllm", None, KIMI, 99)
@@ -116,10 +156,80 @@ def test_vllm_inherited_flag_without_forwarding_is_dropped():
 
 
 def test_vllm_011_drops_earlier_stage_captures():
+    """Stages 0..30 and 31..60; 0.11's loop index restarts at 0 on stage 1, so indices 31 and 59
+    are matched on no stage, and index 3 also matches stage 1's local 3 (global layer 34's entry)."""
     ans = _answer("vllm", "0.11.0", KIMI, 2, "LlamaForCausalLM")
     assert ans.refused is None
-    assert [(p.stage, p.reaches) for p in ans.placements] == [(0, False), (1, True), (1, True)]
+    assert [(p.stage, p.reaches) for p in ans.placements] == [(0, False), (None, False), (None, False)]
     assert "carries no aux states" in ans.placements[0].why
+    assert "stage 1 (layers 31..60) captures layer_out[33] in its place" in ans.misread[0]
+    assert [m.split(":")[0] for m in ans.misread] == [
+        "layer_out[2] (capture index 3)", "layer_out[30] (capture index 31)", "layer_out[58] (capture index 59)"]
+
+
+# -- the loop index: global layer number, or counted from 0 on every stage --------------------------
+@pytest.mark.parametrize(("engine", "release", "model_class", "kind", "said"), [
+    ("vllm", "0.11.0", "LlamaForCausalLM", "local",
+     "llama.py:401 `for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer))`: idx counts "
+     "from 0 over the slice starting at self.start_layer: stage-local"),
+    ("vllm", None, "LlamaForCausalLM", "global", "llama.py:432 `for idx, layer in enumerate(islice(self.layers, "
+     "self.start_layer, self.end_layer), start=self.start_layer)`: enumerate starts at self.start_layer"),
+    ("vllm", "0.33.0", "LlamaForCausalLM", "global", "enumerate starts at self.start_layer"),
+    ("vllm", None, "Qwen3VLForConditionalGeneration", "global", "it slices enumerate() of all the layers"),
+    ("vllm", None, "AfmoeForCausalLM", "local", "afmoe.py:434"),
+    ("vllm", None, "Glm5NextForCausalLM", None, "it enumerates something other than a slice of the layers"),
+    ("sglang", None, "LlamaForCausalLM", "global", "llama.py:486 `for i in range(self.start_layer, self.end_layer)`"),
+    ("sglang", None, "DeepseekV3ForCausalLM", "global",
+     "range starts at normal_start_layer = self.start_layer at line 3164"),
+    ("sglang", "0.5.5", "DeepseekV3ForCausalLM", "global", "normal_start_layer = self.start_layer at line 2942"),
+    ("sglang", None, "Qwen3VLForConditionalGeneration", "global", "line 1233 adds self.start_layer to layer_idx"),
+    ("sglang", None, "Qwen3MoeForCausalLM", "global", "tests an attribute of the layer object, not i"),
+    ("sglang", None, "LongcatFlashForCausalLM", None, "`for i in range(total_num_layers)`: its shape is not one"),
+])
+def test_loop_index_is_read_from_the_loop(engine, release, model_class, kind, said):
+    view = open_engine(engine, None if release is None else _root(engine, release))
+    assert view.probe is not None
+    got, how = loop_index(view.probe.root, view.class_convention(model_class))
+    assert got == kind and said in how, how
+
+
+def test_stage_local_index_is_an_error_not_reaches():
+    """vLLM 0.11 llama at pp 2 (layers 0..15, 16..31): ids 2, 16, 29 are tested against an index
+    counted from 0 on each stage: stage 1 captures layer_out[17] for index 2; 16 and 29 never match."""
+    res = CliRunner().invoke(main, ["lint", str(LLAMA), "--engine", "vllm", "--engine-root",
+                                    _root("vllm", "0.11.0"), "--pp", "2"])
+    assert res.exit_code == 2
+    assert re.search(r"(?<!never )reaches the draft", res.output) is None  # only "never reaches", from the drop
+    assert "stage 1 (layers 16..31) captures layer_out[17] in its place" in res.output
+    assert "layer_out[15] (capture index 16): no stage captures it: model_executor/models/llama.py:401" in res.output
+    assert "layer_out[28] (capture index 29): no stage captures it" in res.output
+    ans = _answer("vllm", "0.11.0", LLAMA, 2, "LlamaForCausalLM")
+    assert not any(p.reaches for p in ans.placements)
+    assert not any("reaches the draft" in line for line in ans.lines())
+    assert "misread" not in ans.to_json()  # the JSON shape is closed; the issues carry these
+
+
+@pytest.mark.parametrize("release", [None, "0.33.0"])
+def test_vllm_global_index_still_reaches(release):
+    ans = _answer("vllm", release, LLAMA, 2, "LlamaForCausalLM")
+    assert ans.misread == [] and ans.unverified is None
+    assert [(p.stage, p.reaches) for p in ans.placements] == [(0, True), (0, True), (1, True)]
+    assert any("enumerate starts at self.start_layer" in n for n in ans.notes)
+
+
+def test_unread_loop_index_is_unverified():
+    spec = load_spec(KIMI)
+    view = open_engine("sglang")
+    assert view.probe is not None
+    cc = view.class_convention("LongcatFlashForCausalLM")
+    ans = pipeline_answer("sglang", view.probe.root, view.probe.version, cc, spec.fc_points, spec.num_layers, 2)
+    assert ans.unverified is not None
+    assert "whether the decoder loop's index is the global layer number was not read" in ans.unverified
+    assert "longcat_flash.py:619" in ans.unverified
+    assert [p.reaches for p in ans.placements if p.layer is not None] == [None] * 3
+    for strict, severity in ((False, "warning"), (True, "error")):
+        issues, _, _ = lint_pipeline(spec, "sglang", view.probe.root, view.probe.version, cc, 2, 1, strict=strict)
+        assert any(i.severity == severity and "loop's index" in i.message for i in issues)
 
 
 @pytest.mark.parametrize(("release", "refused"), [(None, False), ("0.5.5", True)])
