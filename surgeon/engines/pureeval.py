@@ -150,9 +150,13 @@ def _eval(node: ast.expr, env: dict[str, Any]) -> Any:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.Not):
         value = _eval(node.operand, env)
         return -value if isinstance(node.op, ast.USub) else not value
-    if isinstance(node, ast.BoolOp):
-        values = [_eval(v, env) for v in node.values]
-        return all(values) if isinstance(node.op, ast.And) else any(values)
+    if isinstance(node, ast.BoolOp):  # Python's short circuit: the deciding operand, later ones not evaluated
+        stop_when = not isinstance(node.op, ast.And)  # `and` stops at a false operand, `or` at a true one
+        for operand in node.values:
+            value = _eval(operand, env)
+            if bool(value) == stop_when:
+                break
+        return value
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
         return _CMPOPS[type(node.ops[0])](_eval(node.left, env), _eval(node.comparators[0], env))
     if isinstance(node, ast.IfExp):
