@@ -65,11 +65,15 @@ class ModeloptSource:
         if name not in self.functions:
             raise BadInput(f"modelopt {self.version}: {name} was not found in its source")
         node, path = self.functions[name]
+        where = f"modelopt {self.version}: {path}:{node.lineno}: {name}{args}"
         try:
-            value = call_function(node, *args)
-        except (NotPure, ArithmeticError, TypeError, ValueError) as e:  # what the body does for these arguments
-            raise BadInput(f"modelopt {self.version}: {path}:{node.lineno}: {name}{args}: {e}") from None
-        return [int(v) for v in value]
+            value = call_function(node, *args)  # any failure of the body is NotPure, one line
+        except NotPure as e:
+            raise BadInput(f"{where}: {e}") from None
+        if not isinstance(value, list | tuple | set) or not all(type(v) is int for v in value):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise BadInput(f"{where}: returned {shown}, not a collection of integer layer ids")
+        return list(value)
 
     def eagle_default(self, num_layers: int) -> list[int]:
         """``--aux-layers eagle``: 0-based layer-output ids (examples/.../common.py returns them as is)."""
