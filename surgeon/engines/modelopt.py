@@ -4,7 +4,9 @@ What the library part of its wheel decides about layer ids, each with file:line:
 
 - ``default_eagle_aux_layer_ids(num_layers)`` (the EAGLE-3 preset, ``--aux-layers eagle``) and
   ``build_target_layer_ids(num_layers, num_draft_layers)`` (the DFlash preset) are evaluated from
-  their parsed bodies (:mod:`surgeon.engines.pureeval`) for the model's layer count;
+  their parsed bodies (:mod:`surgeon.engines.pureeval`) for the model's layer count; a value is
+  cited by the ``return`` statement that produced it (``*_cited``: ``build_target_layer_ids``
+  returns early for one draft layer), the static evidence lists every ``return`` of the body;
 - how its own HF training reads an id: a forward hook on decoder layer k (EAGLE-3), or
   ``hidden_states[k + offset]`` (DFlash), both the output of layer k.
 
@@ -26,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from surgeon.core.errors import BadInput
-from surgeon.engines.pureeval import NotPure, call_function
+from surgeon.engines.pureeval import NotPure, evaluate_function
 
 EAGLE_FILE = "torch/speculative/plugins/hf_eagle.py"
 DFLASH_FILE = "torch/speculative/plugins/modeling_dflash.py"
@@ -62,26 +64,40 @@ class ModeloptSource:
 
     def evaluate(self, name: str, *args: int) -> list[int]:
         """The named preset function for these arguments, from its parsed body."""
+        return self.evaluate_cited(name, *args)[0]
+
+    def evaluate_cited(self, name: str, *args: int) -> tuple[list[int], Read]:
+        """:meth:`evaluate` and the ``return`` statement of the body that produced the value."""
         if name not in self.functions:
             raise BadInput(f"modelopt {self.version}: {name} was not found in its source")
         node, path = self.functions[name]
-        where = f"modelopt {self.version}: {path}:{node.lineno}: {name}{args}"
+        call = f"{name}({', '.join(map(str, args))})"
+        where = f"modelopt {self.version}: {path}:{node.lineno}: {call}"
         try:
-            value = call_function(node, *args)  # any failure of the body is NotPure, one line
+            result = evaluate_function(node, *args)  # any failure of the body is NotPure, one line
         except NotPure as e:
             raise BadInput(f"{where}: {e}") from None
+        value = result.value
         if not isinstance(value, list | tuple | set) or not all(type(v) is int for v in value):
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise BadInput(f"{where}: returned {shown}, not a collection of integer layer ids")
-        return list(value)
+        ret = result.returned
+        return list(value), Read(path, ret.lineno, f"{call} = {list(value)}, returned by `{ast.unparse(ret)}`")
 
     def eagle_default(self, num_layers: int) -> list[int]:
         """``--aux-layers eagle``: 0-based layer-output ids (examples/.../common.py returns them as is)."""
-        return self.evaluate(EAGLE_FN, num_layers)
+        return self.eagle_default_cited(num_layers)[0]
+
+    def eagle_default_cited(self, num_layers: int) -> tuple[list[int], Read]:
+        return self.evaluate_cited(EAGLE_FN, num_layers)
 
     def dflash_preset(self, num_layers: int, num_draft_layers: int = DFLASH_DRAFT_LAYERS) -> list[int]:
         """``--aux-layers dflash``: common.py sorts and de-duplicates the library's list."""
-        return sorted(set(self.evaluate(DFLASH_FN, num_layers, num_draft_layers)))
+        return self.dflash_preset_cited(num_layers, num_draft_layers)[0]
+
+    def dflash_preset_cited(self, num_layers: int, num_draft_layers: int = DFLASH_DRAFT_LAYERS) -> tuple[list[int], Read]:
+        ids, read = self.evaluate_cited(DFLASH_FN, num_layers, num_draft_layers)
+        return sorted(set(ids)), read
 
 
 def _find_function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
@@ -133,6 +149,16 @@ def _version(package: Path) -> str:
     return "unknown"
 
 
+def _returns(fn: ast.FunctionDef, path: str) -> Read:
+    """A preset's static evidence: its one ``return``, or every one (the value's own citation,
+    ``evaluate_cited``, names the one executed for given arguments)."""
+    rets = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Return)), key=lambda r: r.lineno)
+    if len(rets) == 1:
+        return Read(path, rets[0].lineno, f"{fn.name}: {ast.unparse(rets[0])}")
+    listed = "; ".join(f"{r.lineno}: `{ast.unparse(r)}`" for r in rets) or "none"
+    return Read(path, fn.lineno, f"{fn.name} returns at {listed} (which one depends on the arguments)")
+
+
 @lru_cache(maxsize=8)
 def _read(package: Path) -> ModeloptSource:
     src = ModeloptSource(package, _version(package))
@@ -145,8 +171,7 @@ def _read(package: Path) -> ModeloptSource:
         node = _find_function(tree, fn_name)
         if node is not None:
             src.functions[fn_name] = (node, shown)
-            ret = next((s for s in node.body if isinstance(s, ast.Return)), node.body[-1])
-            src.reads[key] = Read(shown, ret.lineno, f"{fn_name}: {ast.unparse(ret)}")
+            src.reads[key] = _returns(node, shown)
         if key == "eagle_default":
             hook = _eagle_hook(tree, shown)
             if hook is not None:

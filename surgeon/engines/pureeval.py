@@ -20,6 +20,7 @@ import ast
 import operator
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 MAX_WORK = 1_000_000  # units per call: a node evaluated, a statement run, an element built or iterated
@@ -50,9 +51,18 @@ _LAZY = frozenset({"len", "range"})  # builtins that neither iterate nor build: 
 _LOGGERS = frozenset({"logger", "log", "_logger"})
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """What a call returned, and the ``return`` statement it executed (to cite its line)."""
+
+    value: Any
+    returned: ast.Return
+
+
 class _Return(Exception):
-    def __init__(self, value: Any):
+    def __init__(self, value: Any, stmt: ast.Return):
         self.value = value
+        self.stmt = stmt
 
 
 class _Work:
@@ -93,6 +103,11 @@ def call_function(fn: ast.FunctionDef, *args: Any, externals: dict[str, Any] | N
     the value of each outside read the caller decides, keyed by its source text (an environment
     variable such as ``envs.VLLM_PP_LAYER_PARTITION`` taken as unset); any other outside read is
     :class:`NotPure`. A statement that only calls ``logger.<level>(...)`` is skipped (logging)."""
+    return evaluate_function(fn, *args, externals=externals).value
+
+
+def evaluate_function(fn: ast.FunctionDef, *args: Any, externals: dict[str, Any] | None = None) -> Evaluation:
+    """:func:`call_function` with the ``return`` statement that produced the value."""
     params = [a.arg for a in fn.args.args]
     if len(params) != len(args):
         raise NotPure(f"{fn.name} takes {len(params)} arguments, got {len(args)}")
@@ -101,7 +116,7 @@ def call_function(fn: ast.FunctionDef, *args: Any, externals: dict[str, Any] | N
     try:
         _run(fn.body, env)
     except _Return as r:
-        return r.value
+        return Evaluation(r.value, r.stmt)
     except NotPure:
         raise
     except Exception as e:  # whatever the body raises for these arguments (IndexError, MemoryError, ...): one line
@@ -125,7 +140,7 @@ def _run(body: list[ast.stmt], env: dict[str, Any]) -> None:
         if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) or _is_log_call(stmt):
             continue  # docstring, logging
         if isinstance(stmt, ast.Return):
-            raise _Return(None if stmt.value is None else _eval(stmt.value, env))
+            raise _Return(None if stmt.value is None else _eval(stmt.value, env), stmt)
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
             env[stmt.targets[0].id] = _eval(stmt.value, env)
         elif isinstance(stmt, ast.AugAssign) and type(stmt.op) in _BINOPS:

@@ -66,6 +66,22 @@ def test_the_presets_are_what_the_source_computes(package):
         src.dflash_preset(3)  # fewer target layers than draft layers: the source raises
 
 
+def test_a_preset_value_cites_the_return_that_produced_it(package):
+    """build_target_layer_ids returns early for one draft layer (modeling_dflash.py:164-165): the
+    value is cited by the return executed, not by the body's last one."""
+    src = open_modelopt(package)
+    ids, read = src.dflash_preset_cited(36, 1)
+    assert ids == [18] and read.line == 165 and "return [num_target_layers // 2]" in _line(package, read)
+    ids, read = src.dflash_preset_cited(36)
+    assert ids == [1, 9, 17, 25, 33] and read.line == 169 and "for i in range(num_draft_layers)" in _line(package, read)
+    assert "build_target_layer_ids(36, 5) = [1, 9, 17, 25, 33]" in read.says
+    ids, read = src.eagle_default_cited(61)
+    assert ids == [1, 29, 57] and read.line == 63 and read.path.endswith("hf_eagle.py")
+    static = src.reads["dflash_preset"]  # no arguments: every return, each with its line
+    assert static.line == 158 and "165: `return [num_target_layers // 2]`" in static.says
+    assert "169: `return [round(" in static.says
+
+
 def test_the_probe_follows_the_source_not_a_copy(package, tmp_path):
     """A release whose default differs gives a different answer: the body is evaluated."""
     fake = tmp_path / "modelopt"

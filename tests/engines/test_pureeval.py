@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from surgeon.core.errors import BadInput
 from surgeon.engines import pureeval
 from surgeon.engines.modelopt import ModeloptSource
-from surgeon.engines.pureeval import MAX_INT_BITS, MAX_ITEMS, MAX_WORK, NotPure, call_function
+from surgeon.engines.pureeval import MAX_INT_BITS, MAX_ITEMS, MAX_WORK, NotPure, call_function, evaluate_function
 
 
 def _fn(src: str) -> ast.FunctionDef:
@@ -147,7 +147,7 @@ def _source(body: str) -> ModeloptSource:
 
 
 @pytest.mark.parametrize(("body", "match"), [
-    ("return n // 2", r"modelopt/p.py:1: preset\(4,\): returned 2, not a collection of integer layer ids"),
+    ("return n // 2", r"modelopt/p.py:1: preset\(4\): returned 2, not a collection of integer layer ids"),
     ("return [n / 2]", "returned \\[2.0\\], not a collection of integer layer ids"),
     ("return [1, 2][n]", "IndexError: list index out of range"),
     (f"return [0] * {HUGE}", "would build"),
@@ -160,3 +160,10 @@ def test_modelopt_evaluate_says_one_line_for_any_failure(body, match):
         return
     with pytest.raises(BadInput, match=match):
         src.evaluate("preset", 4)
+
+
+def test_the_return_executed_is_recorded():
+    fn = _fn("def f(n):\n    if n == 1:\n        return [n // 2]\n    return [n, n]\n")
+    early, late = evaluate_function(fn, 1), evaluate_function(fn, 4)
+    assert (early.value, early.returned.lineno) == ([0], 3)
+    assert (late.value, late.returned.lineno) == ([4, 4], 4)
