@@ -8,7 +8,7 @@ What the library part of its wheel decides about layer ids, each with file:line:
   cited by the ``return`` statement that produced it (``*_cited``: ``build_target_layer_ids``
   returns early for one draft layer), the static evidence lists every ``return`` of the body;
 - how its own HF training reads an id: a forward hook on decoder layer k (EAGLE-3), or
-  ``hidden_states[k + offset]`` (DFlash), both the output of layer k.
+  ``hidden_states[k + offset]`` over ``target_layer_ids`` (DFlash), both the output of layer k.
 
 Its hidden-state collection scripts (hf, vllm, trtllm backends) live in the GitHub repository's
 ``examples/``, not in the wheel: they are a cited table (:mod:`surgeon.engines.field_tables`).
@@ -122,22 +122,59 @@ def _eagle_hook(tree: ast.Module, path: str) -> Read | None:
     return None
 
 
+def _int_constants(fn: ast.FunctionDef) -> dict[str, int]:
+    """Names ``fn`` binds exactly once, to an integer literal (``offset = 1``)."""
+    bound: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(fn):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in ast.walk(target)]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.NamedExpr):
+            targets = [node.target]
+        elif isinstance(node, ast.For | ast.comprehension):
+            targets = list(ast.walk(node.target))
+        for t in targets:
+            if isinstance(t, ast.Name):
+                bound.setdefault(t.id, []).append(node)
+    return {name: node.value.value for name, (node, *more) in bound.items()
+            if not more and isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            and type(node.value.value) is int}
+
+
+def _over_target_ids(fn: ast.FunctionDef) -> list[tuple[str, list[ast.AST]]]:
+    """(loop variable, where it is bound) of each loop or comprehension over ``...target_layer_ids``."""
+    def is_ids(it: ast.expr) -> bool:
+        return (isinstance(it, ast.Attribute) and it.attr == "target_layer_ids"
+                or isinstance(it, ast.Name) and it.id == "target_layer_ids")
+    out: list[tuple[str, list[ast.AST]]] = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and is_ids(node.iter):
+            out.append((node.target.id, list(node.body)))
+        elif isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp) and len(node.generators) == 1:
+            gen = node.generators[0]
+            if isinstance(gen.target, ast.Name) and is_ids(gen.iter):
+                out.append((gen.target.id, [node.elt, *gen.ifs]))
+    return out
+
+
 def _dflash_offset(tree: ast.Module, path: str) -> Read | None:
-    """``offset = 1`` then ``hidden_states[lid + offset]``: id k reads HF hidden_states[k + 1]."""
+    """``offset = 1`` then ``hidden_states[lid + offset] for lid in self.target_layer_ids``: id k
+    reads HF hidden_states[k + 1]. The index must be the loop variable over ``target_layer_ids``
+    plus a name bound once to an integer; any other ``hidden_states[x + name]`` is not this read."""
     for fn in ast.walk(tree):
         if not isinstance(fn, ast.FunctionDef):
             continue
-        offsets = {n.targets[0].id: (n.value.value, n.lineno) for n in ast.walk(fn)
-                   if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
-                   and isinstance(n.value, ast.Constant) and isinstance(n.value.value, int)}
-        for sub in ast.walk(fn):
-            if (isinstance(sub, ast.Subscript) and ast.unparse(sub.value).endswith("hidden_states")
-                    and isinstance(sub.slice, ast.BinOp) and isinstance(sub.slice.op, ast.Add)
-                    and isinstance(sub.slice.right, ast.Name) and sub.slice.right.id in offsets):
-                value, _line = offsets[sub.slice.right.id]
-                return Read(path, sub.lineno, f"`{ast.unparse(sub)}` with {sub.slice.right.id} = {value}: "
-                            f"target_layer_ids k reads HF hidden_states[k + {value}]"
-                            + (" (the output of layer k)" if value == 1 else ""))
+        offsets = _int_constants(fn)
+        for var, scope in _over_target_ids(fn):
+            for sub in (n for part in scope for n in ast.walk(part)):
+                if (isinstance(sub, ast.Subscript) and ast.unparse(sub.value).endswith("hidden_states")
+                        and isinstance(sub.slice, ast.BinOp) and isinstance(sub.slice.op, ast.Add)
+                        and isinstance(sub.slice.left, ast.Name) and sub.slice.left.id == var
+                        and isinstance(sub.slice.right, ast.Name) and sub.slice.right.id in offsets):
+                    value = offsets[sub.slice.right.id]
+                    return Read(path, sub.lineno, f"`{ast.unparse(sub)}` for {var} in target_layer_ids, with "
+                                f"{sub.slice.right.id} = {value}: target_layer_ids k reads HF hidden_states[k + {value}]"
+                                + (" (the output of layer k)" if value == 1 else ""))
     return None
 
 

@@ -82,6 +82,23 @@ def test_a_preset_value_cites_the_return_that_produced_it(package):
     assert "169: `return [round(" in static.says
 
 
+@pytest.mark.parametrize(("body", "found"), [
+    ("offset = 1\n    return [out.hidden_states[lid + offset] for lid in self.target_layer_ids]", True),
+    ("offset = 1\n    xs = []\n    for lid in self.target_layer_ids:\n        xs.append(out.hidden_states[lid + offset])"
+     "\n    return xs", True),
+    ("offset = 1\n    return [out.hidden_states[i + offset] for i in range(3)]", False),  # not the target ids
+    ("offset = 1\n    return [out.hidden_states[k + offset] for lid in self.target_layer_ids]", False),  # not its loop variable
+    ("offset = 1\n    offset = 2\n    return [out.hidden_states[lid + offset] for lid in self.target_layer_ids]", False),
+    ("offset = n\n    return [out.hidden_states[lid + offset] for lid in self.target_layer_ids]", False),  # not a literal
+])
+def test_the_dflash_offset_is_read_only_where_it_indexes_target_layer_ids(body, found):
+    tree = ast.parse(f"def forward(self, out, n):\n    {body}\n")
+    read = modelopt_module._dflash_offset(tree, "modelopt/x.py")
+    assert (read is not None) == found
+    if found:
+        assert read is not None and "for lid in target_layer_ids, with offset = 1" in read.says
+
+
 def test_the_probe_follows_the_source_not_a_copy(package, tmp_path):
     """A release whose default differs gives a different answer: the body is evaluated."""
     fake = tmp_path / "modelopt"
