@@ -14,8 +14,9 @@ Its hidden-state collection scripts (hf, vllm, trtllm backends) live in the GitH
 ``examples/``, not in the wheel: they are a cited table (:mod:`surgeon.engines.field_tables`).
 
 The source is found, in order: ``root`` when given, ``.engines/nvidia-modelopt-*/modelopt``
-(scripts/fetch-engines puts the wheel's Python files there) under the repository and the working
-directory, then an installed ``modelopt`` (located with ``find_spec``, which runs nothing).
+(scripts/fetch-engines puts the wheel's Python files there) under this repository, then an
+installed ``modelopt`` (located with ``find_spec``, which runs nothing). Never the working
+directory: an answer does not depend on where the command is run.
 """
 
 from __future__ import annotations
@@ -226,10 +227,8 @@ def candidates(root: str | Path | None = None) -> list[Path]:
     if root is not None:
         p = Path(root)
         return [p / "modelopt" if (p / "modelopt").is_dir() else p]
-    out: list[Path] = []
-    for base in (REPO_ROOT, Path.cwd()):
-        found = sorted((base / ".engines").glob("nvidia-modelopt-*/modelopt"), reverse=True)
-        out.extend(p for p in found if (p.parent / ".complete").exists() and p not in out)
+    found = sorted((REPO_ROOT / ".engines").glob("nvidia-modelopt-*/modelopt"), reverse=True)
+    out = [p for p in found if (p.parent / ".complete").exists()]  # not the working directory's .engines
     spec = importlib.util.find_spec("modelopt")
     if spec is not None and spec.submodule_search_locations:
         out.extend(Path(p) for p in spec.submodule_search_locations)

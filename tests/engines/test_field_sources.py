@@ -99,6 +99,18 @@ def test_the_dflash_offset_is_read_only_where_it_indexes_target_layer_ids(body, 
         assert read is not None and "for lid in target_layer_ids, with offset = 1" in read.says
 
 
+def test_the_working_directory_does_not_choose_the_source(package, tmp_path, monkeypatch):
+    """A .engines under the directory the command runs from is not a candidate: the answer is the
+    repository's fetched wheel wherever surgeon runs."""
+    decoy = tmp_path / ".engines" / "nvidia-modelopt-99.0.0"
+    shutil.copytree(package / "torch/speculative/plugins", decoy / "modelopt/torch/speculative/plugins")
+    (decoy / ".complete").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert all(tmp_path not in p.parents for p in modelopt_module.candidates())
+    src = open_modelopt()
+    assert src is not None and src.version == "0.47.0" and src.root == package.resolve()
+
+
 def test_the_probe_follows_the_source_not_a_copy(package, tmp_path):
     """A release whose default differs gives a different answer: the body is evaluated."""
     fake = tmp_path / "modelopt"
