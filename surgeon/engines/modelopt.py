@@ -4,16 +4,19 @@ What the library part of its wheel decides about layer ids, each with file:line:
 
 - ``default_eagle_aux_layer_ids(num_layers)`` (the EAGLE-3 preset, ``--aux-layers eagle``) and
   ``build_target_layer_ids(num_layers, num_draft_layers)`` (the DFlash preset) are evaluated from
-  their parsed bodies (:mod:`surgeon.engines.pureeval`) for the model's layer count;
+  their parsed bodies (:mod:`surgeon.engines.pureeval`) for the model's layer count; a value is
+  cited by the ``return`` statement that produced it (``*_cited``: ``build_target_layer_ids``
+  returns early for one draft layer), the static evidence lists every ``return`` of the body;
 - how its own HF training reads an id: a forward hook on decoder layer k (EAGLE-3), or
-  ``hidden_states[k + offset]`` (DFlash), both the output of layer k.
+  ``hidden_states[k + offset]`` over ``target_layer_ids`` (DFlash), both the output of layer k.
 
 Its hidden-state collection scripts (hf, vllm, trtllm backends) live in the GitHub repository's
 ``examples/``, not in the wheel: they are a cited table (:mod:`surgeon.engines.field_tables`).
 
 The source is found, in order: ``root`` when given, ``.engines/nvidia-modelopt-*/modelopt``
-(scripts/fetch-engines puts the wheel's Python files there) under the repository and the working
-directory, then an installed ``modelopt`` (located with ``find_spec``, which runs nothing).
+(scripts/fetch-engines puts the wheel's Python files there) under this repository, then an
+installed ``modelopt`` (located with ``find_spec``, which runs nothing). Never the working
+directory: an answer does not depend on where the command is run.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from surgeon.core.errors import BadInput
-from surgeon.engines.pureeval import NotPure, call_function
+from surgeon.engines.pureeval import NotPure, evaluate_function
 
 EAGLE_FILE = "torch/speculative/plugins/hf_eagle.py"
 DFLASH_FILE = "torch/speculative/plugins/modeling_dflash.py"
@@ -62,22 +65,40 @@ class ModeloptSource:
 
     def evaluate(self, name: str, *args: int) -> list[int]:
         """The named preset function for these arguments, from its parsed body."""
+        return self.evaluate_cited(name, *args)[0]
+
+    def evaluate_cited(self, name: str, *args: int) -> tuple[list[int], Read]:
+        """:meth:`evaluate` and the ``return`` statement of the body that produced the value."""
         if name not in self.functions:
             raise BadInput(f"modelopt {self.version}: {name} was not found in its source")
         node, path = self.functions[name]
+        call = f"{name}({', '.join(map(str, args))})"
+        where = f"modelopt {self.version}: {path}:{node.lineno}: {call}"
         try:
-            value = call_function(node, *args)
-        except (NotPure, ArithmeticError, TypeError, ValueError) as e:  # what the body does for these arguments
-            raise BadInput(f"modelopt {self.version}: {path}:{node.lineno}: {name}{args}: {e}") from None
-        return [int(v) for v in value]
+            result = evaluate_function(node, *args)  # any failure of the body is NotPure, one line
+        except NotPure as e:
+            raise BadInput(f"{where}: {e}") from None
+        value = result.value
+        if not isinstance(value, list | tuple | set) or not all(type(v) is int for v in value):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise BadInput(f"{where}: returned {shown}, not a collection of integer layer ids")
+        ret = result.returned
+        return list(value), Read(path, ret.lineno, f"{call} = {list(value)}, returned by `{ast.unparse(ret)}`")
 
     def eagle_default(self, num_layers: int) -> list[int]:
         """``--aux-layers eagle``: 0-based layer-output ids (examples/.../common.py returns them as is)."""
-        return self.evaluate(EAGLE_FN, num_layers)
+        return self.eagle_default_cited(num_layers)[0]
+
+    def eagle_default_cited(self, num_layers: int) -> tuple[list[int], Read]:
+        return self.evaluate_cited(EAGLE_FN, num_layers)
 
     def dflash_preset(self, num_layers: int, num_draft_layers: int = DFLASH_DRAFT_LAYERS) -> list[int]:
         """``--aux-layers dflash``: common.py sorts and de-duplicates the library's list."""
-        return sorted(set(self.evaluate(DFLASH_FN, num_layers, num_draft_layers)))
+        return self.dflash_preset_cited(num_layers, num_draft_layers)[0]
+
+    def dflash_preset_cited(self, num_layers: int, num_draft_layers: int = DFLASH_DRAFT_LAYERS) -> tuple[list[int], Read]:
+        ids, read = self.evaluate_cited(DFLASH_FN, num_layers, num_draft_layers)
+        return sorted(set(ids)), read
 
 
 def _find_function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
@@ -102,22 +123,59 @@ def _eagle_hook(tree: ast.Module, path: str) -> Read | None:
     return None
 
 
+def _int_constants(fn: ast.FunctionDef) -> dict[str, int]:
+    """Names ``fn`` binds exactly once, to an integer literal (``offset = 1``)."""
+    bound: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(fn):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in ast.walk(target)]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.NamedExpr):
+            targets = [node.target]
+        elif isinstance(node, ast.For | ast.comprehension):
+            targets = list(ast.walk(node.target))
+        for t in targets:
+            if isinstance(t, ast.Name):
+                bound.setdefault(t.id, []).append(node)
+    return {name: node.value.value for name, (node, *more) in bound.items()
+            if not more and isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            and type(node.value.value) is int}
+
+
+def _over_target_ids(fn: ast.FunctionDef) -> list[tuple[str, list[ast.AST]]]:
+    """(loop variable, where it is bound) of each loop or comprehension over ``...target_layer_ids``."""
+    def is_ids(it: ast.expr) -> bool:
+        return (isinstance(it, ast.Attribute) and it.attr == "target_layer_ids"
+                or isinstance(it, ast.Name) and it.id == "target_layer_ids")
+    out: list[tuple[str, list[ast.AST]]] = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and is_ids(node.iter):
+            out.append((node.target.id, list(node.body)))
+        elif isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp) and len(node.generators) == 1:
+            gen = node.generators[0]
+            if isinstance(gen.target, ast.Name) and is_ids(gen.iter):
+                out.append((gen.target.id, [node.elt, *gen.ifs]))
+    return out
+
+
 def _dflash_offset(tree: ast.Module, path: str) -> Read | None:
-    """``offset = 1`` then ``hidden_states[lid + offset]``: id k reads HF hidden_states[k + 1]."""
+    """``offset = 1`` then ``hidden_states[lid + offset] for lid in self.target_layer_ids``: id k
+    reads HF hidden_states[k + 1]. The index must be the loop variable over ``target_layer_ids``
+    plus a name bound once to an integer; any other ``hidden_states[x + name]`` is not this read."""
     for fn in ast.walk(tree):
         if not isinstance(fn, ast.FunctionDef):
             continue
-        offsets = {n.targets[0].id: (n.value.value, n.lineno) for n in ast.walk(fn)
-                   if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
-                   and isinstance(n.value, ast.Constant) and isinstance(n.value.value, int)}
-        for sub in ast.walk(fn):
-            if (isinstance(sub, ast.Subscript) and ast.unparse(sub.value).endswith("hidden_states")
-                    and isinstance(sub.slice, ast.BinOp) and isinstance(sub.slice.op, ast.Add)
-                    and isinstance(sub.slice.right, ast.Name) and sub.slice.right.id in offsets):
-                value, _line = offsets[sub.slice.right.id]
-                return Read(path, sub.lineno, f"`{ast.unparse(sub)}` with {sub.slice.right.id} = {value}: "
-                            f"target_layer_ids k reads HF hidden_states[k + {value}]"
-                            + (" (the output of layer k)" if value == 1 else ""))
+        offsets = _int_constants(fn)
+        for var, scope in _over_target_ids(fn):
+            for sub in (n for part in scope for n in ast.walk(part)):
+                if (isinstance(sub, ast.Subscript) and ast.unparse(sub.value).endswith("hidden_states")
+                        and isinstance(sub.slice, ast.BinOp) and isinstance(sub.slice.op, ast.Add)
+                        and isinstance(sub.slice.left, ast.Name) and sub.slice.left.id == var
+                        and isinstance(sub.slice.right, ast.Name) and sub.slice.right.id in offsets):
+                    value = offsets[sub.slice.right.id]
+                    return Read(path, sub.lineno, f"`{ast.unparse(sub)}` for {var} in target_layer_ids, with "
+                                f"{sub.slice.right.id} = {value}: target_layer_ids k reads HF hidden_states[k + {value}]"
+                                + (" (the output of layer k)" if value == 1 else ""))
     return None
 
 
@@ -127,6 +185,16 @@ def _version(package: Path) -> str:
         if m:
             return m.group(1)
     return "unknown"
+
+
+def _returns(fn: ast.FunctionDef, path: str) -> Read:
+    """A preset's static evidence: its one ``return``, or every one (the value's own citation,
+    ``evaluate_cited``, names the one executed for given arguments)."""
+    rets = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Return)), key=lambda r: r.lineno)
+    if len(rets) == 1:
+        return Read(path, rets[0].lineno, f"{fn.name}: {ast.unparse(rets[0])}")
+    listed = "; ".join(f"{r.lineno}: `{ast.unparse(r)}`" for r in rets) or "none"
+    return Read(path, fn.lineno, f"{fn.name} returns at {listed} (which one depends on the arguments)")
 
 
 @lru_cache(maxsize=8)
@@ -141,8 +209,7 @@ def _read(package: Path) -> ModeloptSource:
         node = _find_function(tree, fn_name)
         if node is not None:
             src.functions[fn_name] = (node, shown)
-            ret = next((s for s in node.body if isinstance(s, ast.Return)), node.body[-1])
-            src.reads[key] = Read(shown, ret.lineno, f"{fn_name}: {ast.unparse(ret)}")
+            src.reads[key] = _returns(node, shown)
         if key == "eagle_default":
             hook = _eagle_hook(tree, shown)
             if hook is not None:
@@ -160,10 +227,8 @@ def candidates(root: str | Path | None = None) -> list[Path]:
     if root is not None:
         p = Path(root)
         return [p / "modelopt" if (p / "modelopt").is_dir() else p]
-    out: list[Path] = []
-    for base in (REPO_ROOT, Path.cwd()):
-        found = sorted((base / ".engines").glob("nvidia-modelopt-*/modelopt"), reverse=True)
-        out.extend(p for p in found if (p.parent / ".complete").exists() and p not in out)
+    found = sorted((REPO_ROOT / ".engines").glob("nvidia-modelopt-*/modelopt"), reverse=True)
+    out = [p for p in found if (p.parent / ".complete").exists()]  # not the working directory's .engines
     spec = importlib.util.find_spec("modelopt")
     if spec is not None and spec.submodule_search_locations:
         out.extend(Path(p) for p in spec.submodule_search_locations)

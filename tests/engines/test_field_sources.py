@@ -66,6 +66,51 @@ def test_the_presets_are_what_the_source_computes(package):
         src.dflash_preset(3)  # fewer target layers than draft layers: the source raises
 
 
+def test_a_preset_value_cites_the_return_that_produced_it(package):
+    """build_target_layer_ids returns early for one draft layer (modeling_dflash.py:164-165): the
+    value is cited by the return executed, not by the body's last one."""
+    src = open_modelopt(package)
+    ids, read = src.dflash_preset_cited(36, 1)
+    assert ids == [18] and read.line == 165 and "return [num_target_layers // 2]" in _line(package, read)
+    ids, read = src.dflash_preset_cited(36)
+    assert ids == [1, 9, 17, 25, 33] and read.line == 169 and "for i in range(num_draft_layers)" in _line(package, read)
+    assert "build_target_layer_ids(36, 5) = [1, 9, 17, 25, 33]" in read.says
+    ids, read = src.eagle_default_cited(61)
+    assert ids == [1, 29, 57] and read.line == 63 and read.path.endswith("hf_eagle.py")
+    static = src.reads["dflash_preset"]  # no arguments: every return, each with its line
+    assert static.line == 158 and "165: `return [num_target_layers // 2]`" in static.says
+    assert "169: `return [round(" in static.says
+
+
+@pytest.mark.parametrize(("body", "found"), [
+    ("offset = 1\n    return [out.hidden_states[lid + offset] for lid in self.target_layer_ids]", True),
+    ("offset = 1\n    xs = []\n    for lid in self.target_layer_ids:\n        xs.append(out.hidden_states[lid + offset])"
+     "\n    return xs", True),
+    ("offset = 1\n    return [out.hidden_states[i + offset] for i in range(3)]", False),  # not the target ids
+    ("offset = 1\n    return [out.hidden_states[k + offset] for lid in self.target_layer_ids]", False),  # not its loop variable
+    ("offset = 1\n    offset = 2\n    return [out.hidden_states[lid + offset] for lid in self.target_layer_ids]", False),
+    ("offset = n\n    return [out.hidden_states[lid + offset] for lid in self.target_layer_ids]", False),  # not a literal
+])
+def test_the_dflash_offset_is_read_only_where_it_indexes_target_layer_ids(body, found):
+    tree = ast.parse(f"def forward(self, out, n):\n    {body}\n")
+    read = modelopt_module._dflash_offset(tree, "modelopt/x.py")
+    assert (read is not None) == found
+    if found:
+        assert read is not None and "for lid in target_layer_ids, with offset = 1" in read.says
+
+
+def test_the_working_directory_does_not_choose_the_source(package, tmp_path, monkeypatch):
+    """A .engines under the directory the command runs from is not a candidate: the answer is the
+    repository's fetched wheel wherever surgeon runs."""
+    decoy = tmp_path / ".engines" / "nvidia-modelopt-99.0.0"
+    shutil.copytree(package / "torch/speculative/plugins", decoy / "modelopt/torch/speculative/plugins")
+    (decoy / ".complete").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert all(tmp_path not in p.parents for p in modelopt_module.candidates())
+    src = open_modelopt()
+    assert src is not None and src.version == "0.47.0" and src.root == package.resolve()
+
+
 def test_the_probe_follows_the_source_not_a_copy(package, tmp_path):
     """A release whose default differs gives a different answer: the body is evaluated."""
     fake = tmp_path / "modelopt"
