@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from surgeon.core.conventions import DUMP_LAYOUTS, EAGLE, HF, EngineConvention, NotExpressible
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
 from surgeon.core.spec import NORM_FLAGS, Spec
@@ -366,6 +366,13 @@ def _norm_flags(spec: Spec, target: str, engine_root, draft_config: dict, notes:
 # ---------------------------------------------------------------------------------------------
 # SGLang DFlash
 # ---------------------------------------------------------------------------------------------
+class DFlashRefused(BadInput):
+    """SGLang cannot serve the spec's DFlash wiring, per its source (the runner's refusal, ids the
+    rule cannot express, ids the runner range-checks out, a target the runner rewrites): an error
+    wherever it is reported, unlike a class the engine lacks (a warning when the engine was not
+    asked for) or an unverified runner (:class:`Unverified`: an error under ``lint --strict``)."""
+
+
 @dataclass
 class DFlashAnswer:
     """SGLang's DFlash ids for a spec's fc list, with what they rest on."""
@@ -382,8 +389,9 @@ class DFlashAnswer:
 def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None) -> DFlashAnswer:
     """The ``dflash_config.target_layer_ids`` that make SGLang feed the draft the spec's points, from
     the class's ``set_dflash_layers_to_capture`` (run by the probe's classifier) and the runner's
-    path to it (:mod:`surgeon.engines.sglang_dflash`). BadInput with the reason where either was
-    not read to the end, or the ids cannot express the points."""
+    path to it (:mod:`surgeon.engines.sglang_dflash`). BadInput with the reason where SGLang or the
+    class is missing or the setter was not read to the end; Unverified where the runner was not;
+    DFlashRefused where SGLang cannot serve the points."""
     view = open_engine("sglang", engine_root)
     cls = model_class_for(spec, "sglang", model_class)
     if view.location is None:
@@ -398,23 +406,23 @@ def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None) 
                        f"cannot tell what its DFlash ids mean: {cc.reason}")
     runner = read_dflash_runner(view.location.root)
     if not runner.verified:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {where} runner unverified for DFlash: {runner.reason}")
+        raise Unverified(f"{spec.file}: cannot render for sglang: {where} runner unverified for DFlash: {runner.reason}")
     hit = sorted(runner.conditional_literals & {spec.model.target.model_type or "", cc.path.rsplit("/", 1)[-1][:-3]})
     if hit:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {where} rewrites DFlash ids for {hit[0]} targets "
+        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {where} rewrites DFlash ids for {hit[0]} targets "
                        f"depending on the draft's architecture: {'; '.join(runner.conditional)}")
     L = spec.num_layers
     positions = [p.position for p in spec.fc_points if p.position is not None]
     refused = refusal(cc, positions, L)
     if refused is not None:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {refused}")
+        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {refused}")
     conv = EngineConvention(cc, f"{view.origin}; {DFLASH_SETTER}")
     lst = _engine_ids(conv, spec.fc_points, L)
     if lst.ids is None:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {lst.error}")
+        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {lst.error}")
     bad = [i for i in lst.ids if i < 0 or i >= L]
     if bad and runner.range_check:
-        raise BadInput(f"{spec.file}: cannot render for sglang: DFlash ids {bad} are refused by the runner "
+        raise DFlashRefused(f"{spec.file}: cannot render for sglang: DFlash ids {bad} are refused by the runner "
                        f"({runner.range_check})")
     notes = [n if n.startswith("sglang:") else f"sglang: {n}" for n in engine_notes(cc, positions, L)]
     notes.append(f"sglang: the runner passes the draft's dflash_config.target_layer_ids unchanged to {DFLASH_SETTER}")
