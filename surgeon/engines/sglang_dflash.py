@@ -275,12 +275,27 @@ def _parsed_key(trees: dict[str, ast.Module], run: DFlashRunner) -> str | None:
             if len(kws) != 1 or not isinstance(kws[0].value, ast.Name):
                 return f"{rel}:{fn.lineno}: how parse_dflash_draft_config stores target_layer_ids is not modelled"
             name = kws[0].value.id
-            values = [ast.unparse(n.value) for n in ast.walk(fn) if isinstance(n, ast.AnnAssign | ast.Assign)
+            values = [n.value for n in ast.walk(fn) if isinstance(n, ast.AnnAssign | ast.Assign)
                       and n.value is not None and any(isinstance(t, ast.Name) and t.id == name
                                                       for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
-            bad = [v for v in values if v != "None" and not (v.startswith("[int(") and " for " in v and "+" not in v)]
+            bad = [v for v in values if not (_is_none(v) or _int_copy(v))]
             if bad:
-                return f"{rel}:{fn.lineno}: parse_dflash_draft_config sets {name} = {bad[0]}, not modelled"
+                return f"{rel}:{fn.lineno}: parse_dflash_draft_config sets {name} = {ast.unparse(bad[0])}, not modelled"
             run.evidence.append(f"runner: {rel}:{gets[0].lineno}: {ast.unparse(gets[0])} (the draft's dflash_config)")
             return None
     return "no parse_dflash_draft_config found"
+
+
+def _is_none(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def _int_copy(node: ast.expr) -> bool:
+    """``[int(x) for x in <ids>]``: every id, in order, as an int, nothing added or dropped."""
+    if not (isinstance(node, ast.ListComp) and len(node.generators) == 1):
+        return False
+    gen, elt = node.generators[0], node.elt
+    return (isinstance(gen.target, ast.Name) and not gen.ifs and not gen.is_async
+            and isinstance(elt, ast.Call) and isinstance(elt.func, ast.Name) and elt.func.id == "int"
+            and len(elt.args) == 1 and not elt.keywords
+            and isinstance(elt.args[0], ast.Name) and elt.args[0].id == gen.target.id)

@@ -94,3 +94,17 @@ def test_a_runner_without_the_setter_call_is_unverified(engine_copy, tmp_path):
     root = engine_copy("sglang", tmp_path / "site")  # model files only: no runner read
     run = read_dflash_runner(root)
     assert not run.verified and f"no call of {SETTER}" in (run.reason or "")
+
+
+def test_a_parsed_list_with_any_offset_is_unverified(engine_copy, tmp_path):
+    root = _runner_copy(engine_copy, tmp_path)
+    # `- 1` has no "+": a text filter took it for "no offset"
+    for new in ("[int(x) - 1 for x in layer_ids]", "[int(x) for x in layer_ids if x]", "[int(y) for x in layer_ids]"):
+        path = root / "srt/speculative/dflash_utils.py"
+        original = path.read_text()
+        _edit(path, "parsed_target_layer_ids = [int(x) for x in layer_ids]",
+              f"parsed_target_layer_ids = {new}", after="def parse_dflash_draft_config")
+        run = read_dflash_runner(root)
+        assert not run.verified and new in (run.reason or "") and "not modelled" in (run.reason or ""), new
+        path.write_text(original)
+    assert read_dflash_runner(root).verified
