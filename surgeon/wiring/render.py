@@ -125,38 +125,35 @@ def explain(
     engines: dict[str, EngineConvention] = {}
     views: dict[str, EngineView] = {}
     conventions = {"hf": HF.title, "eagle": EAGLE.title}
+    dflash: dict[str, IdList] = {}  # engines whose DFlash ids were read by their own path (render's)
     for engine in ("sglang", "vllm"):
-        view = views[engine] = open_engine(engine, roots.get(engine))
         cls = model_class_for(spec, engine, model_classes.get(engine))
+        if engine == "sglang" and _kind(spec) == "dflash":
+            found = _explain_sglang_dflash(spec, roots.get(engine), cls, notes)
+            if found is not None:
+                engines[engine], dflash[engine], conventions[engine] = found
+            continue
+        view = views[engine] = open_engine(engine, roots.get(engine))
         try:
             conv = view.convention(cls)
         except BadInput as e:
             notes.append(f"{engine}: {e}")
             continue
         engines[engine] = conv
-        positions = [p.position for p in spec.fc_points if p.position is not None]
-        conventions[engine] = f"{conv.name} ({conv.origin})" + (
-            "" if conv.cc.unverified_for(positions, L) is None else " (unverified)")
-        for b in conv.cc.bypasses:
-            notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
-        refused = refusal(conv.cc, positions, L)
-        if refused is not None:
-            notes.append(f"{engine}: cannot serve this wiring: {refused}")
-        notes.extend(f"{engine}: {n}" if not n.startswith(f"{engine}:") else n
-                     for n in engine_notes(conv.cc, positions, L))
-        notes.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, L))
+        conventions[engine] = _explain_engine(engine, conv, spec.fc_points, L, notes)
 
     fc_lists: dict[str, IdList] = {}
     per_fc: dict[str, dict[str, int | str]] = {}
     for engine, conv in engines.items():
-        lst = _engine_ids(conv, spec.fc_points, L) if fc_names else None
+        lst = dflash.get(engine) or (_engine_ids(conv, spec.fc_points, L) if fc_names else None)
         if lst is None:
             continue
         fc_lists[engine] = lst
         if lst.ids is not None:  # lst.ok, spelled so that the type narrows
             for name, p in zip(fc_names, spec.fc_points):
                 per_fc.setdefault(name, {})[engine] = _id_for(conv, lst.ids, p, L)
-            notes.extend(_runner_lines(engine, views[engine], conv, lst.ids, L, _kind(spec)))
+            if engine not in dflash:  # the DFlash path read its own runner
+                notes.extend(_runner_lines(engine, views[engine], conv, lst.ids, L, _kind(spec)))
         else:
             notes.append(f"{engine}: fc_input cannot be rendered: {lst.error}")
     for target in ("eagle", "hf"):
@@ -190,6 +187,38 @@ def explain(
         fc_slot = fc_names.index(name) if name in fc_names else None
         rows.append(CaptureRow(name, str(point), fc_slot, dump_labels.get(name), ids))
     return Explanation(spec.name, spec.file, spec.sha256, L, spec.hidden_size, conventions, rows, fc_lists, notes)
+
+
+def _explain_engine(engine: str, conv: EngineConvention, points: Sequence[Point], num_layers: int,
+                    notes: list[str]) -> str:
+    """The notes an engine's probed class adds to ``explain`` (bypasses, refusals, evidence); returns
+    its column's title."""
+    positions = [p.position for p in points if p.position is not None]
+    for b in conv.cc.bypasses:
+        notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
+    refused = refusal(conv.cc, positions, num_layers)
+    if refused is not None:
+        notes.append(f"{engine}: cannot serve this wiring: {refused}")
+    notes.extend(f"{engine}: {n}" if not n.startswith(f"{engine}:") else n
+                 for n in engine_notes(conv.cc, positions, num_layers))
+    notes.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, num_layers))
+    return f"{conv.name} ({conv.origin})" + ("" if conv.cc.unverified_for(positions, num_layers) is None
+                                             else " (unverified)")
+
+
+def _explain_sglang_dflash(spec: Spec, engine_root, model_class: str | None,
+                           notes: list[str]) -> tuple[EngineConvention, IdList, str] | None:
+    """SGLang's column for a DFlash draft: the answer ``render`` gives (:func:`sglang_dflash`: the
+    class's set_dflash_layers_to_capture and the DFlash runner path), or None with why in ``notes``."""
+    try:
+        ans = sglang_dflash(spec, engine_root, model_class)
+    except BadInput as e:
+        notes.append(f"sglang: DFlash: {str(e).removeprefix(spec.file + ': ')}")
+        return None
+    notes.extend(ans.notes)
+    notes.extend(f"sglang: evidence: {e}" for e in ans.evidence)
+    lst = IdList(ans.conv.name, ans.conv.origin, ans.ids, None, ans.captures)
+    return ans.conv, lst, f"{ans.conv.name} ({ans.conv.origin})" + ("" if ans.unverified is None else " (unverified)")
 
 
 def _runner_lines(engine: str, view: EngineView, conv: EngineConvention, ids: list[int], num_layers: int,

@@ -10,7 +10,7 @@ import pytest
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
 from surgeon.wiring.lint import lint_spec
-from surgeon.wiring.render import render
+from surgeon.wiring.render import explain, render
 from tests.conftest import release_engine
 
 
@@ -114,3 +114,25 @@ def test_lint_checks_sglang_pins_and_says_pp_is_not_checked_for_dflash(tmp_path)
     res = lint_spec(spec, engines=["sglang"], pp=2)
     assert not res.ok and any("outside the pinned range" in i.message for i in res.issues)
     assert "sglang: pp 2: not checked for a dflash draft (only eagle3 captures are read)" in res.checked
+
+
+def test_explain_gives_the_sglang_dflash_answer_render_gives(tmp_path):
+    spec = _spec(tmp_path, points=("layer_out[0]", "layer_out[2]", "layer_out[6]"))
+    r = render(spec, "sglang")
+    e = explain(spec)
+    assert e.fc_lists["sglang"].ids == r.ids == [0, 2, 6]
+    assert e.fc_lists["sglang"].captures == [c["captured"] for c in r.captures]
+    assert [row.ids["sglang"] for row in e.rows if row.fc_slot is not None] == r.ids
+    sglang = [n for n in e.notes if n.startswith("sglang:")]
+    setters = {n.split("setter: ", 1)[1] for n in sglang if "evidence: setter:" in n}
+    assert setters == {ev.removeprefix("setter: ") for ev in r.evidence if ev.startswith("setter: ")}
+    assert any("set_dflash_layers_to_capture" in n for n in setters)
+    assert not any("set_eagle3_layers_to_capture" in n or "unverified" in n for n in sglang)
+    assert "set_dflash_layers_to_capture" in e.conventions["sglang"] and "unverified" not in e.conventions["sglang"]
+    # a wiring render refuses, explain reports with the same reason instead of EAGLE-3's ids
+    bad = _spec(tmp_path, extra=", model_type: muse_glimmer")
+    with pytest.raises(BadInput, match="muse_glimmer") as refused:
+        render(bad, "sglang")
+    eb = explain(bad)
+    assert "sglang" not in eb.fc_lists
+    assert f"sglang: DFlash: {str(refused.value).removeprefix(bad.file + ': ')}" in eb.notes
