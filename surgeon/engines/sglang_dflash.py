@@ -29,6 +29,7 @@ from surgeon.engines.source import ClassKey, SourceIndex
 SETTER = probe_sglang.DFLASH_SETTER
 FIELD = "dflash_target_layer_ids"
 RESOLVE = "resolve_target_layer_ids"
+BUILDER = "build_target_layer_ids"  # resolve's default when the draft config names no ids
 RUNNER_DIRS = ("srt/model_executor", "srt/speculative")
 
 
@@ -160,10 +161,11 @@ def _field_assignments(trees: dict[str, ast.Module], run: DFlashRunner) -> str |
                         and isinstance(node.targets[0], ast.Attribute) and node.targets[0].attr == FIELD):
                     continue
                 if not _calls_named(fn, RESOLVE):
-                    if "is_none" not in ast.unparse(fn):
+                    test = _without_draft(fn, node)
+                    if test is None:
                         return f"{rel}:{node.lineno}: {FIELD} is set from {ast.unparse(node.value)}, a path not modelled"
                     run.evidence.append(f"runner: {rel}:{node.lineno}: {ast.unparse(node)} only without a draft "
-                                        f"(in {fn.name}, which tests spec_algorithm.is_none())")
+                                        f"(in {fn.name}, {test})")
                     continue
                 if not isinstance(node.value, ast.Name):
                     return f"{rel}:{node.lineno}: {FIELD} is set from {ast.unparse(node.value)}, not modelled"
@@ -175,7 +177,78 @@ def _field_assignments(trees: dict[str, ast.Module], run: DFlashRunner) -> str |
     return None if draft_paths else f"no assignment of {FIELD} from {RESOLVE} found"
 
 
+def _is_none_test(node: ast.expr) -> bool:
+    """``spec_algorithm.is_none()`` (or ``<x>.spec_algorithm.is_none()``): no draft runs."""
+    if not (isinstance(node, ast.Call) and not node.args and not node.keywords
+            and isinstance(node.func, ast.Attribute) and node.func.attr == "is_none"):
+        return False
+    owner = node.func.value
+    return (isinstance(owner, ast.Name) and owner.id == "spec_algorithm") or (
+        isinstance(owner, ast.Attribute) and owner.attr == "spec_algorithm")
+
+
+def _operands(test: ast.expr, op: type) -> list[ast.expr]:
+    return list(test.values) if isinstance(test, ast.BoolOp) and isinstance(test.op, op) else [test]
+
+
+def _without_draft(fn: ast.FunctionDef, target: ast.AST) -> str | None:
+    """How ``target`` runs only when no draft does, or None: it sits in the body of an ``if`` whose
+    test is (a conjunct) ``spec_algorithm.is_none()``, or after a statement of ``fn`` that returns
+    when (a disjunct) ``not spec_algorithm.is_none()``."""
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.If) and any(_is_none_test(t) for t in _operands(node.test, ast.And))
+                and any(target is n for stmt in node.body for n in ast.walk(stmt))):
+            return f"under `if {ast.unparse(node.test)}` (line {node.lineno})"
+    for stmt in fn.body:
+        if any(target is n for n in ast.walk(stmt)):
+            return None
+        if (isinstance(stmt, ast.If) and not stmt.orelse and isinstance(stmt.body[-1], ast.Return)
+                and any(isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not) and _is_none_test(t.operand)
+                        for t in _operands(stmt.test, ast.Or))):
+            return f"after `if {ast.unparse(stmt.test)}: return` (line {stmt.lineno})"
+    return None
+
+
+def _mutations(fn: ast.FunctionDef, name: str) -> list[ast.AST]:
+    """Every way ``fn`` changes or rebinds ``name`` other than a plain ``name = <value>``: augmented or
+    annotated assignment, unpacking, a loop or ``with`` target, ``del``, item or attribute stores, and
+    any method call on it (``name.append(...)``): none of these is modelled."""
+    plain = {id(t) for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    out: list[ast.AST] = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store | ast.Del) and id(n) not in plain:
+            out.append(n)
+        elif (isinstance(n, ast.Subscript | ast.Attribute) and isinstance(n.ctx, ast.Store | ast.Del)
+              and isinstance(n.value, ast.Name) and n.value.id == name):
+            out.append(n)
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+              and n.func.value.id == name):
+            out.append(n)
+    return out
+
+
+def _statement_of(fn: ast.FunctionDef, node: ast.AST) -> ast.AST:
+    """The innermost statement of ``fn`` that holds ``node`` (ast.walk visits outer ones first)."""
+    found: ast.AST = node
+    for stmt in ast.walk(fn):
+        if isinstance(stmt, ast.stmt) and any(node is n for n in ast.walk(stmt)):
+            found = stmt
+    return found
+
+
+def _mutation_reason(rel: str, fn: ast.FunctionDef, name: str) -> str | None:
+    changed = _mutations(fn, name)
+    if not changed:
+        return None
+    stmt = _statement_of(fn, changed[0])
+    text = ast.unparse(stmt).splitlines()[0]
+    return f"{rel}:{getattr(changed[0], 'lineno', fn.lineno)}: {text} changes {name} in a way not modelled"
+
+
 def _name_sources(rel: str, tree: ast.Module, fn: ast.FunctionDef, name: str, run: DFlashRunner) -> str | None:
+    why = _mutation_reason(rel, fn, name)
+    if why:
+        return why
     for node in ast.walk(fn):
         if not (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)):
             continue
@@ -197,9 +270,12 @@ def _name_sources(rel: str, tree: ast.Module, fn: ast.FunctionDef, name: str, ru
 
 
 def _under_dspark(fn: ast.FunctionDef, target: ast.AST) -> bool:
+    """``target`` sits in the body of an ``if`` one of whose conjuncts calls ``<x>.is_dspark()``."""
     for node in ast.walk(fn):
-        if isinstance(node, ast.If) and "is_dspark" in ast.unparse(node.test):
-            if any(target is n for n in ast.walk(node)):
+        if isinstance(node, ast.If) and any(
+                isinstance(t, ast.Call) and isinstance(t.func, ast.Attribute) and t.func.attr == "is_dspark"
+                for t in _operands(node.test, ast.And)):
+            if any(target is n for stmt in node.body for n in ast.walk(stmt)):
                 return True
     return False
 
@@ -243,15 +319,40 @@ def _resolve_method(trees: dict[str, ast.Module], run: DFlashRunner) -> str | No
                     run.range_check = f"{rel}:{n.lineno}: raises when {test}"
             for r in rets:
                 text = ast.unparse(r.value)  # type: ignore[arg-type]  # value checked non-None above
-                if isinstance(r.value, ast.Call) and "build_" in text:
-                    run.evidence.append(f"runner: {rel}:{r.lineno}: without target_layer_ids: {text} (a default)")
+                default = _default_builder(tree, fn, r)
+                if default is not None:
+                    run.evidence.append(f"runner: {rel}:{r.lineno}: without target_layer_ids: {text} (a default, "
+                                        f"{BUILDER} at {rel}:{default})")
                     continue
                 if isinstance(r.value, ast.Name) and _bound_to_list_of_field(fn, r.value.id):
+                    why = _mutation_reason(rel, fn, r.value.id)
+                    if why:
+                        return why
                     run.evidence.append(f"runner: {rel}:{r.lineno}: returns {text} = list(self.target_layer_ids)")
                     continue
                 return f"{rel}:{r.lineno}: {RESOLVE} returns {text}, not modelled"
             return None
     return f"no {RESOLVE} found in {', '.join(RUNNER_DIRS)}"
+
+
+def _default_builder(tree: ast.Module, fn: ast.FunctionDef, ret: ast.Return) -> int | None:
+    """The line of the module's ``build_target_layer_ids`` when ``ret`` returns a call of it and sits
+    under ``if self.target_layer_ids is None`` (a default only for a draft without ids), else None."""
+    call = ret.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == BUILDER):
+        return None
+    defs = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == BUILDER]
+    imported = [a for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names
+                if (a.asname or a.name) == BUILDER]
+    if len(defs) != 1 or imported:
+        return None
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+                and isinstance(node.test.ops[0], ast.Is) and _is_none(node.test.comparators[0])
+                and ast.unparse(node.test.left) == "self.target_layer_ids"
+                and any(ret is n for stmt in node.body for n in ast.walk(stmt))):
+            return defs[0].lineno
+    return None
 
 
 def _bound_to_list_of_field(fn: ast.FunctionDef, name: str) -> bool:
