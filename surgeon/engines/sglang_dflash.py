@@ -58,13 +58,10 @@ def classify_dflash(root: str | Path, model_class: str) -> ClassConvention | Non
     assert found is not None
     classifier = Classifier("sglang", index, probe_sglang.hooks(index), CaptureAnalyzer(index), None)
     target = Target(key, probe_sglang.DFLASH_ENTRY, defines=found[0] == key)
-    try:
-        return classifier.classify(target)
-    except Exception as e:  # noqa: BLE001 - a classifier failure is a refusal with its reason, not a crash
-        info = index.class_info(key)
-        return ClassConvention(engine="sglang", path=key[0], class_name=key[1], line=info.line if info else 0,
-                               setter=SETTER, status="unclassified",
-                               reason=f"the probe failed on this setter ({type(e).__name__}: {e})")
+    # The classifier's deliberate refusals (Unclassifiable, too many paths) come back as an
+    # "unclassified" convention with the reason; anything else it raises is a bug in surgeon, left
+    # to surface as an internal error rather than be shown to the user as a fault of their spec.
+    return classifier.classify(target)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from surgeon.engines.sglang_dflash import RUNNER_DIRS, SETTER, classify_dflash, read_dflash_runner
 from tests.conftest import installed_engine, release_engine
 
@@ -158,3 +160,21 @@ def test_the_default_must_be_the_modules_builder_and_only_without_ids(engine_cop
     why = _unverified_by(root, UTILS, "        if self.target_layer_ids is None:\n", "        if True:\n",
                          after="def resolve_target_layer_ids")
     assert "build_target_layer_ids" in why and "not modelled" in why
+
+
+def test_a_classifier_bug_is_not_turned_into_a_refusal(monkeypatch):
+    from surgeon.engines import classify
+
+    def broken(self, target, base):
+        raise KeyError("a bug in the classifier")
+
+    monkeypatch.setattr(classify.Classifier, "_classify", broken)
+    with pytest.raises(KeyError, match="a bug in the classifier"):
+        classify_dflash(installed_engine("sglang").root, "LlamaForCausalLM")
+
+    def refuses(self, target, base):
+        raise classify.Unclassifiable("a deliberate refusal")
+
+    monkeypatch.setattr(classify.Classifier, "_classify", refuses)
+    cc = classify_dflash(installed_engine("sglang").root, "LlamaForCausalLM")
+    assert cc is not None and cc.status == "unclassified" and cc.reason == "a deliberate refusal"
