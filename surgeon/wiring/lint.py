@@ -113,7 +113,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
                 f"{engine}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})",
                 severity="warning",
             ))
-    _lint_field(spec, roots, result)
+    _lint_field(spec, roots, result, targets)
     return result
 
 
@@ -180,16 +180,21 @@ def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, str
     result.checked.extend(f"sglang: evidence: {e}" for e in ans.evidence)
 
 
-def _lint_field(spec: Spec, roots: dict[str, str | None], result: LintResult) -> None:
+def _lint_field(spec: Spec, roots: dict[str, str | None], result: LintResult, targets: Sequence[str]) -> None:
     """Model Optimizer's backends read one --aux-layers list differently (its vllm backend hands the
     ids to vLLM unchanged): listed as checked lines, not warnings, because the spec does not say that
-    its dumps come from Model Optimizer (a warning on every spec would not be about the spec)."""
+    its dumps come from Model Optimizer (a warning on every spec would not be about the spec). Only
+    when vLLM is among the engines checked (the hazard is read through vLLM's convention), and its
+    DFlash preset only for a DFlash draft."""
+    if "vllm" not in targets:
+        return
     try:
         vllm = open_engine("vllm", roots.get("vllm")).convention(model_class_for(spec, "vllm"))
     except BadInput as e:
         result.checked.append(f"modelopt: vllm backend not checked: {e}")
         vllm = None
-    result.checked.extend(hazards(spec, vllm, open_modelopt()))
+    kind = spec.model.draft.kind if spec.model.draft is not None else None
+    result.checked.extend(hazards(spec, vllm, open_modelopt() if kind == "dflash" else None))
 
 
 def lint_files(
