@@ -258,7 +258,7 @@ def _name_sources(rel: str, tree: ast.Module, fn: ast.FunctionDef, name: str, ru
             run.evidence.append(f"runner: {where}: {ast.unparse(node)} only for DSpark (is_dspark)")
             continue
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
-            why = _helper_rewrite(rel, tree, value.func.id, where, run)
+            why = _helper_rewrite(rel, tree, value, name, where, run)
             if why:
                 return why
             continue
@@ -277,25 +277,44 @@ def _under_dspark(fn: ast.FunctionDef, target: ast.AST) -> bool:
     return False
 
 
-def _helper_rewrite(rel: str, tree: ast.Module, helper: str, where: str, run: DFlashRunner) -> str | None:
-    """A module function returning ``[i + c for i in ids] if <test> else ids``: a conditional offset."""
+def _passes(call: ast.Call, fn: ast.FunctionDef, name: str) -> str | None:
+    """The parameter of ``fn`` that ``call`` binds to the variable ``name`` (None: not exactly one)."""
+    params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+    bound = [params[i] for i, a in enumerate(call.args) if i < len(params) and isinstance(a, ast.Name) and a.id == name]
+    bound += [k.arg for k in call.keywords if k.arg is not None and isinstance(k.value, ast.Name) and k.value.id == name]
+    return bound[0] if len(bound) == 1 and not any(isinstance(a, ast.Starred) for a in call.args) else None
+
+
+def _helper_rewrite(rel: str, tree: ast.Module, call: ast.Call, name: str, where: str, run: DFlashRunner) -> str | None:
+    """``name = helper(..., ids=name, ...)`` with a module function returning
+    ``[i + c for i in ids] if <test> else ids``: a conditional offset of the traced ids."""
+    assert isinstance(call.func, ast.Name)  # the caller passes a call of a bare name
+    helper = call.func.id
     fns = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == helper]
     if len(fns) != 1:
         return f"{where}: the ids pass through {helper}, not found in {rel}"
+    param = _passes(call, fns[0], name)
+    if param is None:
+        return f"{where}: {ast.unparse(call)} does not pass {name} as one of {helper}'s parameters, not modelled"
     rets = [n for n in ast.walk(fns[0]) if isinstance(n, ast.Return)]
-    if len(rets) != 1 or not isinstance(rets[0].value, ast.IfExp):
+    if len(rets) != 1 or not isinstance(rets[0].value, ast.IfExp) or _mutations(fns[0], param):
         return f"{where}: the ids pass through {helper} ({rel}:{fns[0].lineno}), whose result is not modelled"
     ret = rets[0].value
     body, other = ret.body, ret.orelse
-    if not (isinstance(body, ast.ListComp) and isinstance(body.elt, ast.BinOp) and isinstance(body.elt.op, ast.Add)
+    gen = body.generators[0] if isinstance(body, ast.ListComp) and len(body.generators) == 1 else None
+    if not (gen is not None and isinstance(body, ast.ListComp) and not gen.ifs and isinstance(gen.target, ast.Name)
+            and isinstance(gen.iter, ast.Name) and gen.iter.id == param
+            and isinstance(body.elt, ast.BinOp) and isinstance(body.elt.op, ast.Add)
+            and isinstance(body.elt.left, ast.Name) and body.elt.left.id == gen.target.id
             and isinstance(body.elt.right, ast.Constant) and isinstance(body.elt.right.value, int)
-            and isinstance(other, ast.Name)):
+            and isinstance(other, ast.Name) and other.id == param):
         return f"{where}: {helper} ({rel}:{rets[0].lineno}) returns {ast.unparse(ret)}, not modelled"
     test = ast.unparse(ret.test)
     run.conditional_literals.update(n.value for n in ast.walk(fns[0]) if isinstance(n, ast.Constant)
                                     and isinstance(n.value, str))
+    tested = {n.id for n in ast.walk(ret.test) if isinstance(n, ast.Name)}
     conds = [ast.unparse(n) for n in ast.walk(fns[0]) if isinstance(n, ast.Assign)
-             and any(isinstance(t, ast.Name) and t.id in test for t in n.targets)]
+             and any(isinstance(t, ast.Name) and t.id in tested for t in n.targets)]
     offset = int(body.elt.right.value)
     run.conditional.append(f"{rel}:{rets[0].lineno}: {helper} adds {offset:+d} when {test} "
                            f"({'; '.join(' '.join(c.split()) for c in conds)})")

@@ -178,3 +178,14 @@ def test_a_classifier_bug_is_not_turned_into_a_refusal(monkeypatch):
     monkeypatch.setattr(classify.Classifier, "_classify", refuses)
     cc = classify_dflash(installed_engine("sglang").root, "LlamaForCausalLM")
     assert cc is not None and cc.status == "unclassified" and cc.reason == "a deliberate refusal"
+
+
+def test_a_rewrite_helper_counts_only_when_it_maps_the_traced_ids(engine_copy, tmp_path):
+    root = _runner_copy(engine_copy, tmp_path)
+    assert any("_map_muse_target_layer_ids adds +1 when uses_layer_outputs" in c for c in read_dflash_runner(root).conditional)
+    why = _unverified_by(root, AUX, "            layer_ids=target_layer_ids,\n", "            layer_ids=[0],\n",
+                         after="target_layer_ids = _map_muse_target_layer_ids(")
+    assert "does not pass target_layer_ids" in why and f"{AUX}:" in why
+    why = _unverified_by(root, AUX, "[i + 1 for i in layer_ids]", "[0 + 1 for i in layer_ids]",
+                         after="def _map_muse_target_layer_ids")
+    assert "[0 + 1 for i in layer_ids]" in why and "not modelled" in why
