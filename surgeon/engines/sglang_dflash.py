@@ -29,6 +29,7 @@ from surgeon.engines.source import ClassKey, SourceIndex
 SETTER = probe_sglang.DFLASH_SETTER
 FIELD = "dflash_target_layer_ids"
 RESOLVE = "resolve_target_layer_ids"
+BUILDER = "build_target_layer_ids"  # resolve's default when the draft config names no ids
 RUNNER_DIRS = ("srt/model_executor", "srt/speculative")
 
 
@@ -57,13 +58,10 @@ def classify_dflash(root: str | Path, model_class: str) -> ClassConvention | Non
     assert found is not None
     classifier = Classifier("sglang", index, probe_sglang.hooks(index), CaptureAnalyzer(index), None)
     target = Target(key, probe_sglang.DFLASH_ENTRY, defines=found[0] == key)
-    try:
-        return classifier.classify(target)
-    except Exception as e:  # noqa: BLE001 - a classifier failure is a refusal with its reason, not a crash
-        info = index.class_info(key)
-        return ClassConvention(engine="sglang", path=key[0], class_name=key[1], line=info.line if info else 0,
-                               setter=SETTER, status="unclassified",
-                               reason=f"the probe failed on this setter ({type(e).__name__}: {e})")
+    # The classifier's deliberate refusals (Unclassifiable, too many paths) come back as an
+    # "unclassified" convention with the reason; anything else it raises is a bug in surgeon, left
+    # to surface as an internal error rather than be shown to the user as a fault of their spec.
+    return classifier.classify(target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,10 +158,11 @@ def _field_assignments(trees: dict[str, ast.Module], run: DFlashRunner) -> str |
                         and isinstance(node.targets[0], ast.Attribute) and node.targets[0].attr == FIELD):
                     continue
                 if not _calls_named(fn, RESOLVE):
-                    if "is_none" not in ast.unparse(fn):
+                    test = _without_draft(fn, node)
+                    if test is None:
                         return f"{rel}:{node.lineno}: {FIELD} is set from {ast.unparse(node.value)}, a path not modelled"
                     run.evidence.append(f"runner: {rel}:{node.lineno}: {ast.unparse(node)} only without a draft "
-                                        f"(in {fn.name}, which tests spec_algorithm.is_none())")
+                                        f"(in {fn.name}, {test})")
                     continue
                 if not isinstance(node.value, ast.Name):
                     return f"{rel}:{node.lineno}: {FIELD} is set from {ast.unparse(node.value)}, not modelled"
@@ -175,7 +174,78 @@ def _field_assignments(trees: dict[str, ast.Module], run: DFlashRunner) -> str |
     return None if draft_paths else f"no assignment of {FIELD} from {RESOLVE} found"
 
 
+def _is_none_test(node: ast.expr) -> bool:
+    """``spec_algorithm.is_none()`` (or ``<x>.spec_algorithm.is_none()``): no draft runs."""
+    if not (isinstance(node, ast.Call) and not node.args and not node.keywords
+            and isinstance(node.func, ast.Attribute) and node.func.attr == "is_none"):
+        return False
+    owner = node.func.value
+    return (isinstance(owner, ast.Name) and owner.id == "spec_algorithm") or (
+        isinstance(owner, ast.Attribute) and owner.attr == "spec_algorithm")
+
+
+def _operands(test: ast.expr, op: type) -> list[ast.expr]:
+    return list(test.values) if isinstance(test, ast.BoolOp) and isinstance(test.op, op) else [test]
+
+
+def _without_draft(fn: ast.FunctionDef, target: ast.AST) -> str | None:
+    """How ``target`` runs only when no draft does, or None: it sits in the body of an ``if`` whose
+    test is (a conjunct) ``spec_algorithm.is_none()``, or after a statement of ``fn`` that returns
+    when (a disjunct) ``not spec_algorithm.is_none()``."""
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.If) and any(_is_none_test(t) for t in _operands(node.test, ast.And))
+                and any(target is n for stmt in node.body for n in ast.walk(stmt))):
+            return f"under `if {ast.unparse(node.test)}` (line {node.lineno})"
+    for stmt in fn.body:
+        if any(target is n for n in ast.walk(stmt)):
+            return None
+        if (isinstance(stmt, ast.If) and not stmt.orelse and isinstance(stmt.body[-1], ast.Return)
+                and any(isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not) and _is_none_test(t.operand)
+                        for t in _operands(stmt.test, ast.Or))):
+            return f"after `if {ast.unparse(stmt.test)}: return` (line {stmt.lineno})"
+    return None
+
+
+def _mutations(fn: ast.FunctionDef, name: str) -> list[ast.AST]:
+    """Every way ``fn`` changes or rebinds ``name`` other than a plain ``name = <value>``: augmented or
+    annotated assignment, unpacking, a loop or ``with`` target, ``del``, item or attribute stores, and
+    any method call on it (``name.append(...)``): none of these is modelled."""
+    plain = {id(t) for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    out: list[ast.AST] = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store | ast.Del) and id(n) not in plain:
+            out.append(n)
+        elif (isinstance(n, ast.Subscript | ast.Attribute) and isinstance(n.ctx, ast.Store | ast.Del)
+              and isinstance(n.value, ast.Name) and n.value.id == name):
+            out.append(n)
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+              and n.func.value.id == name):
+            out.append(n)
+    return out
+
+
+def _statement_of(fn: ast.FunctionDef, node: ast.AST) -> ast.AST:
+    """The innermost statement of ``fn`` that holds ``node`` (ast.walk visits outer ones first)."""
+    found: ast.AST = node
+    for stmt in ast.walk(fn):
+        if isinstance(stmt, ast.stmt) and any(node is n for n in ast.walk(stmt)):
+            found = stmt
+    return found
+
+
+def _mutation_reason(rel: str, fn: ast.FunctionDef, name: str) -> str | None:
+    changed = _mutations(fn, name)
+    if not changed:
+        return None
+    stmt = _statement_of(fn, changed[0])
+    text = ast.unparse(stmt).splitlines()[0]
+    return f"{rel}:{getattr(changed[0], 'lineno', fn.lineno)}: {text} changes {name} in a way not modelled"
+
+
 def _name_sources(rel: str, tree: ast.Module, fn: ast.FunctionDef, name: str, run: DFlashRunner) -> str | None:
+    why = _mutation_reason(rel, fn, name)
+    if why:
+        return why
     for node in ast.walk(fn):
         if not (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)):
             continue
@@ -188,7 +258,7 @@ def _name_sources(rel: str, tree: ast.Module, fn: ast.FunctionDef, name: str, ru
             run.evidence.append(f"runner: {where}: {ast.unparse(node)} only for DSpark (is_dspark)")
             continue
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
-            why = _helper_rewrite(rel, tree, value.func.id, where, run)
+            why = _helper_rewrite(rel, tree, value, name, where, run)
             if why:
                 return why
             continue
@@ -197,32 +267,54 @@ def _name_sources(rel: str, tree: ast.Module, fn: ast.FunctionDef, name: str, ru
 
 
 def _under_dspark(fn: ast.FunctionDef, target: ast.AST) -> bool:
+    """``target`` sits in the body of an ``if`` one of whose conjuncts calls ``<x>.is_dspark()``."""
     for node in ast.walk(fn):
-        if isinstance(node, ast.If) and "is_dspark" in ast.unparse(node.test):
-            if any(target is n for n in ast.walk(node)):
+        if isinstance(node, ast.If) and any(
+                isinstance(t, ast.Call) and isinstance(t.func, ast.Attribute) and t.func.attr == "is_dspark"
+                for t in _operands(node.test, ast.And)):
+            if any(target is n for stmt in node.body for n in ast.walk(stmt)):
                 return True
     return False
 
 
-def _helper_rewrite(rel: str, tree: ast.Module, helper: str, where: str, run: DFlashRunner) -> str | None:
-    """A module function returning ``[i + c for i in ids] if <test> else ids``: a conditional offset."""
+def _passes(call: ast.Call, fn: ast.FunctionDef, name: str) -> str | None:
+    """The parameter of ``fn`` that ``call`` binds to the variable ``name`` (None: not exactly one)."""
+    params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+    bound = [params[i] for i, a in enumerate(call.args) if i < len(params) and isinstance(a, ast.Name) and a.id == name]
+    bound += [k.arg for k in call.keywords if k.arg is not None and isinstance(k.value, ast.Name) and k.value.id == name]
+    return bound[0] if len(bound) == 1 and not any(isinstance(a, ast.Starred) for a in call.args) else None
+
+
+def _helper_rewrite(rel: str, tree: ast.Module, call: ast.Call, name: str, where: str, run: DFlashRunner) -> str | None:
+    """``name = helper(..., ids=name, ...)`` with a module function returning
+    ``[i + c for i in ids] if <test> else ids``: a conditional offset of the traced ids."""
+    assert isinstance(call.func, ast.Name)  # the caller passes a call of a bare name
+    helper = call.func.id
     fns = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == helper]
     if len(fns) != 1:
         return f"{where}: the ids pass through {helper}, not found in {rel}"
+    param = _passes(call, fns[0], name)
+    if param is None:
+        return f"{where}: {ast.unparse(call)} does not pass {name} as one of {helper}'s parameters, not modelled"
     rets = [n for n in ast.walk(fns[0]) if isinstance(n, ast.Return)]
-    if len(rets) != 1 or not isinstance(rets[0].value, ast.IfExp):
+    if len(rets) != 1 or not isinstance(rets[0].value, ast.IfExp) or _mutations(fns[0], param):
         return f"{where}: the ids pass through {helper} ({rel}:{fns[0].lineno}), whose result is not modelled"
     ret = rets[0].value
     body, other = ret.body, ret.orelse
-    if not (isinstance(body, ast.ListComp) and isinstance(body.elt, ast.BinOp) and isinstance(body.elt.op, ast.Add)
+    gen = body.generators[0] if isinstance(body, ast.ListComp) and len(body.generators) == 1 else None
+    if not (gen is not None and isinstance(body, ast.ListComp) and not gen.ifs and isinstance(gen.target, ast.Name)
+            and isinstance(gen.iter, ast.Name) and gen.iter.id == param
+            and isinstance(body.elt, ast.BinOp) and isinstance(body.elt.op, ast.Add)
+            and isinstance(body.elt.left, ast.Name) and body.elt.left.id == gen.target.id
             and isinstance(body.elt.right, ast.Constant) and isinstance(body.elt.right.value, int)
-            and isinstance(other, ast.Name)):
+            and isinstance(other, ast.Name) and other.id == param):
         return f"{where}: {helper} ({rel}:{rets[0].lineno}) returns {ast.unparse(ret)}, not modelled"
     test = ast.unparse(ret.test)
     run.conditional_literals.update(n.value for n in ast.walk(fns[0]) if isinstance(n, ast.Constant)
                                     and isinstance(n.value, str))
+    tested = {n.id for n in ast.walk(ret.test) if isinstance(n, ast.Name)}
     conds = [ast.unparse(n) for n in ast.walk(fns[0]) if isinstance(n, ast.Assign)
-             and any(isinstance(t, ast.Name) and t.id in test for t in n.targets)]
+             and any(isinstance(t, ast.Name) and t.id in tested for t in n.targets)]
     offset = int(body.elt.right.value)
     run.conditional.append(f"{rel}:{rets[0].lineno}: {helper} adds {offset:+d} when {test} "
                            f"({'; '.join(' '.join(c.split()) for c in conds)})")
@@ -243,15 +335,40 @@ def _resolve_method(trees: dict[str, ast.Module], run: DFlashRunner) -> str | No
                     run.range_check = f"{rel}:{n.lineno}: raises when {test}"
             for r in rets:
                 text = ast.unparse(r.value)  # type: ignore[arg-type]  # value checked non-None above
-                if isinstance(r.value, ast.Call) and "build_" in text:
-                    run.evidence.append(f"runner: {rel}:{r.lineno}: without target_layer_ids: {text} (a default)")
+                default = _default_builder(tree, fn, r)
+                if default is not None:
+                    run.evidence.append(f"runner: {rel}:{r.lineno}: without target_layer_ids: {text} (a default, "
+                                        f"{BUILDER} at {rel}:{default})")
                     continue
                 if isinstance(r.value, ast.Name) and _bound_to_list_of_field(fn, r.value.id):
+                    why = _mutation_reason(rel, fn, r.value.id)
+                    if why:
+                        return why
                     run.evidence.append(f"runner: {rel}:{r.lineno}: returns {text} = list(self.target_layer_ids)")
                     continue
                 return f"{rel}:{r.lineno}: {RESOLVE} returns {text}, not modelled"
             return None
     return f"no {RESOLVE} found in {', '.join(RUNNER_DIRS)}"
+
+
+def _default_builder(tree: ast.Module, fn: ast.FunctionDef, ret: ast.Return) -> int | None:
+    """The line of the module's ``build_target_layer_ids`` when ``ret`` returns a call of it and sits
+    under ``if self.target_layer_ids is None`` (a default only for a draft without ids), else None."""
+    call = ret.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == BUILDER):
+        return None
+    defs = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == BUILDER]
+    imported = [a for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names
+                if (a.asname or a.name) == BUILDER]
+    if len(defs) != 1 or imported:
+        return None
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+                and isinstance(node.test.ops[0], ast.Is) and _is_none(node.test.comparators[0])
+                and ast.unparse(node.test.left) == "self.target_layer_ids"
+                and any(ret is n for stmt in node.body for n in ast.walk(stmt))):
+            return defs[0].lineno
+    return None
 
 
 def _bound_to_list_of_field(fn: ast.FunctionDef, name: str) -> bool:
@@ -275,12 +392,27 @@ def _parsed_key(trees: dict[str, ast.Module], run: DFlashRunner) -> str | None:
             if len(kws) != 1 or not isinstance(kws[0].value, ast.Name):
                 return f"{rel}:{fn.lineno}: how parse_dflash_draft_config stores target_layer_ids is not modelled"
             name = kws[0].value.id
-            values = [ast.unparse(n.value) for n in ast.walk(fn) if isinstance(n, ast.AnnAssign | ast.Assign)
+            values = [n.value for n in ast.walk(fn) if isinstance(n, ast.AnnAssign | ast.Assign)
                       and n.value is not None and any(isinstance(t, ast.Name) and t.id == name
                                                       for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
-            bad = [v for v in values if v != "None" and not (v.startswith("[int(") and " for " in v and "+" not in v)]
+            bad = [v for v in values if not (_is_none(v) or _int_copy(v))]
             if bad:
-                return f"{rel}:{fn.lineno}: parse_dflash_draft_config sets {name} = {bad[0]}, not modelled"
+                return f"{rel}:{fn.lineno}: parse_dflash_draft_config sets {name} = {ast.unparse(bad[0])}, not modelled"
             run.evidence.append(f"runner: {rel}:{gets[0].lineno}: {ast.unparse(gets[0])} (the draft's dflash_config)")
             return None
     return "no parse_dflash_draft_config found"
+
+
+def _is_none(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def _int_copy(node: ast.expr) -> bool:
+    """``[int(x) for x in <ids>]``: every id, in order, as an int, nothing added or dropped."""
+    if not (isinstance(node, ast.ListComp) and len(node.generators) == 1):
+        return False
+    gen, elt = node.generators[0], node.elt
+    return (isinstance(gen.target, ast.Name) and not gen.ifs and not gen.is_async
+            and isinstance(elt, ast.Call) and isinstance(elt.func, ast.Name) and elt.func.id == "int"
+            and len(elt.args) == 1 and not elt.keywords
+            and isinstance(elt.args[0], ast.Name) and elt.args[0].id == gen.target.id)

@@ -68,7 +68,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         return result
     for engine in targets:
         if kind == "dflash" and engine == "sglang":
-            _lint_sglang_dflash(spec, roots.get(engine), result, strict=strict, explicit=explicit)
+            _lint_sglang_dflash(spec, roots.get(engine), result, strict=strict, explicit=explicit, pp=pp)
             continue
         view = open_engine(engine, roots.get(engine))
         pin_issues, pin_checked = check_pins(spec, engine, view)
@@ -113,7 +113,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
                 f"{engine}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})",
                 severity="warning",
             ))
-    _lint_field(spec, roots, result)
+    _lint_field(spec, roots, result, targets)
     return result
 
 
@@ -147,20 +147,31 @@ def _lint_pipeline(spec: Spec, engine: str, view: EngineView, cc: ClassConventio
         result.pipeline.append(answer)
 
 
-def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, strict: bool, explicit: bool) -> None:
+def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, strict: bool, explicit: bool,
+                        pp: int | None) -> None:
     """SGLang DFlash: the class's ``set_dflash_layers_to_capture`` and the runner's path to it, read
-    from the installed source (:func:`surgeon.wiring.render.sglang_dflash`); what it cannot prove is
-    an issue with the reason (an error when the engine was asked for, else a warning)."""
-    from surgeon.wiring.render import sglang_dflash
+    from the installed source (:func:`surgeon.wiring.render.sglang_dflash`), graded like the EAGLE-3
+    path: what SGLang cannot serve is an error; an unverified runner or capture site is a warning (an
+    error under ``strict``); a class or engine that is missing is an error when the engine was asked
+    for, else a warning. The spec's ``engines.sglang`` pins are checked as for EAGLE-3."""
+    from surgeon.wiring.render import DFlashRefused, sglang_dflash
 
+    fc_path = ("draft", "fc_input")
+    view = open_engine("sglang", root)
+    pin_issues, pin_checked = check_pins(spec, "sglang", view)
+    result.issues.extend(pin_issues)
+    result.checked.extend(pin_checked)
+    if pp is not None:
+        result.checked.append(f"sglang: pp {pp}: not checked for a dflash draft (only eagle3 captures are read)")
     try:
         ans = sglang_dflash(spec, root)
     except BadInput as e:
-        result.issues.append(spec.issue(("draft", "fc_input"), f"sglang: DFlash: {str(e).removeprefix(spec.file + ': ')}",
-                                        severity="error" if explicit else "warning"))
+        severe = True if isinstance(e, DFlashRefused) else strict if isinstance(e, Unverified) else explicit
+        result.issues.append(spec.issue(fc_path, f"sglang: DFlash: {str(e).removeprefix(spec.file + ': ')}",
+                                        severity="error" if severe else "warning"))
         return
     if ans.unverified is not None:
-        result.issues.append(spec.issue(("draft", "fc_input"), f"sglang: DFlash unverified: {ans.unverified}",
+        result.issues.append(spec.issue(fc_path, f"sglang: DFlash unverified: {ans.unverified}",
                                         severity="error" if strict else "warning"))
     result.checked.append(f"sglang: DFlash {ans.conv.name} via {ans.conv.origin}")
     result.checked.append(f"sglang: DFlash dflash_config.target_layer_ids {ans.ids} capture "
@@ -169,16 +180,21 @@ def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, str
     result.checked.extend(f"sglang: evidence: {e}" for e in ans.evidence)
 
 
-def _lint_field(spec: Spec, roots: dict[str, str | None], result: LintResult) -> None:
+def _lint_field(spec: Spec, roots: dict[str, str | None], result: LintResult, targets: Sequence[str]) -> None:
     """Model Optimizer's backends read one --aux-layers list differently (its vllm backend hands the
     ids to vLLM unchanged): listed as checked lines, not warnings, because the spec does not say that
-    its dumps come from Model Optimizer (a warning on every spec would not be about the spec)."""
+    its dumps come from Model Optimizer (a warning on every spec would not be about the spec). Only
+    when vLLM is among the engines checked (the hazard is read through vLLM's convention), and its
+    DFlash preset only for a DFlash draft."""
+    if "vllm" not in targets:
+        return
     try:
         vllm = open_engine("vllm", roots.get("vllm")).convention(model_class_for(spec, "vllm"))
     except BadInput as e:
         result.checked.append(f"modelopt: vllm backend not checked: {e}")
         vllm = None
-    result.checked.extend(hazards(spec, vllm, open_modelopt()))
+    kind = spec.model.draft.kind if spec.model.draft is not None else None
+    result.checked.extend(hazards(spec, vllm, open_modelopt() if kind == "dflash" else None))
 
 
 def lint_files(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from surgeon.core.conventions import DUMP_LAYOUTS, EAGLE, HF, EngineConvention, NotExpressible
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
 from surgeon.core.spec import NORM_FLAGS, Spec
@@ -125,38 +125,35 @@ def explain(
     engines: dict[str, EngineConvention] = {}
     views: dict[str, EngineView] = {}
     conventions = {"hf": HF.title, "eagle": EAGLE.title}
+    dflash: dict[str, IdList] = {}  # engines whose DFlash ids were read by their own path (render's)
     for engine in ("sglang", "vllm"):
-        view = views[engine] = open_engine(engine, roots.get(engine))
         cls = model_class_for(spec, engine, model_classes.get(engine))
+        if engine == "sglang" and _kind(spec) == "dflash":
+            found = _explain_sglang_dflash(spec, roots.get(engine), cls, notes)
+            if found is not None:
+                engines[engine], dflash[engine], conventions[engine] = found
+            continue
+        view = views[engine] = open_engine(engine, roots.get(engine))
         try:
             conv = view.convention(cls)
         except BadInput as e:
             notes.append(f"{engine}: {e}")
             continue
         engines[engine] = conv
-        positions = [p.position for p in spec.fc_points if p.position is not None]
-        conventions[engine] = f"{conv.name} ({conv.origin})" + (
-            "" if conv.cc.unverified_for(positions, L) is None else " (unverified)")
-        for b in conv.cc.bypasses:
-            notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
-        refused = refusal(conv.cc, positions, L)
-        if refused is not None:
-            notes.append(f"{engine}: cannot serve this wiring: {refused}")
-        notes.extend(f"{engine}: {n}" if not n.startswith(f"{engine}:") else n
-                     for n in engine_notes(conv.cc, positions, L))
-        notes.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, L))
+        conventions[engine] = _explain_engine(engine, conv, spec.fc_points, L, notes)
 
     fc_lists: dict[str, IdList] = {}
     per_fc: dict[str, dict[str, int | str]] = {}
     for engine, conv in engines.items():
-        lst = _engine_ids(conv, spec.fc_points, L) if fc_names else None
+        lst = dflash.get(engine) or (_engine_ids(conv, spec.fc_points, L) if fc_names else None)
         if lst is None:
             continue
         fc_lists[engine] = lst
         if lst.ids is not None:  # lst.ok, spelled so that the type narrows
             for name, p in zip(fc_names, spec.fc_points):
                 per_fc.setdefault(name, {})[engine] = _id_for(conv, lst.ids, p, L)
-            notes.extend(_runner_lines(engine, views[engine], conv, lst.ids, L, _kind(spec)))
+            if engine not in dflash:  # the DFlash path read its own runner
+                notes.extend(_runner_lines(engine, views[engine], conv, lst.ids, L, _kind(spec)))
         else:
             notes.append(f"{engine}: fc_input cannot be rendered: {lst.error}")
     for target in ("eagle", "hf"):
@@ -190,6 +187,38 @@ def explain(
         fc_slot = fc_names.index(name) if name in fc_names else None
         rows.append(CaptureRow(name, str(point), fc_slot, dump_labels.get(name), ids))
     return Explanation(spec.name, spec.file, spec.sha256, L, spec.hidden_size, conventions, rows, fc_lists, notes)
+
+
+def _explain_engine(engine: str, conv: EngineConvention, points: Sequence[Point], num_layers: int,
+                    notes: list[str]) -> str:
+    """The notes an engine's probed class adds to ``explain`` (bypasses, refusals, evidence); returns
+    its column's title."""
+    positions = [p.position for p in points if p.position is not None]
+    for b in conv.cc.bypasses:
+        notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
+    refused = refusal(conv.cc, positions, num_layers)
+    if refused is not None:
+        notes.append(f"{engine}: cannot serve this wiring: {refused}")
+    notes.extend(f"{engine}: {n}" if not n.startswith(f"{engine}:") else n
+                 for n in engine_notes(conv.cc, positions, num_layers))
+    notes.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, num_layers))
+    return f"{conv.name} ({conv.origin})" + ("" if conv.cc.unverified_for(positions, num_layers) is None
+                                             else " (unverified)")
+
+
+def _explain_sglang_dflash(spec: Spec, engine_root, model_class: str | None,
+                           notes: list[str]) -> tuple[EngineConvention, IdList, str] | None:
+    """SGLang's column for a DFlash draft: the answer ``render`` gives (:func:`sglang_dflash`: the
+    class's set_dflash_layers_to_capture and the DFlash runner path), or None with why in ``notes``."""
+    try:
+        ans = sglang_dflash(spec, engine_root, model_class)
+    except BadInput as e:
+        notes.append(f"sglang: DFlash: {str(e).removeprefix(spec.file + ': ')}")
+        return None
+    notes.extend(ans.notes)
+    notes.extend(f"sglang: evidence: {e}" for e in ans.evidence)
+    lst = IdList(ans.conv.name, ans.conv.origin, ans.ids, None, ans.captures)
+    return ans.conv, lst, f"{ans.conv.name} ({ans.conv.origin})" + ("" if ans.unverified is None else " (unverified)")
 
 
 def _runner_lines(engine: str, view: EngineView, conv: EngineConvention, ids: list[int], num_layers: int,
@@ -366,6 +395,13 @@ def _norm_flags(spec: Spec, target: str, engine_root, draft_config: dict, notes:
 # ---------------------------------------------------------------------------------------------
 # SGLang DFlash
 # ---------------------------------------------------------------------------------------------
+class DFlashRefused(BadInput):
+    """SGLang cannot serve the spec's DFlash wiring, per its source (the runner's refusal, ids the
+    rule cannot express, ids the runner range-checks out, a target the runner rewrites): an error
+    wherever it is reported, unlike a class the engine lacks (a warning when the engine was not
+    asked for) or an unverified runner (:class:`Unverified`: an error under ``lint --strict``)."""
+
+
 @dataclass
 class DFlashAnswer:
     """SGLang's DFlash ids for a spec's fc list, with what they rest on."""
@@ -382,8 +418,9 @@ class DFlashAnswer:
 def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None) -> DFlashAnswer:
     """The ``dflash_config.target_layer_ids`` that make SGLang feed the draft the spec's points, from
     the class's ``set_dflash_layers_to_capture`` (run by the probe's classifier) and the runner's
-    path to it (:mod:`surgeon.engines.sglang_dflash`). BadInput with the reason where either was
-    not read to the end, or the ids cannot express the points."""
+    path to it (:mod:`surgeon.engines.sglang_dflash`). BadInput with the reason where SGLang or the
+    class is missing or the setter was not read to the end; Unverified where the runner was not;
+    DFlashRefused where SGLang cannot serve the points."""
     view = open_engine("sglang", engine_root)
     cls = model_class_for(spec, "sglang", model_class)
     if view.location is None:
@@ -398,23 +435,23 @@ def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None) 
                        f"cannot tell what its DFlash ids mean: {cc.reason}")
     runner = read_dflash_runner(view.location.root)
     if not runner.verified:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {where} runner unverified for DFlash: {runner.reason}")
+        raise Unverified(f"{spec.file}: cannot render for sglang: {where} runner unverified for DFlash: {runner.reason}")
     hit = sorted(runner.conditional_literals & {spec.model.target.model_type or "", cc.path.rsplit("/", 1)[-1][:-3]})
     if hit:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {where} rewrites DFlash ids for {hit[0]} targets "
+        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {where} rewrites DFlash ids for {hit[0]} targets "
                        f"depending on the draft's architecture: {'; '.join(runner.conditional)}")
     L = spec.num_layers
     positions = [p.position for p in spec.fc_points if p.position is not None]
     refused = refusal(cc, positions, L)
     if refused is not None:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {refused}")
+        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {refused}")
     conv = EngineConvention(cc, f"{view.origin}; {DFLASH_SETTER}")
     lst = _engine_ids(conv, spec.fc_points, L)
     if lst.ids is None:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {lst.error}")
+        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {lst.error}")
     bad = [i for i in lst.ids if i < 0 or i >= L]
     if bad and runner.range_check:
-        raise BadInput(f"{spec.file}: cannot render for sglang: DFlash ids {bad} are refused by the runner "
+        raise DFlashRefused(f"{spec.file}: cannot render for sglang: DFlash ids {bad} are refused by the runner "
                        f"({runner.range_check})")
     notes = [n if n.startswith("sglang:") else f"sglang: {n}" for n in engine_notes(cc, positions, L)]
     notes.append(f"sglang: the runner passes the draft's dflash_config.target_layer_ids unchanged to {DFLASH_SETTER}")

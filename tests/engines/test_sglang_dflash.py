@@ -7,6 +7,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from surgeon.engines.sglang_dflash import RUNNER_DIRS, SETTER, classify_dflash, read_dflash_runner
 from tests.conftest import installed_engine, release_engine
 
@@ -94,3 +96,96 @@ def test_a_runner_without_the_setter_call_is_unverified(engine_copy, tmp_path):
     root = engine_copy("sglang", tmp_path / "site")  # model files only: no runner read
     run = read_dflash_runner(root)
     assert not run.verified and f"no call of {SETTER}" in (run.reason or "")
+
+
+def test_a_parsed_list_with_any_offset_is_unverified(engine_copy, tmp_path):
+    root = _runner_copy(engine_copy, tmp_path)
+    # `- 1` has no "+": a text filter took it for "no offset"
+    for new in ("[int(x) - 1 for x in layer_ids]", "[int(x) for x in layer_ids if x]", "[int(y) for x in layer_ids]"):
+        path = root / "srt/speculative/dflash_utils.py"
+        original = path.read_text()
+        _edit(path, "parsed_target_layer_ids = [int(x) for x in layer_ids]",
+              f"parsed_target_layer_ids = {new}", after="def parse_dflash_draft_config")
+        run = read_dflash_runner(root)
+        assert not run.verified and new in (run.reason or "") and "not modelled" in (run.reason or ""), new
+        path.write_text(original)
+    assert read_dflash_runner(root).verified
+
+
+AUX = "srt/model_executor/model_runner_components/spec_aux_hidden_state.py"
+UTILS = "srt/speculative/dflash_utils.py"
+
+
+def _unverified_by(root: Path, rel: str, old: str, new: str, after: str) -> str:
+    """The runner's reason once ``old`` (after ``after``) in ``rel`` becomes ``new``; the file is restored."""
+    path = root / rel
+    original = path.read_text()
+    _edit(path, old, new, after=after)
+    try:
+        run = read_dflash_runner(root)
+    finally:
+        path.write_text(original)
+    assert not run.verified, f"{new!r} was read as verified"
+    return run.reason or ""
+
+
+def test_a_capture_only_assignment_counts_only_under_an_is_none_test(engine_copy, tmp_path):
+    root = _runner_copy(engine_copy, tmp_path)
+    cited = [e for e in read_dflash_runner(root).evidence if "only without a draft" in e]
+    assert cited and "not spec_algorithm.is_none()" in cited[0] and ": return` (line" in cited[0]
+    # is_none still called in the function, but the return no longer guards the assignment
+    why = _unverified_by(root, AUX, "        return\n    layer_ids = features.return_aux_hidden_state_layer_ids",
+                         "        pass\n    layer_ids = features.return_aux_hidden_state_layer_ids",
+                         after="def _resolve_capture_only_aux_hidden_state")
+    assert f"{AUX}:" in why and "list(layer_ids)" in why and "a path not modelled" in why
+
+
+def test_an_in_place_change_of_the_traced_ids_is_unverified(engine_copy, tmp_path):
+    root = _runner_copy(engine_copy, tmp_path)
+    anchor = "        target_layer_ids = _map_muse_target_layer_ids("
+    for change in ("target_layer_ids += [0]", "target_layer_ids.append(0)", "target_layer_ids[0] = 0",
+                   "target_layer_ids: list = [0]"):
+        why = _unverified_by(root, AUX, anchor, f"        {change}\n{anchor}", after="def _resolve_dflash_aux_hidden_state")
+        assert f"{AUX}:" in why and change.split(":")[0].split("[0]")[0] in why and "not modelled" in why, (change, why)
+    why = _unverified_by(root, UTILS, "        return resolved\n", "        resolved.reverse()\n        return resolved\n",
+                         after="def resolve_target_layer_ids")
+    assert "resolved.reverse()" in why and "not modelled" in why
+
+
+def test_the_default_must_be_the_modules_builder_and_only_without_ids(engine_copy, tmp_path):
+    root = _runner_copy(engine_copy, tmp_path)
+    why = _unverified_by(root, UTILS, "return build_target_layer_ids(", "return build_other_ids(",
+                         after="def resolve_target_layer_ids")
+    assert "build_other_ids" in why and "not modelled" in why
+    why = _unverified_by(root, UTILS, "        if self.target_layer_ids is None:\n", "        if True:\n",
+                         after="def resolve_target_layer_ids")
+    assert "build_target_layer_ids" in why and "not modelled" in why
+
+
+def test_a_classifier_bug_is_not_turned_into_a_refusal(monkeypatch):
+    from surgeon.engines import classify
+
+    def broken(self, target, base):
+        raise KeyError("a bug in the classifier")
+
+    monkeypatch.setattr(classify.Classifier, "_classify", broken)
+    with pytest.raises(KeyError, match="a bug in the classifier"):
+        classify_dflash(installed_engine("sglang").root, "LlamaForCausalLM")
+
+    def refuses(self, target, base):
+        raise classify.Unclassifiable("a deliberate refusal")
+
+    monkeypatch.setattr(classify.Classifier, "_classify", refuses)
+    cc = classify_dflash(installed_engine("sglang").root, "LlamaForCausalLM")
+    assert cc is not None and cc.status == "unclassified" and cc.reason == "a deliberate refusal"
+
+
+def test_a_rewrite_helper_counts_only_when_it_maps_the_traced_ids(engine_copy, tmp_path):
+    root = _runner_copy(engine_copy, tmp_path)
+    assert any("_map_muse_target_layer_ids adds +1 when uses_layer_outputs" in c for c in read_dflash_runner(root).conditional)
+    why = _unverified_by(root, AUX, "            layer_ids=target_layer_ids,\n", "            layer_ids=[0],\n",
+                         after="target_layer_ids = _map_muse_target_layer_ids(")
+    assert "does not pass target_layer_ids" in why and f"{AUX}:" in why
+    why = _unverified_by(root, AUX, "[i + 1 for i in layer_ids]", "[0 + 1 for i in layer_ids]",
+                         after="def _map_muse_target_layer_ids")
+    assert "[0 + 1 for i in layer_ids]" in why and "not modelled" in why

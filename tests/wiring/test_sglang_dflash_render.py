@@ -10,7 +10,7 @@ import pytest
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
 from surgeon.wiring.lint import lint_spec
-from surgeon.wiring.render import render
+from surgeon.wiring.render import explain, render
 from tests.conftest import release_engine
 
 
@@ -70,3 +70,69 @@ def test_lint_checks_sglang_dflash_ids(tmp_path):
     assert not any("not modelled" in c for c in res.checked)
     bad = lint_spec(_spec(tmp_path, points=("embed", "layer_out[3]", "layer_out[5]")), engines=["sglang"])
     assert not bad.ok and any("sglang: DFlash" in i.message and "val < 0" in i.message for i in bad.issues)
+
+
+def _spec_text(tmp_path, points, extra_top=""):
+    f = tmp_path / "s.yaml"
+    f.write_text(textwrap.dedent(f"""\
+        spec: 1
+        name: tiny
+        target: {{architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}}
+        captures:
+          low: {points[0]}
+          mid: {points[1]}
+          high: {points[2]}
+          last: final_norm
+        draft: {{kind: dflash, fc_input: [low, mid, high], fc_in_features: 192}}
+        """) + extra_top)
+    return load_spec(f)
+
+
+@pytest.mark.parametrize("engines", [[], ["sglang"]])
+def test_lint_errs_on_a_dflash_wiring_sglang_cannot_serve_whatever_was_asked(tmp_path, engines):
+    # layer_out[7] at L=8: the capture at the entry of layer 8 never happens
+    res = lint_spec(_spec(tmp_path, points=("layer_out[1]", "layer_out[3]", "layer_out[7]")), engines=engines)
+    errors = [i for i in res.issues if i.severity == "error" and i.message.startswith("sglang: DFlash")]
+    assert not res.ok and errors and "layer_out[7] is not expressible" in errors[0].message
+    muse = lint_spec(_spec(tmp_path, extra=", model_type: muse_glimmer"), engines=engines)
+    assert any(i.severity == "error" and "muse_glimmer" in i.message for i in muse.issues)
+
+
+def test_lint_grades_an_unverified_dflash_runner_by_strict(engine_copy, tmp_path):
+    root = engine_copy("sglang", tmp_path / "site")  # model files only: the runner is not read
+    spec = _spec(tmp_path)
+    lax = lint_spec(spec, engines=["sglang"], roots={"sglang": str(root)})
+    runner = [i for i in lax.issues if "runner unverified for DFlash" in i.message]
+    assert lax.ok and runner and runner[0].severity == "warning"
+    strict = lint_spec(spec, engines=["sglang"], roots={"sglang": str(root)}, strict=True)
+    assert not strict.ok and any(i.severity == "error" and "runner unverified" in i.message for i in strict.issues)
+
+
+def test_lint_checks_sglang_pins_and_says_pp_is_not_checked_for_dflash(tmp_path):
+    spec = _spec_text(tmp_path, ("layer_out[1]", "layer_out[3]", "layer_out[5]"),
+                      'engines: {sglang: {version: "<0.0.1"}}\n')
+    res = lint_spec(spec, engines=["sglang"], pp=2)
+    assert not res.ok and any("outside the pinned range" in i.message for i in res.issues)
+    assert "sglang: pp 2: not checked for a dflash draft (only eagle3 captures are read)" in res.checked
+
+
+def test_explain_gives_the_sglang_dflash_answer_render_gives(tmp_path):
+    spec = _spec(tmp_path, points=("layer_out[0]", "layer_out[2]", "layer_out[6]"))
+    r = render(spec, "sglang")
+    e = explain(spec)
+    assert e.fc_lists["sglang"].ids == r.ids == [0, 2, 6]
+    assert e.fc_lists["sglang"].captures == [c["captured"] for c in r.captures]
+    assert [row.ids["sglang"] for row in e.rows if row.fc_slot is not None] == r.ids
+    sglang = [n for n in e.notes if n.startswith("sglang:")]
+    setters = {n.split("setter: ", 1)[1] for n in sglang if "evidence: setter:" in n}
+    assert setters == {ev.removeprefix("setter: ") for ev in r.evidence if ev.startswith("setter: ")}
+    assert any("set_dflash_layers_to_capture" in n for n in setters)
+    assert not any("set_eagle3_layers_to_capture" in n or "unverified" in n for n in sglang)
+    assert "set_dflash_layers_to_capture" in e.conventions["sglang"] and "unverified" not in e.conventions["sglang"]
+    # a wiring render refuses, explain reports with the same reason instead of EAGLE-3's ids
+    bad = _spec(tmp_path, extra=", model_type: muse_glimmer")
+    with pytest.raises(BadInput, match="muse_glimmer") as refused:
+        render(bad, "sglang")
+    eb = explain(bad)
+    assert "sglang" not in eb.fc_lists
+    assert f"sglang: DFlash: {str(refused.value).removeprefix(bad.file + ': ')}" in eb.notes
