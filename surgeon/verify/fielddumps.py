@@ -108,7 +108,8 @@ def detect(data: Any) -> str | None:
     return None
 
 
-def _float2d(t: Any, what: str) -> torch.Tensor:
+def float_2d(t: Any, what: str) -> torch.Tensor:
+    """A subject's slot: a floating-point ``[tokens, hidden]`` tensor (leading 1-sized dims dropped)."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise BadInput(f"{what}: expected a floating-point tensor")
     while t.dim() > 2 and t.shape[0] == 1:
@@ -118,9 +119,10 @@ def _float2d(t: Any, what: str) -> torch.Tensor:
     return t
 
 
-def _int1d(t: Any, what: str) -> torch.Tensor:
+def int_1d(t: Any, what: str) -> torch.Tensor:
+    """A subject's input ids: an integer tensor, flattened to int64."""
     if not isinstance(t, torch.Tensor) or t.is_floating_point():
-        raise BadInput(f"{what}: expected an integer tensor")
+        raise BadInput(f"{what}: input ids must be an integer tensor")
     return t.reshape(-1).to(torch.int64)
 
 
@@ -128,7 +130,7 @@ def _split_aux(p: str, aux: Any, key: str, H: int, T: int) -> list[torch.Tensor]
     """[T, n*H] into n [T, H] slots; an empty tensor (the vllm backend without aux ids) is none."""
     if isinstance(aux, torch.Tensor) and aux.numel() == 0:
         return []
-    aux = _float2d(aux, f"{p}: {key}")
+    aux = float_2d(aux, f"{p}: {key}")
     if aux.shape[0] != T or aux.shape[1] % H:
         raise BadInput(f"{p}: {key} of shape {tuple(aux.shape)} is not [{T}, n*{H}]")
     return [aux[:, i * H:(i + 1) * H] for i in range(aux.shape[1] // H)]
@@ -211,12 +213,12 @@ def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int |
         raise BadInput(f"{p}: a TensorRT-LLM SaveHiddenStates dump (a list of records), not a Model Optimizer "
                        f"{producer.name} file: pass --slots trtllm:IDS (its eagle3_layers_to_capture)")
     rec = data[0]
-    last = _float2d(rec["hidden_state"], f"{p}: hidden_state")
+    last = float_2d(rec["hidden_state"], f"{p}: hidden_state")
     T, H = last.shape
     key = next((k for k in TRT_AUX_KEYS if k in rec), None)
     aux = _split_aux(p, rec[key], key, H, T) if key else []
     out = FieldSlots("trtllm", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_state"], [*aux, last],
-                     [None] * len(aux) + [FINAL_NORM], _int1d(rec["input_ids"], f"{p}: input_ids"))
+                     [None] * len(aux) + [FINAL_NORM], int_1d(rec["input_ids"], f"{p}: input_ids"))
     out.notes.append(f"TensorRT-LLM SaveHiddenStates dump: record 1 of {len(data)} (id {rec['id']}); {TRT_DUMP_NOTE}")
     if key == "hidden_state_features":
         out.notes.append("hidden_state_features is the aux key of older releases (NVIDIA/TensorRT-LLM@17c59c3); "
@@ -241,12 +243,12 @@ def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int |
 
 def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int | None) -> FieldSlots:
     """A Model Optimizer collect_hidden_states dump, any backend."""
-    last = _float2d(data["hidden_states"], f"{p}: hidden_states")
+    last = float_2d(data["hidden_states"], f"{p}: hidden_states")
     T, H = last.shape
     key = next((k for k in TRT_AUX_KEYS if k in data), None)
     aux = _split_aux(p, data[key], key, H, T) if key else []
     out = FieldSlots("modelopt", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_states"], [*aux, last],
-                     [None] * (len(aux) + 1), _int1d(data["input_ids"], f"{p}: input_ids"))
+                     [None] * (len(aux) + 1), int_1d(data["input_ids"], f"{p}: input_ids"))
     out.notes.append(f"Model Optimizer collect_hidden_states dump (conversation {data.get('conversation_id', '?')}): "
                      f"keys as {_cite(MODELOPT['dump'])} (hf) and compute_hidden_states_vllm.py:317 write them, "
                      f"NVIDIA/Model-Optimizer@{MODELOPT['dump'].commit[:7]}")

@@ -68,22 +68,6 @@ def parse_slot_names(entries: Sequence[str], num_layers: int | None) -> list[tup
     return out
 
 
-def _as_2d(t: torch.Tensor, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise BadInput(f"{what}: expected a floating-point tensor")
-    while t.dim() > 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 2:
-        raise BadInput(f"{what}: expected a [tokens, hidden] tensor, got shape {tuple(t.shape)}")
-    return t
-
-
-def _ids(t: Any, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.is_floating_point():
-        raise BadInput(f"{what}: input ids must be an integer tensor")
-    return t.reshape(-1).to(torch.int64)
-
-
 def _load_pickle(path: Path) -> Any:
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True)
@@ -185,19 +169,19 @@ def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None =
         return _read_specforge(p, data, n)
     if isinstance(data, dict):
         ids_key = next((k for k in IDS_KEYS if k in data), None)
-        ids = _ids(data[ids_key], f"{p}: {ids_key}") if ids_key else None
+        ids = fielddumps.int_1d(data[ids_key], f"{p}: {ids_key}") if ids_key else None
         items = [(k, v) for k, v in data.items() if k not in IDS_KEYS and isinstance(v, torch.Tensor) and v.is_floating_point()]
         if len(items) == 1 and items[0][1].dim() >= 3 and items[0][1].shape[-3:-2] != (1,):
             tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
             default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
         else:
-            tensors = [_as_2d(v, f"{p}: {k}") for k, v in items]
+            tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
             default_names = [str(k) for k, _ in items]
         return _FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
     if isinstance(data, (list, tuple)):
-        tensors = [_as_2d(v, f"{p}: item {i}") for i, v in enumerate(data)]
+        tensors = [fielddumps.float_2d(v, f"{p}: item {i}") for i, v in enumerate(data)]
     elif isinstance(data, torch.Tensor):
-        tensors = _stacked(data, n, str(p)) if data.dim() >= 3 else [_as_2d(data, str(p))]
+        tensors = _stacked(data, n, str(p)) if data.dim() >= 3 else [fielddumps.float_2d(data, str(p))]
     else:
         raise BadInput(f"{p}: holds a {type(data).__name__}, not tensors")
     return _FileSlots("plain", [f"slot{i}" for i in range(len(tensors))], tensors, [None] * len(tensors))
@@ -209,7 +193,7 @@ def _read_specforge(p: Path, data: dict, n: int | None) -> _FileSlots:
     aux = data["aux_hidden_state"]
     if not isinstance(aux, torch.Tensor):
         raise BadInput(f"{p}: aux_hidden_state is not a tensor")
-    aux = _as_2d(aux, f"{p}: aux_hidden_state")
+    aux = fielddumps.float_2d(aux, f"{p}: aux_hidden_state")
     H = hidden.shape[-1] if isinstance(hidden, torch.Tensor) else None
     if H is None:
         if n is None:
@@ -223,12 +207,12 @@ def _read_specforge(p: Path, data: dict, n: int | None) -> _FileSlots:
     read = _FileSlots("specforge", [f"aux_{i}" for i in range(k)], [aux[:, i * H:(i + 1) * H] for i in range(k)],
                       [None] * k)
     if isinstance(hidden, torch.Tensor):
-        read.tensors.append(_as_2d(hidden, f"{p}: hidden_state"))
+        read.tensors.append(fielddumps.float_2d(hidden, f"{p}: hidden_state"))
         read.names.append("hidden_state")
         read.declared.append(None)
         read.notes.append("SpecForge's hidden_state is documented as after the final norm; it is identified, not assumed")
     if "input_ids" in data:
-        read.ids = _ids(data["input_ids"], f"{p}: input_ids")
+        read.ids = fielddumps.int_1d(data["input_ids"], f"{p}: input_ids")
     return read
 
 
@@ -240,7 +224,8 @@ def _read_dump(gated: TensorFile) -> _FileSlots:
     dump = read_dump(gated)
     note = (f"surgeon dump of spec {dump.meta.get('spec.name') or '-'} on {dump.meta.get('engine') or '?'} "
             f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
-    return _FileSlots("surgeon", [n for n, _, _ in dump.captures], [_as_2d(t, f"{p}: {n}") for n, _, t in dump.captures],
+    return _FileSlots("surgeon", [n for n, _, _ in dump.captures],
+                      [fielddumps.float_2d(t, f"{p}: {n}") for n, _, t in dump.captures],
                       [pt for _, pt, _ in dump.captures], dump.input_ids, [note])
 
 
@@ -250,13 +235,13 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
     data, meta = read_safetensors(gated)
     kind = meta.get("surgeon.kind")
     ids_key = next((k for k in IDS_KEYS if k in data), None)
-    ids = _ids(data.pop(ids_key), f"{p}: {ids_key}") if ids_key else None
+    ids = fielddumps.int_1d(data.pop(ids_key), f"{p}: {ids_key}") if ids_key else None
     if kind == "reference":
         L = int(meta.get("num_layers", "0") or 0) or None
         read = _FileSlots("surgeon-reference", [], [], [], ids)
         for k, v in data.items():
             read.names.append(k)
-            read.tensors.append(_as_2d(v, f"{p}: {k}"))
+            read.tensors.append(fielddumps.float_2d(v, f"{p}: {k}"))
             read.declared.append(parse_point(k, L, allow_delta=True))
         return read
     if "hidden_states" in data and data["hidden_states"].dim() == 3:
@@ -273,7 +258,7 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
         tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
         default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
     else:
-        tensors = [_as_2d(v, f"{p}: {k}") for k, v in items]
+        tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
         default_names = [k for k, _ in items]
     return _FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
 
