@@ -136,12 +136,13 @@ def hazards(spec: Spec, vllm: EngineConvention | None, source: ModeloptSource | 
 def _preset_hazards(source: ModeloptSource, vllm: EngineConvention, num_layers: int) -> list[str]:
     out = []
     try:
-        dflash = source.dflash_preset(num_layers)
+        dflash, came = source.dflash_preset_cited(num_layers)
     except BadInput as e:  # a preset the evaluator cannot run for this L: say so, never guess
         return [f"modelopt: dflash preset not evaluated for L={num_layers}: {e}"]
     theirs = ", ".join(f"layer_out[{k}]" for k in dflash)
     read = source.reads.get("dflash_offset")
-    out.append(f"modelopt: hazard: --aux-layers dflash = {dflash}: {theirs} through hf (what its DFlash training "
+    out.append(f"modelopt: hazard: --aux-layers dflash = {dflash} (returned at {came}): {theirs} through hf "
+               f"(what its DFlash training "
                f"reads: {read or 'hidden_states[k + 1], not re-read'}) but {_as_vllm(vllm, dflash, num_layers)} "
                f"through its vllm backend (ids unchanged; vLLM itself adds 1 only to dflash_config.target_layer_ids)")
     return out
@@ -167,8 +168,8 @@ def explain_field(spec: Spec, vllm: EngineConvention | None, *, modelopt_root=No
         notes.append(f"modelopt: presets probed from {source.origin}")
         notes.extend(f"modelopt: evidence: {r}" for r in source.reads.values())
         try:
-            eagle = source.eagle_default(L)
-            notes.append(f"modelopt: --aux-layers eagle (the default) = {eagle}: "
+            eagle, came = source.eagle_default_cited(L)
+            notes.append(f"modelopt: --aux-layers eagle (the default) = {eagle} (returned at {came}): "
                          f"{', '.join(str(p) for p in MODELOPT_HF.decode(eagle, L))} through hf and trtllm")
         except BadInput as e:  # reported, not guessed
             notes.append(f"modelopt: eagle preset not evaluated for L={L}: {e}")

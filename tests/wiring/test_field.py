@@ -118,3 +118,16 @@ def test_a_small_model_gets_no_invented_defaults(tmp_path):
     assert any(n.startswith("trtllm: default when no ids are given: none: Eagle3SpecMetadata raises") for n in ex.notes)
     assert any(n.startswith("modelopt: dflash preset not evaluated for L=4") and "raises" in n for n in ex.notes)
     assert ex.fc_lists["modelopt-vllm"].ids == [2, 3] and ex.fc_lists["modelopt-hf"].ids == [1, 2]
+
+
+def test_each_evaluated_preset_cites_the_return_that_produced_it():
+    """The values explain prints for Model Optimizer's presets name the ``return`` the evaluator
+    executed, checked against the fetched wheel's own line."""
+    source = open_modelopt()
+    assert source is not None
+    notes = [n for n in explain(load_spec(KIMI)).notes if "(returned at " in n]
+    assert len(notes) == 2  # the eagle default and the dflash preset's hazard
+    for n in notes:
+        path, line = re.search(r"\(returned at ([\w/.]+\.py):(\d+):", n).groups()
+        text = (source.root.parent / path).read_text(encoding="utf-8").splitlines()[int(line) - 1]
+        assert text.strip().startswith("return ")
