@@ -61,8 +61,10 @@ class Producer:
 
 
 @dataclass
-class FieldSlots:
-    """What a field layout yields (the fields of :class:`surgeon.verify.subjects._FileSlots`)."""
+class FileSlots:
+    """What one file layout yields before ``--slots`` renames anything: slots in file order, the
+    points the layout itself declares, and its input ids (every reader of
+    :mod:`surgeon.verify.subjects` and of this module returns one)."""
 
     layout: str
     names: list[str]
@@ -207,7 +209,7 @@ def _cite(c: Cite) -> str:
     return f"{c.path.rsplit('/', 1)[-1]}:{c.line}" if c.line else c.path.rsplit("/", 1)[-1]
 
 
-def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int | None) -> FieldSlots:
+def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int | None) -> FileSlots:
     """One record of a TensorRT-LLM SaveHiddenStates dump (the first: a subject is one sequence)."""
     if producer is not None and producer.name != "trtllm":
         raise BadInput(f"{p}: a TensorRT-LLM SaveHiddenStates dump (a list of records), not a Model Optimizer "
@@ -217,7 +219,7 @@ def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int |
     T, H = last.shape
     key = next((k for k in TRT_AUX_KEYS if k in rec), None)
     aux = _split_aux(p, rec[key], key, H, T) if key else []
-    out = FieldSlots("trtllm", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_state"], [*aux, last],
+    out = FileSlots("trtllm", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_state"], [*aux, last],
                      [None] * len(aux) + [FINAL_NORM], int_1d(rec["input_ids"], f"{p}: input_ids"))
     out.notes.append(f"TensorRT-LLM SaveHiddenStates dump: record 1 of {len(data)} (id {rec['id']}); {TRT_DUMP_NOTE}")
     if key == "hidden_state_features":
@@ -241,13 +243,13 @@ def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int |
     return out
 
 
-def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int | None) -> FieldSlots:
+def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int | None) -> FileSlots:
     """A Model Optimizer collect_hidden_states dump, any backend."""
     last = float_2d(data["hidden_states"], f"{p}: hidden_states")
     T, H = last.shape
     key = next((k for k in TRT_AUX_KEYS if k in data), None)
     aux = _split_aux(p, data[key], key, H, T) if key else []
-    out = FieldSlots("modelopt", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_states"], [*aux, last],
+    out = FileSlots("modelopt", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_states"], [*aux, last],
                      [None] * (len(aux) + 1), int_1d(data["input_ids"], f"{p}: input_ids"))
     out.notes.append(f"Model Optimizer collect_hidden_states dump (conversation {data.get('conversation_id', '?')}): "
                      f"keys as {_cite(MODELOPT['dump'])} (hf) and compute_hidden_states_vllm.py:317 write them, "

@@ -30,6 +30,7 @@ from surgeon.capture.tensorfiles import SAFETENSORS, TensorFile, open_tensor_fil
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, layer_out, parse_point
 from surgeon.verify import fielddumps
+from surgeon.verify.fielddumps import FileSlots
 
 IDS_KEYS = ("input_ids", "token_ids")
 
@@ -93,19 +94,6 @@ def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
     raise BadInput(f"{what}: shape {tuple(t.shape)} has no axis of {n} slots")
 
 
-@dataclass
-class _FileSlots:
-    """What one file layout yields before ``--slots`` renames anything: slots in file order, the
-    points the layout itself declares, and its input ids."""
-
-    layout: str
-    names: list[str]
-    tensors: list[torch.Tensor]
-    declared: list[Point | None]
-    ids: torch.Tensor | None = None
-    notes: list[str] = field(default_factory=list)
-
-
 def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int | None = None) -> Subject:
     """Read ``path`` as named slots. ``slots`` (``--slots``) names them in order and may declare
     points; ``num_layers`` lets layouts with fixed semantics declare theirs (speculators' last
@@ -131,7 +119,7 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
 
 
 def _apply_slot_names(p: Path, named: list[tuple[str, Point | None]],
-                      read: _FileSlots) -> tuple[list[str], list[Point | None]]:
+                      read: FileSlots) -> tuple[list[str], list[Point | None]]:
     """Slot names and declared points: ``--slots`` overrides the layout's (and must count the same)."""
     if not named:
         return read.names, read.declared
@@ -153,7 +141,7 @@ def _check_shapes(p: Path, tensors: list[torch.Tensor], ids: torch.Tensor | None
 
 
 def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None = None,
-                  num_layers: int | None = None) -> _FileSlots:
+                  num_layers: int | None = None) -> FileSlots:
     """A ``torch.save`` file: a SpecForge dict, a TensorRT-LLM or Model Optimizer dump, another dict
     of tensors, a list, or one tensor."""
     data = _load_pickle(p)
@@ -163,8 +151,7 @@ def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None =
         raise BadInput(f"{p}: {e}") from None
     if kind is not None:
         reader = fielddumps.read_trtllm if kind == "trtllm" else fielddumps.read_modelopt
-        f = reader(str(p), data, producer, num_layers)
-        return _FileSlots(f.layout, f.names, f.tensors, f.declared, f.ids, f.notes)
+        return reader(str(p), data, producer, num_layers)
     if isinstance(data, dict) and "aux_hidden_state" in data:
         return _read_specforge(p, data, n)
     if isinstance(data, dict):
@@ -177,17 +164,17 @@ def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None =
         else:
             tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
             default_names = [str(k) for k, _ in items]
-        return _FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
+        return FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
     if isinstance(data, (list, tuple)):
         tensors = [fielddumps.float_2d(v, f"{p}: item {i}") for i, v in enumerate(data)]
     elif isinstance(data, torch.Tensor):
         tensors = _stacked(data, n, str(p)) if data.dim() >= 3 else [fielddumps.float_2d(data, str(p))]
     else:
         raise BadInput(f"{p}: holds a {type(data).__name__}, not tensors")
-    return _FileSlots("plain", [f"slot{i}" for i in range(len(tensors))], tensors, [None] * len(tensors))
+    return FileSlots("plain", [f"slot{i}" for i in range(len(tensors))], tensors, [None] * len(tensors))
 
 
-def _read_specforge(p: Path, data: dict, n: int | None) -> _FileSlots:
+def _read_specforge(p: Path, data: dict, n: int | None) -> FileSlots:
     """SpecForge's ``aux_hidden_state`` [1, T, nH], split into its n slots by the hidden width."""
     hidden = data.get("hidden_state")
     aux = data["aux_hidden_state"]
@@ -204,7 +191,7 @@ def _read_specforge(p: Path, data: dict, n: int | None) -> _FileSlots:
     if aux.shape[-1] % H:
         raise BadInput(f"{p}: aux_hidden_state width {aux.shape[-1]} is not a multiple of hidden {H}")
     k = aux.shape[-1] // H
-    read = _FileSlots("specforge", [f"aux_{i}" for i in range(k)], [aux[:, i * H:(i + 1) * H] for i in range(k)],
+    read = FileSlots("specforge", [f"aux_{i}" for i in range(k)], [aux[:, i * H:(i + 1) * H] for i in range(k)],
                       [None] * k)
     if isinstance(hidden, torch.Tensor):
         read.tensors.append(fielddumps.float_2d(hidden, f"{p}: hidden_state"))
@@ -216,7 +203,7 @@ def _read_specforge(p: Path, data: dict, n: int | None) -> _FileSlots:
     return read
 
 
-def _read_dump(gated: TensorFile) -> _FileSlots:
+def _read_dump(gated: TensorFile) -> FileSlots:
     """A surgeon dump: its slots are named and declared by the dump itself."""
     from surgeon.capture.dumps import read_dump
 
@@ -224,12 +211,12 @@ def _read_dump(gated: TensorFile) -> _FileSlots:
     dump = read_dump(gated)
     note = (f"surgeon dump of spec {dump.meta.get('spec.name') or '-'} on {dump.meta.get('engine') or '?'} "
             f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
-    return _FileSlots("surgeon", [n for n, _, _ in dump.captures],
+    return FileSlots("surgeon", [n for n, _, _ in dump.captures],
                       [fielddumps.float_2d(t, f"{p}: {n}") for n, _, t in dump.captures],
                       [pt for _, pt, _ in dump.captures], dump.input_ids, [note])
 
 
-def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | None) -> _FileSlots:
+def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | None) -> FileSlots:
     """A safetensors file: a surgeon reference, a speculators ``hidden_states`` stack, or plain tensors."""
     p = gated.path
     data, meta = read_safetensors(gated)
@@ -238,7 +225,7 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
     ids = fielddumps.int_1d(data.pop(ids_key), f"{p}: {ids_key}") if ids_key else None
     if kind == "reference":
         L = int(meta.get("num_layers", "0") or 0) or None
-        read = _FileSlots("surgeon-reference", [], [], [], ids)
+        read = FileSlots("surgeon-reference", [], [], [], ids)
         for k, v in data.items():
             read.names.append(k)
             read.tensors.append(fielddumps.float_2d(v, f"{p}: {k}"))
@@ -247,7 +234,7 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
     if "hidden_states" in data and data["hidden_states"].dim() == 3:
         hs = data["hidden_states"]
         tensors = [hs[:, i] for i in range(hs.shape[1])]
-        read = _FileSlots("speculators", [f"hidden_states[:, {i}]" for i in range(len(tensors))], tensors,
+        read = FileSlots("speculators", [f"hidden_states[:, {i}]" for i in range(len(tensors))], tensors,
                           [None] * len(tensors), ids)
         if num_layers is not None:
             read.declared[-1] = layer_out(num_layers - 1)
@@ -260,7 +247,7 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
     else:
         tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
         default_names = [k for k, _ in items]
-    return _FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
+    return FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
 
 
 def align(subject_ids: torch.Tensor | None, reference_ids: torch.Tensor, n_tokens: int) -> tuple[slice, slice, str]:
