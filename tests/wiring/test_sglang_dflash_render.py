@@ -14,7 +14,9 @@ from surgeon.wiring.render import explain, render
 from tests.conftest import release_engine
 
 
-def _spec(tmp_path, points=("layer_out[1]", "layer_out[3]", "layer_out[5]"), arch="LlamaForCausalLM", extra=""):
+def _spec(tmp_path, points=("layer_out[1]", "layer_out[3]", "layer_out[5]"), arch="LlamaForCausalLM", extra="",
+          tail=""):
+    """A tiny DFlash spec; ``extra`` goes inside ``target``, ``tail`` after the spec (e.g. pins)."""
     f = tmp_path / "s.yaml"
     f.write_text(textwrap.dedent(f"""\
         spec: 1
@@ -26,7 +28,7 @@ def _spec(tmp_path, points=("layer_out[1]", "layer_out[3]", "layer_out[5]"), arc
           high: {points[2]}
           last: final_norm
         draft: {{kind: dflash, fc_input: [low, mid, high], fc_in_features: 192}}
-        """))
+        """) + tail)
     return load_spec(f)
 
 
@@ -72,22 +74,6 @@ def test_lint_checks_sglang_dflash_ids(tmp_path):
     assert not bad.ok and any("sglang: DFlash" in i.message and "val < 0" in i.message for i in bad.issues)
 
 
-def _spec_text(tmp_path, points, extra_top=""):
-    f = tmp_path / "s.yaml"
-    f.write_text(textwrap.dedent(f"""\
-        spec: 1
-        name: tiny
-        target: {{architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}}
-        captures:
-          low: {points[0]}
-          mid: {points[1]}
-          high: {points[2]}
-          last: final_norm
-        draft: {{kind: dflash, fc_input: [low, mid, high], fc_in_features: 192}}
-        """) + extra_top)
-    return load_spec(f)
-
-
 @pytest.mark.parametrize("engines", [[], ["sglang"]])
 def test_lint_errs_on_a_dflash_wiring_sglang_cannot_serve_whatever_was_asked(tmp_path, engines):
     # layer_out[7] at L=8: the capture at the entry of layer 8 never happens
@@ -109,8 +95,7 @@ def test_lint_grades_an_unverified_dflash_runner_by_strict(engine_copy, tmp_path
 
 
 def test_lint_checks_sglang_pins_and_says_pp_is_not_checked_for_dflash(tmp_path):
-    spec = _spec_text(tmp_path, ("layer_out[1]", "layer_out[3]", "layer_out[5]"),
-                      'engines: {sglang: {version: "<0.0.1"}}\n')
+    spec = _spec(tmp_path, tail='engines: {sglang: {version: "<0.0.1"}}\n')
     res = lint_spec(spec, engines=["sglang"], pp=2)
     assert not res.ok and any("outside the pinned range" in i.message for i in res.issues)
     assert "sglang: pp 2: not checked for a dflash draft (only eagle3 captures are read)" in res.checked
