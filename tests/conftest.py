@@ -59,6 +59,19 @@ def engine_matrix() -> list[tuple[str, str, Path | None]]:
     return rows
 
 
+def cli_run(*args, code=0):
+    """``surgeon ARGS`` in-process (click's runner): asserts the exit code and that no traceback
+    reached the output, and returns the result."""
+    from click.testing import CliRunner
+
+    from surgeon.cli import main
+
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == code, (res.exit_code, res.output, res.stderr)
+    assert "Traceback" not in res.output
+    return res
+
+
 @pytest.fixture
 def engine_copy(tmp_path: Path) -> Callable[..., Path]:
     """``engine_copy(engine, dest=None, metadata=True)``: a writable site-packages-like copy of

@@ -5,15 +5,14 @@ drain into the asynchronous writer, read the dump back, export it; and the CLI s
 import json
 
 import torch
-from click.testing import CliRunner
 
 from surgeon.capture.dumps import read_dump
 from surgeon.capture.dumpwriter import DumpWriter, list_shards
 from surgeon.capture.exporters import export_specforge
 from surgeon.capture.hooks import generate_hooks_module, load_hooks_module
-from surgeon.cli import main
 from surgeon.core.points import FINAL_NORM, layer_out
 from surgeon.core.spec import load_spec
+from tests.conftest import cli_run as run
 
 SPEC = """\
 spec: 1
@@ -22,13 +21,6 @@ target: {architecture: LlamaForCausalLM, num_layers: 6, hidden_size: 32}
 captures: {low: 'layer_out[1]', mid: 'layer_out[3]', high: 'layer_out[4]', last: final_norm}
 draft: {kind: eagle3, fc_input: [low, mid, high], fc_in_features: 96}
 """
-
-
-def run(*args, code=0):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert res.exit_code == code, (res.exit_code, res.output)
-    assert "Traceback" not in res.output
-    return res
 
 
 def _forward(hooks, module, x, layers, norm):

@@ -8,21 +8,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from surgeon.cli import main
+from tests.conftest import cli_run as run
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = str(ROOT / "specs/kimi-k2.5-eagle3.yaml")
 LLAMA = str(ROOT / "specs/llama-3.1-8b-eagle3.yaml")
 SPECULATORS = str(ROOT / "specs/llama-3.1-8b-speculators.yaml")
-
-
-def run(*args, code=0):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert res.exit_code == code, (res.exit_code, res.output, res.stderr if hasattr(res, "stderr") else "")
-    assert "Traceback" not in res.output
-    return res
 
 
 def run_json(*args, code=0):

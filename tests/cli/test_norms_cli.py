@@ -4,9 +4,7 @@ a draft served wrong is exit 3."""
 import json
 import textwrap
 
-from click.testing import CliRunner
-
-from surgeon.cli import main
+from tests.conftest import cli_run as run
 
 SPEC = textwrap.dedent("""\
     spec: 1
@@ -18,12 +16,6 @@ SPEC = textwrap.dedent("""\
       high: layer_out[5]
     draft: {kind: eagle3, fc_input: [low, mid, high]NORMS}
     """)
-
-
-def run(*args, code=0):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert res.exit_code == code, (res.exit_code, res.output, res.stderr)
-    return res
 
 
 def write(tmp_path, norms="", config=None):

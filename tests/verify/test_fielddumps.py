@@ -11,9 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from surgeon.cli import main
 from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, layer_out
 from surgeon.engines.field_tables import MODELOPT_HF
@@ -21,16 +19,10 @@ from surgeon.engines.modelopt import open_modelopt
 from surgeon.run.tinymodels import make_tiny_model
 from surgeon.verify.reference import capture_reference, save_reference
 from surgeon.verify.subjects import read_subject
+from tests.conftest import cli_run as run
 
 L = 8
 IDS = list(range(5, 29))
-
-
-def run(*args, code=0):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert res.exit_code == code, (res.exit_code, res.output)
-    assert "Traceback" not in res.output
-    return res
 
 
 @pytest.fixture(scope="module")

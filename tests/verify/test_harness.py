@@ -8,23 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from surgeon.cli import main
 from surgeon.core.points import EMBED, FINAL_NORM, layer_out
 from surgeon.run.tinymodels import make_tiny_model
 from surgeon.verify.reference import capture_reference, save_reference
 from surgeon.verify.subjects import read_subject
+from tests.conftest import cli_run as run
 
 IDS = list(range(3, 35))
-
-
-def run(*args, code=0):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert res.exit_code == code, (res.exit_code, res.output)
-    assert "Traceback" not in res.output
-    return res
 
 
 @pytest.fixture(scope="module")
