@@ -67,25 +67,47 @@ class Stats:
     first_row: Any = None
 
 
-def stats_of(sv, sample=None, first_token: int | None = None, first_row=None) -> Stats:
-    """The statistics of a slot from its :class:`~surgeon.audit.values.SlotValues`, row sample and
-    first row (the state of position 0, which depends on the first token only)."""
+def file_stats(svs: list, samples=None, first_token: int | None = None, first_rows: list | None = None) -> list[Stats]:
+    """The statistics of a file's slots from their :class:`~surgeon.audit.values.SlotValues`, their
+    :class:`~surgeon.audit.values.Samples` and their first rows (the state of position 0, which
+    depends on the first token only), every slot in the same few tensor ops."""
     import torch
 
-    vec: tuple[Any, ...] = (None, None)
-    if sample is not None and sample.shape[0] >= 2:
-        rms = sample.square().mean(0).sqrt().clamp_min(1e-30).log()
-        both = torch.stack([sample.mean(0), rms - rms.mean()])
-        both = both / torch.linalg.vector_norm(both, dim=1, keepdim=True).clamp_min(1e-30)
-        if bool(torch.isfinite(both).all()):
-            vec = (both[0], both[1])
-    width = None if sv.log_norm_q90 is None else sv.log_norm_q90 - sv.log_norm_q10
-    row = None
-    if first_token is not None and first_row is not None:
-        row = first_row.float()
-        n = float(torch.linalg.vector_norm(row))
-        row = row / n if math.isfinite(n) and n > 0 else None
-    return Stats((sv.log_norm_median, width), vec, first_token if row is not None else None, row)
+    S = len(svs)
+    vecs: list[tuple[Any, ...]] = [(None, None)] * S
+    if samples is not None and len(samples):
+        good = torch.from_numpy(samples.good)
+        rows = samples.rows if bool(good.all()) else \
+            torch.where(good[..., None], samples.rows, torch.zeros((), dtype=samples.rows.dtype))
+        w = (good / good.sum(1, keepdim=True).clamp_min(1)).to(rows.dtype)[:, None, :]  # [S, 1, n]
+        mean = torch.bmm(w, rows)[:, 0]  # the masked means as matrix products: one BLAS call each
+        rms = torch.bmm(w, rows * rows)[:, 0].sqrt().clamp_min(1e-30).log()
+        both = torch.stack([mean, rms - rms.mean(1, keepdim=True)], 1)  # [S, 2, H]
+        both = both / torch.linalg.vector_norm(both, dim=2, keepdim=True).clamp_min(1e-30)
+        usable = (good.sum(1) >= 2) & torch.isfinite(both).all(2).all(1)
+        vecs = [(b[0], b[1]) if u else (None, None) for b, u in zip(both.unbind(0), usable.tolist())]
+    firsts: list[Any] = [None] * S
+    if first_token is not None and first_rows is not None:
+        F = torch.stack([r.float() for r in first_rows])
+        n = torch.linalg.vector_norm(F, dim=1)
+        ok = (torch.isfinite(n) & (n > 0)).tolist()
+        F = F / n.clamp_min(1e-30)[:, None]
+        firsts = [f if o else None for f, o in zip(F.unbind(0), ok)]
+    out = []
+    for sv, vec, row in zip(svs, vecs, firsts):
+        width = None if sv.log_norm_q90 is None else sv.log_norm_q90 - sv.log_norm_q10
+        out.append(Stats((sv.log_norm_median, width), vec, first_token if row is not None else None, row))
+    return out
+
+
+def stats_of(sv, sample=None, first_token: int | None = None, first_row=None) -> Stats:
+    """:func:`file_stats` of one slot, from its row sample ([n, H], every row good) and first row."""
+    import numpy as np
+
+    from surgeon.audit.values import Samples
+
+    samples = None if sample is None else Samples(sample.float()[None], np.ones((1, sample.shape[0]), dtype=bool))
+    return file_stats([sv], samples, first_token, None if first_row is None else [first_row])[0]
 
 
 def _unit(v):
@@ -146,38 +168,49 @@ class Profile:
         return "identity statistics: " + ", ".join(has)
 
     def distances(self, s: Stats) -> dict[str, float]:
-        """Every point's :meth:`PointProfile.distance` from ``s``, in a few whole-profile tensor ops."""
-        import torch
+        """Every point's distance from ``s`` (:meth:`distances_of` of one slot)."""
+        return self.distances_of([s])[0]
+
+    def distances_of(self, stats: list[Stats]) -> list[dict[str, float]]:
+        """Per slot, every point's distance (the largest of its statistics' in tolerances), all the
+        slots of a file against the whole profile in a few numpy ops (small arrays)."""
+        import numpy as np
 
         m = self._matrices()
-        d = torch.zeros(len(self.points), dtype=torch.float64)
-        x = torch.tensor([math.nan if v is None else v for v in s.scalars], dtype=torch.float64)
-        ok = ~torch.isnan(x)
-        if bool(ok.any()):
-            d = torch.maximum(d, ((x - m["centres"]).abs() / m["tols"])[:, ok].amax(1))
-        for i, v in enumerate(s.vectors):
+        x = np.array([[math.nan if v is None else v for v in s.scalars] for s in stats], dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            gap = np.nan_to_num(np.abs(x[:, None, :] - m["centres"][None]) / m["tols"][None], nan=0.0)
+        d = np.maximum(gap.max(2), 0.0)  # [S, P]
+        for i in range(len(VECTORS)):
             c = m["vectors"][i]
-            if v is not None and c is not None and c.shape[1] == v.shape[0]:
-                d = torch.maximum(d, ((1.0 - c @ v.float()).double() / m["vtols"][i]).nan_to_num(0.0))
-        return dict(zip((p.point for p in self.points), d.tolist()))
+            have = [j for j, s in enumerate(stats) if s.vectors[i] is not None and c is not None
+                    and c.shape[1] == s.vectors[i].shape[0]]
+            if have:
+                v = np.stack([np.asarray(stats[j].vectors[i], dtype=np.float32) for j in have])
+                with np.errstate(invalid="ignore"):
+                    cos = np.nan_to_num((1.0 - v @ c.T).astype(np.float64) / m["vtols"][i], nan=0.0)
+                d[have] = np.maximum(d[have], cos)
+        names = [p.point for p in self.points]
+        return [dict(zip(names, row)) for row in d.tolist()]
 
     def _matrices(self) -> dict[str, Any]:
+        """The profile as numpy matrices (points x statistics), made once."""
         cached = self.__dict__.get("_mats")
         if cached is None:
-            import torch
+            import numpy as np
 
             pts = self.points
             vectors = []
             for i in range(len(VECTORS)):
                 vs = [p.vectors[i] for p in pts]
-                shapes = {v.shape for v in vs if v is not None}
-                vectors.append(None if len(shapes) != 1 else torch.stack(
-                    [torch.full(next(iter(shapes)), math.nan) if v is None else v.float() for v in vs]))
-            cached = {"centres": torch.tensor([p.centres for p in pts], dtype=torch.float64),
-                      "tols": torch.tensor([[max(MIN_TOL, p.k * sp) for sp in p.spreads] for p in pts],
-                                           dtype=torch.float64),
+                shapes = {tuple(v.shape) for v in vs if v is not None}
+                vectors.append(None if len(shapes) != 1 else np.stack(
+                    [np.full(next(iter(shapes)), math.nan, dtype=np.float32) if v is None
+                     else np.asarray(v, dtype=np.float32) for v in vs]))
+            cached = {"centres": np.array([p.centres for p in pts], dtype=np.float64),
+                      "tols": np.array([[max(MIN_TOL, p.k * sp) for sp in p.spreads] for p in pts], dtype=np.float64),
                       "vectors": vectors,
-                      "vtols": [torch.tensor([p.vtols[i] for p in pts], dtype=torch.float64) for i in range(len(VECTORS))]}
+                      "vtols": [np.array([p.vtols[i] for p in pts], dtype=np.float64) for i in range(len(VECTORS))]}
             object.__setattr__(self, "_mats", cached)
         return cached
 
@@ -280,17 +313,19 @@ def profile_from_states(prompts: list[dict[Point, Any]], num_layers: int, source
     return _profile(prompts, num_layers, source, _state_stats, first_tokens)
 
 
-def match_slot(profile: Profile | None, declared: str | None, stats: Stats | None) -> dict:
+def match_slot(profile: Profile | None, declared: str | None, stats: Stats | None,
+               dist: dict[str, float] | None = None) -> dict:
     """The identity of one slot against the profile: nearest point, verdict, distance (in tolerances).
 
     The points whose statistics the slot fits are the candidates; when several are, the first-row
     anchor (where the slot's sample starts with the profile's first token) keeps those whose state
     at position 0 the slot's first row is; a first row that is no candidate's (a sample cut from
-    the middle of a sequence: its position 0 has context) decides nothing."""
+    the middle of a sequence: its position 0 has context) decides nothing. ``dist``: the slot's
+    :meth:`Profile.distances` where the caller computed a whole file's at once."""
     if profile is None or declared is None or stats is None or stats.scalars[0] is None \
             or not math.isfinite(stats.scalars[0]):
         return {"nearest": None, "verdict": "not_run", "distance": None}
-    dist = profile.distances(stats)
+    dist = profile.distances(stats) if dist is None else dist
     if declared not in dist:
         return {"nearest": min(dist, key=lambda k: dist[k]), "verdict": "not_run", "distance": None}
     fits = [p for p in profile.points if dist[p.point] <= 1.0]

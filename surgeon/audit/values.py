@@ -54,54 +54,68 @@ _WEIGHTS: dict[int, Any] = {}
 
 
 def _weights(n: int):
+    """int64 [n] odd weights (numpy; drawn once per width from a seeded torch generator)."""
     import torch
 
     if n not in _WEIGHTS:
         g = torch.Generator().manual_seed(_SEED + n)
-        _WEIGHTS[n] = torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64) | 1
+        _WEIGHTS[n] = (torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64) | 1).numpy()
     return _WEIGHTS[n]
 
 
 def _words(blocks):
-    """The bits of ``blocks`` ([..., T, W]) as int64 words: 8-byte words where the row's bytes split so."""
+    """The bits of ``blocks`` ([..., T, W] torch) as int64 words (numpy): 8-byte words where the row's
+    bytes split so."""
+    import numpy as np
     import torch
 
     xs = blocks.contiguous()
     if (xs.shape[-1] * xs.element_size()) % 8 == 0:
-        return xs.view(torch.int64)
-    return xs.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[xs.element_size()]).to(torch.int64)
+        return xs.view(torch.int64).numpy()
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[xs.element_size()]
+    return xs.view(ints).numpy().astype(np.int64)
 
 
 def row_hashes(blocks, raw: bool = False):
     """[..., T] int64: a hash of the bits of each row of ``blocks`` ([..., T, W], :func:`_block` of
-    the slots; int64 arithmetic wraps, which is what a hash wants). Bit-identical rows hash the
-    same; two rows of a continuous state that differ do so in every column, so a block tells them
-    apart as well as the whole row would. ``raw``: also whether each row may be constant (every
-    word the same gives ``word x sum(weights)``, before the final mix; the whole row decides)."""
+    the slots; numpy, whose int64 arithmetic wraps, which is what a hash wants). Bit-identical rows
+    hash the same; two rows of a continuous state that differ do so in every column, so a block
+    tells them apart as well as the whole row would. ``raw``: also whether each row may be constant
+    (every word the same gives ``word x sum(weights)``, before the final mix; the whole row decides)."""
     xi = _words(blocks)
     w = _weights(xi.shape[-1])
-    h = (xi * w).sum(-1)
+    h = xi @ w
     mixed = h ^ (h >> 31)
     return (mixed, h == xi[..., 0] * w.sum()) if raw else mixed
 
 
 def _mix(x):
-    """splitmix64's finaliser on int64 tensors (wrapping arithmetic)."""
+    """splitmix64's finaliser on int64 numpy arrays (wrapping arithmetic)."""
+    import numpy as np
+
     x = x ^ (x >> 30)
-    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
+    x = x * np.int64(-4658895280553007687)  # 0xBF58476D1CE4E5B9 as int64
     x = x ^ (x >> 27)
-    x = x * -7723592293110705685  # 0x94D049BB133111EB as int64
+    x = x * np.int64(-7723592293110705685)  # 0x94D049BB133111EB as int64
     return x ^ (x >> 31)
 
 
-def prefix_hashes(ids):
-    """[T] int64: a hash of the token prefix ``ids[:t+1]`` for each t (the same prefix hashes the
-    same in files of any length)."""
-    import torch
+def _int64(ids):
+    """A flat int64 numpy array of token ids (a torch tensor or anything numpy takes)."""
+    import numpy as np
 
-    ids = ids.reshape(-1).to(torch.int64)
-    pos = _mix(torch.arange(1, ids.numel() + 1, dtype=torch.int64) * -7046029254386353131) | 1
-    return _mix(torch.cumsum(_mix(ids + 0x9E37) * pos, 0))
+    return np.asarray(ids.numpy() if hasattr(ids, "numpy") else ids).reshape(-1).astype(np.int64, copy=False)
+
+
+def prefix_hashes(ids):
+    """[T] int64 (numpy): a hash of the token prefix ``ids[:t+1]`` for each t (the same prefix hashes
+    the same in files of any length)."""
+    import numpy as np
+
+    ids = _int64(ids)
+    with np.errstate(over="ignore"):
+        pos = _mix(np.arange(1, ids.size + 1, dtype=np.int64) * np.int64(-7046029254386353131)) | 1
+        return _mix(np.cumsum(_mix(ids + 0x9E37) * pos))
 
 
 QUANTILES = (0.1, 0.5, 0.9)
@@ -109,40 +123,42 @@ SAMPLE_ROWS = 64  # rows per slot for the per-channel statistics (mean direction
 
 
 def _norm_table(N, finite) -> list[dict[str, float | None]]:
-    """Per row of ``N`` [S, T] (float32 norms): mean, std, min, max over its ``finite`` entries and the
-    :data:`QUANTILES` of log of the finite positive ones, for every slot in a few ops."""
-    import torch
+    """Per row of ``N`` [S, T] (float32 norms, numpy): mean, std, min, max over its ``finite``
+    entries and the :data:`QUANTILES` of log of the finite positive ones, for every slot in a few
+    numpy ops (a file's slots are small arrays: numpy's per-op cost is a fraction of torch's)."""
+    import numpy as np
 
     cnt = finite.sum(1)
-    safe = torch.where(finite, N, torch.zeros_like(N)).double()
-    mean = safe.sum(1) / cnt.clamp_min(1)
-    var = (torch.where(finite, safe - mean[:, None], torch.zeros_like(safe)) ** 2).sum(1) / (cnt - 1).clamp_min(1)
-    lo = torch.where(finite, N, torch.full_like(N, math.inf)).amin(1)
-    hi = torch.where(finite, N, torch.full_like(N, -math.inf)).amax(1)
+    safe = np.where(finite, N, 0).astype(np.float64)
+    mean = safe.sum(1) / np.maximum(cnt, 1)
+    var = (np.where(finite, safe - mean[:, None], 0) ** 2).sum(1) / np.maximum(cnt - 1, 1)
+    lo = np.where(finite, N, np.inf).min(1)
+    hi = np.where(finite, N, -np.inf).max(1)
     pos = finite & (N > 0)
-    logs = torch.where(pos, N.clamp_min(1e-38).log(), torch.full_like(N, math.inf)).sort(1).values
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.sort(np.where(pos, np.log(np.maximum(N, 1e-38)), np.inf), 1)
     n = pos.sum(1)
-    at = torch.stack([(f * (n - 1).clamp_min(0) + 0.5).floor().long() for f in QUANTILES], 1)
-    qs = logs.gather(1, at.clamp_max(N.shape[1] - 1)).tolist()
+    at = np.stack([np.floor(f * np.maximum(n - 1, 0) + 0.5).astype(np.int64) for f in QUANTILES], 1)
+    qs = np.take_along_axis(logs, np.minimum(at, N.shape[1] - 1), 1).tolist()
     out = []
     for s, (c, m, v, a, b, k) in enumerate(zip(cnt.tolist(), mean.tolist(), var.tolist(), lo.tolist(), hi.tolist(),
                                               n.tolist())):
         row: dict[str, float | None] = dict.fromkeys(("norm_mean", "norm_std", "norm_min", "norm_max", "log_norm_q10",
                                                       "log_norm_median", "log_norm_q90"))
         if c:
-            row.update(norm_mean=m, norm_std=math.sqrt(v) if c > 1 else 0.0, norm_min=a, norm_max=b)
+            row.update(norm_mean=m, norm_std=math.sqrt(v) if c > 1 else 0.0, norm_min=float(a), norm_max=float(b))
         if k:
-            row.update(log_norm_q10=qs[s][0], log_norm_median=qs[s][1], log_norm_q90=qs[s][2])
+            row.update(log_norm_q10=float(qs[s][0]), log_norm_median=float(qs[s][1]), log_norm_q90=float(qs[s][2]))
         out.append(row)
     return out
 
 
 def norm_stats(sv: SlotValues, norms) -> None:
     """Mean, spread, extremes of the finite norms ``[T]``; quantiles of log of the positive ones."""
-    import torch
+    import numpy as np
 
-    N = norms.float().reshape(1, -1)
-    for k, x in _norm_table(N, torch.isfinite(N))[0].items():
+    N = norms.float().reshape(1, -1).numpy()
+    for k, x in _norm_table(N, np.isfinite(N))[0].items():
         setattr(sv, k, x)
 
 
@@ -156,7 +172,7 @@ def _block(x):
 
 def _bad_rows(xs: list, N, finite) -> None:
     """For the rows whose norm is not finite: which hold NaN/Inf, and which only overflowed their
-    dtype (their norm recomputed in float64), in place."""
+    dtype (their norm recomputed in float64), in place (torch [S, T])."""
     import torch
 
     for s in torch.nonzero(~finite.all(1)).reshape(-1).tolist():
@@ -169,12 +185,13 @@ def _bad_rows(xs: list, N, finite) -> None:
 
 def _constant(xs: list, maybe, zero, finite):
     """[S, T] rows holding one value repeated (not zero): the candidates ``maybe`` checked whole."""
+    import numpy as np
     import torch
 
     const = maybe & ~zero & finite
-    for s in torch.nonzero(const.any(1)).reshape(-1).tolist():
-        rows = torch.nonzero(const[s]).reshape(-1)
-        const[s, rows] = xs[s][rows].amax(1) == xs[s][rows].amin(1)
+    for s in np.flatnonzero(const.any(1)).tolist():
+        rows = torch.from_numpy(np.flatnonzero(const[s]))
+        const[s, rows.numpy()] = (xs[s][rows].amax(1) == xs[s][rows].amin(1)).numpy()
     return const
 
 
@@ -187,26 +204,62 @@ def _findings(sv: SlotValues, T: int) -> None:
         sv.findings.append(f"constant: {sv.constant_rows} of {T} rows hold one value repeated")
 
 
+class Samples:
+    """A float32 sample of about :data:`SAMPLE_ROWS` evenly spaced rows of every slot of a file
+    (the first row, often a BOS sink, left out): ``rows`` [S, n, H] torch and ``good`` [S, n] numpy
+    bool, the sampled rows that hold good values. Indexing or iterating gives one slot's good rows."""
+
+    def __init__(self, rows, good) -> None:
+        self.rows, self.good = rows, good
+
+    @classmethod
+    def of(cls, xs: list, good, n: int = SAMPLE_ROWS) -> Samples:
+        """The sample of slots ``xs`` (each [T, H]) given their good rows ``good`` [S, T] (numpy)."""
+        import numpy as np
+        import torch
+
+        T = xs[0].shape[0]
+        idx = np.arange(1, T, max(1, (T - 1) // n))[:n] if T > 1 else np.zeros(1, dtype=np.int64)
+        at = torch.from_numpy(idx)
+        rows = torch.empty(len(xs), idx.size, xs[0].shape[1], dtype=torch.float32)
+        for s, x in enumerate(xs):
+            rows[s].copy_(x[at])
+        return cls(rows, good[:, idx])
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, s: int):
+        import torch
+
+        return self.rows[s][torch.from_numpy(self.good[s])]
+
+    def __iter__(self):
+        return (self[s] for s in range(len(self)))
+
+
 def file_values(names: list[str], declared: list[Point | None], xs: list, norms: list | None = None):
     """The values of a file's slots ``xs`` (each [T, H], one T and H): per slot its
-    :class:`SlotValues`, the row hashes ``[S, T]`` int64 (0 for bad rows) and a float32 sample of
-    its good rows (for the per-channel identity statistics). ``norms``: per slot its row norms
-    where the caller computed several slots' in one pass (None: computed here)."""
+    :class:`SlotValues`, the row hashes ``[S, T]`` int64 (numpy; 0 for bad rows) and the
+    :class:`Samples` of its good rows (for the per-channel identity statistics). ``norms``: per slot
+    its row norms where the caller computed several slots' in one pass (None: computed here)."""
+    import numpy as np
     import torch
 
     # the slot's own dtype: torch accumulates half types in float32 (converting first: ~10x slower)
-    N = torch.stack([(torch.linalg.vector_norm(x, dim=1) if n is None else n).float()
-                     for x, n in zip(xs, norms or [None] * len(xs))])
-    finite = torch.isfinite(N)  # NaN/Inf rows give NaN/Inf
-    if not bool(finite.all()):
-        _bad_rows(xs, N, finite)
+    Nt = torch.stack([(torch.linalg.vector_norm(x, dim=1) if n is None else n).float()
+                      for x, n in zip(xs, norms or [None] * len(xs))])
+    finite_t = torch.isfinite(Nt)  # NaN/Inf rows give NaN/Inf
+    if not bool(finite_t.all()):
+        _bad_rows(xs, Nt, finite_t)
+    N, finite = Nt.numpy(), finite_t.numpy()
     zero = N == 0
     blocks = torch.stack([_block(x) for x in xs])  # [S, T, 64]: one page a row of each slot
     h, maybe = row_hashes(blocks, raw=True)
     const = _constant(xs, maybe, zero, finite)
     good = finite & ~zero & ~const
     table = _norm_table(N, finite)
-    counts = torch.stack([(~finite).sum(1), zero.sum(1), const.sum(1)], 1).tolist()
+    counts = np.stack([(~finite).sum(1), zero.sum(1), const.sum(1)], 1).tolist()
     T = N.shape[1]
     out = []
     for name, d, x, row, (nf, nz, nc) in zip(names, declared, xs, table, counts):
@@ -215,7 +268,7 @@ def file_values(names: list[str], declared: list[Point | None], xs: list, norms:
             setattr(sv, k, val)
         _findings(sv, T)
         out.append(sv)
-    return out, torch.where(good, h, torch.zeros_like(h)), [sample_rows(x, g) for x, g in zip(xs, good)]
+    return out, np.where(good, h, 0), Samples.of(xs, good)
 
 
 def slot_values(name: str, declared: Point | None, x, norms=None) -> tuple[SlotValues, Any, Any]:
@@ -224,33 +277,26 @@ def slot_values(name: str, declared: Point | None, x, norms=None) -> tuple[SlotV
     return svs[0], h[0], samples[0]
 
 
-def sample_rows(x, good, n: int = SAMPLE_ROWS):
-    """float32 [<=n, H]: about ``n`` evenly spaced rows of ``x``, those of them that are good, the
-    first row (often a BOS sink) left out."""
-    import torch
-
-    T = x.shape[0]
-    idx = torch.arange(1, T, max(1, (T - 1) // n))[:n] if T > 1 else torch.zeros(1, dtype=torch.long)
-    return x[idx[good[idx]]].float()
-
-
 def repeated_across_slots(names: list[str], hashes) -> list[tuple[str, str]]:
     """(slot, finding) for rows one slot shares bit for bit with another slot of the same file
     (two different points are never bit-identical; bad rows, hashed 0, are reported already).
-    ``hashes``: [S, T]."""
-    import torch
+    ``hashes``: [S, T] (numpy)."""
+    import numpy as np
 
+    hashes = np.asarray(hashes)
     # each slot's distinct hashes (an embed slot repeats a row wherever its token repeats): no hash
-    # in two slots is the usual case, settled with one sort
-    per_slot = [torch.unique(h[h != 0]) for h in hashes]
-    live = torch.cat(per_slot) if per_slot else hashes.reshape(-1)
-    if live.numel() == torch.unique(live).numel():
+    # in two slots is the usual case, settled with two sorts
+    srt = np.sort(hashes, 1)
+    first = np.ones(srt.shape, dtype=bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    live = np.sort(srt[first & (srt != 0)])
+    if not bool((live[1:] == live[:-1]).any()):
         return []
+    per_slot = [np.unique(h[h != 0]) for h in hashes]
     out = []
     for i in range(len(hashes)):
         for j in range(i + 1, len(hashes)):
-            a, b = hashes[i][hashes[i] != 0], hashes[j][hashes[j] != 0]
-            n = int(torch.isin(b, a).sum()) if a.numel() and b.numel() else 0
+            n = int(np.isin(hashes[j][hashes[j] != 0], per_slot[i]).sum())
             if n:
                 out.append((names[j], f"repeated: {n} of its rows are identical to rows of slot {names[i]} on the "
                                       f"{HASH_COLUMNS} hashed columns, bit for bit (a stale or shared buffer)"))
@@ -261,15 +307,20 @@ def sampled_rows(declared: list[Point | None], hashes, ids) -> list[list[int]]:
     """[slot, row hash, context hash, token] of the :data:`KEEP` smallest-hash rows of each slot
     (``hashes`` [S, T]), the context being what the row may depend on: the token for ``embed``,
     the prefix otherwise."""
-    import torch
+    import numpy as np
 
-    if ids is None or not hashes.numel():
+    hashes = np.asarray(hashes)
+    if ids is None or not hashes.size:
         return []
-    ids = ids.reshape(-1).to(torch.int64)
+    ids = _int64(ids)
     pre = prefix_hashes(ids)
-    top = torch.iinfo(torch.int64).max
-    vals, rows = torch.where(hashes == 0, torch.full_like(hashes, top), hashes).topk(
-        min(KEEP, hashes.shape[1]), dim=1, largest=False, sorted=True)
+    top = np.iinfo(np.int64).max
+    keyed = np.where(hashes == 0, top, hashes)
+    k = min(KEEP, keyed.shape[1])
+    rows = np.argpartition(keyed, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(keyed, rows, 1)
+    order = np.lexsort((rows, vals), axis=1)  # by hash, then by row: the same rows whatever the partition did
+    rows, vals = np.take_along_axis(rows, order, 1), np.take_along_axis(vals, order, 1)
     out: list[list[int]] = []
     for s, (d, vs, ts) in enumerate(zip(declared, vals.tolist(), rows.tolist())):
         ctx = ids if d == EMBED else pre

@@ -146,7 +146,7 @@ def _specforge_slots(st: Structure) -> tuple[list, Any, list]:
 
 
 def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> None:
-    from surgeon.audit.profile import stats_of
+    from surgeon.audit.profile import file_stats
     from surgeon.audit.values import file_values, repeated_across_slots, sampled_rows
 
     spec = ctx.spec
@@ -159,10 +159,15 @@ def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> 
                                 else [f"slot{i}" for i in range(len(tensors))])
     first = int(ids[0]) if ids is not None and ids.numel() else None
     svs, hashes, samples = file_values(names, declared, tensors, norms)
+    stats: list = [None] * len(svs)
+    dists: list = [None] * len(svs)
+    if ctx.profile is not None:
+        stats = file_stats(svs, samples, first, [x[0] for x in tensors])
+        dists = ctx.profile.distances_of(stats)
     slots = []
-    for sv, x, sample in zip(svs, tensors, samples):
+    for sv, stat, dist in zip(svs, stats, dists):
         row = sv.to_json()
-        row["identity"] = match_slot(ctx.profile, sv.declared, stats_of(sv, sample, first, x[0]) if ctx.profile else None)
+        row["identity"] = match_slot(ctx.profile, sv.declared, stat, dist)
         slots.append(row)
         for f in sv.findings:
             kind, _, detail = f.partition(": ")
