@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput
-from surgeon.core.points import FINAL_NORM
 from surgeon.core.spec import Spec
 from surgeon.engines.dflash_trainers import SPECFORGE, SPECULATORS, ZLAB, ZLAB_CONV
 from surgeon.engines.field_tables import COLLECT, MODELOPT, MODELOPT_LAST, TRTLLM, TRTLLM_CONV
@@ -66,19 +65,12 @@ def render_trtllm(spec: Spec) -> TableAnswer:
         raise _refuse(spec, "trtllm", "TensorRT-LLM's DFlash path (tensorrt_llm/_torch/speculative/dflash.py) is not "
                       "modelled; eagle3_layers_to_capture would not be what it reads")
     points, L = spec.fc_points, spec.num_layers
-    if FINAL_NORM in points and len(points) > 1:
-        raise _refuse(spec, "trtllm", "final_norm (-1) with other captures: the one-model path, the only one run "
-                      f"({TRTLLM['one_model_only']}), sorts the set and leaves -1 first ({TRTLLM['one_model_sorts']}), "
-                      "so the fc slots would not follow fc_input; only {-1} alone is expressible")
+    # final_norm is never an fc input (the spec check refuses it), so -1 is never rendered; the table
+    # says why it could not be anyway: the one-model path leaves -1 first (TRTLLM['one_model_sorts']).
     try:
         ids = TRTLLM_CONV.encode(points, L)
     except NotExpressible as e:
         raise _refuse(spec, "trtllm", f"{e} (TensorRT-LLM takes a set and sorts it: {TRTLLM['sorted']})") from None
-    unverified = None
-    if ids == [-1]:
-        unverified = ("where TensorRT-LLM captures -1 for an EAGLE-3 target was not read: -1 as the post-norm state "
-                      f"is documented for SaveHiddenStatesDecodingConfig ({TRTLLM['minus_one']}), and {{-1}} is "
-                      f"mistral_large3's default ({TRTLLM['arch_minus_one']})")
     config = {"decoding_type": "Eagle", "max_draft_len": 3, "speculative_model_dir": "<DRAFT>",
               "eagle3_one_model": True, "eagle3_layers_to_capture": ids}
     default = ", ".join(str(p) for p in TRTLLM_CONV.decode(None, L)) if L > 5 else "none (5 layers or fewer raise)"
@@ -89,8 +81,7 @@ def render_trtllm(spec: Spec) -> TableAnswer:
              f"trtllm: without eagle3_layers_to_capture it captures {default} ({TRTLLM['default'].path})"]
     evidence = [str(TRTLLM[k]) for k in ("fields", "model_dir", "one_model_only", "one_model_sorts", "call", "value")]
     return TableAnswer(TRTLLM_CONV.name, TRTLLM_CONV.source, ids, [str(p) for p in TRTLLM_CONV.decode(ids, L)],
-                       {"speculative_config": config}, ["--extra_llm_api_options", "<OPTIONS>.yaml"], notes, evidence,
-                       unverified=unverified)
+                       {"speculative_config": config}, ["--extra_llm_api_options", "<OPTIONS>.yaml"], notes, evidence)
 
 
 def render_modelopt(spec: Spec, backend: str, engine_root=None, model_class: str | None = None) -> TableAnswer:
@@ -134,11 +125,10 @@ def render_zlab(spec: Spec) -> TableAnswer:
     notes = [f"zlab: {TABLE}",
              f"zlab: the draft's config.json is the only place it reads them ({ZLAB['key'].path}:{ZLAB['key'].line}); "
              "no launch flag names them"]
-    differ = [i for i in ids if i in (-1, L - 1)]
-    if differ:
-        notes.append(f"zlab: hazard: id {differ[0]} is {ZLAB_CONV.to_point(differ[0], L)} here (HF hidden_states"
-                     f"[{differ[0] + 1}]) but vLLM and SGLang read dflash_config.target_layer_ids as layer outputs: "
-                     "the served draft would be fed another state")
+    if -1 in ids:
+        notes.append("zlab: hazard: id -1 is the embedding here (HF hidden_states[0]); an engine serving the draft reads "
+                     "the same config: SGLang's DFlash runner refuses negative ids, vLLM reads -1 + 1 = aux id 0: check "
+                     "with surgeon render --engine sglang|vllm before serving")
     return TableAnswer(ZLAB_CONV.name, ZLAB_CONV.source, ids, [str(p) for p in ZLAB_CONV.decode(ids, L)],
                        {"dflash_config": {"target_layer_ids": ids}}, [], notes, [str(c) for c in ZLAB.values()])
 
