@@ -128,8 +128,7 @@ def test_specforge_dflash_ids_are_sglangs(tmp_path):
     assert r.draft_config == {"dflash_config": {"target_layer_ids": [0, 2, 6]}}
     assert str(SPECFORGE["key"]) in r.evidence and any("set_dflash_layers_to_capture" in e for e in r.evidence)
     assert r.launch_flags[0] == "scripts/prepare_hidden_states.py"
-    # before this, a DFlash spec rendered for SpecForge was refused; its EAGLE-3 ids would differ from nothing
-    # here, but embed shows SGLang's runner decides: refused with SGLang's reason
+    # SGLang's runner decides, not SpecForge's EAGLE rule: embed is refused with SGLang's reason
     with pytest.raises(BadInput, match="val < 0"):
         render(_spec(tmp_path, ("embed", "layer_out[3]", "layer_out[5]")), "specforge")
 
