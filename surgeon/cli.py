@@ -159,7 +159,9 @@ def explain(spec: str, engine: str | None, engine_root: str | None, model_class:
 
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
-@click.option("--engine", "target", required=True, type=click.Choice(["sglang", "vllm", "specforge", "speculators"]))
+@click.option("--engine", "target", required=True, type=click.Choice(
+    ["sglang", "vllm", "specforge", "speculators", "trtllm", "modelopt-hf", "modelopt-trtllm", "modelopt-vllm", "zlab"]),
+              help="An engine, a trainer, or a cited-table target (trtllm, modelopt-hf|trtllm|vllm, zlab).")
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe.")
 @click.option("--model-class", help="Engine model class (default: the spec's pin, else target.architecture).")
 @click.option("--pin", is_flag=True,

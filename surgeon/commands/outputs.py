@@ -116,13 +116,15 @@ class Launch(_Closed):
 
 class RenderOutput(_Output):
     spec: str
-    target: Literal["sglang", "vllm", "specforge", "speculators"]
+    target: Literal["sglang", "vllm", "specforge", "speculators", "trtllm", "modelopt-hf", "modelopt-trtllm",
+                    "modelopt-vllm", "zlab"]
     model_class: str | None
     convention: str
     origin: str
     ids: list[int]
     captures: list[RenderedCapture]
-    draft_config: dict[str, Any] = Field(description="the fragment to merge into the draft's config.json")
+    draft_config: dict[str, Any] = Field(description="the fragment to merge into the draft's config.json "
+                                         "(trtllm: the LLM API options; modelopt-*: empty, its flags carry the ids)")
     launch: Launch
     dump: dict[str, Any] | None = Field(description="the dump layout the target reads, where it has one")
     notes: list[str]

@@ -82,10 +82,11 @@ def render(*, spec: str, target: str, engine_root: str | None = None, model_clas
     """The draft-config fragment and launch flags for ``target``; ``pin`` also writes the
     installed engine's pins into the spec file."""
     from surgeon.core.spec import load_spec
+    from surgeon.wiring.render import ENGINE_FOR
     from surgeon.wiring.render import render as render_spec
 
     s = load_spec(spec)
-    engine = {"speculators": "vllm", "specforge": None}.get(target, target)
+    engine = ENGINE_FOR.get(target)
     if engine:
         open_engines([engine], {engine: engine_root}, progress)
     if pin and target not in ENGINES:

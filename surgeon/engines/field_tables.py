@@ -51,6 +51,9 @@ class Cite:
 
 _EAGLE3 = "tensorrt_llm/_torch/speculative/eagle3.py"
 _E3 = "f933a608045a46426792263617475b359d568043"
+_E3_ONE = "001e67005b4f64b69b0045456870be48ab7b2cf0"
+_LLM_ARGS = "tensorrt_llm/llmapi/llm_args.py"
+_ARGS = "0004396720054fd8e205cbf616f21f0b57c6b412"
 TRTLLM: dict[str, Cite] = {
     "default": Cite(TRTLLM_REPO, _E3, _EAGLE3, 136, "self.layers_to_capture = (1, self.num_layers // 2 - 1,",
                     "Eagle3SpecMetadata.__post_init__: no ids -> (1, num_layers // 2 - 1, num_layers - 4), "
@@ -75,6 +78,23 @@ TRTLLM: dict[str, Cite] = {
                  "SaveHiddenStatesDrafter writes torch.save(list of {id, input_ids, hidden_state [T,H] = the last "
                  "capture slot, aux [T, n*H]}) to {file_prefix}_{iter}.pt; the aux key is 'hidden_state_features' "
                  "in some versions and 'aux_hidden_states' in others"),
+    # What `surgeon render --engine trtllm` writes: EagleDecodingConfig's fields and what its one-model
+    # path (the only path at _ARGS) does with the ids.
+    "fields": Cite(TRTLLM_REPO, _ARGS, _LLM_ARGS, None, "eagle3_layers_to_capture: Optional[Set[int]] = Field(",
+                   "EagleDecodingConfig (decoding_type Literal['Eagle']; max_draft_len > 0; eagle3_one_model, default "
+                   "True): eagle3_layers_to_capture is an Optional[Set[int]] of target layer indices, default "
+                   "{1, num_layers//2-1, num_layers-4}"),
+    "model_dir": Cite(TRTLLM_REPO, _ARGS, _LLM_ARGS, None, '"speculative_model_dir"),',
+                      "DecodingBaseConfig.speculative_model takes the alias speculative_model_dir (AliasChoices)"),
+    "one_model_only": Cite(TRTLLM_REPO, _ARGS, _LLM_ARGS, None, '"ignored; falling back to eagle3_one_model=True. "',
+                           "validate_eagle_config: eagle3_one_model=False is deprecated and ignored; the one-model "
+                           "path runs"),
+    "one_model_sorts": Cite(TRTLLM_REPO, _E3_ONE, _EAGLE3, None, "class Eagle3OneModelSpecMetadata(SpecMetadata):",
+                            "Eagle3OneModelSpecMetadata.__post_init__: given ids are sorted(list(...)) and -1 stays "
+                            "where it sorts (first); only the two-model Eagle3SpecMetadata of some versions moves it last"),
+    "arch_minus_one": Cite(TRTLLM_REPO, _ARGS, _LLM_ARGS, None, "self.eagle3_layers_to_capture = {-1}",
+                           "validate_eagle_config: eagle3_model_arch mistral_large3 without ids uses {-1}, the last "
+                           "state alone"),
 }
 
 _HF_SCRIPT = f"{COLLECT}/compute_hidden_states_hf.py"
@@ -225,15 +245,17 @@ def check_against_source(cites: dict[str, Cite], root: str | Path) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, tables: dict[str, dict[str, Cite]] | None = None) -> int:
     """``python -m surgeon.engines.field_tables trtllm|modelopt ROOT``: check a table against a
-    checkout (exit 0 when it agrees, 3 listing what moved or is missing, 2 on bad arguments)."""
+    checkout (exit 0 when it agrees, 3 listing what moved or is missing, 2 on bad arguments).
+    ``tables``: another module's tables (the DFlash trainers' :func:`surgeon.engines.dflash_trainers.main`)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
-    tables = {"trtllm": TRTLLM, "modelopt": MODELOPT}
+    tables = tables or {"trtllm": TRTLLM, "modelopt": MODELOPT}
     if len(args) != 2 or args[0] not in tables or not Path(args[1]).is_dir():
-        print("usage: python -m surgeon.engines.field_tables trtllm|modelopt SOURCE_DIR", file=sys.stderr)
+        print(f"usage: python -m surgeon.engines.<field_tables|dflash_trainers> {'|'.join(tables)} SOURCE_DIR",
+              file=sys.stderr)
         return 2
     problems = check_against_source(tables[args[0]], args[1])
     for p in problems:

@@ -71,7 +71,7 @@ def _single(column: str, point: Point, num_layers: int, vllm: EngineConvention |
         return f"not expressible: {e.reason}"
 
 
-def _fc_list(column: str, spec: Spec, vllm: EngineConvention | None) -> FieldList:
+def fc_list(column: str, spec: Spec, vllm: EngineConvention | None) -> FieldList:
     points, L = spec.fc_points, spec.num_layers
     if column == "modelopt-vllm":
         if vllm is None:
@@ -114,7 +114,7 @@ def hazards(spec: Spec, vllm: EngineConvention | None, source: ModeloptSource | 
         want = ", ".join(str(p) for p in spec.fc_points)
         got = _as_vllm(vllm, hf_ids, L)
         if got != want:
-            fix = _fc_list("modelopt-vllm", spec, vllm)
+            fix = fc_list("modelopt-vllm", spec, vllm)
             out.append(
                 f"modelopt: hazard: --aux-layers {','.join(map(str, hf_ids))} captures {want} through its hf and "
                 f"trtllm backends, but {got} through its vllm backend ({where} hand the ids to vLLM's "
@@ -157,7 +157,7 @@ def explain_field(spec: Spec, vllm: EngineConvention | None, *, modelopt_root=No
                                     f"read as {vllm.name if vllm else 'vLLM (unavailable)'}")
     ids: dict[str, dict[str, int | str]] = {
         name: {c: _single(c, p, L, vllm) for c in FIELD_COLUMNS} for name, p in spec.captures.items()}
-    fc_lists = {c: _fc_list(c, spec, vllm) for c in FIELD_COLUMNS} if spec.fc_names else {}
+    fc_lists = {c: fc_list(c, spec, vllm) for c in FIELD_COLUMNS} if spec.fc_names else {}
     notes = [f"trtllm: evidence: {c}" for c in TRTLLM.values()]
     default = ", ".join(str(p) for p in TRTLLM_CONV.decode(None, L)) if L > 5 else (
         "none: Eagle3SpecMetadata raises for 5 layers or fewer" + (" (one layer: layer 0 only)" if L == 1 else ""))

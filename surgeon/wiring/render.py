@@ -23,9 +23,12 @@ from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import explain_field
 from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.norms import render_lines
+from surgeon.wiring.render_field import FIELD_TARGETS, TableAnswer, render_field, specforge_dflash, speculators_dflash
 from surgeon.wiring.runnercheck import runner_notes, runner_refusal
 
-RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators")
+RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators", *FIELD_TARGETS)
+# The serving engine whose source decides a target's ids (None: a cited table or convention).
+ENGINE_FOR = {"sglang": "sglang", "vllm": "vllm", "speculators": "vllm", "modelopt-vllm": "vllm"}
 
 
 @dataclass
@@ -315,14 +318,13 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
             f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render"
             + (f" ({checked[0]})" if checked else "")
         )
-    if kind == "dflash" and target == "sglang":
-        return _render_sglang_dflash(spec, engine_root, model_class)
-    if kind == "dflash" and target != "vllm":
-        raise BadInput(f"{spec.file}: DFlash drafts are rendered for vLLM and SGLang only (dflash_config.target_layer_ids); "
-                       f"{target}'s DFlash path is not modelled yet, and its EAGLE-3 ids would not be read")
+    if target in FIELD_TARGETS:
+        return _table_rendering(spec, target, render_field(spec, target, engine_root, model_class))
+    if kind == "dflash" and target in ("sglang", "specforge"):  # SpecForge captures through SGLang's DFlash setter
+        return _render_sglang_dflash(spec, engine_root, model_class, target)
     if target == "specforge" and engine_root is not None:
         raise BadInput("--engine-root does not apply to specforge (its ids follow the EAGLE config convention)")
-    engine = {"speculators": "vllm", "specforge": None}.get(target, target)
+    engine = ENGINE_FOR.get(target)
     view = open_engine(engine, engine_root) if engine else None
     cls = model_class_for(spec, engine, model_class) if engine else None
     lst = fc_ids(spec, target, engine_root=engine_root, model_class=model_class, view=view)
@@ -345,36 +347,57 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
             site = cc.site_for(p.position, spec.num_layers) if p.position is not None else None
             c["site"] = None if site is None else f"{site.path}:{site.line}"
             c["verified"] = p.position is not None and cc.unverified_for([p.position], spec.num_layers) is None
+    draft_config, flags, dump = _fragment(spec, target, ids, captures, notes, evidence)
+    _norm_flags(spec, target, engine_root, draft_config, notes)
+    conv_name = lst.convention
+    platform = view.probe.platform if view is not None and view.probe is not None else None
+    return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes,
+                     verified, unverified_reason, evidence, platform)
+
+
+def _fragment(spec: Spec, target: str, ids: list[int], captures: list[dict], notes: list[str],
+              evidence: list[str]) -> tuple[dict, list[str], dict | None]:
+    """The draft-config fragment, launch flags and dump layout for an engine-decided target
+    (sglang, vllm, speculators) or SpecForge's EAGLE config; adds the target's notes and evidence."""
+    kind = _kind(spec)
     dump = None
     draft_config: dict[str, object]  # the fragment each target's draft config reads
     if target == "sglang":
         draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         flags = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "<DRAFT>"]
         notes.append("SGLang reads the ids from the draft config's eagle_config only; top-level ids are ignored there")
+    elif kind == "dflash" and target == "speculators":
+        draft_config, flags, more, cited = speculators_dflash(spec, ids)
+        notes.extend(more)
+        evidence.extend(cited)
     elif kind == "dflash":  # vLLM adds 1 to DFlash's output-of-layer ids when it reads them
         draft_config = {"dflash_config": {"target_layer_ids": [i - 1 for i in ids]}}
         flags = ["--speculative-config", '{"method": "dflash", "model": "<DRAFT>", "num_speculative_tokens": 3}']
         notes.append("vLLM reads dflash_config.target_layer_ids + 1 only when the draft config has "
                      "no eagle_aux_hidden_state_layer_ids and no eagle_config")
-    elif target == "vllm" or target == "speculators":
+    elif target in ("vllm", "speculators"):
         draft_config = {"eagle_aux_hidden_state_layer_ids": ids}
         flags = ["--speculative-config", '{"method": "eagle3", "model": "<DRAFT>", "num_speculative_tokens": 3}']
-        if target == "speculators":
-            last = f"layer_out[{spec.num_layers - 1}]"
-            dump = {"layout": "speculators", "tensor": "hidden_states [T, n, H]",
-                    "slots": [c["point"] for c in captures] + [last],
-                    "note": f"the last slot is {last}, before the final norm"}
     else:  # specforge
         draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         flags = ["scripts/prepare_hidden_states.py", "--enable-aux-hidden-states", "--draft-model-config",
                  "<DRAFT>/config.json"]
         dump = {"layout": "specforge", "aux_hidden_state": [c["point"] for c in captures], "hidden_state": "final_norm"}
         notes.append("SpecForge ids are layer outputs (id k = layer_out[k]); it refuses -1, so embed cannot be an fc input")
-    _norm_flags(spec, target, engine_root, draft_config, notes)
-    conv_name = lst.convention
-    platform = view.probe.platform if view is not None and view.probe is not None else None
-    return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes,
-                     verified, unverified_reason, evidence, platform)
+    if target == "speculators":
+        last = f"layer_out[{spec.num_layers - 1}]"
+        dump = {"layout": "speculators", "tensor": "hidden_states [T, n, H]",
+                "slots": [c["point"] for c in captures] + [last],
+                "note": f"the last slot is {last}, before the final norm"}
+    return draft_config, flags, dump
+
+
+def _table_rendering(spec: Spec, target: str, ans: TableAnswer) -> Rendering:
+    """A Rendering from a cited-table target's answer (:mod:`surgeon.wiring.render_field`)."""
+    captures = [{"fc_slot": i, "name": n, "point": str(p), "captured": ans.captured[i]}
+                for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))]
+    return Rendering(spec.name, target, ans.model_class, ans.convention, ans.origin, ans.ids, captures, ans.draft_config,
+                     ans.flags, ans.dump, ans.notes, ans.unverified is None, ans.unverified, ans.evidence, None)
 
 
 def _norm_flags(spec: Spec, target: str, engine_root, draft_config: dict, notes: list[str]) -> None:
@@ -461,11 +484,16 @@ def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None) 
     return DFlashAnswer(cls, conv, lst.ids, lst.captures, notes, evidence, cc.unverified_for(positions, L))
 
 
-def _render_sglang_dflash(spec: Spec, engine_root, model_class: str | None) -> Rendering:
+def _render_sglang_dflash(spec: Spec, engine_root, model_class: str | None, target: str = "sglang") -> Rendering:
+    """SGLang's DFlash answer, for SGLang or for SpecForge (which captures through SGLang's setter)."""
     ans = sglang_dflash(spec, engine_root, model_class)
     captures = [{"fc_slot": i, "name": n, "point": str(p), "captured": ans.captures[i]}
                 for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))]
-    draft_config = {"dflash_config": {"target_layer_ids": ans.ids}}
+    draft_config: dict = {"dflash_config": {"target_layer_ids": ans.ids}}
     flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "<DRAFT>"]
-    return Rendering(spec.name, "sglang", ans.model_class, ans.conv.name, ans.conv.origin, ans.ids, captures,
-                     draft_config, flags, None, ans.notes, ans.unverified is None, ans.unverified, ans.evidence, "all")
+    notes, evidence = list(ans.notes), list(ans.evidence)
+    if target == "specforge":
+        draft_config, flags, more, cited = specforge_dflash(ans.ids)
+        notes, evidence = more + notes, cited + evidence
+    return Rendering(spec.name, target, ans.model_class, ans.conv.name, ans.conv.origin, ans.ids, captures,
+                     draft_config, flags, None, notes, ans.unverified is None, ans.unverified, evidence, "all")
