@@ -7,11 +7,13 @@ import textwrap
 
 import pytest
 
+from surgeon.commands.outputs import LintOutput
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
 from surgeon.engines.locate import locate_engine
 from surgeon.engines.mtp_input import read_mtp_input
 from surgeon.wiring.draft import check_draft
+from surgeon.wiring.lint import lint_spec
 from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.render import explain, render
 from tests.conftest import installed_engine, release_engine
@@ -99,6 +101,33 @@ def test_a_changed_engine_file_changes_the_answer(tmp_path):
     assert read_mtp_input(locate_engine("vllm", root), "DeepseekV3ForCausalLM").state == "pre_norm"
     after = mtp_lines(s, "vllm", root)
     assert after[0][:2] == ("error", "mtp_input") and "hands it layer_out[60]" in after[0][2]
+    linted = lint_spec(s, engines=["vllm"], roots={"vllm": str(root)})
+    assert not linted.ok and [i.path for i in linted.issues] == ["draft.mtp_input"]
+    assert "hands it layer_out[60]" in linted.issues[0].message and "deepseek_v2.py:" in linted.issues[0].message
+
+
+def _lint_json_ok(result) -> None:
+    LintOutput.model_validate({"format": 1, "ok": result.ok, "specs": [result.to_json()]})
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_lint_checks_the_mtp_input_per_engine(tmp_path, engine):
+    """lint says for an MTP spec what check-draft says: an error where the engine hands the head
+    another state than the spec's draft.mtp_input, a checked line (file:line) where it agrees, a
+    warning where the spec does not declare it."""
+    installed_engine(engine)
+    bad = lint_spec(spec(tmp_path, "layer_out[60]"), engines=[engine])
+    _lint_json_ok(bad)
+    assert not bad.ok and [(i.severity, i.path) for i in bad.issues] == [("error", "draft.mtp_input")]
+    assert bad.issues[0].message.startswith(f"{engine}: ") and "hands it final_norm" in bad.issues[0].message
+    assert bad.issues[0].line == 7  # the draft line, where mtp_input is written
+    good = lint_spec(spec(tmp_path, "final_norm"), engines=[engine])
+    _lint_json_ok(good)
+    assert good.ok and good.issues == []
+    assert any(c.startswith(f"{engine} ") and "as the spec says" in c and "deepseek_v2.py:" in c for c in good.checked)
+    undeclared = lint_spec(spec(tmp_path), engines=[engine])
+    assert undeclared.ok and [(i.severity, i.path) for i in undeclared.issues] == [("warning", "draft")]
+    assert "does not declare draft.mtp_input" in undeclared.issues[0].message
 
 
 def test_undecided_engine_is_a_warning_not_a_guess(tmp_path):
@@ -117,3 +146,8 @@ def test_undecided_engine_is_a_warning_not_a_guess(tmp_path):
         """))
     lines = mtp_lines(spec(tmp_path, "final_norm"), "vllm", root)
     assert lines[0][:2] == ("warning", "mtp_unverified") and "deepseek_v2.py:2" in lines[0][2]
+    s = spec(tmp_path, "final_norm")
+    linted = lint_spec(s, engines=["vllm"], roots={"vllm": str(root)})
+    assert linted.ok and [i.severity for i in linted.issues] == ["warning"] and "not decided" in linted.issues[0].message
+    strict = lint_spec(s, engines=["vllm"], roots={"vllm": str(root)}, strict=True)
+    assert not strict.ok and [i.severity for i in strict.issues] == ["error"]
