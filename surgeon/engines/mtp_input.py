@@ -21,12 +21,7 @@ from dataclasses import dataclass, field
 
 from surgeon.engines.draft_norms import parse_source, sglang_model_file, vllm_model_file
 from surgeon.engines.locate import EngineLocation
-
-# The MTP head class each engine runs for a target architecture (vLLM's registry name, SGLang's class).
-MTP_CLASSES = {
-    "vllm": {"DeepseekV3ForCausalLM": "DeepSeekMTPModel", "DeepseekV2ForCausalLM": "DeepSeekMTPModel"},
-    "sglang": {"DeepseekV3ForCausalLM": "DeepseekV3ForCausalLMNextN", "DeepseekV2ForCausalLM": "DeepseekV3ForCausalLMNextN"},
-}
+from surgeon.engines.mtp_heads import MtpHead, read_mtp_head
 
 
 @dataclass
@@ -39,29 +34,69 @@ class MtpInput:
     state: str | None  # "final_norm", "pre_norm" (layer_out[L-1]), or None: not decided
     evidence: list[str] = field(default_factory=list)  # file:line what
     reason: str | None = None  # why state is None
+    head: MtpHead | None = None  # whether (and which) MTP head the engine builds for the target
+
+    @property
+    def no_head(self) -> bool:
+        """The engine builds no MTP head for this target (read, not guessed)."""
+        return self.head is not None and self.head.found is False
 
     def point(self, num_layers: int) -> str | None:
         return {"final_norm": "final_norm", "pre_norm": f"layer_out[{num_layers - 1}]"}.get(self.state or "")
 
 
-def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
-    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+class _Classes(dict[str, ast.ClassDef]):
+    """The classes a model file defines, and those it imports from the engine's other model files
+    (by their local name): ``rel`` says which file each came from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel: dict[str, str] = {}
 
 
-def _method(classes: dict[str, ast.ClassDef], name: str, method: str) -> ast.FunctionDef | None:
-    """``method`` of class ``name`` or of its bases defined in the same file."""
+def _classes(tree: ast.Module, rel: str, loc: EngineLocation | None = None, depth: int = 2) -> _Classes:
+    out = _Classes()
+    for n in tree.body:
+        if isinstance(n, ast.ClassDef):
+            out[n.name], out.rel[n.name] = n, rel
+    if loc is None or depth == 0:
+        return out
+    for n in tree.body:  # ``from <package>.<models dir>.x import Base [as Alias]``
+        if not (isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(f"{loc.layout.package}.")):
+            continue
+        sub = n.module.split(".", 1)[1].replace(".", "/") + ".py"
+        if not any(sub.startswith(f"{d}/") for d in loc.models_dirs) or not (loc.root / sub).is_file():
+            continue
+        other = _classes(parse_source(loc.root / sub, f"{loc.layout.package}/{sub}"), f"{loc.layout.package}/{sub}",
+                         loc, depth - 1)
+        for a in n.names:
+            local = a.asname or a.name
+            if a.name in other and local not in out:
+                out[local], out.rel[local] = other[a.name], other.rel[a.name]
+                for k, v in other.items():  # its bases, by the names its own file gives them
+                    if k not in out:
+                        out[k], out.rel[k] = v, other.rel[k]
+    return out
+
+
+def _method_at(classes: dict[str, ast.ClassDef], name: str, method: str) -> tuple[ast.FunctionDef | None, str]:
+    """(``method`` of class ``name`` or of its first base among ``classes``, the class defining it)."""
     seen: set[str] = set()
     while name in classes and name not in seen:
         seen.add(name)
         cls = classes[name]
         for n in cls.body:
             if isinstance(n, ast.FunctionDef) and n.name == method:
-                return n
+                return n, name
         bases = [b.id for b in cls.bases if isinstance(b, ast.Name) and b.id in classes]
         if not bases:
-            return None
+            return None, name
         name = bases[0]
-    return None
+    return None, name
+
+
+def _method(classes: dict[str, ast.ClassDef], name: str, method: str) -> ast.FunctionDef | None:
+    return _method_at(classes, name, method)[0]
 
 
 def _class_attr(classes: dict[str, ast.ClassDef], name: str, attr: str) -> str | None:
@@ -114,6 +149,27 @@ def _kind_of(value: ast.AST) -> str | None:
     return None
 
 
+def _carries(value: ast.AST, name: str) -> bool:
+    """``value`` is ``name`` re-wrapped, the same state: ``name[:n]`` (a slice of its tokens),
+    ``name.split(...)`` (its first piece), ``*all_gather(name, ...)`` (the ranks' tokens joined), or
+    ``torch.cat([name, ...])`` (then split back: its first piece)."""
+    def is_name(n: ast.AST) -> bool:
+        return isinstance(n, ast.Name) and n.id == name
+
+    if isinstance(value, ast.Subscript) and is_name(value.value) and isinstance(value.slice, ast.Slice):
+        return True
+    if not isinstance(value, ast.Call):
+        return False
+    f = value.func
+    fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    if fname == "split" and isinstance(f, ast.Attribute) and is_name(f.value):
+        return True
+    first = value.args[0] if value.args else None
+    if fname.endswith("all_gather") and first is not None and is_name(first):
+        return True
+    return fname == "cat" and isinstance(first, (ast.List, ast.Tuple)) and bool(first.elts) and is_name(first.elts[0])
+
+
 def _assignments(fn: ast.FunctionDef, name: str) -> list[tuple[int, ast.AST]]:
     """(line, value) of each assignment to ``name`` (a tuple target's first element counts)."""
     out = []
@@ -140,6 +196,8 @@ def _returned_states(fn: ast.FunctionDef, rel: str) -> tuple[set[str | None], li
         if not before:
             kinds.add(None)
             continue
+        while len(before) > 1 and _carries(before[-1][1], first.id):
+            before.pop()  # the same state re-wrapped: what it re-wraps decides
         line, val = before[-1]
         kinds.add(_kind_of(val))
         returns.setdefault((line, ast.unparse(val)[:80]), []).append(r.lineno)
@@ -152,38 +210,47 @@ def read_mtp_input(loc: EngineLocation, architecture: str) -> MtpInput:
     """The state the engine at ``loc`` hands the MTP head of an ``architecture`` target."""
     finder = vllm_model_file if loc.engine == "vllm" else sglang_model_file
     model_file, cls = finder(loc, architecture)
-    ans = MtpInput(loc.engine, loc.version, cls or architecture, None)
+    ans = MtpInput(loc.engine, loc.version, cls or architecture, None, head=read_mtp_head(loc, architecture))
+    if ans.no_head:
+        ans.evidence = list(ans.head.evidence) if ans.head is not None else []
+        ans.reason = f"{loc.engine} {loc.version} has no MTP head for {architecture}"
+        return ans
     if model_file is None or cls is None:
         ans.reason = f"{loc.engine} {loc.version} has no model file for {architecture}"
         return ans
     rel = f"{loc.layout.package}/{model_file}"
-    classes = _classes(parse_source(loc.root / model_file, rel))
+    classes = _classes(parse_source(loc.root / model_file, rel), rel, loc)
     inner = _inner_model(classes, cls)
-    forward = _method(classes, inner, "forward") if inner is not None else None
+    forward, owner = _method_at(classes, inner, "forward") if inner is not None else (None, "")
     if forward is None:
-        ans.reason = f"{rel}: {cls} builds no self.model whose forward is in that file"
+        ans.reason = f"{rel}: {cls} builds no self.model whose forward is in that file or the model files it imports"
         return ans
+    rel = classes.rel.get(owner, rel)
     kinds, ans.evidence = _returned_states(forward, rel)
     if len(kinds) == 1 and None not in kinds:
         ans.state = kinds.pop()
     else:
-        ans.reason = f"{rel}:{forward.lineno}: {inner}.forward's returned state is not decided by what was read"
-    ans.evidence += _head_evidence(loc, architecture)
+        ans.reason = f"{rel}:{forward.lineno}: {owner}.forward ({inner}'s) returned state is not decided by what was read"
+    ans.evidence += _head_evidence(loc, ans.head) if ans.head is not None else []
     return ans
 
 
-def _head_evidence(loc: EngineLocation, architecture: str) -> list[str]:
-    """Where the engine's MTP head normalises the state it is handed (``self.hnorm(...)``)."""
-    head = MTP_CLASSES.get(loc.engine, {}).get(architecture)
-    if head is None:
-        return []
+def _head_evidence(loc: EngineLocation, head: MtpHead) -> list[str]:
+    """Where the engine maps the target to its MTP head, and where each head class normalises the
+    state it is handed (``self.hnorm(...)``); where the mapping was not read, why."""
+    if head.found is None:
+        return [f"whether {loc.engine} {loc.version} builds an MTP head for {head.architecture} is not decided: "
+                f"{head.reason}"]
+    out = list(head.evidence)
     finder = vllm_model_file if loc.engine == "vllm" else sglang_model_file
-    model_file, _ = finder(loc, head)
-    if model_file is None:
-        return []
-    rel = f"{loc.layout.package}/{model_file}"
-    tree = parse_source(loc.root / model_file, rel)
-    for n in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: n.lineno):
-        if isinstance(n.func, ast.Attribute) and n.func.attr == "hnorm" and n.args:
-            return [f"{rel}:{n.lineno}: the MTP head ({head}) applies hnorm to the state it is handed"]
-    return []
+    for cls in head.heads:
+        model_file, _ = finder(loc, cls)
+        if model_file is None:
+            continue
+        rel = f"{loc.layout.package}/{model_file}"
+        tree = parse_source(loc.root / model_file, rel)
+        for n in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: n.lineno):
+            if isinstance(n.func, ast.Attribute) and n.func.attr == "hnorm" and n.args:
+                out.append(f"{rel}:{n.lineno}: the MTP head ({cls}) applies hnorm to the state it is handed")
+                break
+    return out

@@ -15,6 +15,7 @@ from surgeon.engines.modelopt import open_modelopt
 from surgeon.engines.view import SERVING_ENGINES, EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import hazards
+from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.pins import check_pins
 from surgeon.wiring.runnercheck import runner_graph_hazard, runner_refusal
 
@@ -65,6 +66,8 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
     kind = spec.model.draft.kind
     if kind == "mtp":
         result.checked.append("mtp draft: it reads the returned hidden state, no aux ids to check")
+        for engine in targets:
+            _lint_mtp(spec, engine, roots.get(engine), result, strict=strict, explicit=explicit)
         return result
     for engine in targets:
         if kind == "dflash" and engine == "sglang":
@@ -178,6 +181,25 @@ def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, str
                           + ", ".join(str(p) for p in spec.fc_points))
     result.checked.extend(n if n.startswith("sglang:") else f"sglang: {n}" for n in ans.notes)
     result.checked.extend(f"sglang: evidence: {e}" for e in ans.evidence)
+
+
+def _lint_mtp(spec: Spec, engine: str, root: str | None, result: LintResult, *, strict: bool, explicit: bool) -> None:
+    """The state ``engine`` hands an MTP head against the spec's ``draft.mtp_input``: the lines
+    ``check-draft`` reports (:func:`surgeon.wiring.mtp.mtp_lines`), graded for lint. A different
+    state is an error; an answer not decided by the source read (or an engine not installed) is a
+    warning, an error under ``strict``; an engine without an MTP head for the target is an error
+    when the engine was asked for, else a warning; an undeclared ``mtp_input`` is a warning."""
+    path = ("draft", "mtp_input") if spec.mtp_input is not None else ("draft",)
+    for severity, kind, detail in mtp_lines(spec, engine, root):
+        if severity == "info":
+            result.checked.append(detail if detail.startswith(f"{engine}") else f"{engine}: {detail}")
+            continue
+        if kind in ("mtp_unverified", "mtp_unchecked"):
+            severity = "error" if strict else "warning"
+        elif kind == "mtp_no_head":
+            severity = "error" if explicit else "warning"
+        result.issues.append(spec.issue(path, detail if detail.startswith(engine) else f"{engine}: {detail}",
+                                        severity=severity))
 
 
 def _lint_field(spec: Spec, roots: dict[str, str | None], result: LintResult, targets: Sequence[str]) -> None:

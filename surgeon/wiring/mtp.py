@@ -11,9 +11,9 @@ Line = tuple[str, str, str]  # (severity, kind, detail)
 
 
 def mtp_lines(spec: Spec, engine: str, engine_root=None) -> list[Line]:
-    """Per engine: what it hands the MTP head (file:line), an error where that is not the spec's
-    ``draft.mtp_input``, a warning where the spec does not declare it or the engine's answer is
-    not decided by what was read."""
+    """Per engine: what it hands the MTP head (file:line); an error where that is not the spec's
+    ``draft.mtp_input`` or where the engine builds no MTP head for the target; a warning where the
+    spec does not declare it or the engine's answer is not decided by what was read."""
     if spec.model.draft is None or spec.model.draft.kind != "mtp" or engine not in ("sglang", "vllm"):
         return []
     try:
@@ -24,6 +24,9 @@ def mtp_lines(spec: Spec, engine: str, engine_root=None) -> list[Line]:
     where = "; ".join(ans.evidence)
     got = ans.point(spec.num_layers)
     want = spec.mtp_input
+    if ans.no_head:
+        return [("error", "mtp_no_head", f"{engine} {ans.version} has no MTP head for {spec.model.target.architecture}: "
+                 f"{where}; an MTP draft of this target is not served by {engine} {ans.version}")]
     if got is None:
         return [("warning", "mtp_unverified", f"{engine} {ans.version}: what it hands the MTP head is not decided: {ans.reason}")]
     if want is None:

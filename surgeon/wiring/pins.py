@@ -18,6 +18,7 @@ from packaging.version import InvalidVersion, Version
 
 from surgeon.core.conventions import EngineConvention, OffsetError, builtin_convention, parse_offset
 from surgeon.core.errors import BadInput
+from surgeon.core.idrules import ClassConvention
 from surgeon.core.spec import Issue, Spec, load_spec
 from surgeon.engines.view import EngineView, model_class_for, open_engine
 
@@ -33,6 +34,29 @@ def _slot_diffs(spec: Spec, captured: list) -> list[str]:
         extra = ", ".join(str(c) if c is not None else "an index the loop never reaches" for c in captured[len(expected):])
         out.append(f"{len(captured) - len(expected)} extra capture(s): {extra}")
     return out
+
+
+def _sglang_dflash(spec: Spec, engine: str) -> bool:
+    return engine == "sglang" and spec.model.draft is not None and spec.model.draft.kind == "dflash"
+
+
+def pinned_class_convention(spec: Spec, engine: str, view: EngineView, cls: str | None) -> ClassConvention:
+    """The class's convention for the setter the spec's draft goes through: an SGLang DFlash draft's
+    ids go to the class's ``set_dflash_layers_to_capture``
+    (:func:`surgeon.engines.sglang_dflash.classify_dflash`), every other draft's to the EAGLE-3
+    setter the probe reads; the two are separate methods and may differ."""
+    if not _sglang_dflash(spec, engine) or view.location is None:
+        return view.class_convention(cls)
+    from surgeon.engines.sglang_dflash import SETTER, classify_dflash
+
+    where = f"{engine} {view.version}"
+    cc = classify_dflash(view.location.root, cls) if cls is not None else None
+    if cc is None:
+        raise BadInput(f"{where} has no class {cls!r} with {SETTER}")
+    if cc.status != "classified":
+        raise BadInput(f"{where} {cc.class_name} ({cc.path}:{cc.line}): the probe cannot tell what its DFlash ids "
+                       f"mean: {cc.reason}")
+    return cc
 
 
 def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple[list[Issue], list[str]]:
@@ -88,17 +112,18 @@ def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple
             ))
             return issues, checked
     try:
-        cc = view.class_convention(cls)
+        cc = pinned_class_convention(spec, engine, view, cls)
     except BadInput as e:
         issues.append(spec.issue(base + ("model_class",), str(e)))
         return issues, checked
     if pin.model_file is not None and pin.model_file != cc.path:
         issues.append(spec.issue(base + ("model_file",), f"{where}: {cls} is defined in {cc.path}, not {pin.model_file}"))
     actual = cc.id_rule.name if cc.id_rule else "?"
+    setter = ", its DFlash setter" if _sglang_dflash(spec, engine) else ""
     if pinned_rule is not None and pinned_rule.name != actual:
         issues.append(spec.issue(
             base + ("offset",),
-            f"{where} {cls} ({cc.setter_owner}) turns ids into capture indices by '{actual}', "
+            f"{where} {cls} ({cc.setter_owner}{setter}) turns ids into capture indices by '{actual}', "
             f"the pin says '{pinned_rule.name}'",
         ))
     if pin.ids is not None and spec.model.draft is not None:
@@ -111,7 +136,8 @@ def check_pins(spec: Spec, engine: str, view: EngineView | None = None) -> tuple
                 f"{where} {cls}: pinned ids {pin.ids} no longer capture the spec's fc input: " + "; ".join(diffs),
             ))
         else:
-            checked.append(f"{engine}: pinned ids {pin.ids} capture the spec's fc input on {where} {cls} (offset '{actual}')")
+            checked.append(f"{engine}: pinned ids {pin.ids} capture the spec's fc input on {where} {cls}{setter} "
+                           f"(offset '{actual}')")
     return issues, checked
 
 
@@ -123,13 +149,19 @@ def pin_values(spec: Spec, engine: str, *, engine_root=None, model_class: str | 
     if view.probe is None:
         raise BadInput(f"cannot pin {engine}: it is not installed here (pass --engine-root)")
     cls = model_class_for(spec, engine, model_class)
-    cc = view.class_convention(cls)
-    lst = fc_ids(spec, engine, engine_root=engine_root, model_class=model_class, view=view)
-    if lst.ids is None:
-        raise BadInput(f"{spec.file}: cannot pin {engine}: {lst.error}")
+    cc = pinned_class_convention(spec, engine, view, cls)
+    if _sglang_dflash(spec, engine):
+        from surgeon.wiring.render import sglang_dflash
+
+        ids = list(sglang_dflash(spec, engine_root, model_class).ids)
+    else:
+        lst = fc_ids(spec, engine, engine_root=engine_root, model_class=model_class, view=view)
+        if lst.ids is None:
+            raise BadInput(f"{spec.file}: cannot pin {engine}: {lst.error}")
+        ids = list(lst.ids)
     assert cc.id_rule is not None  # fc_ids just encoded through this class's rule
     return {"version": f"=={view.probe.version}", "model_file": cc.path, "model_class": cls,
-            "ids": list(lst.ids), "offset": cc.id_rule.name}
+            "ids": ids, "offset": cc.id_rule.name}
 
 
 def write_pins(spec_path: str | Path, engine: str, values: dict) -> None:

@@ -94,13 +94,17 @@ class PipelineAnswer:
 
 # -- source reading ------------------------------------------------------------------------
 @lru_cache(maxsize=64)
-def _parse(path: str) -> ast.Module:
+def _parse(path: str, stamp: tuple[int, int] = (0, 0)) -> ast.Module:
+    """``stamp`` (mtime, size) keys the cache, so an edited file is read again."""
     return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
 
 
 def _module(root: str, rel: str) -> ast.Module | None:
     path = Path(root) / rel
-    return _parse(str(path)) if path.is_file() else None
+    if not path.is_file():
+        return None
+    st = path.stat()
+    return _parse(str(path), (st.st_mtime_ns, st.st_size))
 
 
 def _top(tree: ast.Module, name: str, kind: type) -> ast.AST | None:
@@ -399,6 +403,60 @@ def _local_placement(cc: ClassConvention, position: int | None, num_layers: int,
     return right, (local if right is not None else None), why, error
 
 
+def _mentions_first_rank(test: ast.expr) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "is_first_rank" for n in ast.walk(test))
+
+
+def _received(fn: ast.FunctionDef, rel: str) -> str | None:
+    """file:line where a later stage's ``hidden_states`` comes from ``intermediate_tensors`` (the
+    ``else`` of the forward's ``is_first_rank`` test), or None where that was not read."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.If) and _mentions_first_rank(n.test):
+            for a in (m for s in n.orelse for m in ast.walk(s)):
+                if isinstance(a, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "hidden_states" for t in a.targets) \
+                        and "intermediate_tensors" in ast.unparse(a.value):
+                    return f"{rel}:{a.lineno}"
+    return None
+
+
+def every_rank_capture(root: str, cc: ClassConvention, position: int | None,
+                       num_layers: int) -> tuple[str, str | None] | None:
+    """For a capture made before the decoder loop: (its site, where later stages' ``hidden_states``
+    come from) when the site runs on every rank, i.e. is not under an ``is_first_rank`` test (vLLM
+    0.32's qwen3_vl and gemma4 call ``_maybe_add_hidden_state([], 0, ...)`` unconditionally, llama
+    only ``if get_pp_group().is_first_rank``); None for a first-rank-only site or another kind."""
+    site = cc.site_for(position, num_layers) if position is not None else None
+    if site is None or site.where != "before_loop":
+        return None
+    tree = _module(root, site.path)
+    if tree is None:
+        return None
+    guarded = any(isinstance(n, ast.If) and _mentions_first_rank(n.test) and any(
+        s.lineno <= site.line <= (s.end_lineno or s.lineno) for s in n.body) for n in ast.walk(tree))
+    if guarded:
+        return None
+    fn = _enclosing(tree, ast.Pass(lineno=site.line, col_offset=0))
+    return f"{site.path}:{site.line}", (_received(fn, site.path) if fn is not None else None)
+
+
+def _every_rank_placement(position: int, stages: list[tuple[int, int]], site: str, received: str | None,
+                          ) -> tuple[str, str | None, str | None]:
+    """(why, the error, unverified) for a before-loop capture every rank makes: stage 0 captures the
+    point itself; every later stage captures, at the same index, the state it received, which is
+    the previous stage's output (``hidden_states + residual``), and the draft's stage hands the
+    draft that in the point's place."""
+    if received is None:
+        return (f"{site} (before_loop, every rank)", None,
+                f"{site}: the capture before the loop runs on every rank, and what a later stage holds there "
+                "was not read")
+    said = [f"stage 0 (layers {stages[0][0]}..{stages[0][1] - 1}) captures {_point_name(position)}"]
+    said += [f"stage {s} (layers {a}..{b - 1}) captures layer_out[{a - 1}] in its place (its hidden_states come "
+             f"from intermediate_tensors at {received})" for s, (a, b) in enumerate(stages) if s]
+    what = "; ".join(said)
+    why = f"{site} (before_loop, every rank, not under is_first_rank): {what}"
+    return why, f"{_point_name(position)} (capture index {position}): the draft's stage captures another state: {why}", None
+
+
 def _builds_layers(root: str, owner: str, package: str) -> str | None:
     """file:line where the loop owner's class (or a base) builds its layers through the partition
     with the pipeline rank (``make_layers`` given no rank builds every layer), or None."""
@@ -673,6 +731,13 @@ def pipeline_answer(engine: str, root: str, release: str, cc: ClassConvention, p
         ans.unverified = "; ".join(filter(None, [ans.unverified, f"whether the decoder loop's index is the global "
                                                  f"layer number was not read: {loop}"]))
     for p in points:
+        every = every_rank_capture(root, cc, p.position, num_layers) if pp > 1 and p.position is not None else None
+        if every is not None and p.position is not None:
+            site, error, unread = _every_rank_placement(p.position, stages, *every)
+            ans.misread.extend([error] if error else [])
+            ans.unverified = "; ".join(filter(None, [ans.unverified, unread])) or None
+            ans.placements.append(Placement(str(p), p.position, 0, None, earlier, f"{site}; {why}"))
+            continue
         if kind == "local":
             stage, layer, site, error = _local_placement(cc, p.position, num_layers, stages, loop)
             ans.misread.extend([error] if error else [])

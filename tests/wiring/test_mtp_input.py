@@ -7,11 +7,14 @@ import textwrap
 
 import pytest
 
+from surgeon.commands.outputs import LintOutput
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
 from surgeon.engines.locate import locate_engine
+from surgeon.engines.mtp_heads import read_mtp_head
 from surgeon.engines.mtp_input import read_mtp_input
 from surgeon.wiring.draft import check_draft
+from surgeon.wiring.lint import lint_spec
 from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.render import explain, render
 from tests.conftest import installed_engine, release_engine
@@ -99,6 +102,33 @@ def test_a_changed_engine_file_changes_the_answer(tmp_path):
     assert read_mtp_input(locate_engine("vllm", root), "DeepseekV3ForCausalLM").state == "pre_norm"
     after = mtp_lines(s, "vllm", root)
     assert after[0][:2] == ("error", "mtp_input") and "hands it layer_out[60]" in after[0][2]
+    linted = lint_spec(s, engines=["vllm"], roots={"vllm": str(root)})
+    assert not linted.ok and [i.path for i in linted.issues] == ["draft.mtp_input"]
+    assert "hands it layer_out[60]" in linted.issues[0].message and "deepseek_v2.py:" in linted.issues[0].message
+
+
+def _lint_json_ok(result) -> None:
+    LintOutput.model_validate({"format": 1, "ok": result.ok, "specs": [result.to_json()]})
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_lint_checks_the_mtp_input_per_engine(tmp_path, engine):
+    """lint says for an MTP spec what check-draft says: an error where the engine hands the head
+    another state than the spec's draft.mtp_input, a checked line (file:line) where it agrees, a
+    warning where the spec does not declare it."""
+    installed_engine(engine)
+    bad = lint_spec(spec(tmp_path, "layer_out[60]"), engines=[engine])
+    _lint_json_ok(bad)
+    assert not bad.ok and [(i.severity, i.path) for i in bad.issues] == [("error", "draft.mtp_input")]
+    assert bad.issues[0].message.startswith(f"{engine}: ") and "hands it final_norm" in bad.issues[0].message
+    assert bad.issues[0].line == 7  # the draft line, where mtp_input is written
+    good = lint_spec(spec(tmp_path, "final_norm"), engines=[engine])
+    _lint_json_ok(good)
+    assert good.ok and good.issues == []
+    assert any(c.startswith(f"{engine} ") and "as the spec says" in c and "deepseek_v2.py:" in c for c in good.checked)
+    undeclared = lint_spec(spec(tmp_path), engines=[engine])
+    assert undeclared.ok and [(i.severity, i.path) for i in undeclared.issues] == [("warning", "draft")]
+    assert "does not declare draft.mtp_input" in undeclared.issues[0].message
 
 
 def test_undecided_engine_is_a_warning_not_a_guess(tmp_path):
@@ -117,3 +147,113 @@ def test_undecided_engine_is_a_warning_not_a_guess(tmp_path):
         """))
     lines = mtp_lines(spec(tmp_path, "final_norm"), "vllm", root)
     assert lines[0][:2] == ("warning", "mtp_unverified") and "deepseek_v2.py:2" in lines[0][2]
+    s = spec(tmp_path, "final_norm")
+    linted = lint_spec(s, engines=["vllm"], roots={"vllm": str(root)})
+    assert linted.ok and [i.severity for i in linted.issues] == ["warning"] and "not decided" in linted.issues[0].message
+    strict = lint_spec(s, engines=["vllm"], roots={"vllm": str(root)}, strict=True)
+    assert not strict.ok and [i.severity for i in strict.issues] == ["error"]
+
+
+RELEASES = [("vllm", None), ("sglang", None), ("vllm", "0.11.0"), ("vllm", "0.33.0"), ("sglang", "0.5.5")]
+HEAD_SITE_DEF = {"vllm": "def hf_config_override(", "sglang": "def _config_draft_model("}
+
+
+def _loc(engine, release):
+    return locate_engine(engine, release_engine(engine, release)) if release else installed_engine(engine)
+
+
+@pytest.mark.parametrize("engine, release", RELEASES)
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_no_mtp_head_for_llama_or_qwen3(tmp_path, engine, release, arch):
+    """No release maps a Llama or Qwen3 target to an MTP head: the answer says so (the function
+    that maps targets to heads, file:line), not "undecided"; check-draft's lines make it an error."""
+    loc = _loc(engine, release)
+    head = read_mtp_head(loc, arch)
+    assert head.found is False and head.heads == [], head.reason
+    path, line = head.evidence[0].split(":")[:2]
+    assert HEAD_SITE_DEF[engine] in (loc.root.parent / path).read_text().splitlines()[int(line) - 1]
+    ans = read_mtp_input(loc, arch)
+    assert ans.no_head and ans.state is None and f"has no MTP head for {arch}" in ans.reason
+    s = load_spec(_write(tmp_path, SPEC.replace("DeepseekV3ForCausalLM", arch).replace("MTP", "")))
+    lines = mtp_lines(s, engine, loc.root if release else None)
+    assert [(sev, k) for sev, k, _ in lines] == [("error", "mtp_no_head")] and f"no MTP head for {arch}" in lines[0][2]
+
+
+def _write(tmp_path, text):
+    f = tmp_path / "t.yaml"
+    f.write_text(text)
+    return f
+
+
+@pytest.mark.parametrize("engine, release", RELEASES)
+def test_qwen3_next_has_a_head_and_a_decided_state(engine, release):
+    """Qwen3-Next has an MTP head in every release; vLLM 0.32/0.33 gather and slice the normed
+    state under sequence parallelism, which is still final_norm."""
+    loc = _loc(engine, release)
+    ans = read_mtp_input(loc, "Qwen3NextForCausalLM")
+    assert ans.head is not None and ans.head.found and ans.state == "final_norm", ans.reason
+    assert ans.head.heads == (["Qwen3NextMTP"] if engine == "vllm" else ["Qwen3NextForCausalLMMTP"])
+    path, line = ans.evidence[0].split(":")[:2]
+    assert "norm(" in (loc.root.parent / path).read_text().splitlines()[int(line) - 1]
+
+
+def test_sglang_qwen3_moe_head_reads_the_base_class_forward():
+    """SGLang 0.5.23 maps Qwen3MoeForCausalLM to Qwen3MoeForCausalLMMTP; its Qwen3MoeModel inherits
+    forward from qwen2_moe.py's Qwen2MoeModel, read there (0.5.5 has no such head)."""
+    loc = installed_engine("sglang")
+    ans = read_mtp_input(loc, "Qwen3MoeForCausalLM")
+    assert ans.head is not None and ans.head.heads == ["Qwen3MoeForCausalLMMTP"] and ans.state == "final_norm", ans.reason
+    path, line = ans.evidence[0].split(":")[:2]
+    assert path.endswith("qwen2_moe.py") and "norm(" in (loc.root.parent / path).read_text().splitlines()[int(line) - 1]
+    assert read_mtp_head(locate_engine("sglang", release_engine("sglang", "0.5.5")), "Qwen3MoeForCausalLM").found is False
+
+
+def test_a_changed_mapping_gives_qwen3_a_head(tmp_path):
+    """Before: vLLM 0.33.0's hf_config_override maps no qwen3 target. After: the qwen3_next test
+    widened to ("qwen3_next", "qwen3") -> a Qwen3 target is renamed qwen3_next_mtp, and the later
+    test maps that to Qwen3NextMTP."""
+    src = release_engine("vllm", "0.33.0")
+    root = tmp_path / "vllm"
+    (root / "config").mkdir(parents=True)
+    (root / "model_executor" / "models").mkdir(parents=True)
+    shutil.copy(src / "config" / "speculative.py", root / "config" / "speculative.py")
+    shutil.copy(src / "model_executor/models/registry.py", root / "model_executor/models/registry.py")
+    loc = locate_engine("vllm", root)
+    assert read_mtp_head(loc, "Qwen3ForCausalLM").found is False
+    f = root / "config" / "speculative.py"
+    old = 'if hf_config.model_type == "qwen3_next":'
+    assert f.read_text().count(old) == 1
+    f.write_text(f.read_text().replace(old, 'if hf_config.model_type in ("qwen3_next", "qwen3"):'))
+    after = read_mtp_head(loc, "Qwen3ForCausalLM")
+    assert after.found is True and after.heads == ["Qwen3NextMTP"], after.reason
+
+
+def test_an_unread_mapping_test_is_undecided(tmp_path):
+    """A test against a name the reader cannot resolve leaves a target it does not name undecided."""
+    root = tmp_path / "sglang"
+    (root / "srt" / "configs").mkdir(parents=True)
+    (root / "srt" / "models").mkdir(parents=True)
+    (root / "srt" / "models" / "llama.py").write_text("EntryClass = LlamaForCausalLM\n")
+    (root / "srt" / "configs" / "model_config.py").write_text(textwrap.dedent("""\
+        from elsewhere import SOME_ARCHS
+        class ModelConfig:
+            def _config_draft_model(self):
+                if self.is_draft_model and self.hf_config.architectures[0] in SOME_ARCHS:
+                    self.hf_config.architectures[0] = "SomeMTP"
+        """))
+    head = read_mtp_head(locate_engine("sglang", root), "LlamaForCausalLM")
+    assert head.found is None and "line 4" in head.reason
+
+
+def test_lint_grades_a_missing_head_by_whether_the_engine_was_asked_for(tmp_path):
+    """A Llama MTP spec: vLLM was asked for -> an error; no engine named or pinned -> each engine's
+    "no MTP head" is a warning (the spec may be meant for another engine)."""
+    installed_engine("vllm")
+    installed_engine("sglang")
+    s = load_spec(_write(tmp_path, SPEC.replace("DeepseekV3ForCausalLM", "LlamaForCausalLM").replace("MTP", "")))
+    asked = lint_spec(s, engines=["vllm"])
+    assert not asked.ok and [i.severity for i in asked.issues] == ["error"]
+    assert asked.issues[0].message.startswith("vllm ") and "has no MTP head for LlamaForCausalLM" in asked.issues[0].message
+    anyone = lint_spec(s)
+    assert anyone.ok and sorted(i.message.split()[0] for i in anyone.issues if i.severity == "warning") == ["sglang", "vllm"]
+    _lint_json_ok(anyone)

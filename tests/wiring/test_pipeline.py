@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from surgeon.wiring.lint import lint_spec
 from surgeon.wiring.pipeline import (
     PipelineUnread,
     check_stages,
+    every_rank_capture,
     lint_pipeline,
     loop_index,
     partition,
@@ -283,3 +285,73 @@ def test_cli_lint_pp_json():
     assert any(n.startswith("tp 8: the capture code reads tensor-parallel state") for n in check["notes"])
     assert check["unverified"] == "the capture code reads tensor-parallel state"
     assert CliRunner().invoke(main, ["lint", str(LLAMA), "--engine", "vllm", "--pp", "2"]).exit_code == 0
+
+
+# -- a capture before the decoder loop that every rank makes ----------------------------------------
+VL_SPEC = """\
+spec: 1
+name: vl
+target: {architecture: ARCH, num_layers: 36, hidden_size: 4096}
+captures:
+  e: embed
+  mid: layer_out[17]
+  high: layer_out[32]
+  last: final_norm
+draft: {kind: eagle3, fc_input: [e, mid, high]}
+"""
+
+
+def _vl_answer(tmp_path, arch: str, root: str | None = None):
+    f = tmp_path / f"{arch}.yaml"
+    f.write_text(VL_SPEC.replace("ARCH", arch))
+    spec = load_spec(f)
+    view = open_engine("vllm", root)
+    assert view.probe is not None
+    cc = view.class_convention(arch)
+    return view, cc, pipeline_answer("vllm", view.probe.root, view.probe.version, cc, spec.fc_points, 36, 2)
+
+
+@pytest.mark.parametrize(("arch", "file"), [("Qwen3VLForConditionalGeneration", "qwen3_vl.py"),
+                                            ("Gemma4ForCausalLM", "gemma4.py")])
+def test_vllm_embed_capture_on_every_rank_is_placed_as_the_source_does(tmp_path, arch, file):
+    """vLLM 0.32's qwen3_vl and gemma4 call ``_maybe_add_hidden_state([], 0, ...)`` outside any
+    ``is_first_rank`` test: stage 0 captures embed, and stage 1 (the draft's) captures at the same
+    index the state it received from stage 0, layer_out[17], in its place. llama captures it only on
+    the first rank."""
+    installed_engine("vllm")
+    view, cc, ans = _vl_answer(tmp_path, arch)
+    every = every_rank_capture(view.probe.root, cc, 0, 36)
+    assert every is not None and every[0].startswith(f"model_executor/models/{file}:")
+    site_line = (Path(view.probe.root) / every[0].split(":")[0]).read_text().splitlines()[int(every[0].split(":")[1]) - 1]
+    assert "_maybe_add_hidden_state(" in site_line and "is_first_rank" not in site_line
+    received = every[1]
+    assert received is not None
+    line = (Path(view.probe.root) / received.split(":")[0]).read_text().splitlines()[int(received.split(":")[1]) - 1]
+    assert 'intermediate_tensors["hidden_states"]' in line
+    assert any(m.startswith("embed (capture index 0): the draft's stage captures another state") and
+               "stage 1 (layers 18..35) captures layer_out[17] in its place" in m for m in ans.misread)
+    assert ans.placements[0].stage == 0 and "every rank" in ans.placements[0].why
+    lview, lcc, llama = _vl_answer(tmp_path, "LlamaForCausalLM")
+    assert every_rank_capture(lview.probe.root, lcc, 0, 36) is None
+    assert not any(m.startswith("embed") for m in llama.misread) and llama.placements[0].reaches is True
+
+
+def test_a_first_rank_guard_moves_the_embed_capture_back_to_stage_0(engine_copy, tmp_path):
+    """Before: a copy of vLLM's qwen3_vl.py captures index 0 on every rank (an error at pp 2).
+    After: the same call put under ``if get_pp_group().is_first_rank:`` -> stage 0 only, no error."""
+    root = engine_copy("vllm")  # model files, and the partition function the placement evaluates
+    (root / "distributed").mkdir(exist_ok=True)
+    shutil.copy(installed_engine("vllm").root / "distributed" / "utils.py", root / "distributed" / "utils.py")
+    _, cc, before = _vl_answer(tmp_path, "Qwen3VLForConditionalGeneration", str(root))
+    assert any(m.startswith("embed (capture index 0)") for m in before.misread)
+    f = root / "model_executor" / "models" / "qwen3_vl.py"
+    text = f.read_text()
+    old = "        aux_hidden_states = self._maybe_add_hidden_state([], 0, hidden_states, residual)\n"
+    assert text.count(old) == 1
+    guarded = ("        aux_hidden_states = []\n        if get_pp_group().is_first_rank:\n"
+               "            aux_hidden_states = self._maybe_add_hidden_state([], 0, hidden_states, residual)\n")
+    f.write_text(text.replace(old, guarded))
+    view, cc, after = _vl_answer(tmp_path, "Qwen3VLForConditionalGeneration", str(root))
+    assert every_rank_capture(view.probe.root, cc, 0, 36) is None
+    assert not any(m.startswith("embed") for m in after.misread)
+    assert after.placements[0].stage == 0 and "every rank" not in after.placements[0].why

@@ -121,3 +121,42 @@ def test_explain_gives_the_sglang_dflash_answer_render_gives(tmp_path):
     eb = explain(bad)
     assert "sglang" not in eb.fc_lists
     assert f"sglang: DFlash: {str(refused.value).removeprefix(bad.file + ': ')}" in eb.notes
+
+
+def test_sglang_dflash_pins_are_checked_against_the_dflash_setter(engine_copy, tmp_path):
+    """Before: a copy of SGLang whose llama.py DFlash and EAGLE-3 setters both add 1; the pin
+    (ids [1, 3, 5], offset '+1') holds. After: only set_dflash_layers_to_capture edited to keep the
+    ids as they are; the EAGLE-3 setter still says '+1' (a check against it would pass), but the
+    pin is now wrong for DFlash, and the check says so from the DFlash setter."""
+    from surgeon.engines.view import open_engine
+    from surgeon.wiring.pins import check_pins
+
+    root = engine_copy("sglang", tmp_path / "site")
+    spec = _spec(tmp_path, tail="engines: {sglang: {ids: [1, 3, 5], offset: '+1'}}\n")
+    issues, checked = check_pins(spec, "sglang", open_engine("sglang", str(root)))
+    assert issues == [] and any("its DFlash setter" in c and "offset '+1'" in c for c in checked)
+    llama = root / "srt" / "models" / "llama.py"
+    text = llama.read_text()
+    dflash = text.index("def set_dflash_layers_to_capture")
+    old = "self.model.layers_to_capture = [val + 1 for val in layer_ids]"
+    assert text.count(old) == 2 and text.index(old, dflash) > dflash
+    at = text.index(old, dflash)
+    llama.write_text(text[:at] + "self.model.layers_to_capture = [val for val in layer_ids]" + text[at + len(old):])
+    view = open_engine("sglang", str(root))
+    assert view.class_convention("LlamaForCausalLM").id_rule.name == "+1"  # the EAGLE-3 setter is unchanged
+    issues, _ = check_pins(spec, "sglang", view)
+    assert {i.path for i in issues} == {"engines.sglang.offset", "engines.sglang.ids"}
+    offset = next(i for i in issues if i.path == "engines.sglang.offset")
+    assert "its DFlash setter" in offset.message and "'+0'" in offset.message
+
+
+def test_sglang_dflash_pin_values_come_from_the_dflash_answer(tmp_path):
+    """`render --pin` for an SGLang DFlash draft writes the DFlash setter's rule and the ids render
+    gives for dflash_config.target_layer_ids; its own pins then check clean."""
+    from surgeon.wiring.pins import check_pins, pin_values
+
+    spec = _spec(tmp_path)
+    values = pin_values(spec, "sglang")
+    assert values["ids"] == render(spec, "sglang").ids and values["offset"] == "+1"
+    pinned = _spec(tmp_path, tail=f"engines: {{sglang: {{ids: {values['ids']}, offset: '{values['offset']}'}}}}\n")
+    assert check_pins(pinned, "sglang")[0] == []
