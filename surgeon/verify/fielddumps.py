@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +73,8 @@ class FileSlots:
     declared: list[Point | None]
     ids: torch.Tensor | None = None
     notes: list[str] = field(default_factory=list)
+    record: str | None = None  # which sequence of the file: "id 1", "conversation 7"
+    loss_mask: torch.Tensor | None = None  # Model Optimizer's, as the file holds it
 
 
 def split_producer(entries: Sequence[str]) -> tuple[Producer | None, list[str]]:
@@ -209,19 +212,20 @@ def _cite(c: Cite) -> str:
     return f"{c.path.rsplit('/', 1)[-1]}:{c.line}" if c.line else c.path.rsplit("/", 1)[-1]
 
 
-def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int | None) -> FileSlots:
-    """One record of a TensorRT-LLM SaveHiddenStates dump (the first: a subject is one sequence)."""
+def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int | None, index: int = 0) -> FileSlots:
+    """One record of a TensorRT-LLM SaveHiddenStates dump (the first by default: a subject is one sequence)."""
     if producer is not None and producer.name != "trtllm":
         raise BadInput(f"{p}: a TensorRT-LLM SaveHiddenStates dump (a list of records), not a Model Optimizer "
                        f"{producer.name} file: pass --slots trtllm:IDS (its eagle3_layers_to_capture)")
-    rec = data[0]
+    rec = data[index]
     last = float_2d(rec["hidden_state"], f"{p}: hidden_state")
     T, H = last.shape
     key = next((k for k in TRT_AUX_KEYS if k in rec), None)
     aux = _split_aux(p, rec[key], key, H, T) if key else []
     out = FileSlots("trtllm", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_state"], [*aux, last],
-                     [None] * len(aux) + [FINAL_NORM], int_1d(rec["input_ids"], f"{p}: input_ids"))
-    out.notes.append(f"TensorRT-LLM SaveHiddenStates dump: record 1 of {len(data)} (id {rec['id']}); {TRT_DUMP_NOTE}")
+                     [None] * len(aux) + [FINAL_NORM], int_1d(rec["input_ids"], f"{p}: input_ids"), record=f"id {rec['id']}")
+    out.notes.append(f"TensorRT-LLM SaveHiddenStates dump: record {index + 1} of {len(data)} (id {rec['id']}); "
+                     f"{TRT_DUMP_NOTE}")
     if key == "hidden_state_features":
         out.notes.append("hidden_state_features is the aux key of older releases (NVIDIA/TensorRT-LLM@17c59c3); "
                          "one of them wrote the last captured layer as hidden_state unless "
@@ -250,7 +254,8 @@ def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int
     key = next((k for k in TRT_AUX_KEYS if k in data), None)
     aux = _split_aux(p, data[key], key, H, T) if key else []
     out = FileSlots("modelopt", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_states"], [*aux, last],
-                     [None] * (len(aux) + 1), int_1d(data["input_ids"], f"{p}: input_ids"))
+                     [None] * (len(aux) + 1), int_1d(data["input_ids"], f"{p}: input_ids"),
+                     record=f"conversation {data['conversation_id']}" if "conversation_id" in data else None)
     out.notes.append(f"Model Optimizer collect_hidden_states dump (conversation {data.get('conversation_id', '?')}): "
                      f"keys as {_cite(MODELOPT['dump'])} (hf) and compute_hidden_states_vllm.py:317 write them, "
                      f"NVIDIA/Model-Optimizer@{MODELOPT['dump'].commit[:7]}")
@@ -260,7 +265,11 @@ def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int
             raise BadInput(f"{p}: loss_mask is a {type(mask).__name__}, not a tensor")
         if mask.numel() != T:
             raise BadInput(f"{p}: loss_mask has {mask.numel()} entries for {T} tokens")
+        out.loss_mask = mask
         out.notes.append(f"loss_mask: {int((mask != 0).sum())} of {T} tokens in the loss")
+    backends, why = modelopt_backends(data)
+    if len(backends) == 1:
+        out.notes.append(f"written by its {backends[0].removeprefix('modelopt-')} backend: {why}")
     if producer is None:
         out.notes.append("slots unlabelled: its hf and vllm backends write the same keys and no file records "
                          "--aux-layers; pass --slots modelopt-hf:IDS, modelopt-vllm:IDS or modelopt-trtllm:IDS")
@@ -268,6 +277,8 @@ def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int
     if producer.name == "trtllm":
         raise BadInput(f"{p}: a Model Optimizer dump (a dict), not TensorRT-LLM's own list: pass "
                        "--slots modelopt-trtllm:IDS for its trtllm backend")
+    if producer.name not in backends:
+        raise BadInput(f"{p}: --slots {producer.name} does not fit this file: {why}")
     L = _need_layers(producer, num_layers)
     ids = _modelopt_ids(producer, L, out.notes)
     extra = 1 if producer.name == "modelopt-trtllm" and len(aux) == len(ids) + 1 else 0  # TRT-LLM's -1 column kept
@@ -296,3 +307,88 @@ def _modelopt_labels(backend: str, ids: list[int], L: int, extra: int, notes: li
                      f"({_cite(MODELOPT['trtllm_ids'])}), id k = layer_out[k], hidden_states = TensorRT-LLM's "
                      f"post-norm hidden_state ({_cite(MODELOPT['trtllm_rename'])}), {TABLE}")
     return points
+
+
+def modelopt_backends(data: dict) -> tuple[list[str], str]:
+    """The Model Optimizer backends whose writer gives a dump these keys, and why. Only what the
+    writers fix tells them apart: the trtllm backend keeps TensorRT-LLM's keys and adds no loss_mask;
+    only the vllm backend writes an empty aux_hidden_states; otherwise hf and vllm are alike."""
+    trt = _cite(MODELOPT["trtllm_rename"])
+    if "hidden_state_features" in data:
+        return ["modelopt-trtllm"], (f"its aux key hidden_state_features is TensorRT-LLM's (older releases), which "
+                                     f"only the trtllm backend keeps ({trt})")
+    if "loss_mask" not in data:
+        return ["modelopt-trtllm"], (f"it has no loss_mask, which the hf (compute_hidden_states_hf.py:193-201) and "
+                                     f"vllm (compute_hidden_states_vllm.py:317-325) backends write and the trtllm "
+                                     f"backend, rewriting TensorRT-LLM's record, does not ({trt})")
+    aux = data.get("aux_hidden_states")
+    if isinstance(aux, torch.Tensor) and aux.numel() == 0:
+        return ["modelopt-vllm"], ("its aux_hidden_states is empty, which only the vllm backend writes (without aux "
+                                   "ids, compute_hidden_states_vllm.py:303; the hf backend's torch.cat needs one, "
+                                   f"{_cite(MODELOPT['hf_aux'])})")
+    return ["modelopt-hf", "modelopt-vllm"], ("the hf and vllm backends write the same keys, so the file cannot tell "
+                                              "which wrote it")
+
+
+def load_pickle(path: str | Path) -> Any:
+    """A ``torch.save`` file, read with ``weights_only=True`` only; BadInput (one line) otherwise."""
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle refusals and corrupt files alike: bad input, one line
+        first_line = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise BadInput(f"{path}: cannot be read as a tensor file with weights_only=True: {first_line}") from None
+
+
+@dataclass
+class FieldDump:
+    """A whole TensorRT-LLM or Model Optimizer dump file: every record, each labelled as ``--slots``
+    says (or left unlabelled where the file does not record its layers)."""
+
+    path: str
+    layout: str  # trtllm | modelopt
+    candidates: list[str]  # the producers whose writer gives a file these keys
+    why: str
+    producer: Producer | None
+    num_layers: int | None
+    records: list[FileSlots]
+
+    @property
+    def labelled(self) -> bool:
+        return all(d is not None for r in self.records for d in r.declared)
+
+
+def read_field_dump(path: str | Path, slots: Sequence[str] = (), num_layers: int | None = None) -> FieldDump | None:
+    """Read ``path`` whole if it is a TensorRT-LLM or Model Optimizer dump, None if it is another
+    torch.save file. ``slots`` is empty or the one ``PRODUCER:IDS`` entry; ``num_layers`` the
+    target's, which labelling by ids needs."""
+    from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
+
+    gated = open_tensor_file(path)
+    p = str(gated.path)
+    producer, rest = split_producer(slots)
+    if rest:
+        raise BadInput(f"--slots {rest[0]!r}: a TensorRT-LLM or Model Optimizer dump takes one PRODUCER:IDS entry "
+                       f"({', '.join(PRODUCERS)})")
+    if gated.format == SAFETENSORS:
+        return None
+    data = load_pickle(p)
+    try:
+        layout = detect(data)
+    except BadInput as e:
+        raise BadInput(f"{p}: {e}") from None
+    if layout is None:
+        return None
+    if layout == "trtllm":
+        records = [read_trtllm(p, data, producer, num_layers, i) for i in range(len(data))]
+        candidates, why = ["trtllm"], ("a list of records with hidden_state is TensorRT-LLM's own SaveHiddenStates "
+                                       "file (Model Optimizer's trtllm backend rewrites it into a dict)")
+    else:
+        records = [read_modelopt(p, data, producer, num_layers)]
+        candidates, why = modelopt_backends(data)
+    for r in records:
+        T, H = r.tensors[-1].shape
+        if T == 0 or H == 0:
+            raise BadInput(f"{p}: {r.record or 'its record'} has slots of shape [{T}, {H}]: no state to read")
+        if r.ids is not None and r.ids.numel() != T:
+            raise BadInput(f"{p}: {r.record or 'its record'} has {r.ids.numel()} input ids for {T} tokens")
+    return FieldDump(p, layout, candidates, why, producer, num_layers, records)
