@@ -392,3 +392,47 @@ def read_field_dump(path: str | Path, slots: Sequence[str] = (), num_layers: int
         if r.ids is not None and r.ids.numel() != T:
             raise BadInput(f"{p}: {r.record or 'its record'} has {r.ids.numel()} input ids for {T} tokens")
     return FieldDump(p, layout, candidates, why, producer, num_layers, records)
+
+
+def _as_dumps(fd: FieldDump, spec_layers: int) -> list:
+    """Each record as a :class:`surgeon.capture.dumps.Dump`, its slots' points as labelled."""
+    from surgeon.capture.dumps import Dump
+
+    given = f"{fd.producer.name}:{fd.producer.ids_text}" if fd.producer else None
+    out = []
+    for r in fd.records:
+        H = r.tensors[-1].shape[1]
+        meta = {"num_layers": str(spec_layers), "hidden_size": str(H), "record": r.record or "",
+                "producer": f"{given} ({'TensorRT-LLM' if fd.layout == 'trtllm' else 'Model Optimizer'} dump)"}
+        captures = [(n, pt, t) for n, pt, t in zip(r.names, r.declared, r.tensors) if pt is not None]
+        ids = r.ids
+        if ids is None:
+            raise BadInput(f"{fd.path}: {r.record or 'its record'} has no input ids")
+        out.append(Dump(captures, ids, meta, {n: list(t.shape) for n, _, t in captures}, loss_mask=r.loss_mask))
+    return out
+
+
+def export_reader(slots: Sequence[str], num_layers: int):
+    """The :data:`surgeon.capture.exporters.Reader` for ``surgeon export``: surgeon dumps as they
+    declare themselves, TensorRT-LLM and Model Optimizer dumps labelled by ``slots`` (refused
+    unlabelled: such a file does not record its layers)."""
+    from surgeon.capture.exporters import read_surgeon_dump
+
+    def read(path: Path, header_only: bool) -> list:
+        fd = read_field_dump(path, slots, num_layers)
+        if fd is None:
+            from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
+
+            if open_tensor_file(path).format != SAFETENSORS:
+                raise BadInput(f"{path}: neither a surgeon dump nor a TensorRT-LLM or Model Optimizer dump")
+            if slots:
+                raise BadInput(f"{path}: a safetensors file (a surgeon dump declares its own slots' points); "
+                               f"--slots {slots[0]} names a {PRODUCERS[0]} or Model Optimizer .pt dump")
+            return read_surgeon_dump(path, header_only)
+        if not fd.labelled:
+            raise BadInput(f"{fd.path}: a {'TensorRT-LLM' if fd.layout == 'trtllm' else 'Model Optimizer'} dump "
+                           f"does not record which layers its slots hold: pass --slots "
+                           f"{' or '.join(c + ':IDS' for c in fd.candidates)} ({fd.why})")
+        return _as_dumps(fd, num_layers)
+
+    return read
