@@ -82,14 +82,8 @@ def _field_dump_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpI
                 "loss_mask": int((r.loss_mask != 0).sum()) if r.loss_mask is not None else None}
                for i, r in enumerate(fd.records)]
     given = f"{fd.producer.name}:{fd.producer.ids_text}" if fd.producer else None
-    notes = list(first.notes)
-    if given is None and any(c["point"] is None for c in captures):
-        ask = " or ".join(f"--slots {c}:IDS" for c in fd.candidates)
-        notes.append(("the file cannot tell the hf backend from the vllm backend (one layer earlier); "
-                      if len(fd.candidates) > 1 else "")
-                     + f"the file does not record which layers its slots hold: pass {ask} (with --spec) to label them")
     return DumpInfo(dump, meta, captures, fd.layout, {"detected": fd.candidates, "why": fd.why, "given": given},
-                    records, notes)
+                    records, list(first.notes))
 
 
 def export(*, dumps: Sequence[str], spec: str, layout: str, out_dir: str, slots: Sequence[str] = ()) -> Exported:

@@ -271,8 +271,10 @@ def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int
     if len(backends) == 1:
         out.notes.append(f"written by its {backends[0].removeprefix('modelopt-')} backend: {why}")
     if producer is None:
-        out.notes.append("slots unlabelled: its hf and vllm backends write the same keys and no file records "
-                         "--aux-layers; pass --slots modelopt-hf:IDS, modelopt-vllm:IDS or modelopt-trtllm:IDS")
+        ask = " or ".join(f"{b}:IDS" for b in backends)
+        out.notes.append("slots unlabelled: the file does not record --aux-layers" + (
+            ", and the hf and vllm backends write the same keys (the vllm backend's slots one layer earlier), so "
+            "it cannot tell which wrote it" if len(backends) > 1 else "") + f"; pass --slots {ask} to label them")
         return out
     if producer.name == "trtllm":
         raise BadInput(f"{p}: a Model Optimizer dump (a dict), not TensorRT-LLM's own list: pass "
@@ -378,6 +380,13 @@ def read_field_dump(path: str | Path, slots: Sequence[str] = (), num_layers: int
         raise BadInput(f"{p}: {e}") from None
     if layout is None:
         return None
+    try:
+        return _read_whole(p, layout, data, producer, num_layers)
+    except BadInput as e:  # every refusal names the file
+        raise BadInput(str(e) if str(e).startswith(p) else f"{p}: {e}") from None
+
+
+def _read_whole(p: str, layout: str, data: Any, producer: Producer | None, num_layers: int | None) -> FieldDump:
     if layout == "trtllm":
         records = [read_trtllm(p, data, producer, num_layers, i) for i in range(len(data))]
         candidates, why = ["trtllm"], ("a list of records with hidden_state is TensorRT-LLM's own SaveHiddenStates "

@@ -108,7 +108,8 @@ def test_modelopt_trtllm_backend_and_an_unlabelled_dump(tmp_path, tiny):
     r = json.loads(run("match", f, "--reference", tiny[1], "--json").stdout)  # no ids: identified, not labelled
     assert [s["verdict"] for s in r["slots"]] == ["unlabelled"] * 4
     assert [s["matched"] for s in r["slots"]] == ["layer_out[1]", "layer_out[3]", "layer_out[5]", "final_norm"]
-    assert any("modelopt-vllm:IDS" in n for n in r["notes"])
+    assert any("pass --slots modelopt-trtllm:IDS" in n for n in r["notes"])  # its keys rule out hf and vllm
+    assert any("written by its trtllm backend: it has no loss_mask" in n for n in r["notes"])
 
 
 def test_modelopt_presets_come_from_its_source(tmp_path, tiny):
