@@ -5,6 +5,7 @@ and the trainer files and manifest export writes from them."""
 
 import json
 
+import jsonschema
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,8 +19,16 @@ from tests.conftest import trtllm_record, write_modelopt_hf, write_modelopt_trtl
 T = len(IDS)
 
 
+def on_schema(verb, data):
+    """``data`` (a --json output) checked against the schema ``surgeon schema --output VERB`` prints."""
+    schema = json.loads(run("schema", "--output", verb).stdout)
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in jsonschema.Draft202012Validator(schema).iter_errors(data)]
+    assert not errors, errors[:5]
+    return data
+
+
 def info(f, *args, code=0):
-    return json.loads(run("dump-info", f, *args, "--json", code=code).stdout)
+    return on_schema("dump-info", json.loads(run("dump-info", f, *args, "--json", code=code).stdout))
 
 
 def points(report):
@@ -124,8 +133,8 @@ def test_export_a_modelopt_hf_dump_to_specforge_with_its_loss_mask(tmp_path, fie
     data["loss_mask"][:4] = 0  # the prompt, as Model Optimizer masks it
     torch.save(data, f)
     out = tmp_path / "sf"
-    r = json.loads(run("export", f, "--spec", spec, "--layout", "specforge", "-o", out, "--slots", "modelopt-hf:1,3,5",
-                       "--json").stdout)
+    r = on_schema("export", json.loads(run("export", f, "--spec", spec, "--layout", "specforge", "-o", out, "--slots",
+                                           "modelopt-hf:1,3,5", "--json").stdout))
     assert r["written"] == [str(out / "data_0.ckpt")] and r["manifest"] == str(out / "surgeon-export.json")
     ckpt = torch.load(out / "data_0.ckpt", weights_only=True)
     assert set(ckpt) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
