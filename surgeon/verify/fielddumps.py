@@ -25,6 +25,11 @@ caller names the producer and its ids as one ``--slots`` entry, ``PRODUCER:IDS``
 (:mod:`surgeon.engines.field_tables`). Without it only what the layout itself fixes is labelled:
 TensorRT-LLM's ``hidden_state``. Labels are declarations: ``verify``/``match`` still identify
 every slot against the reference.
+
+``verify``/``match`` read one sequence (a file's first record); ``dump-info`` and ``export`` read the
+whole file (:func:`read_field_dump`: every record, which producers its keys allow), and
+:func:`export_reader` hands its records to :mod:`surgeon.capture.exporters` as dumps, refusing a file
+whose slots no ``--slots`` labelled.
 """
 
 from __future__ import annotations
