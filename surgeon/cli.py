@@ -381,12 +381,20 @@ def audit(root: str, spec: str, ref: str | None, as_json: bool, report: str | No
 
 
 # --------------------------------------------------------------------------------------------- capture code and dumps
+_FIELD_SLOTS = ("PRODUCER:IDS for a TensorRT-LLM or Model Optimizer .pt dump, which does not record its layers: "
+                "trtllm, modelopt-hf, modelopt-vllm or modelopt-trtllm, and the ids it was given (e.g. modelopt-vllm:1,3,5).")
+
+
 @main.command("dump-info")
 @click.argument("dump", type=click.Path(dir_okay=False))
+@click.option("--slots", help=_FIELD_SLOTS)
+@click.option("--spec", type=click.Path(dir_okay=False), help="The target's spec: its layer count, for --slots.")
 @click.option("--json", "as_json", is_flag=True)
-def dump_info(dump: str, as_json: bool) -> Any:
-    """What a surgeon dump says it is: spec, engine, model, and each capture's physical point."""
-    return _show(commands.dump_info(dump=dump), as_json, show.print_dump_info)
+def dump_info(dump: str, slots: str | None, spec: str | None, as_json: bool) -> Any:
+    """What a dump says it is: spec, engine, model, and each capture's physical point. Also reads
+    TensorRT-LLM and Model Optimizer dumps: their layout, records, and each slot's point as --slots says."""
+    return _show(commands.dump_info(dump=dump, slots=(slots,) if slots else (), spec=spec), as_json,
+                 show.print_dump_info)
 
 
 @main.command()
@@ -395,14 +403,18 @@ def dump_info(dump: str, as_json: bool) -> Any:
 @click.option("--layout", required=True, type=click.Choice(["specforge", "speculators"]))
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Folder to write the exported files into.")
+@click.option("--slots", help=_FIELD_SLOTS)
 @click.option("--json", "as_json", is_flag=True)
-def export(dumps: tuple[str, ...], spec_path: str, layout: str, out_dir: str, as_json: bool) -> Any:
-    """Export surgeon dumps (files or shard folders) to a training tool's layout, keeping its own
-    semantics (SpecForge's hidden_state is final_norm; speculators' last slot is layer_out[L-1],
-    pre-norm), or refuse when the dumps cannot fill it truthfully."""
-    exported = commands.export(dumps=dumps, spec=spec_path, layout=layout, out_dir=out_dir)
+def export(dumps: tuple[str, ...], spec_path: str, layout: str, out_dir: str, slots: str | None, as_json: bool) -> Any:
+    """Export dumps (surgeon dumps, shard folders, TensorRT-LLM or Model Optimizer .pt dumps with
+    --slots) to a training tool's layout, keeping its own semantics (SpecForge's hidden_state is
+    final_norm; speculators' last slot is layer_out[L-1], pre-norm), or refuse when the dumps cannot
+    fill it truthfully. Each written slot's point is recorded in surgeon-export.json."""
+    exported = commands.export(dumps=dumps, spec=spec_path, layout=layout, out_dir=out_dir,
+                               slots=(slots,) if slots else ())
     return _show(exported, as_json,
-                 lambda e: show.out.print(f"wrote {len(e.written)} {e.layout} file(s) to {escape(e.out_dir)}"))
+                 lambda e: show.out.print(f"wrote {len(e.written)} {e.layout} file(s) to {escape(e.out_dir)}; "
+                                          f"each slot's point in {escape(str(e.manifest))}"))
 
 
 @main.command()

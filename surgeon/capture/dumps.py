@@ -47,6 +47,7 @@ class Dump:
     input_ids: torch.Tensor
     meta: dict[str, str] = field(default_factory=dict)
     shapes: dict[str, list[int]] = field(default_factory=dict)  # tensor shapes, also when not loaded
+    loss_mask: torch.Tensor | None = None  # a field dump's own (Model Optimizer); a surgeon dump has none
 
     @property
     def num_layers(self) -> int:

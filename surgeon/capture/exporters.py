@@ -1,7 +1,7 @@
 """Exporters: surgeon dumps to the training tools' own layouts, refused where they would lie.
 
 * :func:`export_specforge`: SpecForge offline ``.ckpt`` (``torch.save`` dicts): ``input_ids``
-  [1, T], ``loss_mask`` [1, T] (ones), ``aux_hidden_state`` [1, T, nH] = the spec's ``fc_input``
+  [1, T], ``loss_mask`` [1, T] (ones, or the dump's own), ``aux_hidden_state`` [1, T, nH] = the spec's ``fc_input``
   captures concatenated in fc order, ``hidden_state`` [1, T, H] = the ``final_norm`` capture
   (SpecForge's hidden_state is after the final norm). Refused when the dump has no final_norm,
   an fc capture is missing, or an fc point is one EAGLE config ids cannot name (``embed``,
@@ -13,13 +13,23 @@
   (a ``final_norm`` is not a substitute) or when the fc order is not ascending.
 
 Captures are found by their declared *point* (the dump says what each tensor is); a capture
-named like a spec capture but declaring another point is refused as mislabelled. Values are
-kept exactly: no dtype change, no arithmetic. Every refusal is :class:`BadInput`, one line.
-Files are written to a temporary name and renamed.
+of a surgeon dump named like a spec capture but declaring another point is refused as
+mislabelled. Values are kept exactly: no dtype change, no arithmetic. Every refusal is
+:class:`BadInput`, one line, and comes before any file is written. Files are written to a
+temporary name and renamed.
+
+What is read is a :data:`Reader`'s business: surgeon dumps by default (one unit per file); the
+verify layer's :func:`surgeon.verify.fielddumps.export_reader` also reads TensorRT-LLM and Model
+Optimizer dumps (one unit per record, points as ``--slots PRODUCER:IDS`` labels them, Model
+Optimizer's ``loss_mask`` carried into SpecForge's). Last, ``surgeon-export.json`` (:data:`MANIFEST`)
+records per written file its source (file and record), its producer and, per slot of the layout,
+the physical point it holds and the source slot it came from: the trainer files keep their own
+layout, the manifest says what is in them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -33,9 +43,12 @@ from surgeon.core.conventions import EAGLE, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point, layer_out
 
+MANIFEST = "surgeon-export.json"
+
 
 def _expand(dump_paths: str | Path | Iterable[str | Path]) -> list[Path]:
-    """Dump files in order; a directory stands for its shards in write order."""
+    """Dump files in order; a directory stands for its shards in write order, or, without shards,
+    for its ``*.pt`` files (a TensorRT-LLM or Model Optimizer output directory) in name order."""
     from surgeon.capture.dumpwriter import list_shards
 
     if isinstance(dump_paths, (str, Path)):
@@ -43,9 +56,9 @@ def _expand(dump_paths: str | Path | Iterable[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, dump_paths):
         if p.is_dir():
-            shards = list_shards(p)
+            shards = list_shards(p) or sorted(f for f in p.glob("*.pt") if f.is_file())
             if not shards:
-                raise BadInput(f"{p}: no shard-*.safetensors dump shards in this directory")
+                raise BadInput(f"{p}: no shard-*.safetensors dump shards or *.pt dumps in this directory")
             out.extend(shards)
         else:
             out.append(p)
@@ -54,7 +67,22 @@ def _expand(dump_paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def _atomic(path: Path, write: Callable[[str], None]) -> Path:
+def read_surgeon_dump(path: Path, header_only: bool) -> list[Dump | DumpHeader]:
+    """The :data:`Reader` of surgeon dumps: one unit per file, its header alone when checking."""
+    return [read_dump_header(path) if header_only else read_dump(path)]
+
+
+Reader = Callable[[Path, bool], "list[Dump | DumpHeader]"]
+"""``reader(path, header_only)``: the units (one sequence each, as :class:`Dump`, or its header when
+``header_only`` and the format has one) a file holds, slots declared, or BadInput (one line)."""
+
+
+def _label(path: Path, unit: Dump | DumpHeader) -> str:
+    record = unit.meta.get("record")
+    return f"{path} ({record})" if record else str(path)
+
+
+def _atomic(path: Path, write: Callable[[str], object]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
     os.close(fd)
     try:
@@ -72,34 +100,34 @@ def _fc(spec, layout: str) -> list[tuple[str, Point]]:
     return [(n, spec.captures[n]) for n in spec.fc_names]
 
 
-def _by_point(dump: Dump | DumpHeader, path: Path, spec, layout: str) -> dict[Point, Any]:
+def _by_point(dump: Dump | DumpHeader, label: str, spec, layout: str) -> dict[Point, tuple[str, Any]]:
     if dump.num_layers != spec.num_layers:
-        raise BadInput(f"{path}: dump is of a {dump.num_layers}-layer target, spec {spec.name} of {spec.num_layers}")
+        raise BadInput(f"{label}: dump is of a {dump.num_layers}-layer target, spec {spec.name} of {spec.num_layers}")
     if dump.hidden_size != spec.hidden_size:
-        raise BadInput(f"{path}: dump hidden size {dump.hidden_size}, spec {spec.name} says {spec.hidden_size}")
-    found: dict[Point, Any] = {}  # tensors, or shapes for a header
+        raise BadInput(f"{label}: dump hidden size {dump.hidden_size}, spec {spec.name} says {spec.hidden_size}")
+    found: dict[Point, tuple[str, Any]] = {}  # name and tensor, or shape for a header
     for name, point, t in dump.captures:
-        want = spec.captures.get(name)
+        want = spec.captures.get(name) if dump.meta.get("surgeon.kind") == "dump" else None  # names a spec's
         if want is not None and want != point:
             raise BadInput(
-                f"cannot export {path} to {layout}: capture {name!r} is {point} in the dump but {want} in spec {spec.name}"
+                f"cannot export {label} to {layout}: capture {name!r} is {point} in the dump but {want} in spec {spec.name}"
             )
-        found[point] = t
+        found[point] = (name, t)
     return found
 
 
-def _need(found: dict[Point, torch.Tensor], point: Point, what: str, path: Path, layout: str) -> torch.Tensor:
+def _need(found: dict[Point, tuple[str, Any]], point: Point, what: str, label: str, layout: str) -> tuple[str, Any]:
     t = found.get(point)
     if t is None:
         have = ", ".join(map(str, found)) or "nothing"
-        raise BadInput(f"cannot export {path} to {layout}: no {point} capture for {what} (the dump holds {have})")
+        raise BadInput(f"cannot export {label} to {layout}: no {point} capture for {what} (the dump holds {have})")
     return t
 
 
-def _same_dtype(tensors: Sequence[torch.Tensor], path: Path, layout: str) -> None:
+def _same_dtype(tensors: Sequence[torch.Tensor], label: str, layout: str) -> None:
     dtypes = {str(t.dtype).replace("torch.", "") for t in tensors}
     if len(dtypes) > 1:
-        raise BadInput(f"cannot export {path} to {layout}: captures differ in dtype ({', '.join(sorted(dtypes))}); "
+        raise BadInput(f"cannot export {label} to {layout}: captures differ in dtype ({', '.join(sorted(dtypes))}); "
                        "stacking them would convert values")
 
 
@@ -130,58 +158,85 @@ def check_speculators(spec) -> list[tuple[str, Point]]:
     return fc
 
 
-def _export(dump_paths, out_dir: str | Path, spec, layout: str, needs: list[tuple[Point, str]],
-            build: Callable[[int, Dump, list[torch.Tensor], Path, Path], Path]) -> list[Path]:
-    """Check every shard can fill the layout (metadata only) before writing any file, then write
-    each through ``build(index, dump, needed tensors, out_dir, path)``."""
+def _mask_note(layout: str, unit: Dump) -> str | None:
+    if layout == "SpecForge":
+        return "the dump's" if unit.loss_mask is not None else "ones (the dump has none)"
+    return "the dump's is not kept (the layout has no loss mask)" if unit.loss_mask is not None else None
+
+
+Need = tuple[Point, str, str]  # the point, what the layout uses it for, the key it lands at in the written file
+Build = Callable[[int, Dump, list[torch.Tensor], Path, str], Path]
+
+
+def _export(dump_paths, out_dir: str | Path, spec, layout: str, needs: list[Need], build: Build,
+            read: Reader | None) -> list[Path]:
+    """Check every unit can fill the layout (metadata only where the format allows) before writing
+    any file, then write each through ``build(index, dump, needed tensors, out_dir, label)``, and
+    last the manifest saying which point each written slot holds and where it came from."""
+    read = read or read_surgeon_dump
     paths = _expand(dump_paths)
     for path in paths:
-        found = _by_point(read_dump_header(path), path, spec, layout)
-        for point, what in needs:
-            _need(found, point, what, path, layout)
+        for unit in read(path, True):
+            found = _by_point(unit, _label(path, unit), spec, layout)
+            for point, what, _ in needs:
+                _need(found, point, what, _label(path, unit), layout)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for i, path in enumerate(paths):
-        dump = read_dump(path)
-        found = _by_point(dump, path, spec, layout)
-        written.append(build(i, dump, [_need(found, p, what, path, layout) for p, what in needs], out, path))
+    written: list[Path] = []
+    files: list[dict] = []
+    for path in paths:
+        for unit in read(path, False):
+            assert isinstance(unit, Dump)  # a reader gives whole units when not asked for headers
+            label = _label(path, unit)
+            found = _by_point(unit, label, spec, layout)
+            picked = [_need(found, p, what, label, layout) for p, what, _ in needs]
+            written.append(build(len(written), unit, [t for _, t in picked], out, label))
+            files.append({"file": written[-1].name, "source": str(path), "record": unit.meta.get("record"),
+                          "producer": unit.meta.get("producer") or f"surgeon dump ({unit.meta.get('engine') or '?'})",
+                          "loss_mask": _mask_note(layout, unit),
+                          "captures": [{"name": key, "point": str(p), "from": name}
+                                       for (p, _, key), (name, _) in zip(needs, picked)]})
+    manifest = {"surgeon.kind": "export", "surgeon.format": 1, "layout": layout,
+                "spec": {"name": spec.name, "sha256": getattr(spec, "sha256", None)}, "files": files}
+    _atomic(out / MANIFEST, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1) + "\n"))
     return written
 
 
-def export_specforge(dump_paths, out_dir: str | Path, *, spec) -> list[Path]:
-    """Write ``data_{i}.ckpt`` per dump shard; returns the paths written (in dump order)."""
+def export_specforge(dump_paths, out_dir: str | Path, *, spec, read: Reader | None = None) -> list[Path]:
+    """Write ``data_{i}.ckpt`` per dump unit; returns the paths written (in dump order)."""
     fc = check_specforge(spec)
-    needs = [(FINAL_NORM, "SpecForge's hidden_state (after the final norm)")] + [(p, f"fc input {n!r}") for n, p in fc]
+    needs: list[Need] = [(FINAL_NORM, "SpecForge's hidden_state (after the final norm)", "hidden_state")]
+    needs += [(p, f"fc input {n!r}", f"aux_hidden_state[{i}]") for i, (n, p) in enumerate(fc)]
 
-    def build(i: int, dump: Dump, tensors: list[torch.Tensor], out: Path, path: Path) -> Path:
+    def build(i: int, dump: Dump, tensors: list[torch.Tensor], out: Path, label: str) -> Path:
         final, aux = tensors[0], tensors[1:]
-        _same_dtype(aux, path, "SpecForge")
+        _same_dtype(aux, label, "SpecForge")
         ids = dump.input_ids.reshape(1, -1)
         data = {
             "input_ids": ids,
-            "loss_mask": torch.ones_like(ids),
+            "loss_mask": dump.loss_mask.reshape(1, -1) if dump.loss_mask is not None else torch.ones_like(ids),
             "aux_hidden_state": torch.cat(aux, dim=-1).unsqueeze(0),
             "hidden_state": final.unsqueeze(0),
         }
         return _atomic(out / f"data_{i}.ckpt", lambda tmp: torch.save(data, tmp))
 
-    return _export(dump_paths, out_dir, spec, "SpecForge", needs, build)
+    return _export(dump_paths, out_dir, spec, "SpecForge", needs, build, read)
 
 
-def export_speculators(dump_paths, out_dir: str | Path, *, spec) -> list[Path]:
-    """Write ``hs_{i}.safetensors`` per dump shard; returns the paths written (in dump order)."""
+def export_speculators(dump_paths, out_dir: str | Path, *, spec, read: Reader | None = None) -> list[Path]:
+    """Write ``hs_{i}.safetensors`` per dump unit; returns the paths written (in dump order)."""
     from safetensors.torch import save_file
 
     fc = check_speculators(spec)
     L = spec.num_layers
-    needs = [(p, f"fc input {n!r}") for n, p in fc] + [
-        (layer_out(L - 1), f"speculators' last slot (layer_out[{L - 1}] before the final norm; final_norm is not a substitute)")]
+    needs: list[Need] = [(p, f"fc input {n!r}", f"hidden_states[:, {i}]") for i, (n, p) in enumerate(fc)]
+    needs.append((layer_out(L - 1), f"speculators' last slot (layer_out[{L - 1}] before the final norm; "
+                                    "final_norm is not a substitute)", f"hidden_states[:, {len(fc)}]"))
 
-    def build(i: int, dump: Dump, slots: list[torch.Tensor], out: Path, path: Path) -> Path:
-        _same_dtype(slots, path, "speculators")
+    def build(i: int, dump: Dump, slots: list[torch.Tensor], out: Path, label: str) -> Path:
+        _same_dtype(slots, label, "speculators")
         tensors = {"token_ids": dump.input_ids.reshape(-1).contiguous(),
                    "hidden_states": torch.stack(slots, dim=1).contiguous()}
         return _atomic(out / f"hs_{i}.safetensors", lambda tmp: save_file(tensors, tmp))
 
-    return _export(dump_paths, out_dir, spec, "speculators", needs, build)
+    return _export(dump_paths, out_dir, spec, "speculators", needs, build, read)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from surgeon.commands.results import DumpInfo, Exported, GeneratedText, HookCheck, write_new_file
@@ -35,20 +36,65 @@ def check_hooks(*, files: Sequence[str]) -> HookCheck:
     return HookCheck(len(files), findings)
 
 
-def dump_info(*, dump: str) -> DumpInfo:
-    """What a surgeon dump says it is, read from its header alone (no tensor loaded, no torch)."""
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def dump_info(*, dump: str, slots: Sequence[str] = (), spec: str | None = None) -> DumpInfo:
+    """What a dump says it is. A surgeon dump: from its header alone (no tensor loaded, no torch).
+    A TensorRT-LLM or Model Optimizer dump: its layout, which producers its keys allow, its
+    records, and each slot's point as ``slots`` (``PRODUCER:IDS``) labels it, or None: such a file
+    does not record its layers. ``spec`` gives the layer count labelling by ids needs."""
+    from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
+
+    gated = open_tensor_file(dump)
+    if gated.format != SAFETENSORS:
+        return _field_dump_info(dump, slots, spec)
     from surgeon.capture.dumps import read_dump_header
 
-    d = read_dump_header(dump)
+    if slots:
+        raise BadInput(f"{dump}: a safetensors file (a surgeon dump declares its own slots' points); --slots "
+                       "is for TensorRT-LLM and Model Optimizer .pt dumps")
+    d = read_dump_header(gated)
     return DumpInfo(dump, {k: v for k, v in d.meta.items() if k != "captures"},
-                    [{"name": n, "point": str(p), "shape": shape} for n, p, shape in d.captures])
+                    [{"name": n, "point": str(p), "shape": shape,
+                      "dtype": _ST_DTYPES.get(gated.tensors[n]["dtype"], gated.tensors[n]["dtype"].lower())}
+                     for n, p, shape in d.captures],
+                    records=[{"index": 0, "id": None, "tokens": d.tokens, "input_ids": True, "loss_mask": None}])
 
 
-def export(*, dumps: Sequence[str], spec: str, layout: str, out_dir: str) -> Exported:
-    """Export dumps to a training tool's layout (specforge or speculators), or refuse."""
-    from surgeon.capture.exporters import export_specforge, export_speculators
+def _field_dump_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpInfo:
     from surgeon.core.spec import load_spec
+    from surgeon.verify.fielddumps import read_field_dump
+
+    num_layers = load_spec(spec).num_layers if spec else None
+    fd = read_field_dump(dump, slots, num_layers)
+    if fd is None:
+        raise BadInput(f"{dump}: neither a surgeon dump nor a TensorRT-LLM or Model Optimizer dump")
+    first = fd.records[0]
+    dtypes = {str(t.dtype).removeprefix("torch.") for r in fd.records for t in r.tensors}
+    meta = {"engine": "TensorRT-LLM" if fd.layout == "trtllm" else "Model Optimizer",
+            "num_layers": str(num_layers) if num_layers else "", "hidden_size": str(first.tensors[-1].shape[1]),
+            "tokens": str(sum(r.tensors[-1].shape[0] for r in fd.records)), "dtype": ",".join(sorted(dtypes))}
+    captures = [{"name": n, "point": str(p) if p is not None else None, "shape": list(t.shape),
+                 "dtype": str(t.dtype).removeprefix("torch.")}
+                for n, p, t in zip(first.names, first.declared, first.tensors)]
+    records = [{"index": i, "id": r.record, "tokens": int(r.tensors[-1].shape[0]), "input_ids": r.ids is not None,
+                "loss_mask": int((r.loss_mask != 0).sum()) if r.loss_mask is not None else None}
+               for i, r in enumerate(fd.records)]
+    given = f"{fd.producer.name}:{fd.producer.ids_text}" if fd.producer else None
+    return DumpInfo(dump, meta, captures, fd.layout, {"detected": fd.candidates, "why": fd.why, "given": given},
+                    records, list(first.notes))
+
+
+def export(*, dumps: Sequence[str], spec: str, layout: str, out_dir: str, slots: Sequence[str] = ()) -> Exported:
+    """Export dumps to a training tool's layout (specforge or speculators), or refuse. Surgeon
+    dumps declare their points; TensorRT-LLM and Model Optimizer dumps need ``slots``
+    (``PRODUCER:IDS``) to say them."""
+    from surgeon.capture.exporters import MANIFEST, export_specforge, export_speculators
+    from surgeon.core.spec import load_spec
+    from surgeon.verify.fielddumps import export_reader
 
     s = load_spec(spec)
     exporter = export_specforge if layout == "specforge" else export_speculators
-    return Exported(layout, out_dir, list(exporter(list(dumps), out_dir, spec=s)))
+    written = list(exporter(list(dumps), out_dir, spec=s, read=export_reader(slots, s.num_layers)))
+    return Exported(layout, out_dir, written, Path(out_dir) / MANIFEST)

@@ -285,8 +285,26 @@ class VerifyOutput(_Output, MatchResult):
 # -- capture code and dumps ---------------------------------------------------------------------------
 class DumpCapture(_Closed):
     name: str
-    point: Point
-    shape: list[int] | None
+    point: Point | None = Field(description="null: the file does not record it (a TensorRT-LLM or Model Optimizer "
+                                            "dump without --slots)")
+    shape: list[int] | None = Field(description="[tokens, hidden]; of the first record in a file of several")
+    dtype: str | None = None
+
+
+class DumpProducer(_Closed):
+    detected: list[str] = Field(description="the producers whose writer gives a file these keys "
+                                            "(trtllm, modelopt-hf, modelopt-vllm, modelopt-trtllm)")
+    why: str = Field(description="what in the file decides it, with the writer's file:line")
+    given: str | None = Field(description="the --slots PRODUCER:IDS the slots are labelled by; null: none")
+
+
+class DumpRecord(_Closed):
+    index: int
+    id: str | None = Field(description="the record's id in the file (TensorRT-LLM 'id N', Model Optimizer "
+                                       "'conversation C'); null when it has none")
+    tokens: int
+    input_ids: bool
+    loss_mask: int | None = Field(description="tokens in the loss (Model Optimizer's loss_mask); null: no mask")
 
 
 class DumpSpec(_Closed):
@@ -307,11 +325,21 @@ class DumpInfoOutput(_Output):
     dtype: str | None = Field(description="the captures' dtypes, comma-separated")
     captures: list[DumpCapture]
     other_metadata: dict[str, str] = Field(description="metadata keys this surgeon does not interpret")
+    layout: Literal["surgeon", "trtllm", "modelopt"] = Field(
+        default="surgeon",
+        description="surgeon dump, TensorRT-LLM SaveHiddenStates list, or Model Optimizer collect_hidden_states dict")
+    labelled: bool = Field(default=True, description="every capture's point is known")
+    producer: DumpProducer | None = Field(default=None,
+                                          description="a TensorRT-LLM or Model Optimizer dump's; null for a surgeon dump")
+    records: list[DumpRecord] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
 
 
 class ExportOutput(_Output):
     layout: Literal["specforge", "speculators"]
     written: list[str]
+    manifest: str | None = Field(default=None,
+                                 description="surgeon-export.json: per written file its source and each slot's point")
 
 
 class HookFinding(_Closed):

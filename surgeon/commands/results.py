@@ -187,7 +187,15 @@ def _number(text: str | None) -> int | None:
 class DumpInfo:
     file: str
     meta: dict  # the dump's metadata, without its captures list (safetensors metadata: all strings)
-    captures: list[dict]  # name, point, shape per capture
+    captures: list[dict]  # name, point (None: not recorded), shape, dtype per capture
+    layout: str = "surgeon"  # surgeon | trtllm | modelopt
+    producer: dict | None = None  # a field dump's: detected (candidates), why, given (--slots)
+    records: list[dict] = field(default_factory=list)  # per sequence: index, id, tokens, input_ids, loss_mask
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def labelled(self) -> bool:
+        return all(c["point"] is not None for c in self.captures)
 
     def to_json(self) -> dict:
         m = self.meta
@@ -197,7 +205,9 @@ class DumpInfo:
                 "engine": text("engine"), "engine_version": text("engine.version"), "model": text("model"),
                 "num_layers": _number(m.get("num_layers")), "hidden_size": _number(m.get("hidden_size")),
                 "tokens": _number(m.get("tokens")), "dtype": text("dtype"), "captures": self.captures,
-                "other_metadata": {k: v for k, v in m.items() if k not in _DUMP_KEYS}}
+                "other_metadata": {k: v for k, v in m.items() if k not in _DUMP_KEYS},
+                "layout": self.layout, "labelled": self.labelled, "producer": self.producer, "records": self.records,
+                "notes": self.notes}
 
 
 @dataclass
@@ -205,9 +215,11 @@ class Exported:
     layout: str
     out_dir: str
     written: list[Path]
+    manifest: Path | None = None  # surgeon-export.json: each written slot's point and source
 
     def to_json(self) -> dict:
-        return {"layout": self.layout, "written": [str(p) for p in self.written]}
+        return {"layout": self.layout, "written": [str(p) for p in self.written],
+                "manifest": str(self.manifest) if self.manifest is not None else None}
 
 
 @dataclass

@@ -25,6 +25,11 @@ caller names the producer and its ids as one ``--slots`` entry, ``PRODUCER:IDS``
 (:mod:`surgeon.engines.field_tables`). Without it only what the layout itself fixes is labelled:
 TensorRT-LLM's ``hidden_state``. Labels are declarations: ``verify``/``match`` still identify
 every slot against the reference.
+
+``verify``/``match`` read one sequence (a file's first record); ``dump-info`` and ``export`` read the
+whole file (:func:`read_field_dump`: every record, which producers its keys allow), and
+:func:`export_reader` hands its records to :mod:`surgeon.capture.exporters` as dumps, refusing a file
+whose slots no ``--slots`` labelled.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +78,8 @@ class FileSlots:
     declared: list[Point | None]
     ids: torch.Tensor | None = None
     notes: list[str] = field(default_factory=list)
+    record: str | None = None  # which sequence of the file: "id 1", "conversation 7"
+    loss_mask: torch.Tensor | None = None  # Model Optimizer's, as the file holds it
 
 
 def split_producer(entries: Sequence[str]) -> tuple[Producer | None, list[str]]:
@@ -209,19 +217,20 @@ def _cite(c: Cite) -> str:
     return f"{c.path.rsplit('/', 1)[-1]}:{c.line}" if c.line else c.path.rsplit("/", 1)[-1]
 
 
-def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int | None) -> FileSlots:
-    """One record of a TensorRT-LLM SaveHiddenStates dump (the first: a subject is one sequence)."""
+def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int | None, index: int = 0) -> FileSlots:
+    """One record of a TensorRT-LLM SaveHiddenStates dump (the first by default: a subject is one sequence)."""
     if producer is not None and producer.name != "trtllm":
         raise BadInput(f"{p}: a TensorRT-LLM SaveHiddenStates dump (a list of records), not a Model Optimizer "
                        f"{producer.name} file: pass --slots trtllm:IDS (its eagle3_layers_to_capture)")
-    rec = data[0]
+    rec = data[index]
     last = float_2d(rec["hidden_state"], f"{p}: hidden_state")
     T, H = last.shape
     key = next((k for k in TRT_AUX_KEYS if k in rec), None)
     aux = _split_aux(p, rec[key], key, H, T) if key else []
     out = FileSlots("trtllm", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_state"], [*aux, last],
-                     [None] * len(aux) + [FINAL_NORM], int_1d(rec["input_ids"], f"{p}: input_ids"))
-    out.notes.append(f"TensorRT-LLM SaveHiddenStates dump: record 1 of {len(data)} (id {rec['id']}); {TRT_DUMP_NOTE}")
+                     [None] * len(aux) + [FINAL_NORM], int_1d(rec["input_ids"], f"{p}: input_ids"), record=f"id {rec['id']}")
+    out.notes.append(f"TensorRT-LLM SaveHiddenStates dump: record {index + 1} of {len(data)} (id {rec['id']}); "
+                     f"{TRT_DUMP_NOTE}")
     if key == "hidden_state_features":
         out.notes.append("hidden_state_features is the aux key of older releases (NVIDIA/TensorRT-LLM@17c59c3); "
                          "one of them wrote the last captured layer as hidden_state unless "
@@ -250,7 +259,8 @@ def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int
     key = next((k for k in TRT_AUX_KEYS if k in data), None)
     aux = _split_aux(p, data[key], key, H, T) if key else []
     out = FileSlots("modelopt", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_states"], [*aux, last],
-                     [None] * (len(aux) + 1), int_1d(data["input_ids"], f"{p}: input_ids"))
+                     [None] * (len(aux) + 1), int_1d(data["input_ids"], f"{p}: input_ids"),
+                     record=f"conversation {data['conversation_id']}" if "conversation_id" in data else None)
     out.notes.append(f"Model Optimizer collect_hidden_states dump (conversation {data.get('conversation_id', '?')}): "
                      f"keys as {_cite(MODELOPT['dump'])} (hf) and compute_hidden_states_vllm.py:317 write them, "
                      f"NVIDIA/Model-Optimizer@{MODELOPT['dump'].commit[:7]}")
@@ -260,14 +270,22 @@ def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int
             raise BadInput(f"{p}: loss_mask is a {type(mask).__name__}, not a tensor")
         if mask.numel() != T:
             raise BadInput(f"{p}: loss_mask has {mask.numel()} entries for {T} tokens")
+        out.loss_mask = mask
         out.notes.append(f"loss_mask: {int((mask != 0).sum())} of {T} tokens in the loss")
+    backends, why = modelopt_backends(data)
+    if len(backends) == 1:
+        out.notes.append(f"written by its {backends[0].removeprefix('modelopt-')} backend: {why}")
     if producer is None:
-        out.notes.append("slots unlabelled: its hf and vllm backends write the same keys and no file records "
-                         "--aux-layers; pass --slots modelopt-hf:IDS, modelopt-vllm:IDS or modelopt-trtllm:IDS")
+        ask = " or ".join(f"{b}:IDS" for b in backends)
+        out.notes.append("slots unlabelled: the file does not record --aux-layers" + (
+            ", and the hf and vllm backends write the same keys (the vllm backend's slots one layer earlier), so "
+            "it cannot tell which wrote it" if len(backends) > 1 else "") + f"; pass --slots {ask} to label them")
         return out
     if producer.name == "trtllm":
         raise BadInput(f"{p}: a Model Optimizer dump (a dict), not TensorRT-LLM's own list: pass "
                        "--slots modelopt-trtllm:IDS for its trtllm backend")
+    if producer.name not in backends:
+        raise BadInput(f"{p}: --slots {producer.name} does not fit this file: {why}")
     L = _need_layers(producer, num_layers)
     ids = _modelopt_ids(producer, L, out.notes)
     extra = 1 if producer.name == "modelopt-trtllm" and len(aux) == len(ids) + 1 else 0  # TRT-LLM's -1 column kept
@@ -296,3 +314,139 @@ def _modelopt_labels(backend: str, ids: list[int], L: int, extra: int, notes: li
                      f"({_cite(MODELOPT['trtllm_ids'])}), id k = layer_out[k], hidden_states = TensorRT-LLM's "
                      f"post-norm hidden_state ({_cite(MODELOPT['trtllm_rename'])}), {TABLE}")
     return points
+
+
+def modelopt_backends(data: dict) -> tuple[list[str], str]:
+    """The Model Optimizer backends whose writer gives a dump these keys, and why. Only what the
+    writers fix tells them apart: the trtllm backend keeps TensorRT-LLM's keys and adds no loss_mask;
+    only the vllm backend writes an empty aux_hidden_states; otherwise hf and vllm are alike."""
+    trt = _cite(MODELOPT["trtllm_rename"])
+    if "hidden_state_features" in data:
+        return ["modelopt-trtllm"], (f"its aux key hidden_state_features is TensorRT-LLM's (older releases), which "
+                                     f"only the trtllm backend keeps ({trt})")
+    if "loss_mask" not in data:
+        return ["modelopt-trtllm"], (f"it has no loss_mask, which the hf (compute_hidden_states_hf.py:193-201) and "
+                                     f"vllm (compute_hidden_states_vllm.py:317-325) backends write and the trtllm "
+                                     f"backend, rewriting TensorRT-LLM's record, does not ({trt})")
+    aux = data.get("aux_hidden_states")
+    if isinstance(aux, torch.Tensor) and aux.numel() == 0:
+        return ["modelopt-vllm"], ("its aux_hidden_states is empty, which only the vllm backend writes (without aux "
+                                   "ids, compute_hidden_states_vllm.py:303; the hf backend's torch.cat needs one, "
+                                   f"{_cite(MODELOPT['hf_aux'])})")
+    return ["modelopt-hf", "modelopt-vllm"], ("the hf and vllm backends write the same keys, so the file cannot tell "
+                                              "which wrote it")
+
+
+def load_pickle(path: str | Path) -> Any:
+    """A ``torch.save`` file, read with ``weights_only=True`` only; BadInput (one line) otherwise."""
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle refusals and corrupt files alike: bad input, one line
+        first_line = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise BadInput(f"{path}: cannot be read as a tensor file with weights_only=True: {first_line}") from None
+
+
+@dataclass
+class FieldDump:
+    """A whole TensorRT-LLM or Model Optimizer dump file: every record, each labelled as ``--slots``
+    says (or left unlabelled where the file does not record its layers)."""
+
+    path: str
+    layout: str  # trtllm | modelopt
+    candidates: list[str]  # the producers whose writer gives a file these keys
+    why: str
+    producer: Producer | None
+    num_layers: int | None
+    records: list[FileSlots]
+
+    @property
+    def labelled(self) -> bool:
+        return all(d is not None for r in self.records for d in r.declared)
+
+
+def read_field_dump(path: str | Path, slots: Sequence[str] = (), num_layers: int | None = None) -> FieldDump | None:
+    """Read ``path`` whole if it is a TensorRT-LLM or Model Optimizer dump, None if it is another
+    torch.save file. ``slots`` is empty or the one ``PRODUCER:IDS`` entry; ``num_layers`` the
+    target's, which labelling by ids needs."""
+    from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
+
+    gated = open_tensor_file(path)
+    p = str(gated.path)
+    producer, rest = split_producer(slots)
+    if rest:
+        raise BadInput(f"--slots {rest[0]!r}: a TensorRT-LLM or Model Optimizer dump takes one PRODUCER:IDS entry "
+                       f"({', '.join(PRODUCERS)})")
+    if gated.format == SAFETENSORS:
+        return None
+    data = load_pickle(p)
+    try:
+        layout = detect(data)
+    except BadInput as e:
+        raise BadInput(f"{p}: {e}") from None
+    if layout is None:
+        return None
+    try:
+        return _read_whole(p, layout, data, producer, num_layers)
+    except BadInput as e:  # every refusal names the file
+        raise BadInput(str(e) if str(e).startswith(p) else f"{p}: {e}") from None
+
+
+def _read_whole(p: str, layout: str, data: Any, producer: Producer | None, num_layers: int | None) -> FieldDump:
+    if layout == "trtllm":
+        records = [read_trtllm(p, data, producer, num_layers, i) for i in range(len(data))]
+        candidates, why = ["trtllm"], ("a list of records with hidden_state is TensorRT-LLM's own SaveHiddenStates "
+                                       "file (Model Optimizer's trtllm backend rewrites it into a dict)")
+    else:
+        records = [read_modelopt(p, data, producer, num_layers)]
+        candidates, why = modelopt_backends(data)
+    for r in records:
+        T, H = r.tensors[-1].shape
+        if T == 0 or H == 0:
+            raise BadInput(f"{p}: {r.record or 'its record'} has slots of shape [{T}, {H}]: no state to read")
+        if r.ids is not None and r.ids.numel() != T:
+            raise BadInput(f"{p}: {r.record or 'its record'} has {r.ids.numel()} input ids for {T} tokens")
+    return FieldDump(p, layout, candidates, why, producer, num_layers, records)
+
+
+def _as_dumps(fd: FieldDump, spec_layers: int) -> list:
+    """Each record as a :class:`surgeon.capture.dumps.Dump`, its slots' points as labelled."""
+    from surgeon.capture.dumps import Dump
+
+    given = f"{fd.producer.name}:{fd.producer.ids_text}" if fd.producer else None
+    out = []
+    for r in fd.records:
+        H = r.tensors[-1].shape[1]
+        meta = {"num_layers": str(spec_layers), "hidden_size": str(H), "record": r.record or "",
+                "producer": f"{given} ({'TensorRT-LLM' if fd.layout == 'trtllm' else 'Model Optimizer'} dump)"}
+        captures = [(n, pt, t) for n, pt, t in zip(r.names, r.declared, r.tensors) if pt is not None]
+        ids = r.ids
+        if ids is None:
+            raise BadInput(f"{fd.path}: {r.record or 'its record'} has no input ids")
+        out.append(Dump(captures, ids, meta, {n: list(t.shape) for n, _, t in captures}, loss_mask=r.loss_mask))
+    return out
+
+
+def export_reader(slots: Sequence[str], num_layers: int):
+    """The :data:`surgeon.capture.exporters.Reader` for ``surgeon export``: surgeon dumps as they
+    declare themselves, TensorRT-LLM and Model Optimizer dumps labelled by ``slots`` (refused
+    unlabelled: such a file does not record its layers)."""
+    from surgeon.capture.exporters import read_surgeon_dump
+
+    def read(path: Path, header_only: bool) -> list:
+        fd = read_field_dump(path, slots, num_layers)
+        if fd is None:
+            from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
+
+            if open_tensor_file(path).format != SAFETENSORS:
+                raise BadInput(f"{path}: neither a surgeon dump nor a TensorRT-LLM or Model Optimizer dump")
+            if slots:
+                raise BadInput(f"{path}: a safetensors file (a surgeon dump declares its own slots' points); "
+                               f"--slots {slots[0]} names a {PRODUCERS[0]} or Model Optimizer .pt dump")
+            return read_surgeon_dump(path, header_only)
+        if not fd.labelled:
+            raise BadInput(f"{fd.path}: a {'TensorRT-LLM' if fd.layout == 'trtllm' else 'Model Optimizer'} dump "
+                           f"does not record which layers its slots hold: pass --slots "
+                           f"{' or '.join(c + ':IDS' for c in fd.candidates)} ({fd.why})")
+        return _as_dumps(fd, num_layers)
+
+    return read

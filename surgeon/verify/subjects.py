@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -67,14 +66,6 @@ def parse_slot_names(entries: Sequence[str], num_layers: int | None) -> list[tup
             except PointError as e:
                 raise BadInput(f"--slots {entry!r}: {e.message}") from None
     return out
-
-
-def _load_pickle(path: Path) -> Any:
-    try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle refusals and corrupt files alike: bad input, one line
-        first_line = str(e).splitlines()[0][:200]
-        raise BadInput(f"{path}: cannot be read as a tensor file with weights_only=True: {first_line}") from None
 
 
 def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
@@ -144,7 +135,7 @@ def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None =
                   num_layers: int | None = None) -> FileSlots:
     """A ``torch.save`` file: a SpecForge dict, a TensorRT-LLM or Model Optimizer dump, another dict
     of tensors, a list, or one tensor."""
-    data = _load_pickle(p)
+    data = fielddumps.load_pickle(p)
     try:
         kind = fielddumps.detect(data)
     except BadInput as e:

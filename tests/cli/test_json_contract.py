@@ -129,7 +129,9 @@ def test_dump_info_numbers_are_numbers(harness):
     info = valid("dump-info", harness / "dump.safetensors")
     assert (info["num_layers"], info["hidden_size"], info["tokens"], info["dump_format"]) == (8, 128, len(IDS), 1)
     assert info["spec"]["name"] == "demo-tiny-llama-eagle3" and info["engine"] == "vllm"
-    assert info["captures"][0] == {"name": "low", "point": "layer_out[1]", "shape": [len(IDS), 128]}
+    assert info["captures"][0] == {"name": "low", "point": "layer_out[1]", "shape": [len(IDS), 128], "dtype": "float32"}
+    assert (info["layout"], info["labelled"], info["producer"]) == ("surgeon", True, None)
+    assert info["records"] == [{"index": 0, "id": None, "tokens": len(IDS), "input_ids": True, "loss_mask": None}]
 
 
 def test_export_and_check_hooks_outputs(harness, tmp_path):

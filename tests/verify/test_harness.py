@@ -217,7 +217,7 @@ def test_dump_round_trip_info_and_match(tmp_path, kimi):
     assert all(torch.equal(t, c[2]) for (_, _, t), c in zip(d.captures, caps))
     assert d.meta["spec.sha256"] == spec.sha256 and d.meta["tokens"] == str(len(IDS))
     info = json.loads(run("dump-info", f, "--json").stdout)
-    assert info["captures"][1] == {"name": "b", "point": "layer_out[30]", "shape": [len(IDS), 64]}
+    assert info["captures"][1] == {"name": "b", "point": "layer_out[30]", "shape": [len(IDS), 64], "dtype": "bfloat16"}
     r = json.loads(run("match", f, "--reference", ref_file, "--json").stdout)
     assert [s["verdict"] for s in r["slots"]] == ["ok"] * 4  # the dump declares its own points
 

@@ -1,0 +1,241 @@
+"""`surgeon dump-info` and `surgeon export` on TensorRT-LLM SaveHiddenStates and Model Optimizer
+collect_hidden_states dumps, written by the writers of tests/conftest.py as each source writes them
+(states of a real tiny model): the producer the keys allow, each slot's point as --slots labels it,
+and the trainer files and manifest export writes from them."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from surgeon.core.points import FINAL_NORM, layer_out, parse_point
+from tests.conftest import FIELD_IDS as IDS
+from tests.conftest import FIELD_LAYERS as L
+from tests.conftest import cli_run as run
+from tests.conftest import trtllm_record, write_modelopt_hf, write_modelopt_trtllm, write_modelopt_vllm, write_trtllm
+
+T = len(IDS)
+
+
+def on_schema(verb, data):
+    """``data`` (a --json output) checked against the schema ``surgeon schema --output VERB`` prints."""
+    schema = json.loads(run("schema", "--output", verb).stdout)
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in jsonschema.Draft202012Validator(schema).iter_errors(data)]
+    assert not errors, errors[:5]
+    return data
+
+
+def info(f, *args, code=0):
+    return on_schema("dump-info", json.loads(run("dump-info", f, *args, "--json", code=code).stdout))
+
+
+def points(report):
+    return [c["point"] for c in report["captures"]]
+
+
+def one_line_refusal(res, *needles):
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(n in lines[0] for n in needles), res.stderr
+
+
+# -- dump-info ------------------------------------------------------------------------------------------
+def test_dump_info_on_a_trtllm_dump_labels_only_what_the_layout_fixes_until_slots_name_the_ids(tmp_path, field_target):
+    ref, _, spec = field_target
+    f = tmp_path / "data_1.pt"
+    torch.save([trtllm_record(ref, {1, 3, 5}), trtllm_record(ref, {1, 3, 5}, record_id=2)], f)
+    bare = info(f)
+    assert (bare["layout"], bare["labelled"], bare["producer"]["detected"], bare["producer"]["given"]) == \
+        ("trtllm", False, ["trtllm"], None)
+    assert points(bare) == [None, None, None, "final_norm"]  # -1's column: the layout says so, no ids needed
+    assert [c["name"] for c in bare["captures"]][-1] == "hidden_state"
+    assert all(c["shape"] == [T, 64] and c["dtype"] == "float32" for c in bare["captures"])
+    assert bare["records"] == [{"index": i, "id": f"id {i + 1}", "tokens": T, "input_ids": True, "loss_mask": None}
+                               for i in range(2)]
+    assert bare["tokens"] == 2 * T and bare["hidden_size"] == 64 and bare["num_layers"] is None
+    assert any("does not record eagle3_layers_to_capture" in n and "--slots trtllm:IDS" in n for n in bare["notes"])
+    text = run("dump-info", f).stdout
+    assert "not recorded" in text and "2 record(s)" in text
+    labelled = info(f, "--slots", "trtllm:5,3,1", "--spec", spec)
+    assert labelled["labelled"] and labelled["producer"]["given"] == "trtllm:5,3,1" and labelled["num_layers"] == L
+    assert points(labelled) == ["layer_out[1]", "layer_out[3]", "layer_out[5]", "final_norm"]
+
+
+def test_dump_info_reads_a_vllm_backend_dump_as_hf_one_layer_later_than_as_vllm(tmp_path, field_target):
+    ref, _, spec = field_target
+    f = write_modelopt_vllm(tmp_path / "c1.pt", ref, [2, 4, 6])
+    bare = info(f)
+    assert (bare["layout"], bare["producer"]["detected"], points(bare)) == \
+        ("modelopt", ["modelopt-hf", "modelopt-vllm"], [None] * 4)
+    assert any("does not record --aux-layers" in n and "cannot tell which wrote it" in n
+               and "--slots modelopt-hf:IDS or modelopt-vllm:IDS" in n for n in bare["notes"])
+    assert bare["records"] == [{"index": 0, "id": "conversation c1", "tokens": T, "input_ids": True, "loss_mask": T}]
+    as_vllm = points(info(f, "--slots", "modelopt-vllm:2,4,6", "--spec", spec))
+    as_hf = points(info(f, "--slots", "modelopt-hf:2,4,6", "--spec", spec))
+    assert as_vllm == ["layer_out[1]", "layer_out[3]", "layer_out[5]", f"layer_out[{L - 1}]"]
+    assert as_hf == ["layer_out[2]", "layer_out[4]", "layer_out[6]", "final_norm"]
+    assert [parse_point(p, L).index + 1 for p in as_vllm[:3]] == [parse_point(p, L).index for p in as_hf[:3]]
+
+
+def test_dump_info_tells_the_backend_where_the_keys_fix_it(tmp_path, field_target):
+    ref, _, spec = field_target
+    trt = info(write_modelopt_trtllm(tmp_path / "3.pt", ref, [1, 3, 5]))
+    assert trt["producer"]["detected"] == ["modelopt-trtllm"] and "no loss_mask" in trt["producer"]["why"]
+    assert trt["records"][0]["loss_mask"] is None
+    assert points(info(tmp_path / "3.pt", "--slots", "modelopt-trtllm:1,3,5", "--spec", spec)) == \
+        ["layer_out[1]", "layer_out[3]", "layer_out[5]", "final_norm"]
+    res = run("dump-info", tmp_path / "3.pt", "--slots", "modelopt-hf:1,3,5", "--spec", spec, code=2)
+    one_line_refusal(res, "3.pt", "modelopt-hf", "no loss_mask")
+    empty = info(write_modelopt_vllm(tmp_path / "none.pt", ref, []))
+    assert empty["producer"]["detected"] == ["modelopt-vllm"] and [c["name"] for c in empty["captures"]] == ["hidden_states"]
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("no_spec", ["pass --spec"]),
+    ("not_a_field_dump", ["neither a surgeon dump nor"]),
+    ("unsafe_pickle", ["weights_only=True"]),
+    ("slots_on_surgeon_dump", ["surgeon dump declares"]),
+    ("bad_ids", ["outside [0, 8)"]),
+])
+def test_dump_info_bad_input_is_one_line_exit_2(tmp_path, field_target, case, needles):
+    from surgeon.capture.dumps import write_dump
+
+    ref, _, spec = field_target
+    f = tmp_path / "x.pt"
+    args = []
+    if case == "no_spec":
+        write_modelopt_hf(f, ref, [1, 3, 5])
+        args = ["--slots", "modelopt-hf:1,3,5"]
+    elif case == "not_a_field_dump":
+        torch.save({"weights": torch.zeros(3)}, f)
+    elif case == "unsafe_pickle":
+        torch.save({"hidden_states": torch.zeros(2, 2), "conversation_id": Exception("not a tensor")}, f)
+    elif case == "slots_on_surgeon_dump":
+        f = write_dump(tmp_path / "d.safetensors", [("last", FINAL_NORM, ref.states[FINAL_NORM])],
+                       input_ids=ref.input_ids, num_layers=L)
+        args = ["--slots", "trtllm:1"]
+    elif case == "bad_ids":
+        write_modelopt_vllm(f, ref, [1, 3, 5])
+        args = ["--slots", "modelopt-vllm:1,3,8", "--spec", spec]
+    one_line_refusal(run("dump-info", f, *args, code=2), str(f.name), *needles)
+
+
+# -- export ---------------------------------------------------------------------------------------------
+def manifest(out):
+    return json.loads((out / "surgeon-export.json").read_text())
+
+
+def test_export_a_modelopt_hf_dump_to_specforge_with_its_loss_mask(tmp_path, field_target):
+    ref, _, spec = field_target
+    f = write_modelopt_hf(tmp_path / "7.pt", ref, [1, 3, 5])
+    data = torch.load(f, weights_only=True)
+    data["loss_mask"][:4] = 0  # the prompt, as Model Optimizer masks it
+    torch.save(data, f)
+    out = tmp_path / "sf"
+    r = on_schema("export", json.loads(run("export", f, "--spec", spec, "--layout", "specforge", "-o", out, "--slots",
+                                           "modelopt-hf:1,3,5", "--json").stdout))
+    assert r["written"] == [str(out / "data_0.ckpt")] and r["manifest"] == str(out / "surgeon-export.json")
+    ckpt = torch.load(out / "data_0.ckpt", weights_only=True)
+    assert set(ckpt) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+    assert torch.equal(ckpt["input_ids"], ref.input_ids[None])
+    assert torch.equal(ckpt["loss_mask"], data["loss_mask"][None]) and int(ckpt["loss_mask"].sum()) == T - 4
+    want_aux = torch.cat([ref.states[layer_out(k)] for k in (1, 3, 5)], dim=-1)
+    assert torch.equal(ckpt["aux_hidden_state"][0], want_aux)
+    assert torch.equal(ckpt["hidden_state"][0], ref.states[FINAL_NORM])
+    m = manifest(out)
+    assert (m["surgeon.kind"], m["layout"], m["spec"]["name"]) == ("export", "SpecForge", "tiny")
+    (entry,) = m["files"]
+    assert (entry["file"], entry["source"], entry["record"], entry["loss_mask"]) == \
+        ("data_0.ckpt", str(f), "conversation 7", "the dump's")
+    assert entry["producer"].startswith("modelopt-hf:1,3,5")
+    assert [(c["name"], c["point"], c["from"]) for c in entry["captures"]] == [
+        ("hidden_state", "final_norm", "hidden_states"), ("aux_hidden_state[0]", "layer_out[1]", "aux_hidden_states[0]"),
+        ("aux_hidden_state[1]", "layer_out[3]", "aux_hidden_states[1]"),
+        ("aux_hidden_state[2]", "layer_out[5]", "aux_hidden_states[2]")]
+
+
+def test_export_a_vllm_backend_dump_is_what_its_backend_says_not_what_hf_would(tmp_path, field_target):
+    ref, _, spec = field_target
+    f = write_modelopt_vllm(tmp_path / "c1.pt", ref, [2, 4, 6])  # vLLM ids 2,4,6 = layer_out[1],[3],[5]
+    out = tmp_path / "sp"
+    run("export", f, "--spec", spec, "--layout", "speculators", "-o", out, "--slots", "modelopt-vllm:2,4,6")
+    hs = load_file(str(out / "hs_0.safetensors"))
+    assert torch.equal(hs["token_ids"], ref.input_ids)
+    for i, k in enumerate((1, 3, 5, L - 1)):
+        assert torch.equal(hs["hidden_states"][:, i], ref.states[layer_out(k)])
+    assert [c["point"] for c in manifest(out)["files"][0]["captures"]] == \
+        ["layer_out[1]", "layer_out[3]", "layer_out[5]", f"layer_out[{L - 1}]"]
+    # SpecForge needs the final norm's output, which the vllm backend does not dump: refused, nothing written
+    sf = tmp_path / "sf"
+    one_line_refusal(run("export", f, "--spec", spec, "--layout", "specforge", "-o", sf, "--slots",
+                         "modelopt-vllm:2,4,6", code=2), "c1.pt", "final_norm")
+    assert not sf.exists()
+    # read as if hf had written it, every slot is one layer later: the spec's layer_out[1] is not there
+    sp2 = tmp_path / "sp2"
+    one_line_refusal(run("export", f, "--spec", spec, "--layout", "speculators", "-o", sp2, "--slots",
+                         "modelopt-hf:2,4,6", code=2), "c1.pt", "no layer_out[1]")
+    assert not sp2.exists()
+
+
+def test_export_every_record_of_a_trtllm_folder(tmp_path, field_target):
+    ref, _, spec = field_target
+    d = tmp_path / "trt"
+    d.mkdir()
+    torch.save([trtllm_record(ref, {1, 3, 5}), trtllm_record(ref, {1, 3, 5}, record_id=2)], d / "data_1.pt")
+    write_trtllm(d / "data_2.pt", ref, {1, 3, 5})
+    out = tmp_path / "sf"
+    r = json.loads(run("export", d, "--spec", spec, "--layout", "specforge", "-o", out, "--slots", "trtllm:1,3,5",
+                       "--json").stdout)
+    assert [p.rsplit("/", 1)[-1] for p in r["written"]] == ["data_0.ckpt", "data_1.ckpt", "data_2.ckpt"]
+    files = manifest(out)["files"]
+    assert [(e["source"].rsplit("/", 1)[-1], e["record"], e["loss_mask"]) for e in files] == [
+        ("data_1.pt", "id 1", "ones (the dump has none)"), ("data_1.pt", "id 2", "ones (the dump has none)"),
+        ("data_2.pt", "id 1", "ones (the dump has none)")]
+    for e in files:
+        ckpt = torch.load(out / e["file"], weights_only=True)
+        assert torch.equal(ckpt["hidden_state"][0], ref.states[FINAL_NORM])
+        assert torch.equal(ckpt["aux_hidden_state"][0], torch.cat([ref.states[layer_out(k)] for k in (1, 3, 5)], -1))
+        assert torch.equal(ckpt["loss_mask"], torch.ones(1, T, dtype=torch.long))
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("unlabelled", ["does not record which layers", "--slots modelopt-hf:IDS or modelopt-vllm:IDS"]),
+    ("unlabelled_trtllm", ["--slots trtllm:IDS"]),
+    ("wrong_count", ["the ids do not fit"]),
+    ("not_a_field_dump", ["neither a surgeon dump nor"]),
+    ("slots_on_surgeon_dump", ["surgeon dump declares"]),
+    ("wrong_hidden", ["hidden size 32"]),
+    ("second_file_bad", ["b.pt", "the ids do not fit"]),
+])
+def test_export_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, field_target, case, needles):
+    from surgeon.capture.dumps import write_dump
+
+    ref, _, spec = field_target
+    f = tmp_path / "a.pt"
+    files = [f]
+    slots = ["--slots", "modelopt-hf:1,3,5"]
+    if case == "unlabelled":
+        write_modelopt_hf(f, ref, [1, 3, 5])
+        slots = []
+    elif case == "unlabelled_trtllm":
+        write_trtllm(f, ref, {1, 3, 5})
+        slots = []
+    elif case == "wrong_count":
+        write_modelopt_hf(f, ref, [1, 3])
+    elif case == "not_a_field_dump":
+        torch.save([torch.zeros(3, 2)], f)
+    elif case == "slots_on_surgeon_dump":
+        f = write_dump(tmp_path / "d.safetensors", [("last", FINAL_NORM, ref.states[FINAL_NORM])],
+                       input_ids=ref.input_ids, num_layers=L)
+        files = [f]
+    elif case == "wrong_hidden":
+        torch.save({"input_ids": ref.input_ids, "hidden_states": torch.zeros(T, 32),
+                    "aux_hidden_states": torch.zeros(T, 96), "loss_mask": torch.ones(T, dtype=torch.long)}, f)
+    elif case == "second_file_bad":  # a good first file is not written when the second cannot fill the layout
+        write_modelopt_hf(f, ref, [1, 3, 5])
+        files = [f, write_modelopt_hf(tmp_path / "b.pt", ref, [1, 3])]
+    out = tmp_path / "out"
+    res = run("export", *files, "--spec", spec, "--layout", "specforge", "-o", out, *slots, code=2)
+    one_line_refusal(res, *needles)
+    assert not out.exists()
