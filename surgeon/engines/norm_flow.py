@@ -179,7 +179,8 @@ class _Walk:
         (self.dead if self.f.dead(node) else self.uses).append(s)
 
     def escape(self, node: cst.CSTNode, how: str) -> None:
-        self.escapes.append(_Site(self.f.line(node), self.f.site(node), how))
+        s = _Site(self.f.line(node), self.f.site(node), how)
+        (self.dead if self.f.dead(node) else self.escapes).append(s)
 
     def carry(self, expr: cst.CSTNode, how: str) -> None:
         """The value of ``expr`` carries the flag: where does it go?"""
