@@ -12,16 +12,20 @@ position metadata:
   in-file family), a parameter (the value passed to a function or class of the same file:
   ``LlamaDecoderLayer(..., flag=...)`` follows into ``__init__``), a return (into the calls of
   the function in the file);
-* an ``if`` whose arms only assign attributes or locals (module construction:
+* an ``if`` whose arms only set attributes of ``self`` (module construction:
   ``if flag: self.fc_norm = ModuleList(...) else: self.fc_norm = None``) passes the dependence to
-  what it assigns, which is followed in turn.
+  what it sets, which is followed in turn: a norm built and never applied is no use.
 
 A use is where the value changes the computation: the test of an ``if`` (or ``while``) whose arms
-do more than assign, the test of a conditional expression, or the value called (a module or
-method applied). A use under ``if TYPE_CHECKING`` (or a constant false test) is dead and does not
-count. Where the value reaches code this does not follow (passed to a function of another module,
-stored in a container, returned to callers the file does not show) it escapes: the answer is
-unverified there, with the file:line. Nothing is imported from the engine.
+do more than set attributes, the test of a conditional expression, or the value called (a module
+or method applied). A use under ``if TYPE_CHECKING`` (or a constant false test), or in an arm that
+runs only when ``use_aux_hidden_state`` is false (EAGLE-1 style drafts), is dead for an EAGLE-3
+draft and does not count. Where the value reaches code this does not follow (passed to a function
+of another module, stored in a container, returned to callers the file does not show) it escapes:
+the answer is unverified there, with the file:line. Nothing is imported from the engine.
+
+An attribute loaded on another object (``self.model.norm_before_fc`` in the CausalLM wrapper) is
+taken to be the one stored (matched by name in the file), since the object's class is not typed.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ UseState = Literal["used", "unused", "unverified"]
 _KEEPS = (cst.BooleanOperation, cst.UnaryOperation, cst.Comparison, cst.ComparisonTarget, cst.BinaryOperation,
           cst.Attribute, cst.Subscript, cst.SubscriptElement, cst.Index)
 _TRANSPARENT_CALLS = {"bool", "int", "float"}
+_AUX = m.Name("use_aux_hidden_state") | m.Attribute(attr=m.Name("use_aux_hidden_state"))
 _SELF_ATTR = m.Attribute(value=m.Name("self"))
 # a statement of module construction: it only sets attributes of self (or does nothing)
 _SETS_SELF = m.SimpleStatementLine(body=[m.Assign(targets=[m.AtLeastN(m.AssignTarget(target=_SELF_ATTR), n=1)])
@@ -109,7 +114,8 @@ class ValueFlow:
         if state.escapes:
             best = min(state.escapes, key=lambda s: s.line)
             return FlagUse("unverified", best.where, best.how)
-        dead = f"; its only uses are in dead code ({', '.join(s.where for s in state.dead)})" if state.dead else ""
+        dead = "; ".join(f"{s.where} {s.how}" for s in sorted(state.dead, key=lambda s: s.line))
+        dead = f"; its only uses are dead code: {dead}" if dead else ""
         followed = "; ".join(state.followed) or f"`{self.code(read)}` is discarded"
         return FlagUse("unused", None, f"no use of the value found in {self.rel} (followed: {followed}){dead}")
 
@@ -149,18 +155,26 @@ class ValueFlow:
                 return found
         return None
 
-    def dead(self, node: cst.CSTNode) -> bool:
-        """Under ``if TYPE_CHECKING:`` or a constant false test (the arm, not the else)."""
+    def dead(self, node: cst.CSTNode) -> str | None:
+        """Why ``node`` never runs for an EAGLE-3 draft (None: it may run): under ``if
+        TYPE_CHECKING:`` or a constant false test, or in the arm of a test on
+        ``use_aux_hidden_state`` that runs only when it is false (EAGLE-3 drafts feed aux hidden
+        states: it is true; check-draft refuses a config that sets it false)."""
         child, cur = node, self.parent.get(node)
         while cur is not None:
-            if isinstance(cur, cst.If) and child is cur.body:
-                test = cur.test
-                if m.matches(test, m.Name("TYPE_CHECKING") | m.Attribute(attr=m.Name("TYPE_CHECKING"))):
-                    return True
-                if isinstance(test, (cst.Name, cst.Integer)) and self.code(test) in ("False", "0"):
-                    return True
+            if isinstance(cur, cst.If) and child in (cur.body, cur.orelse):
+                test, in_body = cur.test, child is cur.body
+                negated = m.matches(test, m.UnaryOperation(operator=m.Not()))
+                aux = m.matches(test.expression if isinstance(test, cst.UnaryOperation) else test, _AUX)
+                if in_body and (m.matches(test, m.Name("TYPE_CHECKING") | m.Attribute(attr=m.Name("TYPE_CHECKING")))
+                                or self.code(test) in ("False", "0")):
+                    return f"under `if {self.code(test)}` ({self.site(cur)}), which never runs"
+                if aux and in_body == negated:
+                    arm = "" if in_body else "the else of "
+                    return (f"in {arm}`if {self.code(test)}` ({self.site(cur)}), which runs only when "
+                            "use_aux_hidden_state is false: dead for EAGLE-3")
             child, cur = cur, self.parent.get(cur)
-        return False
+        return None
 
 
 class _Walk:
@@ -175,12 +189,17 @@ class _Walk:
         self.seen: set[Any] = set()
 
     def use(self, node: cst.CSTNode, how: str) -> None:
-        s = _Site(self.f.line(node), self.f.site(node), how)
-        (self.dead if self.f.dead(node) else self.uses).append(s)
+        self._site(node, how, self.uses)
 
     def escape(self, node: cst.CSTNode, how: str) -> None:
-        s = _Site(self.f.line(node), self.f.site(node), how)
-        (self.dead if self.f.dead(node) else self.escapes).append(s)
+        self._site(node, how, self.escapes)
+
+    def _site(self, node: cst.CSTNode, how: str, live: list[_Site]) -> None:
+        dead = self.f.dead(node)
+        if dead is None:
+            live.append(_Site(self.f.line(node), self.f.site(node), how))
+        else:
+            self.dead.append(_Site(self.f.line(node), self.f.site(node), dead))
 
     def carry(self, expr: cst.CSTNode, how: str) -> None:
         """The value of ``expr`` carries the flag: where does it go?"""

@@ -273,3 +273,29 @@ def test_check_draft_json_reports_each_flag(tmp_path):
     assert norms["fc_norm"]["builds"] is True and norms["fc_norm"]["read"].startswith("sglang/srt/models/llama_eagle3.py:")
     r = check_draft(load_spec(f), d, "vllm")
     assert [n.state for n in r.norms] == ["used"] * 4
+
+
+def test_use_only_in_a_branch_dead_for_eagle3(tmp_path):
+    """Before/after on vLLM 0.33.0's llama_eagle3.py: norm_output's use moved into an arm that
+    runs only when use_aux_hidden_state is false (never for an EAGLE-3 draft) -> read but unused."""
+    src = release_engine("vllm", "0.33.0")
+    root = tmp_path / "vllm"
+    models = root / "model_executor" / "models"
+    models.mkdir(parents=True)
+    shutil.copy(src / "model_executor/models/registry.py", models / "registry.py")
+    model = models / "llama_eagle3.py"
+    shutil.copy(src / "model_executor/models/llama_eagle3.py", model)
+    use = "        aux_output = hidden_states if self.norm_output else hidden_prenorm\n"
+    text = model.read_text()
+    assert text.count(use) == 1
+    model.write_text(text.replace(use, "        aux_output = hidden_prenorm\n        if not self.use_aux_hidden_state:\n    "
+                                       + use))
+    reading = read_norms(locate_engine("vllm", root), {"architectures": ["LlamaForCausalLMEagle3"]})
+    state, read = reading.state("norm_output")
+    assert state == "read_unused" and read.where == V + "llama_eagle3.py:252"
+    assert "`if not self.use_aux_hidden_state` (vllm/model_executor/models/llama_eagle3.py:287)" in read.use.how
+    assert "dead for EAGLE-3" in read.use.how
+    s = spec(tmp_path, "norm_output: true")
+    bad = errors(norm_lines(s, "vllm", {"architectures": ["LlamaForCausalLMEagle3"], "norm_output": True}, root))
+    assert len(bad) == 1 and bad[0].startswith("norm_output: the draft needs True")
+    assert reading.state("norm_before_fc")[0] == "used"  # the other flags keep their uses
