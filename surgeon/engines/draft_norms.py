@@ -137,15 +137,13 @@ def parse_module(file: Path, rel: str) -> cst.Module:
 _NAMES = set(NORM_FLAGS) | set(ALIASES)
 
 
-def flag_reads(module: cst.Module, rel: str, under: cst.CSTNode | None = None,
-               follow: bool = True) -> dict[str, list[FlagRead]]:
-    """Every norm-flag read under ``under`` (default: the module), by flag, in source order; with
-    ``follow``, each with where its value is used."""
-    flow = ValueFlow(module, rel)
+def flag_reads(flow: ValueFlow, under: cst.CSTNode | None = None, follow: bool = True) -> dict[str, list[FlagRead]]:
+    """Every norm-flag read in ``flow``'s file under ``under`` (default: the module), by flag, in
+    source order; with ``follow``, each with where its value is used."""
     out: dict[str, list[FlagRead]] = {}
-    for call, scope, key, default in key_reads(module, _NAMES, under):
+    for call, scope, key, default in key_reads(flow.module, _NAMES, under):
         flag = ALIASES.get(key, key)
-        out.setdefault(flag, []).append(FlagRead(flag, f"{scope}.{key}", rel, flow.line(call),
+        out.setdefault(flag, []).append(FlagRead(flag, f"{scope}.{key}", flow.rel, flow.line(call),
                                                  None if default is NO_DEFAULT else default,
                                                  flow.follow(call) if follow else None))
     return out
@@ -163,7 +161,7 @@ def _model_reads(file: Path, rel: str) -> dict[str, list[FlagRead]]:
         raise BadInput(f"{file}: cannot read: {e}") from None
     key = (str(file), rel, st.st_mtime_ns, st.st_size)
     if key not in _READS:
-        _READS[key] = flag_reads(parse_module(file, rel), rel)
+        _READS[key] = flag_reads(ValueFlow(parse_module(file, rel), rel))
     return _READS[key]
 
 
@@ -196,15 +194,14 @@ def _speculators_translation(loc: EngineLocation, algo: str) -> tuple[dict[str, 
     rel = f"{loc.layout.package}/{SPECULATORS_ALGOS}"
     if not file.is_file():
         return None, f"{rel} is absent: this vLLM does not read speculators configs"
-    module = parse_module(file, rel)
+    flow = ValueFlow(parse_module(file, rel), rel)
     registered = m.FunctionDef(decorators=[m.ZeroOrMore(), m.Decorator(decorator=m.Call(
         args=[m.Arg(value=m.SimpleString(m.MatchIfTrue(lambda v: v[1:-1] == algo))), m.ZeroOrMore()])),
         m.ZeroOrMore()])
-    for node in module.body:
+    for node in flow.module.body:
         if isinstance(node, cst.FunctionDef) and m.matches(node, registered):
-            reads = flag_reads(module, rel, node, follow=False)
-            line = ValueFlow(module, rel).line(node)
-            return {f: rs[0] for f, rs in reads.items()}, f"{rel}:{line} ({node.name.value})"
+            reads = flag_reads(flow, node, follow=False)
+            return {f: rs[0] for f, rs in reads.items()}, f"{rel}:{flow.line(node)} ({node.name.value})"
     return None, f"{rel} registers no speculators type {algo!r}"
 
 
