@@ -144,6 +144,9 @@ def print_draft_check(r: Any) -> None:
     style = {"error": "red", "warning": "yellow", "info": "dim"}
     for f in r.findings:
         out.print(f"  [{style[f.severity]}]{f.severity}[/] {f.kind}: {escape(f.detail)}")
+    if r.norms:  # per norm flag: what the engine's draft model file does with it
+        out.print("  norm flags: " + "; ".join(f"{n.flag} {n.state.replace('_', ' ')}" + (f" at {escape(n.used_at)}"
+                                                   if n.used_at else "") for n in r.norms))
     out.print("[green]ok[/]" if r.ok else "[red]mismatch[/]")
 
 

@@ -140,6 +140,18 @@ class DraftFinding(_Closed):
     detail: str
 
 
+class DraftNorm(_Closed):
+    flag: Literal["norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"]
+    state: Literal["used", "read_unused", "not_read", "unverified"] = Field(
+        description="what the engine's draft model file does with the flag: used (a use site found), read_unused (read, "
+                    "its value used nowhere: treated as not read), not_read, unverified (the value escapes to code not read)")
+    read: str | None = Field(description="file:line of the read the state rests on")
+    used_at: str | None = Field(description="used: file:line where the value changes the computation")
+    builds: bool = Field(description="the value the engine builds the draft with")
+    needs: bool = Field(description="the value the draft was trained with")
+    detail: str
+
+
 class CheckDraftOutput(_Output):
     ok: bool = Field(description="no error finding: the engine feeds the fc the spec's points; exit 3 otherwise")
     spec: str
@@ -154,6 +166,8 @@ class CheckDraftOutput(_Output):
     expected: list[Point]
     fc_weight: dict[str, Any] | None
     findings: list[DraftFinding]
+    norms: list[DraftNorm] = Field(default_factory=list, description="EAGLE-3 drafts, per norm flag: what the engine does "
+                                   "with it (empty: not read for this engine)")
 
 
 class ReviewCapture(_Closed):

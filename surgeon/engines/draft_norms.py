@@ -5,7 +5,9 @@ The flags (speculators' names: ``norm_before_residual``, ``norm_before_fc``, ``f
 if it were unset, and serves a draft trained with it wrong, silently. So the answer is read from
 the engine's draft model file: every ``getattr(<config>, "<flag>", default)`` and
 ``<dict>.get("<flag>", default)`` is a read, with its file:line, the key it reads (the top-level
-config or ``eagle_config``) and its default. vLLM turns a speculators-format config into its own
+config or ``eagle_config``) and its default. A read is not a use: each read's value is followed
+through the file (:mod:`surgeon.engines.norm_flow`) to where it changes the computation, and a read
+whose value nothing uses counts as no read. vLLM turns a speculators-format config into its own
 through the function ``register_speculator(<type>)`` registers
 (``transformers_utils/configs/speculators/algos.py``); the flags that function copies, and the
 defaults it gives them, are read the same way.
@@ -19,17 +21,23 @@ import ast
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import libcst as cst
+import libcst.matchers as m
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS
 from surgeon.engines.locate import EngineLocation
+from surgeon.engines.norm_flow import NO_DEFAULT, FlagUse, ValueFlow, key_reads
 
 # Other names an engine reads for a flag (SGLang's legacy ``use_aux_norm`` enables ``fc_norm``).
 ALIASES = {"use_aux_norm": "fc_norm"}
 SPECULATORS_ALGOS = "transformers_utils/configs/speculators/algos.py"
 VLLM_REGISTRY = "model_executor/models/registry.py"
-_NO_DEFAULT = object()
+# what an engine does with a flag: used (a use site found), read_unused (read, the value used nowhere),
+# not_read, unverified (the value escapes to code not read)
+FlagState = Literal["used", "read_unused", "not_read", "unverified"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class FlagRead:
     path: str  # relative to the engine package
     line: int
     default: Any = None  # the value when the key is absent (None: no default written)
+    use: FlagUse | None = None  # where the value goes (None: not followed, as in vLLM's algos.py)
 
     @property
     def where(self) -> str:
@@ -60,6 +69,18 @@ class NormReading:
     translation: dict[str, FlagRead] | None = None
     translation_where: str | None = None
 
+    def state(self, flag: str) -> tuple[FlagState, FlagRead | None]:
+        """What the model file does with ``flag``, and the read that says so (the first read whose
+        value is used; else the first whose use is unverified; else the first read)."""
+        reads = self.reads.get(flag, [])
+        if not reads:
+            return "not_read", None
+        for want in ("used", "unverified"):
+            hit = next((r for r in reads if r.use is None or r.use.state == want), None)
+            if hit is not None:
+                return ("used" if hit.use is None or hit.use.state == "used" else "unverified"), hit
+        return "read_unused", reads[0]
+
     def effective(self, flag: str, config: dict) -> tuple[bool, str]:
         """The value the engine builds the draft with, given the draft's config.json, and why."""
         source, prefix = config, ""
@@ -71,48 +92,28 @@ class NormReading:
             prefix = f"{t.where}: copies {flag}" + ("" if flag in config else f", absent so {t.default}") + "; "
         nested = source.get("eagle_config")
         eagle_config = nested if isinstance(nested, dict) else {}
-        reads = self.reads.get(flag, [])
-        if not reads:
+        state, first = self.state(flag)
+        if first is None:
             return False, f"{prefix}{self.model_file or 'no draft model file'} never reads {flag}"
+        if state == "read_unused":
+            return False, (f"{prefix}{first.where}: reads {first.key}, but {first.use.how if first.use else ''}: "
+                           "the engine builds the draft as if it were unset")
+        reads = [r for r in self.reads[flag] if r.use is None or r.use.state != "unused"]
         for r in reads:
             scope, _, name = r.key.partition(".")
             holder = eagle_config if scope == "eagle_config" else source
             if holder.get(name) is not None:
-                return bool(holder[name]), f"{prefix}{r.where}: reads {r.key}"
+                return bool(holder[name]), f"{prefix}{r.where}: reads {r.key}{_use_note(r)}"
         r = reads[-1]
-        return bool(r.default), f"{prefix}{r.where}: {r.key} absent, default {r.default}"
+        return bool(r.default), f"{prefix}{r.where}: {r.key} absent, default {r.default}{_use_note(r)}"
 
 
-def _literal(node: ast.AST | None) -> Any:
-    if node is None:
-        return _NO_DEFAULT
-    try:
-        return ast.literal_eval(node)
-    except (ValueError, SyntaxError, TypeError):
-        return _NO_DEFAULT
-
-
-def _read_of(call: ast.Call, path: str) -> FlagRead | None:
-    """A flag read in ``call``: ``getattr(obj, "flag", d)`` or ``obj.get("flag", d)``."""
-    if isinstance(call.func, ast.Name) and call.func.id == "getattr" and len(call.args) >= 2:
-        name_node, default_node, scope = call.args[1], call.args[2] if len(call.args) > 2 else None, "config"
-    elif isinstance(call.func, ast.Attribute) and call.func.attr == "get" and call.args:
-        name_node, default_node = call.args[0], call.args[1] if len(call.args) > 1 else None
-        owner = call.func.value
-        scope = "eagle_config" if isinstance(owner, ast.Name) and owner.id == "eagle_config" else "config"
-    else:
-        return None
-    if not isinstance(name_node, ast.Constant) or not isinstance(name_node.value, str):
-        return None
-    name = name_node.value
-    flag = ALIASES.get(name, name)
-    if flag not in NORM_FLAGS:
-        return None
-    default = _literal(default_node)
-    if isinstance(default_node, ast.Call):  # a nested read is the fallback: its default counts
-        inner = _read_of(default_node, path)
-        default = inner.default if inner is not None else None
-    return FlagRead(flag, f"{scope}.{name}", path, call.lineno, None if default is _NO_DEFAULT else default)
+def _use_note(r: FlagRead) -> str:
+    if r.use is None:
+        return ""
+    if r.use.state == "used":
+        return f", used at {r.use.at}"
+    return f", but its use is unverified: {r.use.how}"
 
 
 def parse_source(file: Path, rel: str) -> ast.Module:
@@ -124,15 +125,44 @@ def parse_source(file: Path, rel: str) -> ast.Module:
         raise BadInput(f"{file}: cannot read: {e}") from None
 
 
-def flag_reads(tree: ast.AST, rel: str) -> dict[str, list[FlagRead]]:
-    """Every norm-flag read under ``tree``, by flag, in source order."""
+def parse_module(file: Path, rel: str) -> cst.Module:
+    """``file`` as a libcst module; a file that is not Python is refused in one line."""
+    parse_source(file, rel)  # the stdlib parser locates a syntax error in one line
+    try:
+        return cst.parse_module(file.read_text(encoding="utf-8"))
+    except cst.ParserSyntaxError as e:
+        raise BadInput(f"{file}:{e.raw_line}:{e.raw_column}: cannot parse: {e.message}") from None
+
+
+_NAMES = set(NORM_FLAGS) | set(ALIASES)
+
+
+def flag_reads(flow: ValueFlow, under: cst.CSTNode | None = None, follow: bool = True) -> dict[str, list[FlagRead]]:
+    """Every norm-flag read in ``flow``'s file under ``under`` (default: the module), by flag, in
+    source order; with ``follow``, each with where its value is used."""
     out: dict[str, list[FlagRead]] = {}
-    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
-    for call in calls:
-        r = _read_of(call, rel)
-        if r is not None:
-            out.setdefault(r.flag, []).append(r)
+    for call, scope, key, default in key_reads(flow.module, _NAMES, under):
+        flag = ALIASES.get(key, key)
+        out.setdefault(flag, []).append(FlagRead(flag, f"{scope}.{key}", flow.rel, flow.line(call),
+                                                 None if default is NO_DEFAULT else default,
+                                                 flow.follow(call) if follow else None))
     return out
+
+
+_READS: dict[tuple[str, str, int, int], dict[str, list[FlagRead]]] = {}
+
+
+def _model_reads(file: Path, rel: str) -> dict[str, list[FlagRead]]:
+    """:func:`flag_reads` of a model file, kept per file version (its path, mtime and size): the
+    value flow costs a few tenths of a second a file, and check-draft and render ask per flag."""
+    try:
+        st = file.stat()
+    except OSError as e:
+        raise BadInput(f"{file}: cannot read: {e}") from None
+    key = (str(file), rel, st.st_mtime_ns, st.st_size)
+    if key not in _READS:
+        _READS[key] = flag_reads(ValueFlow(parse_module(file, rel), rel))
+    return _READS[key]
 
 
 def vllm_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str | None]:
@@ -164,11 +194,14 @@ def _speculators_translation(loc: EngineLocation, algo: str) -> tuple[dict[str, 
     rel = f"{loc.layout.package}/{SPECULATORS_ALGOS}"
     if not file.is_file():
         return None, f"{rel} is absent: this vLLM does not read speculators configs"
-    for node in ast.walk(parse_source(file, rel)):
-        if isinstance(node, ast.FunctionDef) and any(
-                isinstance(d, ast.Call) and d.args and _literal(d.args[0]) == algo for d in node.decorator_list):
-            reads = flag_reads(node, rel)
-            return {f: rs[0] for f, rs in reads.items()}, f"{rel}:{node.lineno} ({node.name})"
+    flow = ValueFlow(parse_module(file, rel), rel)
+    registered = m.FunctionDef(decorators=[m.ZeroOrMore(), m.Decorator(decorator=m.Call(
+        args=[m.Arg(value=m.SimpleString(m.MatchIfTrue(lambda v: v[1:-1] == algo))), m.ZeroOrMore()])),
+        m.ZeroOrMore()])
+    for node in flow.module.body:
+        if isinstance(node, cst.FunctionDef) and m.matches(node, registered):
+            reads = flag_reads(flow, node, follow=False)
+            return {f: rs[0] for f, rs in reads.items()}, f"{rel}:{flow.line(node)} ({node.name.value})"
     return None, f"{rel} registers no speculators type {algo!r}"
 
 
@@ -195,6 +228,6 @@ def read_norms(loc: EngineLocation, config: dict) -> NormReading:
     reading.model_file, reading.model_class = finder(loc, arch)
     if reading.model_file is not None:
         rel = f"{loc.layout.package}/{reading.model_file}"
-        reading.reads = flag_reads(parse_source(loc.root / reading.model_file, rel), rel)
+        reading.reads = _model_reads(loc.root / reading.model_file, rel)
         reading.model_file = rel
     return reading

@@ -22,7 +22,7 @@ from surgeon.core.spec import NORM_FLAGS, Spec, read_regular_file
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, refusal
 from surgeon.wiring.mtp import mtp_lines
-from surgeon.wiring.norms import config_flag, norm_lines, weight_lines
+from surgeon.wiring.norms import FlagReport, config_flag, norm_report, weight_lines
 from surgeon.wiring.runnercheck import runner_ignores_ids
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
@@ -64,6 +64,7 @@ class DraftReport:
     expected: list[str]
     fc_weight: dict | None
     findings: list[Finding] = field(default_factory=list)
+    norms: list[FlagReport] = field(default_factory=list)  # per norm flag: what the engine does with it
 
     @property
     def ok(self) -> bool:
@@ -189,11 +190,12 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
                                 "SGLang captures no aux hidden states for this draft"))
     findings += _slot_findings(spec, engine, ids, key, captured, expected)
     findings += _id_list_findings(engine, found, captured, expected)
+    norm_found, norms = norm_report(spec, engine, data, engine_root)
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
-                 norm_lines(spec, engine, data, engine_root) + weight_lines(spec, data, tensor_names(draft))]
+                 norm_found + weight_lines(spec, data, tensor_names(draft))]
     fc = _check_widths(spec, draft, cfg, data, expected, findings)
     return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
-                       {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings)
+                       {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings, norms)
 
 
 def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model_class: str | None,

@@ -1,21 +1,38 @@
 """The EAGLE 3.1 norm flags: what the spec declares, what the draft's config says, and what each
 engine builds the draft with (read from its source by :mod:`surgeon.engines.draft_norms`).
 
-A flag the draft was trained with that the engine does not read, or reads with another value (a
-default that differs, a translation that drops it), is served wrong and silently: an error.
+A flag the draft was trained with that the engine does not read, reads but never uses (no use of
+the read value in the model file), or reads with another value (a default that differs, a
+translation that drops it), is served wrong and silently: an error. Per flag, check-draft reports
+what the engine's model file does with it: used (the use site), read but unused, not read, or
+unverified (the value escapes to code not read).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from surgeon.core.spec import NORM_FLAGS, Spec
-from surgeon.engines.draft_norms import NormReading, read_norms
+from surgeon.engines.draft_norms import FlagState, NormReading, read_norms
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
 
 # (severity, kind, detail): check-draft wraps these as findings
 Line = tuple[str, str, str]
 SPECULATORS_DEFAULT = False  # speculators 0.9.0 models/eagle3/config.py: every norm flag defaults to False
+
+
+@dataclass
+class FlagReport:
+    """What one engine does with one norm flag, for check-draft's JSON."""
+
+    flag: str
+    state: FlagState  # used, read_unused, not_read (also: vLLM's speculators translation drops it), unverified
+    read: str | None  # file:line of the read the state rests on
+    used_at: str | None  # used: file:line of the use
+    builds: bool  # the value the engine builds the draft with
+    needs: bool  # the value the draft was trained with
+    detail: str
 
 
 def config_flag(data: dict, flag: str) -> Any:
@@ -53,8 +70,14 @@ def _locate(engine: str, engine_root) -> EngineLocation | None:
 def norm_lines(spec: Spec, engine: str, data: dict, engine_root=None) -> list[Line]:
     """check-draft's norm findings for ``engine`` (sglang, vllm, speculators (served by vLLM),
     specforge)."""
+    return norm_report(spec, engine, data, engine_root)[0]
+
+
+def norm_report(spec: Spec, engine: str, data: dict, engine_root=None) -> tuple[list[Line], list[FlagReport]]:
+    """check-draft's norm findings for ``engine``, and per flag what the engine does with it
+    (empty where the engine's reading is not read: SpecForge, an engine not installed)."""
     if spec.model.draft is None or spec.model.draft.kind != "eagle3":
-        return []
+        return [], []
     declared = spec.model.draft.norms
     lines: list[Line] = []
     for flag in NORM_FLAGS:
@@ -65,35 +88,54 @@ def norm_lines(spec: Spec, engine: str, data: dict, engine_root=None) -> list[Li
     if engine == "specforge":
         if declared is not None:
             lines.append(("warning", "norm_unchecked", "how SpecForge reads the norm flags is not modelled; not checked"))
-        return lines
+        return lines, []
     loc = _locate("vllm" if engine == "speculators" else engine, engine_root)
     if loc is None:
         lines.append(("warning", "norm_unchecked", f"{engine} is not installed here: its reading of the norm flags "
                       "is read from its source only (install it or pass --engine-root)"))
-        return lines
+        return lines, []
     reading = read_norms(loc, data)
     if reading.model_file is None:
         lines.append(("warning", "norm_unchecked", f"{loc.engine} {loc.version} has no model file for the draft class "
                       f"{reading.model_class!r}: norm flags not checked"))
-        return lines
-    return lines + engine_lines(reading, data, want)
+        return lines, []
+    more, reports = engine_report(reading, data, want)
+    return lines + more, reports
 
 
-def engine_lines(reading: NormReading, data: dict, want: dict[str, tuple[bool, str]]) -> list[Line]:
-    """Per flag: what the engine builds the draft with, against what it was trained with."""
+def flag_report(reading: NormReading, flag: str, data: dict, need: bool) -> FlagReport:
+    """What ``reading``'s engine does with ``flag`` for the draft config ``data``."""
+    got, why = reading.effective(flag, data)
+    state, read = reading.state(flag)
+    if reading.translation is not None and flag not in reading.translation:
+        state, read = "not_read", None
+    used = read.use.at if state == "used" and read is not None and read.use is not None else None
+    return FlagReport(flag, state, read.where if read is not None else None, used, got, need, why)
+
+
+def engine_report(reading: NormReading, data: dict,
+                  want: dict[str, tuple[bool, str]]) -> tuple[list[Line], list[FlagReport]]:
+    """Per flag: what the engine builds the draft with, against what it was trained with (the
+    findings), and what the engine's model file does with the flag (the reports)."""
     lines: list[Line] = []
+    reports: list[FlagReport] = []
     who = f"{reading.engine} {reading.version}"
     for flag in NORM_FLAGS:
-        got, why = reading.effective(flag, data)
         need, src = want[flag]
-        if got == need:
-            if need or src != "unset (speculators' default)":
-                lines.append(("info", "norm", f"{flag} = {need} ({src}); {who} builds it so: {why}"))
+        r = flag_report(reading, flag, data, need)
+        reports.append(r)
+        said = need or src != "unset (speculators' default)"
+        if r.builds == need:
+            if r.state == "unverified" and said:
+                lines.append(("warning", "norm_unverified", f"{flag} = {need} ({src}); {who} reads it so, but where "
+                              f"its value goes was not followed to a use: {r.detail}"))
+            elif said:
+                lines.append(("info", "norm", f"{flag} = {need} ({src}); {who} builds it so: {r.detail}"))
             continue
-        kind = "norm_ignored" if "never reads" in why or "does not copy" in why else "norm_mismatch"
-        lines.append(("error", kind, f"{flag}: the draft needs {need} ({src}), but {who} builds it with {got}: {why}; "
-                      "the draft is served wrong, silently"))
-    return lines
+        kind = {"not_read": "norm_ignored", "read_unused": "norm_unused"}.get(r.state, "norm_mismatch")
+        lines.append(("error", kind, f"{flag}: the draft needs {need} ({src}), but {who} builds it with {r.builds}: "
+                      f"{r.detail}; the draft is served wrong, silently"))
+    return lines, reports
 
 
 def render_lines(spec: Spec, engine: str, engine_root=None) -> list[str]:
@@ -113,9 +155,12 @@ def render_lines(spec: Spec, engine: str, engine_root=None) -> list[str]:
     reading = read_norms(loc, data)
     out = []
     for flag in (f for f in NORM_FLAGS if f in data):
-        got, why = reading.effective(flag, data)
-        state = "read" if got == data[flag] else f"NOT SERVED: the engine builds the draft with {got}"
-        out.append(f"{engine}: norm flag {flag} = {data[flag]}: {state} ({reading.model_class}): {why}")
+        r = flag_report(reading, flag, data, data[flag])
+        state = {"used": f"used at {r.used_at}", "unverified": "read, its use unverified",
+                 "read_unused": "read but unused", "not_read": "not read"}[r.state]
+        if r.builds != data[flag]:
+            state = f"NOT SERVED: the engine builds the draft with {r.builds}"
+        out.append(f"{engine}: norm flag {flag} = {data[flag]}: {state} ({reading.model_class}): {r.detail}")
     return out
 
 

@@ -119,7 +119,8 @@ def test_no_norm_lines_for_a_plain_draft(tmp_path):
 def test_render_lines_say_where_each_flag_is_read(tmp_path):
     s = spec(tmp_path, "norm_before_fc: true, norm_output: true")
     v = render_lines(s, "vllm", release_engine("vllm", "0.33.0"))
-    assert len(v) == 2 and all(": read (" in line for line in v) and "llama_eagle3.py:252" in v[1]
+    assert len(v) == 2 and all(": used at vllm/model_executor/models/llama_eagle3.py:" in line for line in v)
+    assert "llama_eagle3.py:252" in v[1] and ": used at vllm/model_executor/models/llama_eagle3.py:286 (" in v[1]
     old = render_lines(s, "vllm", release_engine("vllm", "0.11.0"))
     assert all("NOT SERVED" in line for line in old)
 
@@ -164,7 +165,8 @@ def test_render_writes_the_flags_and_cites_the_engine(tmp_path):
     s = spec(tmp_path, "norm_before_fc: true")
     r = render(s, "vllm")
     assert r.draft_config["norm_before_fc"] is True
-    assert any(n.startswith("vllm: norm flag norm_before_fc = True: read") and "llama_eagle3.py:" in n for n in r.notes)
+    assert any(n.startswith("vllm: norm flag norm_before_fc = True: used at vllm/model_executor/models/llama_eagle3.py:")
+               for n in r.notes)
     assert render(s, "sglang").draft_config["norm_before_fc"] is True
 
 
@@ -184,7 +186,7 @@ def test_explain_notes_each_engine(tmp_path):
     installed_engine("vllm")
     installed_engine("sglang")
     notes = explain(spec(tmp_path, "norm_before_residual: true")).notes
-    assert any(n.startswith("vllm: norm flag norm_before_residual = True: read") for n in notes)
+    assert any(n.startswith("vllm: norm flag norm_before_residual = True: used at ") for n in notes)
     assert any(n.startswith("sglang: norm flag norm_before_residual = True: NOT SERVED") for n in notes)
 
 
