@@ -25,7 +25,7 @@ def exit_code_of(result: object) -> int:
 #: removed or renamed or changes its type or meaning; adding a key keeps it. Scripts check it.
 FORMATS: dict[str, int] = {
     "lint": 1, "explain": 1, "render": 1, "check-draft": 1, "review": 1, "conventions": 1,
-    "match": 1, "verify": 1, "dump-info": 1, "export": 1, "check-hooks": 1,
+    "match": 1, "verify": 1, "dump-info": 2, "export": 1, "check-hooks": 1,
     "apply": 1, "revert": 1, "status": 1, "diff": 1, "coverage": 1, "demo": 1, "doctor": 1,
     "infer-wiring": 1,
     "accept": 1,

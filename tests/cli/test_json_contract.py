@@ -67,11 +67,11 @@ def test_schema_defaults_to_the_spec_schema_and_refuses_unknown_outputs():
 
 def test_a_wrong_key_or_type_fails_the_schema():
     schema = schema_of("dump-info")
-    ok = {"format": 1, "file": "d", "dump_format": 1, "spec": {"name": None, "sha256": None}, "engine": None,
+    ok = {"format": 2, "file": "d", "dump_format": 1, "spec": {"name": None, "sha256": None}, "engine": None,
           "engine_version": None, "model": None, "num_layers": 8, "hidden_size": 64, "tokens": 3, "dtype": "float32",
           "captures": [], "other_metadata": {}}
     jsonschema.validate(ok, schema)
-    for bad in ({**ok, "num_layers": "8"}, {**ok, "format": 2}, {**ok, "extra": 1}):
+    for bad in ({**ok, "num_layers": "8"}, {**ok, "format": 1}, {**ok, "extra": 1}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
 
