@@ -284,7 +284,7 @@ def main() -> None:
         from surgeon.audit.pipeline import Plan, run_audit
 
         root, spec, state = args.child
-        run_audit(Plan(Path(root), spec, state_path=Path(state)))
+        run_audit(Plan(Path(root), spec, workers=1, state_path=Path(state)))
         # VmHWM: this process's own peak (ru_maxrss keeps the forking parent's peak across exec)
         hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
                    if line.startswith("VmHWM:"))

@@ -362,7 +362,7 @@ def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids:
                                          "of a sample), a reference file, a sweep dump or a fingerprint.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--report", type=click.Path(dir_okay=False), help="Write an HTML report with plots here.")
-@click.option("--workers", type=int, default=1, show_default=True, help="Local worker processes.")
+@click.option("--workers", type=int, help="Local worker processes [default: one per usable core].")
 @click.option("--ray", "ray_address", help="Run on the Ray cluster at this address (needs the [ray] extra).")
 @click.option("--resume", is_flag=True, help="Skip the files a previous run recorded as done (same size and mtime).")
 @click.option("--structure-only", is_flag=True, help="Headers only: no values, no identity.")
@@ -370,7 +370,7 @@ def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids:
               help="The resume state file (default: DIR/.surgeon-audit-state.jsonl).")
 @click.option("--exact", type=int, default=4, show_default=True,
               help="Files identified exactly, each on its own tokens (with --reference hf:MODEL).")
-def audit(root: str, spec: str, ref: str | None, as_json: bool, report: str | None, workers: int,
+def audit(root: str, spec: str, ref: str | None, as_json: bool, report: str | None, workers: int | None,
           ray_address: str | None, resume: bool, structure_only: bool, state: str | None, exact: int) -> Any:
     """Check every file of the training set under DIR: structure, values, and the identity of each
     slot. Exit 0 when clean, 3 when any slot is not what SPEC declares or holds bad values, 2 on bad input."""

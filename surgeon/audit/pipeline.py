@@ -10,6 +10,7 @@ finished file's result on disk.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -138,7 +139,7 @@ class Plan:
     root: Path
     spec_path: str
     reference: str | None = None
-    workers: int = 1
+    workers: int | None = None  # local processes; None: one per usable core (:func:`usable_cores`)
     ray_address: str | None = None
     resume: bool = False
     structure_only: bool = False
@@ -146,13 +147,22 @@ class Plan:
     state_path: Path | None = None
 
 
-def _executor(plan: Plan, ctx: Context,
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one: a container or a
+    ``taskset`` sees its own share, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def _executor(plan: Plan, ctx: Context, workers: int,
               cpu: dict[str, float]) -> tuple[Callable[[list[tuple[str, bool]]], Iterator[dict[str, Any]]], str]:
     if plan.ray_address:
         from surgeon.audit.ray_backend import run_on_ray
 
-        return (lambda todo: run_on_ray(plan.ray_address, ctx, todo, plan.workers)), f"ray:{plan.ray_address}"
-    return (lambda todo: _local(ctx, todo, plan.workers, cpu)), "local"
+        return (lambda todo: run_on_ray(plan.ray_address, ctx, todo, workers)), f"ray:{plan.ray_address}"
+    return (lambda todo: _local(ctx, todo, workers, cpu)), "local"
 
 
 def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None) -> AuditReport:
@@ -161,15 +171,16 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
 
     if not plan.root.is_dir():
         raise BadInput(f"{plan.root}: {'no such directory' if not plan.root.exists() else 'not a directory'}")
-    if plan.workers < 1:
-        raise BadInput(f"--workers {plan.workers}: at least 1")
+    workers = usable_cores() if plan.workers is None else plan.workers
+    if workers < 1:
+        raise BadInput(f"--workers {workers}: at least 1")
     spec = load_spec(plan.spec_path)
     paths = [str(p) for p in discover(plan.root)]
     if not paths:
         raise BadInput(f"{plan.root}: no .ckpt, .safetensors or .pt files under it")
     notes: list[str] = []
     profile, exact_model = (None, None) if plan.structure_only else build_profile(plan.reference, spec, paths, notes)
-    if plan.workers > 1 and not plan.ray_address:
+    if workers > 1 and not plan.ray_address:
         _trim_heap()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)
     picks = _exact_picks(len(paths), plan.exact_files if exact_model else 0)
@@ -178,7 +189,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
                    "exact_model": exact_model, "exact_files": len(picks), "structure_only": plan.structure_only},
                   plan.resume)
     cpu: dict[str, float] = {}
-    run, backend = _executor(plan, ctx, cpu)
+    run, backend = _executor(plan, ctx, workers, cpu)
     agg, resumed, started = Aggregate(), 0, time.perf_counter()
     try:
         done = [plan.resume and state.done(file_key(p), read=False) is not None for p in paths]
@@ -199,7 +210,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         state.close()
     _notes(notes, agg, plan, profile, exact_model, len(picks))
     return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,
-                       plan.workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu)
+                       workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu)
 
 
 def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model, picked: int) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from surgeon.commands.progress import QUIET, Progress
 
 
-def audit(*, root: str, spec: str, ref: str | None = None, workers: int = 1, ray: str | None = None,
+def audit(*, root: str, spec: str, ref: str | None = None, workers: int | None = None, ray: str | None = None,
           resume: bool = False, report: str | None = None, structure_only: bool = False, exact: int = 4,
           state: str | None = None, progress: Progress = QUIET) -> Any:
     """Check every file under ``root`` against ``spec``: structure, values and the identity of each

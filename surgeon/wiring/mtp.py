@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from surgeon.core.spec import Spec
 from surgeon.engines.locate import ProbeError, locate_engine
-from surgeon.engines.mtp_input import read_mtp_input
 
 Line = tuple[str, str, str]  # (severity, kind, detail)
 
@@ -20,6 +19,8 @@ def mtp_lines(spec: Spec, engine: str, engine_root=None) -> list[Line]:
         loc = locate_engine(engine, engine_root)
     except ProbeError as e:
         return [("warning", "mtp_unchecked", f"{engine}: {e}; the MTP input is read from its source only")]
+    from surgeon.engines.mtp_input import read_mtp_input  # libcst: only once an engine is there to read
+
     ans = read_mtp_input(loc, spec.model.target.architecture)
     where = "; ".join(ans.evidence)
     got = ans.point(spec.num_layers)

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from surgeon.audit.pipeline import Plan, run_audit
+from surgeon.audit.pipeline import Plan, run_audit, usable_cores
 from surgeon.audit.structure import STATE_NAME
 from surgeon.cli import main
 from surgeon.commands import FORMATS, schema
@@ -129,7 +129,7 @@ def test_resume_refuses_a_state_of_another_audit(dump_set, tmp_path):
 def _peak(root: Path, spec: str, state: Path) -> int:
     tracemalloc.start()
     try:
-        run_audit(Plan(root, spec, state_path=state))
+        run_audit(Plan(root, spec, workers=1, state_path=state))  # the tensors in this process
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -188,6 +188,7 @@ def test_cli_json_validates_and_exits_3_on_faults(dump_set, tmp_path):
     errors = list(jsonschema.Draft202012Validator(schema(output="audit").to_json()).iter_errors(data))
     assert not errors, errors[:3]
     assert not data["ok"] and data["flagged"] >= 3  # nan, zero, stale (identity needs --reference)
+    assert data["workers"] == usable_cores() == len(os.sched_getaffinity(0))  # the default: every usable core
 
 
 @pytest.mark.slow
@@ -232,7 +233,7 @@ def test_a_missing_ray_is_bad_input(dump_set, monkeypatch):
 
 @pytest.mark.slow
 def test_two_workers_give_the_one_worker_answer(dump_set, reference_file):
-    one = run_audit(Plan(dump_set.root, str(dump_set.spec), reference=str(reference_file),
+    one = run_audit(Plan(dump_set.root, str(dump_set.spec), reference=str(reference_file), workers=1,
                          state_path=dump_set.root.parent / "one.jsonl"))
     two = run_audit(Plan(dump_set.root, str(dump_set.spec), reference=str(reference_file), workers=2,
                          state_path=dump_set.root.parent / "two.jsonl"))
