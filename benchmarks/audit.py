@@ -158,9 +158,15 @@ def _median(xs: list[float]) -> float:
 
 
 def rounds(paths: list[Path], root: Path, spec: Path, ref: str, tmp: Path, n: int) -> dict:
-    """``n`` rounds of (raw read, audit with 1 worker, audit with 2 workers), back to back."""
+    """``n`` rounds of (raw read, audit with 1 worker, audit with 2 workers, and with the default
+    ``--workers``, one per usable core, where that is neither), back to back."""
+    from surgeon.audit.pipeline import usable_cores
+
+    default = usable_cores()
     out: dict = {"raw_read": [], "audit_1_worker": [], "audit_2_workers": [], "control_2_vs_1_processes": [],
-                 "raw_read_2_vs_1_processes": []}
+                 "raw_read_2_vs_1_processes": [], "default_workers": default}
+    if default > 2:
+        out["audit_default_workers"] = []
     for i in range(n):
         out["control_2_vs_1_processes"].append(two_process_control())
         out["raw_read_2_vs_1_processes"].append(two_process_read(paths))
@@ -168,8 +174,12 @@ def rounds(paths: list[Path], root: Path, spec: Path, ref: str, tmp: Path, n: in
         out["raw_read"].append({"bytes": total, "bytes_per_s": rate})
         out["audit_1_worker"].append(audit_rate(root, spec, ref, 1, tmp / f"s1-{i}.jsonl"))
         out["audit_2_workers"].append(audit_rate(root, spec, ref, 2, tmp / f"s2-{i}.jsonl"))
+        if default > 2:
+            out["audit_default_workers"].append(audit_rate(root, spec, ref, default, tmp / f"sd-{i}.jsonl"))
     one = [a["bytes_per_s"] for a in out["audit_1_worker"]]
+    dflt = out.get("audit_default_workers") or (out["audit_1_worker"] if default == 1 else out["audit_2_workers"])
     out["ratios_audit_vs_raw_read"] = [a / r["bytes_per_s"] for a, r in zip(one, out["raw_read"])]
+    out["ratios_default_vs_raw_read"] = [a["bytes_per_s"] / r["bytes_per_s"] for a, r in zip(dflt, out["raw_read"])]
     out["ratios_2_vs_1_workers"] = [b["bytes_per_s"] / a for b, a in zip(out["audit_2_workers"], one)]
     return out
 
@@ -241,6 +251,8 @@ def run(args) -> dict:
     rep["rounds"] = r
     rep["raw_read"] = r["raw_read"][0]
     rep["ratio_audit_vs_raw_read"] = _median(r["ratios_audit_vs_raw_read"])
+    rep["default_workers"] = r["default_workers"]
+    rep["ratio_default_vs_raw_read"] = _median(r["ratios_default_vs_raw_read"])
     rep["ratio_2_vs_1_workers"] = _median(r["ratios_2_vs_1_workers"])
     rep["control_2_vs_1_processes"] = _median(r["control_2_vs_1_processes"])
     rep["raw_read_2_vs_1_processes"] = _median(r["raw_read_2_vs_1_processes"])
@@ -305,8 +317,11 @@ def main() -> None:
               f"{one['bytes_per_s'] / mb:.0f} MB/s ({one['seconds']:.2f} s wall, CPU {one['cpu_s']}), 2 workers "
               f"{two['bytes_per_s'] / mb:.0f} MB/s ({two['seconds']:.2f} s wall, CPU {two['cpu_s']}, the workers got "
               f"{share:.0%} of 2 cores); flagged {one['flagged']} / {two['flagged']}")
-    print(f"audit / raw read: {rep['ratio_audit_vs_raw_read']:.3f}x (median of "
-          f"{', '.join(f'{x:.3f}' for x in r['ratios_audit_vs_raw_read'])}; target >= 0.5x)")
+    print(f"audit at the default --workers ({rep['default_workers']}, one per usable core) / raw sequential read: "
+          f"{rep['ratio_default_vs_raw_read']:.3f}x (median of "
+          f"{', '.join(f'{x:.3f}' for x in r['ratios_default_vs_raw_read'])}; target >= 0.5x)")
+    print(f"audit, 1 worker / raw sequential read: {rep['ratio_audit_vs_raw_read']:.3f}x (median of "
+          f"{', '.join(f'{x:.3f}' for x in r['ratios_audit_vs_raw_read'])})")
     print(f"2 workers / 1: {rep['ratio_2_vs_1_workers']:.2f}x (median of "
           f"{', '.join(f'{x:.2f}' for x in r['ratios_2_vs_1_workers'])}; target >= 1.6x)")
     print(f"control, a busy loop in 2 processes / 1: {rep['control_2_vs_1_processes']:.2f}x (median of "
