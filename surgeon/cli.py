@@ -362,7 +362,7 @@ def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids:
                                          "of a sample), a reference file, a sweep dump or a fingerprint.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--report", type=click.Path(dir_okay=False), help="Write an HTML report with plots here.")
-@click.option("--workers", type=int, help="Local worker processes [default: one per usable core].")
+@click.option("--workers", type=int, help="Local worker processes [default: one per usable core; 1 with --structure-only].")
 @click.option("--ray", "ray_address", help="Run on the Ray cluster at this address (needs the [ray] extra).")
 @click.option("--resume", is_flag=True, help="Skip the files a previous run recorded as done (same size and mtime).")
 @click.option("--structure-only", is_flag=True, help="Headers only: no values, no identity.")

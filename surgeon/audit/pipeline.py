@@ -139,7 +139,9 @@ class Plan:
     root: Path
     spec_path: str
     reference: str | None = None
-    workers: int | None = None  # local processes; None: one per usable core (:func:`usable_cores`)
+    # local processes; None: one per usable core (:func:`usable_cores`), but one for a structure pass
+    # (headers only: handing a file's few-KB answer to the driver costs more than reading it; measured)
+    workers: int | None = None
     ray_address: str | None = None
     resume: bool = False
     structure_only: bool = False
@@ -171,7 +173,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
 
     if not plan.root.is_dir():
         raise BadInput(f"{plan.root}: {'no such directory' if not plan.root.exists() else 'not a directory'}")
-    workers = usable_cores() if plan.workers is None else plan.workers
+    workers = plan.workers if plan.workers is not None else 1 if plan.structure_only else usable_cores()
     if workers < 1:
         raise BadInput(f"--workers {workers}: at least 1")
     spec = load_spec(plan.spec_path)

