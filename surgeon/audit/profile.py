@@ -179,7 +179,8 @@ class Profile:
         m = self._matrices()
         x = np.array([[math.nan if v is None else v for v in s.scalars] for s in stats], dtype=np.float64)
         with np.errstate(invalid="ignore"):
-            gap = np.nan_to_num(np.abs(x[:, None, :] - m["centres"][None]) / m["tols"][None], nan=0.0)
+            gap = np.abs(x[:, None, :] - m["centres"][None]) / m["tols"][None]
+        gap = np.where(np.isnan(gap), 0.0, gap)  # a statistic the slot lacks decides nothing (inf stays inf)
         d = np.maximum(gap.max(2), 0.0)  # [S, P]
         for i in range(len(VECTORS)):
             c = m["vectors"][i]
@@ -188,7 +189,8 @@ class Profile:
             if have:
                 v = np.stack([np.asarray(stats[j].vectors[i], dtype=np.float32) for j in have])
                 with np.errstate(invalid="ignore"):
-                    cos = np.nan_to_num((1.0 - v @ c.T).astype(np.float64) / m["vtols"][i], nan=0.0)
+                    cos = (1.0 - v @ c.T).astype(np.float64) / m["vtols"][i]
+                cos = np.where(np.isnan(cos), 0.0, cos)  # a point without this vector decides nothing
                 d[have] = np.maximum(d[have], cos)
         names = [p.point for p in self.points]
         return [dict(zip(names, row)) for row in d.tolist()]

@@ -319,7 +319,9 @@ def sampled_rows(declared: list[Point | None], hashes, ids) -> list[list[int]]:
     k = min(KEEP, keyed.shape[1])
     rows = np.argpartition(keyed, k - 1, axis=1)[:, :k]
     vals = np.take_along_axis(keyed, rows, 1)
-    order = np.lexsort((rows, vals), axis=1)  # by hash, then by row: the same rows whatever the partition did
+    # in hash order, then row order; which of several equal hashes at the k-th place is kept is the
+    # partition's choice, the same for the same array (two copies of a file keep the same rows)
+    order = np.lexsort((rows, vals), axis=1)
     rows, vals = np.take_along_axis(rows, order, 1), np.take_along_axis(vals, order, 1)
     out: list[list[int]] = []
     for s, (d, vs, ts) in enumerate(zip(declared, vals.tolist(), rows.tolist())):

@@ -110,3 +110,14 @@ def test_the_direction_statistics_separate_what_the_norm_does_not():
     assert got["verdict"] == "ok", got
     norm_only = Stats(stats_of(sv, sample).scalars)  # the same slot with its norm statistics only
     assert match_slot(prof, str(pts[0]), norm_only)["verdict"] == "unresolved"
+
+
+def test_a_files_distances_at_once_are_each_slots_own_and_a_missing_statistic_decides_nothing():
+    prof = Profile((_point("layer_out[5]", 4.30, 0.01), _point("layer_out[9]", 6.0, 0.01)), "test", 12, 100)
+    slots = [Stats((4.30, 0.1)), Stats((6.0, None)), Stats((None, 0.1)), Stats((math.inf, 0.1))]
+    together = prof.distances_of(slots)
+    assert together == [prof.distances_of([s])[0] for s in slots]
+    assert together[0]["layer_out[5]"] == 0.0 and together[0]["layer_out[9]"] == pytest.approx(1.7 / 0.08)
+    assert together[1]["layer_out[9]"] == 0.0  # no width: the median alone decides
+    assert together[2] == {"layer_out[5]": 0.0, "layer_out[9]": 0.0}  # nothing to compare: nothing decided
+    assert together[3]["layer_out[5]"] == math.inf  # an infinite gap stays infinite
