@@ -239,3 +239,67 @@ def test_export_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, field
     res = run("export", *files, "--spec", spec, "--layout", "specforge", "-o", out, *slots, code=2)
     one_line_refusal(res, *needles)
     assert not out.exists()
+
+
+def _fp16_copy(src, dst, key):
+    data = torch.load(src, weights_only=True)
+    data[key] = data[key].half()
+    torch.save(data, dst)
+    return dst
+
+
+def test_export_refuses_captures_of_differing_dtype_before_writing_anything(tmp_path, field_target):
+    ref, _, spec = field_target
+    d = tmp_path / "mo"
+    d.mkdir()
+    write_modelopt_vllm(d / "a.pt", ref, [2, 4, 6])  # a good file first: it must not be written either
+    _fp16_copy(d / "a.pt", d / "b.pt", "hidden_states")
+    out = tmp_path / "out"
+    res = run("export", d, "--spec", spec, "--layout", "speculators", "-o", out, "--slots", "modelopt-vllm:2,4,6", code=2)
+    one_line_refusal(res, "b.pt", "differ in dtype", "float16", "float32")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["mo"]  # no staging folder left
+    # SpecForge concatenates the aux captures only: an fp16 aux among fp32 ones is refused alike
+    _fp16_copy(write_modelopt_hf(d / "a.pt", ref, [1, 3, 5]), d / "b.pt", "aux_hidden_states")
+    res = run("export", d, "--spec", spec, "--layout", "specforge", "-o", out, "--slots", "modelopt-hf:1,3,5", code=0)
+    assert (out / "data_1.ckpt").exists()  # one aux tensor split into slots: they share a dtype, allowed
+
+
+def test_export_refuses_surgeon_dumps_of_differing_dtype_before_writing_anything(tmp_path, field_target):
+    from surgeon.capture.dumps import write_dump
+
+    ref, _, spec = field_target
+    caps = [("low", layer_out(1)), ("mid", layer_out(3)), ("high", layer_out(5)), ("out", layer_out(L - 1))]
+    good = write_dump(tmp_path / "a.safetensors", [(n, p, ref.states[p]) for n, p in caps],
+                      input_ids=ref.input_ids, num_layers=L)
+    bad = write_dump(tmp_path / "b.safetensors", [(n, p, ref.states[p].half() if n == "mid" else ref.states[p])
+                                                  for n, p in caps], input_ids=ref.input_ids, num_layers=L)
+    out = tmp_path / "deep" / "out"
+    res = run("export", good, bad, "--spec", spec, "--layout", "speculators", "-o", out, code=2)
+    one_line_refusal(res, "b.safetensors", "differ in dtype", "float16, float32")
+    assert not (tmp_path / "deep").exists()  # not even the parent it would have made
+    out.mkdir(parents=True)  # an existing folder is left as it was
+    run("export", good, bad, "--spec", spec, "--layout", "speculators", "-o", out, code=2)
+    assert list(out.iterdir()) == []
+
+
+def test_export_leaves_nothing_behind_on_an_internal_error(tmp_path, field_target, monkeypatch):
+    from safetensors import torch as st
+
+    ref, _, spec = field_target
+    d = tmp_path / "mo"
+    d.mkdir()
+    write_modelopt_vllm(d / "a.pt", ref, [2, 4, 6])
+    write_modelopt_vllm(d / "b.pt", ref, [2, 4, 6])
+    real, calls = st.save_file, []
+
+    def fail_on_second(tensors, path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(tensors, path, *a, **kw)
+
+    monkeypatch.setattr(st, "save_file", fail_on_second)
+    out = tmp_path / "out"
+    res = run("export", d, "--spec", spec, "--layout", "speculators", "-o", out, "--slots", "modelopt-vllm:2,4,6", code=1)
+    assert "internal error" in res.stderr and len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mo"]
