@@ -97,6 +97,14 @@ def test_dump_info_tells_the_backend_where_the_keys_fix_it(tmp_path, field_targe
     ("unsafe_pickle", ["weights_only=True"]),
     ("slots_on_surgeon_dump", ["surgeon dump declares"]),
     ("bad_ids", ["outside [0, 8)"]),
+    # degenerate shapes: refused before the aux columns are split by H (H = 0 divided by zero)
+    ("trtllm_hidden_0", ["hidden_state has shape [5, 0]", "hidden size of 0"]),
+    ("modelopt_hidden_0", ["hidden_states has shape [5, 0]", "hidden size of 0"]),
+    ("trtllm_tokens_0", ["hidden_state has shape [0, 4]", "0 tokens"]),
+    ("modelopt_tokens_0", ["hidden_states has shape [0, 4]", "0 tokens"]),
+    ("aux_width_0", ["aux_hidden_states of shape (5, 0)", "n >= 1"]),
+    ("aux_not_n_h", ["aux_hidden_states of shape (5, 6)", "[5, n*4]"]),
+    ("ids_count", ["input_ids holds 3 ids for 5 tokens"]),
 ])
 def test_dump_info_bad_input_is_one_line_exit_2(tmp_path, field_target, case, needles):
     from surgeon.capture.dumps import write_dump
@@ -118,7 +126,25 @@ def test_dump_info_bad_input_is_one_line_exit_2(tmp_path, field_target, case, ne
     elif case == "bad_ids":
         write_modelopt_vllm(f, ref, [1, 3, 5])
         args = ["--slots", "modelopt-vllm:1,3,8", "--spec", spec]
+    elif case in DEGENERATE:
+        torch.save(DEGENERATE[case](), f)
     one_line_refusal(run("dump-info", f, *args, code=2), str(f.name), *needles)
+
+
+def _trt(T, H, aux, ids=None):
+    return [{"id": 1, "input_ids": torch.arange(T if ids is None else ids), "hidden_state": torch.zeros(T, H),
+             "aux_hidden_states": torch.zeros(*aux)}]
+
+
+def _mo(T, H, aux):
+    return {"input_ids": torch.arange(T), "hidden_states": torch.zeros(T, H), "aux_hidden_states": torch.zeros(*aux),
+            "loss_mask": torch.ones(T, dtype=torch.long)}
+
+
+DEGENERATE = {"trtllm_hidden_0": lambda: _trt(5, 0, (5, 6)), "modelopt_hidden_0": lambda: _mo(5, 0, (5, 6)),
+              "trtllm_tokens_0": lambda: _trt(0, 4, (0, 8)), "modelopt_tokens_0": lambda: _mo(0, 4, (0, 8)),
+              "aux_width_0": lambda: _mo(5, 4, (5, 0)), "aux_not_n_h": lambda: _trt(5, 4, (5, 6)),
+              "ids_count": lambda: _trt(5, 4, (5, 8), ids=3)}
 
 
 # -- export ---------------------------------------------------------------------------------------------
@@ -207,6 +233,7 @@ def test_export_every_record_of_a_trtllm_folder(tmp_path, field_target):
     ("slots_on_surgeon_dump", ["surgeon dump declares"]),
     ("wrong_hidden", ["hidden size 32"]),
     ("second_file_bad", ["b.pt", "the ids do not fit"]),
+    ("hidden_0", ["hidden_states has shape [5, 0]"]),
 ])
 def test_export_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, field_target, case, needles):
     from surgeon.capture.dumps import write_dump
@@ -235,6 +262,8 @@ def test_export_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, field
     elif case == "second_file_bad":  # a good first file is not written when the second cannot fill the layout
         write_modelopt_hf(f, ref, [1, 3, 5])
         files = [f, write_modelopt_hf(tmp_path / "b.pt", ref, [1, 3])]
+    elif case == "hidden_0":
+        torch.save(DEGENERATE["modelopt_hidden_0"](), f)
     out = tmp_path / "out"
     res = run("export", *files, "--spec", spec, "--layout", "specforge", "-o", out, *slots, code=2)
     one_line_refusal(res, *needles)
@@ -303,3 +332,11 @@ def test_export_leaves_nothing_behind_on_an_internal_error(tmp_path, field_targe
     res = run("export", d, "--spec", spec, "--layout", "speculators", "-o", out, "--slots", "modelopt-vllm:2,4,6", code=1)
     assert "internal error" in res.stderr and len(calls) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mo"]
+
+
+@pytest.mark.parametrize("case", ["trtllm_hidden_0", "modelopt_hidden_0"])
+def test_match_on_a_field_dump_of_hidden_size_0_is_one_line_exit_2(tmp_path, field_target, case):
+    _, ref_file, _ = field_target
+    f = tmp_path / "h0.pt"
+    torch.save(DEGENERATE[case](), f)  # verify and match read a record through the same readers
+    one_line_refusal(run("match", f, "--reference", ref_file, code=2), "h0.pt", "hidden size of 0")
