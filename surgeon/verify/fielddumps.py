@@ -21,7 +21,8 @@ Layouts, recognised by their keys (never by the file's name), each read from its
 Which point a slot holds depends on the ids the tool was given, which no file records. The
 caller names the producer and its ids as one ``--slots`` entry, ``PRODUCER:IDS``
 (``trtllm:1,15,28``, ``modelopt-vllm:1,17,29``; presets ``eagle``/``dflash`` for Model Optimizer,
-``default`` for TensorRT-LLM), and each slot is labelled by that tool's cited convention
+``default`` for TensorRT-LLM, its tuple for 6 layers or more: it raises for fewer), and each slot
+is labelled by that tool's cited convention
 (:mod:`surgeon.engines.field_tables`). Without it only what the layout itself fixes is labelled:
 TensorRT-LLM's ``hidden_state``. Labels are declarations: ``verify``/``match`` still identify
 every slot against the reference.
@@ -199,7 +200,10 @@ def _modelopt_ids(producer: Producer, L: int, notes: list[str]) -> list[int]:
 def _trtllm_ids(producer: Producer, L: int) -> list[int]:
     """eagle3_layers_to_capture as the engine orders it: sorted, -1 last (added when absent)."""
     if producer.ids_text.strip().lower() == "default":
-        ids = [t.evaluate(L) for t in TRTLLM_CONV.default or ()]
+        if L <= 5:
+            raise BadInput(f"--slots trtllm:default: TensorRT-LLM has no default eagle3_layers_to_capture for a "
+                           f"{L}-layer target, it raises for 5 layers or fewer ({TRTLLM['default']}); pass the ids")
+        ids = [t.evaluate(L) for t in TRTLLM_CONV.default or ()]  # the source's tuple, as it is
     else:
         ids = sorted(set(_int_list(producer)))
         if ids[0] == -1:

@@ -340,3 +340,22 @@ def test_match_on_a_field_dump_of_hidden_size_0_is_one_line_exit_2(tmp_path, fie
     f = tmp_path / "h0.pt"
     torch.save(DEGENERATE[case](), f)  # verify and match read a record through the same readers
     one_line_refusal(run("match", f, "--reference", ref_file, code=2), "h0.pt", "hidden size of 0")
+
+
+def _spec_of(tmp_path, layers):
+    f = tmp_path / f"spec{layers}.yaml"
+    f.write_text(f"spec: 1\nname: tiny{layers}\ntarget: {{architecture: LlamaForCausalLM, num_layers: {layers}, "
+                 "hidden_size: 64}\ncaptures: {a: 'layer_out[0]', b: 'layer_out[1]', c: 'layer_out[2]', last: final_norm}\n"
+                 "draft: {kind: eagle3, fc_input: [a, b, c], fc_in_features: 192}\n")
+    return f
+
+
+def test_trtllm_default_ids_are_refused_for_5_layers_or_fewer_as_tensorrt_llm_raises(tmp_path, field_target):
+    ref, _, _ = field_target
+    f = write_trtllm(tmp_path / "trt.pt", ref, {1, 3, 5})  # three aux columns, as a default capture writes
+    for layers in (4, 5):
+        res = run("dump-info", f, "--slots", "trtllm:default", "--spec", _spec_of(tmp_path, layers), code=2)
+        one_line_refusal(res, "trt.pt", "trtllm:default", f"{layers}-layer", "5 layers or fewer", "eagle3.py:136")
+    # 6 layers: the source's tuple (1, 6 // 2 - 1, 6 - 4) = (1, 2, 2), kept as it is (not de-duplicated)
+    six = info(f, "--slots", "trtllm:default", "--spec", _spec_of(tmp_path, 6))
+    assert points(six) == ["layer_out[1]", "layer_out[2]", "layer_out[2]", "final_norm"]
