@@ -53,7 +53,7 @@ def test_dump_info_on_a_trtllm_dump_labels_only_what_the_layout_fixes_until_slot
     assert all(c["shape"] == [T, 64] and c["dtype"] == "float32" for c in bare["captures"])
     assert bare["records"] == [{"index": i, "id": f"id {i + 1}", "tokens": T, "input_ids": True, "loss_mask": None}
                                for i in range(2)]
-    assert bare["tokens"] == 2 * T and bare["hidden_size"] == 64 and bare["num_layers"] is None
+    assert bare["tokens"] == T and bare["hidden_size"] == 64 and bare["num_layers"] is None
     assert any("does not record eagle3_layers_to_capture" in n and "--slots trtllm:IDS" in n for n in bare["notes"])
     text = run("dump-info", f).stdout
     assert "not recorded" in text and "2 record(s)" in text
@@ -359,3 +359,25 @@ def test_trtllm_default_ids_are_refused_for_5_layers_or_fewer_as_tensorrt_llm_ra
     # 6 layers: the source's tuple (1, 6 // 2 - 1, 6 - 4) = (1, 2, 2), kept as it is (not de-duplicated)
     six = info(f, "--slots", "trtllm:default", "--spec", _spec_of(tmp_path, 6))
     assert points(six) == ["layer_out[1]", "layer_out[2]", "layer_out[2]", "final_norm"]
+
+
+def test_dump_info_top_level_fields_describe_the_first_record_as_for_a_surgeon_dump(tmp_path, field_target):
+    from surgeon.capture.dumps import write_dump
+
+    ref, _, _ = field_target
+    short = {k: v[:T - 4] if k != "id" else 2 for k, v in trtllm_record(ref, {1, 3, 5}).items()}
+    short["hidden_state"] = short["hidden_state"].half()
+    f = tmp_path / "trt.pt"
+    torch.save([trtllm_record(ref, {1, 3, 5}), short], f)
+    r = info(f)
+    assert (r["tokens"], r["hidden_size"], r["dtype"]) == (T, 64, "float32")  # the first record's, as its captures
+    assert all(c["shape"] == [T, 64] for c in r["captures"])
+    assert [x["tokens"] for x in r["records"]] == [T, T - 4]
+    assert any("first record's" in n and f"{2 * T - 4} in all" in n for n in r["notes"])
+    assert any("id 2 (float16,float32, hidden 64)" in n for n in r["notes"])
+    assert f"2 record(s); the first: {T} tokens" in run("dump-info", f).stdout
+    d = info(write_dump(tmp_path / "d.safetensors", [("last", FINAL_NORM, ref.states[FINAL_NORM])],
+                        input_ids=ref.input_ids, num_layers=L))
+    assert d["tokens"] == d["records"][0]["tokens"] == T == d["captures"][0]["shape"][0]
+    schema = json.loads(run("schema", "--output", "dump-info").stdout)
+    assert "first record" in json.dumps(schema["properties"]["tokens"])
