@@ -92,21 +92,31 @@ def _label(path: Path, unit: Dump | DumpHeader) -> str:
 def _staged(out: Path) -> Iterator[Path]:
     """A fresh folder next to ``out`` to write into; published into ``out`` when the block ends
     without error, else removed with the parent folders it made (nothing partial is left)."""
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"{out}: exists and is not a folder")
     made = [a for a in out.parents if not a.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    stage.mkdir()  # the default mode (umask), as a folder made by mkdir -p
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage.mkdir()  # the default mode (umask), as a folder made by mkdir -p
+    except OSError as e:
+        _remove_made(made)
+        raise BadInput(f"{out}: cannot create a folder next to it to write into: {e.strerror or e}") from None
     try:
         yield stage
         _publish(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
-        for a in made:  # deepest first
-            try:
-                a.rmdir()
-            except OSError:
-                break
+        _remove_made(made)
         raise
+
+
+def _remove_made(made: list[Path]) -> None:
+    for a in made:  # deepest first
+        try:
+            a.rmdir()
+        except OSError:
+            break
 
 
 def _publish(stage: Path, out: Path) -> None:

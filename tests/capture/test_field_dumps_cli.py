@@ -381,3 +381,14 @@ def test_dump_info_top_level_fields_describe_the_first_record_as_for_a_surgeon_d
     assert d["tokens"] == d["records"][0]["tokens"] == T == d["captures"][0]["shape"][0]
     schema = json.loads(run("schema", "--output", "dump-info").stdout)
     assert "first record" in json.dumps(schema["properties"]["tokens"])
+
+
+def test_export_into_a_file_or_an_unwritable_place_is_one_line_exit_2(tmp_path, field_target):
+    ref, _, spec = field_target
+    f = write_modelopt_vllm(tmp_path / "c1.pt", ref, [2, 4, 6])
+    slots = ["--slots", "modelopt-vllm:2,4,6"]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = run("export", f, "--spec", spec, "--layout", "speculators", "-o", blocker / "out", *slots, code=2)
+    one_line_refusal(res, "cannot create a folder")
+    assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["c1.pt", "file"]
