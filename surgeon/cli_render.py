@@ -347,7 +347,7 @@ def _print_field_dump_info(info: Any) -> None:
     """A TensorRT-LLM or Model Optimizer dump: what it is, who could have written it, each slot's point."""
     m, p = info.meta, info.producer
     what = "TensorRT-LLM SaveHiddenStates dump" if info.layout == "trtllm" else "Model Optimizer collect_hidden_states dump"
-    out.print(f"[bold]{escape(info.file)}[/]: {what}, {len(info.records)} record(s), {m.get('tokens')} tokens, "
+    out.print(f"[bold]{escape(info.file)}[/]: {what}, {len(info.records)} record(s); the first: {m.get('tokens')} tokens, "
               f"hidden {m.get('hidden_size')}, {m.get('dtype')}")
     out.print(f"  written by: {escape(' or '.join(p['detected']))} ({escape(p['why'])})")
     out.print(f"  labelled by: {escape('--slots ' + p['given']) if p['given'] else '[yellow]nothing (no --slots)[/]'}")

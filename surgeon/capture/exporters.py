@@ -14,9 +14,13 @@
 
 Captures are found by their declared *point* (the dump says what each tensor is); a capture
 of a surgeon dump named like a spec capture but declaring another point is refused as
-mislabelled. Values are kept exactly: no dtype change, no arithmetic. Every refusal is
-:class:`BadInput`, one line, and comes before any file is written. Files are written to a
-temporary name and renamed.
+mislabelled. Values are kept exactly: no dtype change, no arithmetic (captures stacked into one
+tensor must share a dtype). Every refusal is :class:`BadInput`, one line, and comes before any
+file is written: a first pass checks every unit (structure, points, dtypes) and nothing else.
+Then everything, the manifest included, is written into a staging folder next to the output
+folder, published only once all of it is written: a new folder by one rename, an existing one
+file by file, the manifest last. Any error before that (an internal one too) removes the staging
+folder and any parent folder it made, so nothing partial is ever left.
 
 What is read is a :data:`Reader`'s business: surgeon dumps by default (one unit per file); the
 verify layer's :func:`surgeon.verify.fielddumps.export_reader` also reads TensorRT-LLM and Model
@@ -31,8 +35,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from collections.abc import Callable, Iterable, Sequence
+import secrets
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +88,50 @@ def _label(path: Path, unit: Dump | DumpHeader) -> str:
     return f"{path} ({record})" if record else str(path)
 
 
-def _atomic(path: Path, write: Callable[[str], object]) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
-    os.close(fd)
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A fresh folder next to ``out`` to write into; published into ``out`` when the block ends
+    without error, else removed with the parent folders it made (nothing partial is left)."""
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"{out}: exists and is not a folder")
+    made = [a for a in out.parents if not a.exists()]
+    stage = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage.mkdir()  # the default mode (umask), as a folder made by mkdir -p
+    except OSError as e:
+        _remove_made(made)
+        raise BadInput(f"{out}: cannot create a folder next to it to write into: {e.strerror or e}") from None
+    try:
+        yield stage
+        _publish(stage, out)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_made(made)
         raise
-    return path
+
+
+def _remove_made(made: list[Path]) -> None:
+    for a in made:  # deepest first
+        try:
+            a.rmdir()
+        except OSError:
+            break
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """``stage`` becomes ``out``: by one rename when ``out`` does not exist, else each file
+    replaced into it, the manifest last (a reader who sees the manifest sees every file)."""
+    if not out.exists():
+        try:
+            os.rename(stage, out)
+            return
+        except OSError:  # made meanwhile: fall through
+            pass
+    names = sorted(p.name for p in stage.iterdir())
+    for name in [n for n in names if n != MANIFEST] + [n for n in names if n == MANIFEST]:
+        os.replace(stage / name, out / name)
+    stage.rmdir()
 
 
 def _fc(spec, layout: str) -> list[tuple[str, Point]]:
@@ -124,10 +164,22 @@ def _need(found: dict[Point, tuple[str, Any]], point: Point, what: str, label: s
     return t
 
 
-def _same_dtype(tensors: Sequence[torch.Tensor], label: str, layout: str) -> None:
-    dtypes = {str(t.dtype).replace("torch.", "") for t in tensors}
-    if len(dtypes) > 1:
-        raise BadInput(f"cannot export {label} to {layout}: captures differ in dtype ({', '.join(sorted(dtypes))}); "
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _dtypes(unit: Dump | DumpHeader, picked: Sequence[tuple[str, Any]]) -> list[str]:
+    """The dtype of each picked capture: a tensor's own, or a header's as its safetensors file
+    declares it (no tensor loaded)."""
+    from surgeon.capture.tensorfiles import gated_safetensors
+
+    header = gated_safetensors(unit.path).tensors if isinstance(unit, DumpHeader) else {}
+    return [str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor)
+            else _ST_DTYPES.get(header[name]["dtype"], header[name]["dtype"].lower()) for name, t in picked]
+
+
+def _same_dtype(dtypes: Sequence[str], label: str, layout: str) -> None:
+    if len(set(dtypes)) > 1:
+        raise BadInput(f"cannot export {label} to {layout}: captures differ in dtype ({', '.join(sorted(set(dtypes)))}); "
                        "stacking them would convert values")
 
 
@@ -165,40 +217,49 @@ def _mask_note(layout: str, unit: Dump) -> str | None:
 
 
 Need = tuple[Point, str, str]  # the point, what the layout uses it for, the key it lands at in the written file
-Build = Callable[[int, Dump, list[torch.Tensor], Path, str], Path]
+Build = Callable[[Dump, list[torch.Tensor], Path], None]  # writes one unit's file at the path given
 
 
-def _export(dump_paths, out_dir: str | Path, spec, layout: str, needs: list[Need], build: Build,
-            read: Reader | None) -> list[Path]:
+def _pick(unit: Dump | DumpHeader, label: str, spec, layout: str, needs: list[Need],
+          stacked: slice) -> list[tuple[str, Any]]:
+    """The unit's capture (name, tensor or shape) for each need, refused (one line) when one is
+    missing or mislabelled, or when the ones ``stacked`` into one tensor differ in dtype."""
+    found = _by_point(unit, label, spec, layout)
+    picked = [_need(found, p, what, label, layout) for p, what, _ in needs]
+    _same_dtype(_dtypes(unit, picked[stacked]), label, layout)
+    return picked
+
+
+def _export(dump_paths, out_dir: str | Path, spec, layout: str, needs: list[Need], stacked: slice,
+            file_name: Callable[[int], str], build: Build, read: Reader | None) -> list[Path]:
     """Check every unit can fill the layout (metadata only where the format allows) before writing
-    any file, then write each through ``build(index, dump, needed tensors, out_dir, label)``, and
-    last the manifest saying which point each written slot holds and where it came from."""
+    anything, then write each unit's file through ``build(dump, needed tensors, path)`` and last the
+    manifest saying which point each written slot holds and where it came from, all staged and
+    published together (:func:`_staged`). ``stacked``: the needs stacked into one tensor."""
     read = read or read_surgeon_dump
     paths = _expand(dump_paths)
     for path in paths:
         for unit in read(path, True):
-            found = _by_point(unit, _label(path, unit), spec, layout)
-            for point, what, _ in needs:
-                _need(found, point, what, _label(path, unit), layout)
+            _pick(unit, _label(path, unit), spec, layout, needs, stacked)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     files: list[dict] = []
-    for path in paths:
-        for unit in read(path, False):
-            assert isinstance(unit, Dump)  # a reader gives whole units when not asked for headers
-            label = _label(path, unit)
-            found = _by_point(unit, label, spec, layout)
-            picked = [_need(found, p, what, label, layout) for p, what, _ in needs]
-            written.append(build(len(written), unit, [t for _, t in picked], out, label))
-            files.append({"file": written[-1].name, "source": str(path), "record": unit.meta.get("record"),
-                          "producer": unit.meta.get("producer") or f"surgeon dump ({unit.meta.get('engine') or '?'})",
-                          "loss_mask": _mask_note(layout, unit),
-                          "captures": [{"name": key, "point": str(p), "from": name}
-                                       for (p, _, key), (name, _) in zip(needs, picked)]})
-    manifest = {"surgeon.kind": "export", "surgeon.format": 1, "layout": layout,
-                "spec": {"name": spec.name, "sha256": getattr(spec, "sha256", None)}, "files": files}
-    _atomic(out / MANIFEST, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1) + "\n"))
+    with _staged(out) as stage:
+        for path in paths:
+            for unit in read(path, False):
+                assert isinstance(unit, Dump)  # a reader gives whole units when not asked for headers
+                picked = _pick(unit, _label(path, unit), spec, layout, needs, stacked)
+                name = file_name(len(written))
+                build(unit, [t for _, t in picked], stage / name)
+                written.append(out / name)
+                files.append({"file": name, "source": str(path), "record": unit.meta.get("record"),
+                              "producer": unit.meta.get("producer") or f"surgeon dump ({unit.meta.get('engine') or '?'})",
+                              "loss_mask": _mask_note(layout, unit),
+                              "captures": [{"name": key, "point": str(p), "from": src}
+                                           for (p, _, key), (src, _) in zip(needs, picked)]})
+        manifest = {"surgeon.kind": "export", "surgeon.format": 1, "layout": layout,
+                    "spec": {"name": spec.name, "sha256": getattr(spec, "sha256", None)}, "files": files}
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return written
 
 
@@ -208,19 +269,17 @@ def export_specforge(dump_paths, out_dir: str | Path, *, spec, read: Reader | No
     needs: list[Need] = [(FINAL_NORM, "SpecForge's hidden_state (after the final norm)", "hidden_state")]
     needs += [(p, f"fc input {n!r}", f"aux_hidden_state[{i}]") for i, (n, p) in enumerate(fc)]
 
-    def build(i: int, dump: Dump, tensors: list[torch.Tensor], out: Path, label: str) -> Path:
+    def build(dump: Dump, tensors: list[torch.Tensor], path: Path) -> None:
         final, aux = tensors[0], tensors[1:]
-        _same_dtype(aux, label, "SpecForge")
         ids = dump.input_ids.reshape(1, -1)
-        data = {
+        torch.save({
             "input_ids": ids,
             "loss_mask": dump.loss_mask.reshape(1, -1) if dump.loss_mask is not None else torch.ones_like(ids),
             "aux_hidden_state": torch.cat(aux, dim=-1).unsqueeze(0),
             "hidden_state": final.unsqueeze(0),
-        }
-        return _atomic(out / f"data_{i}.ckpt", lambda tmp: torch.save(data, tmp))
+        }, path)
 
-    return _export(dump_paths, out_dir, spec, "SpecForge", needs, build, read)
+    return _export(dump_paths, out_dir, spec, "SpecForge", needs, slice(1, None), lambda i: f"data_{i}.ckpt", build, read)
 
 
 def export_speculators(dump_paths, out_dir: str | Path, *, spec, read: Reader | None = None) -> list[Path]:
@@ -233,10 +292,9 @@ def export_speculators(dump_paths, out_dir: str | Path, *, spec, read: Reader | 
     needs.append((layer_out(L - 1), f"speculators' last slot (layer_out[{L - 1}] before the final norm; "
                                     "final_norm is not a substitute)", f"hidden_states[:, {len(fc)}]"))
 
-    def build(i: int, dump: Dump, slots: list[torch.Tensor], out: Path, label: str) -> Path:
-        _same_dtype(slots, label, "speculators")
-        tensors = {"token_ids": dump.input_ids.reshape(-1).contiguous(),
-                   "hidden_states": torch.stack(slots, dim=1).contiguous()}
-        return _atomic(out / f"hs_{i}.safetensors", lambda tmp: save_file(tensors, tmp))
+    def build(dump: Dump, slots: list[torch.Tensor], path: Path) -> None:
+        save_file({"token_ids": dump.input_ids.reshape(-1).contiguous(),
+                   "hidden_states": torch.stack(slots, dim=1).contiguous()}, str(path))
 
-    return _export(dump_paths, out_dir, spec, "speculators", needs, build, read)
+    return _export(dump_paths, out_dir, spec, "speculators", needs, slice(None), lambda i: f"hs_{i}.safetensors",
+                   build, read)

@@ -70,11 +70,11 @@ def _field_dump_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpI
     fd = read_field_dump(dump, slots, num_layers)
     if fd is None:
         raise BadInput(f"{dump}: neither a surgeon dump nor a TensorRT-LLM or Model Optimizer dump")
-    first = fd.records[0]
-    dtypes = {str(t.dtype).removeprefix("torch.") for r in fd.records for t in r.tensors}
+    first = fd.records[0]  # the top-level fields describe it, as a surgeon dump's its one sequence
+    T, H = first.tensors[-1].shape
     meta = {"engine": "TensorRT-LLM" if fd.layout == "trtllm" else "Model Optimizer",
-            "num_layers": str(num_layers) if num_layers else "", "hidden_size": str(first.tensors[-1].shape[1]),
-            "tokens": str(sum(r.tensors[-1].shape[0] for r in fd.records)), "dtype": ",".join(sorted(dtypes))}
+            "num_layers": str(num_layers) if num_layers else "", "hidden_size": str(H), "tokens": str(T),
+            "dtype": _dtypes(first)}
     captures = [{"name": n, "point": str(p) if p is not None else None, "shape": list(t.shape),
                  "dtype": str(t.dtype).removeprefix("torch.")}
                 for n, p, t in zip(first.names, first.declared, first.tensors)]
@@ -82,8 +82,21 @@ def _field_dump_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpI
                 "loss_mask": int((r.loss_mask != 0).sum()) if r.loss_mask is not None else None}
                for i, r in enumerate(fd.records)]
     given = f"{fd.producer.name}:{fd.producer.ids_text}" if fd.producer else None
+    notes = list(first.notes)
+    if len(fd.records) > 1:
+        notes.append(f"hidden_size, tokens, dtype and captures are the first record's; records lists each one's "
+                     f"tokens ({sum(int(r.tensors[-1].shape[0]) for r in fd.records)} in all)")
+        odd = [f"{r.record or i} ({_dtypes(r)}, hidden {r.tensors[-1].shape[1]})" for i, r in enumerate(fd.records)
+               if (_dtypes(r), r.tensors[-1].shape[1]) != (meta["dtype"], H)]
+        if odd:
+            notes.append(f"records differing from the first in dtype or hidden size: {', '.join(odd[:5])}"
+                         + (f" and {len(odd) - 5} more" if len(odd) > 5 else ""))
     return DumpInfo(dump, meta, captures, fd.layout, {"detected": fd.candidates, "why": fd.why, "given": given},
-                    records, list(first.notes))
+                    records, notes)
+
+
+def _dtypes(record) -> str:
+    return ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in record.tensors}))
 
 
 def export(*, dumps: Sequence[str], spec: str, layout: str, out_dir: str, slots: Sequence[str] = ()) -> Exported:

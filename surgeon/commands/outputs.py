@@ -316,7 +316,7 @@ class DumpRecord(_Closed):
     index: int
     id: str | None = Field(description="the record's id in the file (TensorRT-LLM 'id N', Model Optimizer "
                                        "'conversation C'); null when it has none")
-    tokens: int
+    tokens: int = Field(description="this record's tokens")
     input_ids: bool
     loss_mask: int | None = Field(description="tokens in the loss (Model Optimizer's loss_mask); null: no mask")
 
@@ -334,10 +334,11 @@ class DumpInfoOutput(_Output):
     engine_version: str | None
     model: str | None
     num_layers: int | None
-    hidden_size: int | None
-    tokens: int | None
-    dtype: str | None = Field(description="the captures' dtypes, comma-separated")
-    captures: list[DumpCapture]
+    hidden_size: int | None = Field(description="the captures' hidden size (a file of several records: the first's)")
+    tokens: int | None = Field(description="the captures' tokens: one sequence's, the first record's in a file of "
+                                           "several (records[].tokens gives each record's)")
+    dtype: str | None = Field(description="the captures' dtypes, comma-separated (a file of several records: the first's)")
+    captures: list[DumpCapture] = Field(description="the slots of the dump's one sequence, or of its first record")
     other_metadata: dict[str, str] = Field(description="metadata keys this surgeon does not interpret")
     layout: Literal["surgeon", "trtllm", "modelopt"] = Field(
         default="surgeon",

@@ -21,7 +21,8 @@ Layouts, recognised by their keys (never by the file's name), each read from its
 Which point a slot holds depends on the ids the tool was given, which no file records. The
 caller names the producer and its ids as one ``--slots`` entry, ``PRODUCER:IDS``
 (``trtllm:1,15,28``, ``modelopt-vllm:1,17,29``; presets ``eagle``/``dflash`` for Model Optimizer,
-``default`` for TensorRT-LLM), and each slot is labelled by that tool's cited convention
+``default`` for TensorRT-LLM, its tuple for 6 layers or more: it raises for fewer), and each slot
+is labelled by that tool's cited convention
 (:mod:`surgeon.engines.field_tables`). Without it only what the layout itself fixes is labelled:
 TensorRT-LLM's ``hidden_state``. Labels are declarations: ``verify``/``match`` still identify
 every slot against the reference.
@@ -136,13 +137,29 @@ def int_1d(t: Any, what: str) -> torch.Tensor:
     return t.reshape(-1).to(torch.int64)
 
 
+def _state(p: str, t: Any, what: str) -> torch.Tensor:
+    """A record's own last state: [T, H] with T, H >= 1, checked before the aux columns are split by H."""
+    last = float_2d(t, f"{p}: {what}")
+    T, H = last.shape
+    if T == 0 or H == 0:
+        raise BadInput(f"{p}: {what} has shape [{T}, {H}]: no state to read (0 tokens or a hidden size of 0)")
+    return last
+
+
+def _ids(p: str, t: Any, what: str, T: int) -> torch.Tensor:
+    ids = int_1d(t, f"{p}: {what}")
+    if ids.numel() != T:
+        raise BadInput(f"{p}: {what} holds {ids.numel()} ids for {T} tokens")
+    return ids
+
+
 def _split_aux(p: str, aux: Any, key: str, H: int, T: int) -> list[torch.Tensor]:
-    """[T, n*H] into n [T, H] slots; an empty tensor (the vllm backend without aux ids) is none."""
-    if isinstance(aux, torch.Tensor) and aux.numel() == 0:
+    """[T, n*H] into n [T, H] slots (H >= 1); the vllm backend's ``torch.empty(0)`` (no aux ids) is none."""
+    if isinstance(aux, torch.Tensor) and aux.numel() == 0 and aux.dim() == 1:
         return []
     aux = float_2d(aux, f"{p}: {key}")
-    if aux.shape[0] != T or aux.shape[1] % H:
-        raise BadInput(f"{p}: {key} of shape {tuple(aux.shape)} is not [{T}, n*{H}]")
+    if aux.shape[0] != T or aux.shape[1] == 0 or aux.shape[1] % H:
+        raise BadInput(f"{p}: {key} of shape {tuple(aux.shape)} is not [{T}, n*{H}] with n >= 1")
     return [aux[:, i * H:(i + 1) * H] for i in range(aux.shape[1] // H)]
 
 
@@ -183,7 +200,10 @@ def _modelopt_ids(producer: Producer, L: int, notes: list[str]) -> list[int]:
 def _trtllm_ids(producer: Producer, L: int) -> list[int]:
     """eagle3_layers_to_capture as the engine orders it: sorted, -1 last (added when absent)."""
     if producer.ids_text.strip().lower() == "default":
-        ids = [t.evaluate(L) for t in TRTLLM_CONV.default or ()]
+        if L <= 5:
+            raise BadInput(f"--slots trtllm:default: TensorRT-LLM has no default eagle3_layers_to_capture for a "
+                           f"{L}-layer target, it raises for 5 layers or fewer ({TRTLLM['default']}); pass the ids")
+        ids = [t.evaluate(L) for t in TRTLLM_CONV.default or ()]  # the source's tuple, as it is
     else:
         ids = sorted(set(_int_list(producer)))
         if ids[0] == -1:
@@ -223,12 +243,13 @@ def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int |
         raise BadInput(f"{p}: a TensorRT-LLM SaveHiddenStates dump (a list of records), not a Model Optimizer "
                        f"{producer.name} file: pass --slots trtllm:IDS (its eagle3_layers_to_capture)")
     rec = data[index]
-    last = float_2d(rec["hidden_state"], f"{p}: hidden_state")
+    last = _state(p, rec["hidden_state"], f"id {rec['id']}: hidden_state")
     T, H = last.shape
     key = next((k for k in TRT_AUX_KEYS if k in rec), None)
-    aux = _split_aux(p, rec[key], key, H, T) if key else []
+    aux = _split_aux(p, rec[key], f"id {rec['id']}: {key}", H, T) if key else []
     out = FileSlots("trtllm", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_state"], [*aux, last],
-                     [None] * len(aux) + [FINAL_NORM], int_1d(rec["input_ids"], f"{p}: input_ids"), record=f"id {rec['id']}")
+                     [None] * len(aux) + [FINAL_NORM], _ids(p, rec["input_ids"], f"id {rec['id']}: input_ids", T),
+                     record=f"id {rec['id']}")
     out.notes.append(f"TensorRT-LLM SaveHiddenStates dump: record {index + 1} of {len(data)} (id {rec['id']}); "
                      f"{TRT_DUMP_NOTE}")
     if key == "hidden_state_features":
@@ -254,12 +275,12 @@ def read_trtllm(p: str, data: list, producer: Producer | None, num_layers: int |
 
 def read_modelopt(p: str, data: dict, producer: Producer | None, num_layers: int | None) -> FileSlots:
     """A Model Optimizer collect_hidden_states dump, any backend."""
-    last = float_2d(data["hidden_states"], f"{p}: hidden_states")
+    last = _state(p, data["hidden_states"], "hidden_states")
     T, H = last.shape
     key = next((k for k in TRT_AUX_KEYS if k in data), None)
     aux = _split_aux(p, data[key], key, H, T) if key else []
     out = FileSlots("modelopt", [f"{key}[{i}]" for i in range(len(aux))] + ["hidden_states"], [*aux, last],
-                     [None] * (len(aux) + 1), int_1d(data["input_ids"], f"{p}: input_ids"),
+                     [None] * (len(aux) + 1), _ids(p, data["input_ids"], "input_ids", T),
                      record=f"conversation {data['conversation_id']}" if "conversation_id" in data else None)
     out.notes.append(f"Model Optimizer collect_hidden_states dump (conversation {data.get('conversation_id', '?')}): "
                      f"keys as {_cite(MODELOPT['dump'])} (hf) and compute_hidden_states_vllm.py:317 write them, "
@@ -399,12 +420,6 @@ def _read_whole(p: str, layout: str, data: Any, producer: Producer | None, num_l
     else:
         records = [read_modelopt(p, data, producer, num_layers)]
         candidates, why = modelopt_backends(data)
-    for r in records:
-        T, H = r.tensors[-1].shape
-        if T == 0 or H == 0:
-            raise BadInput(f"{p}: {r.record or 'its record'} has slots of shape [{T}, {H}]: no state to read")
-        if r.ids is not None and r.ids.numel() != T:
-            raise BadInput(f"{p}: {r.record or 'its record'} has {r.ids.numel()} input ids for {T} tokens")
     return FieldDump(p, layout, candidates, why, producer, num_layers, records)
 
 

@@ -53,7 +53,7 @@ def test_dump_info_on_a_trtllm_dump_labels_only_what_the_layout_fixes_until_slot
     assert all(c["shape"] == [T, 64] and c["dtype"] == "float32" for c in bare["captures"])
     assert bare["records"] == [{"index": i, "id": f"id {i + 1}", "tokens": T, "input_ids": True, "loss_mask": None}
                                for i in range(2)]
-    assert bare["tokens"] == 2 * T and bare["hidden_size"] == 64 and bare["num_layers"] is None
+    assert bare["tokens"] == T and bare["hidden_size"] == 64 and bare["num_layers"] is None
     assert any("does not record eagle3_layers_to_capture" in n and "--slots trtllm:IDS" in n for n in bare["notes"])
     text = run("dump-info", f).stdout
     assert "not recorded" in text and "2 record(s)" in text
@@ -97,6 +97,14 @@ def test_dump_info_tells_the_backend_where_the_keys_fix_it(tmp_path, field_targe
     ("unsafe_pickle", ["weights_only=True"]),
     ("slots_on_surgeon_dump", ["surgeon dump declares"]),
     ("bad_ids", ["outside [0, 8)"]),
+    # degenerate shapes: refused before the aux columns are split by H (H = 0 divided by zero)
+    ("trtllm_hidden_0", ["hidden_state has shape [5, 0]", "hidden size of 0"]),
+    ("modelopt_hidden_0", ["hidden_states has shape [5, 0]", "hidden size of 0"]),
+    ("trtllm_tokens_0", ["hidden_state has shape [0, 4]", "0 tokens"]),
+    ("modelopt_tokens_0", ["hidden_states has shape [0, 4]", "0 tokens"]),
+    ("aux_width_0", ["aux_hidden_states of shape (5, 0)", "n >= 1"]),
+    ("aux_not_n_h", ["aux_hidden_states of shape (5, 6)", "[5, n*4]"]),
+    ("ids_count", ["input_ids holds 3 ids for 5 tokens"]),
 ])
 def test_dump_info_bad_input_is_one_line_exit_2(tmp_path, field_target, case, needles):
     from surgeon.capture.dumps import write_dump
@@ -118,7 +126,25 @@ def test_dump_info_bad_input_is_one_line_exit_2(tmp_path, field_target, case, ne
     elif case == "bad_ids":
         write_modelopt_vllm(f, ref, [1, 3, 5])
         args = ["--slots", "modelopt-vllm:1,3,8", "--spec", spec]
+    elif case in DEGENERATE:
+        torch.save(DEGENERATE[case](), f)
     one_line_refusal(run("dump-info", f, *args, code=2), str(f.name), *needles)
+
+
+def _trt(T, H, aux, ids=None):
+    return [{"id": 1, "input_ids": torch.arange(T if ids is None else ids), "hidden_state": torch.zeros(T, H),
+             "aux_hidden_states": torch.zeros(*aux)}]
+
+
+def _mo(T, H, aux):
+    return {"input_ids": torch.arange(T), "hidden_states": torch.zeros(T, H), "aux_hidden_states": torch.zeros(*aux),
+            "loss_mask": torch.ones(T, dtype=torch.long)}
+
+
+DEGENERATE = {"trtllm_hidden_0": lambda: _trt(5, 0, (5, 6)), "modelopt_hidden_0": lambda: _mo(5, 0, (5, 6)),
+              "trtllm_tokens_0": lambda: _trt(0, 4, (0, 8)), "modelopt_tokens_0": lambda: _mo(0, 4, (0, 8)),
+              "aux_width_0": lambda: _mo(5, 4, (5, 0)), "aux_not_n_h": lambda: _trt(5, 4, (5, 6)),
+              "ids_count": lambda: _trt(5, 4, (5, 8), ids=3)}
 
 
 # -- export ---------------------------------------------------------------------------------------------
@@ -207,6 +233,7 @@ def test_export_every_record_of_a_trtllm_folder(tmp_path, field_target):
     ("slots_on_surgeon_dump", ["surgeon dump declares"]),
     ("wrong_hidden", ["hidden size 32"]),
     ("second_file_bad", ["b.pt", "the ids do not fit"]),
+    ("hidden_0", ["hidden_states has shape [5, 0]"]),
 ])
 def test_export_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, field_target, case, needles):
     from surgeon.capture.dumps import write_dump
@@ -235,7 +262,133 @@ def test_export_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, field
     elif case == "second_file_bad":  # a good first file is not written when the second cannot fill the layout
         write_modelopt_hf(f, ref, [1, 3, 5])
         files = [f, write_modelopt_hf(tmp_path / "b.pt", ref, [1, 3])]
+    elif case == "hidden_0":
+        torch.save(DEGENERATE["modelopt_hidden_0"](), f)
     out = tmp_path / "out"
     res = run("export", *files, "--spec", spec, "--layout", "specforge", "-o", out, *slots, code=2)
     one_line_refusal(res, *needles)
     assert not out.exists()
+
+
+def _fp16_copy(src, dst, key):
+    data = torch.load(src, weights_only=True)
+    data[key] = data[key].half()
+    torch.save(data, dst)
+    return dst
+
+
+def test_export_refuses_captures_of_differing_dtype_before_writing_anything(tmp_path, field_target):
+    ref, _, spec = field_target
+    d = tmp_path / "mo"
+    d.mkdir()
+    write_modelopt_vllm(d / "a.pt", ref, [2, 4, 6])  # a good file first: it must not be written either
+    _fp16_copy(d / "a.pt", d / "b.pt", "hidden_states")
+    out = tmp_path / "out"
+    res = run("export", d, "--spec", spec, "--layout", "speculators", "-o", out, "--slots", "modelopt-vllm:2,4,6", code=2)
+    one_line_refusal(res, "b.pt", "differ in dtype", "float16", "float32")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["mo"]  # no staging folder left
+    # SpecForge concatenates the aux captures only: an fp16 aux among fp32 ones is refused alike
+    _fp16_copy(write_modelopt_hf(d / "a.pt", ref, [1, 3, 5]), d / "b.pt", "aux_hidden_states")
+    res = run("export", d, "--spec", spec, "--layout", "specforge", "-o", out, "--slots", "modelopt-hf:1,3,5", code=0)
+    assert (out / "data_1.ckpt").exists()  # one aux tensor split into slots: they share a dtype, allowed
+
+
+def test_export_refuses_surgeon_dumps_of_differing_dtype_before_writing_anything(tmp_path, field_target):
+    from surgeon.capture.dumps import write_dump
+
+    ref, _, spec = field_target
+    caps = [("low", layer_out(1)), ("mid", layer_out(3)), ("high", layer_out(5)), ("out", layer_out(L - 1))]
+    good = write_dump(tmp_path / "a.safetensors", [(n, p, ref.states[p]) for n, p in caps],
+                      input_ids=ref.input_ids, num_layers=L)
+    bad = write_dump(tmp_path / "b.safetensors", [(n, p, ref.states[p].half() if n == "mid" else ref.states[p])
+                                                  for n, p in caps], input_ids=ref.input_ids, num_layers=L)
+    out = tmp_path / "deep" / "out"
+    res = run("export", good, bad, "--spec", spec, "--layout", "speculators", "-o", out, code=2)
+    one_line_refusal(res, "b.safetensors", "differ in dtype", "float16, float32")
+    assert not (tmp_path / "deep").exists()  # not even the parent it would have made
+    out.mkdir(parents=True)  # an existing folder is left as it was
+    run("export", good, bad, "--spec", spec, "--layout", "speculators", "-o", out, code=2)
+    assert list(out.iterdir()) == []
+
+
+def test_export_leaves_nothing_behind_on_an_internal_error(tmp_path, field_target, monkeypatch):
+    from safetensors import torch as st
+
+    ref, _, spec = field_target
+    d = tmp_path / "mo"
+    d.mkdir()
+    write_modelopt_vllm(d / "a.pt", ref, [2, 4, 6])
+    write_modelopt_vllm(d / "b.pt", ref, [2, 4, 6])
+    real, calls = st.save_file, []
+
+    def fail_on_second(tensors, path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(tensors, path, *a, **kw)
+
+    monkeypatch.setattr(st, "save_file", fail_on_second)
+    out = tmp_path / "out"
+    res = run("export", d, "--spec", spec, "--layout", "speculators", "-o", out, "--slots", "modelopt-vllm:2,4,6", code=1)
+    assert "internal error" in res.stderr and len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mo"]
+
+
+@pytest.mark.parametrize("case", ["trtllm_hidden_0", "modelopt_hidden_0"])
+def test_match_on_a_field_dump_of_hidden_size_0_is_one_line_exit_2(tmp_path, field_target, case):
+    _, ref_file, _ = field_target
+    f = tmp_path / "h0.pt"
+    torch.save(DEGENERATE[case](), f)  # verify and match read a record through the same readers
+    one_line_refusal(run("match", f, "--reference", ref_file, code=2), "h0.pt", "hidden size of 0")
+
+
+def _spec_of(tmp_path, layers):
+    f = tmp_path / f"spec{layers}.yaml"
+    f.write_text(f"spec: 1\nname: tiny{layers}\ntarget: {{architecture: LlamaForCausalLM, num_layers: {layers}, "
+                 "hidden_size: 64}\ncaptures: {a: 'layer_out[0]', b: 'layer_out[1]', c: 'layer_out[2]', last: final_norm}\n"
+                 "draft: {kind: eagle3, fc_input: [a, b, c], fc_in_features: 192}\n")
+    return f
+
+
+def test_trtllm_default_ids_are_refused_for_5_layers_or_fewer_as_tensorrt_llm_raises(tmp_path, field_target):
+    ref, _, _ = field_target
+    f = write_trtllm(tmp_path / "trt.pt", ref, {1, 3, 5})  # three aux columns, as a default capture writes
+    for layers in (4, 5):
+        res = run("dump-info", f, "--slots", "trtllm:default", "--spec", _spec_of(tmp_path, layers), code=2)
+        one_line_refusal(res, "trt.pt", "trtllm:default", f"{layers}-layer", "5 layers or fewer", "eagle3.py:136")
+    # 6 layers: the source's tuple (1, 6 // 2 - 1, 6 - 4) = (1, 2, 2), kept as it is (not de-duplicated)
+    six = info(f, "--slots", "trtllm:default", "--spec", _spec_of(tmp_path, 6))
+    assert points(six) == ["layer_out[1]", "layer_out[2]", "layer_out[2]", "final_norm"]
+
+
+def test_dump_info_top_level_fields_describe_the_first_record_as_for_a_surgeon_dump(tmp_path, field_target):
+    from surgeon.capture.dumps import write_dump
+
+    ref, _, _ = field_target
+    short = {k: v[:T - 4] if k != "id" else 2 for k, v in trtllm_record(ref, {1, 3, 5}).items()}
+    short["hidden_state"] = short["hidden_state"].half()
+    f = tmp_path / "trt.pt"
+    torch.save([trtllm_record(ref, {1, 3, 5}), short], f)
+    r = info(f)
+    assert (r["tokens"], r["hidden_size"], r["dtype"]) == (T, 64, "float32")  # the first record's, as its captures
+    assert all(c["shape"] == [T, 64] for c in r["captures"])
+    assert [x["tokens"] for x in r["records"]] == [T, T - 4]
+    assert any("first record's" in n and f"{2 * T - 4} in all" in n for n in r["notes"])
+    assert any("id 2 (float16,float32, hidden 64)" in n for n in r["notes"])
+    assert f"2 record(s); the first: {T} tokens" in run("dump-info", f).stdout
+    d = info(write_dump(tmp_path / "d.safetensors", [("last", FINAL_NORM, ref.states[FINAL_NORM])],
+                        input_ids=ref.input_ids, num_layers=L))
+    assert d["tokens"] == d["records"][0]["tokens"] == T == d["captures"][0]["shape"][0]
+    schema = json.loads(run("schema", "--output", "dump-info").stdout)
+    assert "first record" in json.dumps(schema["properties"]["tokens"])
+
+
+def test_export_into_a_file_or_an_unwritable_place_is_one_line_exit_2(tmp_path, field_target):
+    ref, _, spec = field_target
+    f = write_modelopt_vllm(tmp_path / "c1.pt", ref, [2, 4, 6])
+    slots = ["--slots", "modelopt-vllm:2,4,6"]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = run("export", f, "--spec", spec, "--layout", "speculators", "-o", blocker / "out", *slots, code=2)
+    one_line_refusal(res, "cannot create a folder")
+    assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["c1.pt", "file"]
