@@ -170,3 +170,16 @@ def test_cli_offers_every_render_target_and_the_json_fits_the_schema(tmp_path):
         RenderOutput.model_validate(json.loads(cli_run("render", KIMI, "--engine", target, "--json").output))
     for target in ("zlab", "specforge", "speculators"):
         RenderOutput.model_validate(json.loads(cli_run("render", _spec(tmp_path).file, "--engine", target, "--json").output))
+
+
+@pytest.mark.parametrize("target", ["trtllm", "modelopt-hf", "modelopt-trtllm", "zlab"])
+@pytest.mark.parametrize("flag", ["--engine-root", "--model-class"])
+def test_table_targets_refuse_engine_flags_they_would_ignore(tmp_path, target, flag):
+    """A cited-table target reads no engine: --engine-root / --model-class are refused (one line,
+    exit 2), not silently ignored (trtllm and zlab ignored both, modelopt-hf|trtllm --model-class)."""
+    spec = _spec(tmp_path) if target == "zlab" else load_spec(KIMI)
+    value = str(tmp_path) if flag == "--engine-root" else "SomeOtherForCausalLM"
+    err = cli_run("render", spec.file, "--engine", target, flag, value, code=2).stderr
+    assert err.count("\n") == 1 and f"{flag} does not apply to {target}" in err
+    with pytest.raises(BadInput, match=f"{flag} does not apply to {target}"):
+        render(spec, target, **{flag.removeprefix("--").replace("-", "_"): value})
