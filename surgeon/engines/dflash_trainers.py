@@ -79,17 +79,27 @@ ZLAB: dict[str, Cite] = {
 TABLES = {"specforge": SPECFORGE, "speculators": SPECULATORS, "zlab": ZLAB}
 
 
+def _zlab_offset() -> int:
+    """z-lab reads ``hidden_states[layer_id + offset]``: the offset its cited line sets (``offset = 1``)."""
+    name, _, value = ZLAB["offset"].needle.partition("=")
+    assert name.strip() == "offset", ZLAB["offset"]
+    return int(value)
+
+
 def _zlab_to_id(point: Point, num_layers: int) -> int:
+    offset = _zlab_offset()
     try:
-        return HF.to_id(point, num_layers) - 1
+        return HF.to_id(point, num_layers) - offset
     except NotExpressible as e:
-        raise NotExpressible("zlab", f"{e.reason} (z-lab reads hidden_states[id + 1])", point) from None
+        raise NotExpressible("zlab", f"{e.reason} (z-lab reads hidden_states[id + {offset}])", point) from None
 
 
 def _zlab_to_point(index: int, num_layers: int) -> Point:
-    if not -1 <= index <= num_layers - 1:
-        raise InvalidId(f"z-lab target_layer_id {index} is out of range for {num_layers} layers (-1..{num_layers - 1})")
-    return HF.to_point(index + 1, num_layers)
+    offset = _zlab_offset()
+    if not -offset <= index <= num_layers - offset:
+        raise InvalidId(f"z-lab target_layer_id {index} is out of range for {num_layers} layers "
+                        f"({-offset}..{num_layers - offset})")
+    return HF.to_point(index + offset, num_layers)
 
 
 ZLAB_CONV = PointwiseConvention(

@@ -9,7 +9,10 @@ to one a later ``if`` maps to a head. A target that no ``if`` names has no MTP h
 release: vLLM then treats ``--speculative-config method=mtp`` as a draft model of the target's own
 class, SGLang's NEXTN loads the target class as the draft. Where an ``if`` test is not read to
 strings (a name not resolved, an ``isinstance`` of a config whose ``model_type`` is not read), a
-target it might name is not decided, and the answer says which line.
+target it might name is not decided, and the answer says which line. A negated test (``!=``,
+``not in``, ``not (...)``) names its target for the ``else`` branch, not the body; a target such a
+test sends to its body without naming it (``arch != "Other"``) is undecided where that body
+builds a head.
 
 A target's ``model_type`` (what vLLM's tests compare) is read from transformers'
 ``modeling_auto.py`` mapping tables (the ``model_type -> class`` names), not imported.
@@ -121,35 +124,105 @@ def _locals(fn: ast.FunctionDef) -> set[str]:
     return names
 
 
-def _names_target(site: _Site, fn: ast.FunctionDef, test: ast.AST, arch: str, types: frozenset[str]) -> bool | None:
-    """Whether ``test`` can select ``arch`` (or one of its model ``types``); None: not read to strings."""
-    local = _locals(fn)
-    unread = False
-    for n in ast.walk(test):
+class _Test:
+    """A branch test read for one target. A comparison of a string (or a module's string tuple) with
+    anything is decided for the target: ``==``/``in`` hold where it names the target, ``!=``/``not in``
+    where it does not; ``isinstance`` of an imported config class is decided by its ``model_type``.
+    Every other condition (a flag, a length, a name not resolved) is free: either value may hold."""
+
+    def __init__(self, site: _Site, fn: ast.FunctionDef, arch: str, types: frozenset[str]):
+        self.site, self.fn, self.arch, self.types = site, fn, arch, types
+        self.local = _locals(fn)
+        self.named = False  # a decided atom mentions the target
+        self.unread = False  # an atom's strings (or config class) were not resolved
+
+    def _pair(self, left: ast.expr, op: ast.cmpop, right: ast.expr) -> bool | None:
+        """One ``left op right`` for the target; None: free."""
+        sides = []
+        for operand in (left, right):
+            words = _strings(operand)
+            if words is None and isinstance(operand, ast.Name) and operand.id not in self.local:
+                words = self.site.consts.get(operand.id)
+                self.unread |= words is None
+            sides.append(words)
+        i = 0 if sides[0] is not None else 1 if sides[1] is not None else None
+        if i is None:
+            return None
+        words = sides[i]
+        assert words is not None
+        hit = self.arch in words or bool(self.types & set(words))
+        if isinstance(op, (ast.In, ast.NotIn)) and isinstance((left, right)[i], ast.Constant):
+            # "x" in model_type: x a substring of it; model_type in "x" (a string, not a tuple): the reverse
+            hit |= any((words[0] in t) if i == 0 else (t in words[0]) for t in self.types)
+        self.named |= hit
+        return not hit if isinstance(op, (ast.NotEq, ast.NotIn, ast.IsNot)) else hit
+
+    def atom(self, n: ast.expr) -> bool | None:
+        """A leaf of the test's and/or/not for the target; None: free."""
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "isinstance" and len(n.args) == 2:
             cls = n.args[1]
-            mt = site.imported_config_type(fn, cls.id) if isinstance(cls, ast.Name) else None
+            mt = self.site.imported_config_type(self.fn, cls.id) if isinstance(cls, ast.Name) else None
             if mt is None:
-                unread = True
-            elif mt in types:
-                return True
-        if not isinstance(n, ast.Compare):
-            continue
-        for i, operand in enumerate([n.left, *n.comparators]):
-            words = _strings(operand)
-            if words is None and isinstance(operand, ast.Name) and operand.id not in local:
-                words = site.consts.get(operand.id)
-                unread |= words is None
-            if not words:
-                continue
-            if arch in words or types & set(words):
-                return True
-            op = n.ops[i - 1] if i else n.ops[0]
-            if isinstance(op, (ast.In, ast.NotIn)) and isinstance(operand, ast.Constant):
-                # "x" in model_type: x a substring of it; model_type in "x" (a string, not a tuple): the reverse
-                if any((words[0] in t) if i == 0 else (t in words[0]) for t in types):
-                    return True
-    return None if unread else False
+                self.unread = True
+                return None
+            self.named |= mt in self.types
+            return mt in self.types
+        if isinstance(n, ast.Compare):
+            values = [self._pair(a, op, b) for a, op, b in zip([n.left, *n.comparators], n.ops, n.comparators)]
+            if False in values:
+                return False
+            return True if all(v is True for v in values) else None
+        inner = _Test(self.site, self.fn, self.arch, self.types)
+        for m in ast.walk(n):
+            if m is not n and isinstance(m, (ast.Compare, ast.Call)):
+                inner.atom(m)
+        self.named |= inner.named  # named inside a call this reader does not evaluate: not decided
+        self.unread |= inner.unread
+        return None
+
+    def outcomes(self, test: ast.expr) -> set[bool]:
+        """The values ``test`` can take for the target, over every value of its free conditions."""
+        leaves: list[ast.expr] = []
+
+        def collect(n: ast.expr) -> None:
+            if isinstance(n, ast.BoolOp):
+                for v in n.values:
+                    collect(v)
+            elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+                collect(n.operand)
+            else:
+                leaves.append(n)
+        collect(test)
+        decided = {id(n): self.atom(n) for n in leaves}
+        free = [n for n in leaves if decided[id(n)] is None][:10]
+
+        def value(n: ast.expr, given: dict[int, bool]) -> bool:
+            if isinstance(n, ast.BoolOp):
+                vals = [value(v, given) for v in n.values]
+                return all(vals) if isinstance(n.op, ast.And) else any(vals)
+            if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+                return not value(n.operand, given)
+            d = decided.get(id(n))
+            return d if d is not None else given.get(id(n), False)
+        return {value(test, {id(n): bool(k >> j & 1) for j, n in enumerate(free)}) for k in range(2 ** len(free))}
+
+
+def _names_target(site: _Site, fn: ast.FunctionDef, test: ast.expr, arch: str,
+                  types: frozenset[str]) -> str | bool | None:
+    """Where ``test`` sends ``arch`` (or one of its model ``types``): ``"body"`` or ``"else"`` where it
+    names the target (``arch == "X"`` -> body, ``arch != "X"`` / ``not in`` / ``not (...)`` -> else);
+    ``"unnamed"``: it sends the target to its body without naming it (``arch != "Other"``); False:
+    it does not select the target; None: not read to strings, or not decided by the target."""
+    mine = _Test(site, fn, arch, types)
+    seen = mine.outcomes(test)
+    if not mine.named:
+        return None if mine.unread else "unnamed" if seen == {True} else False
+    if len(seen) == 1:
+        return "body" if True in seen else "else"
+    other = _Test(site, fn, "\0", frozenset()).outcomes(test)  # a target no string names
+    if other == {False}:
+        return "body"  # naming the target opens the body (another condition may still close it)
+    return "else" if other == {True} else None
 
 
 def _heads_in(body: list[ast.stmt]) -> tuple[list[str], list[str]]:
@@ -185,17 +258,24 @@ def read_mtp_head(loc: EngineLocation, architecture: str) -> MtpHead:
         return MtpHead(architecture, None, reason=f"{site.rel} defines no {name}: the MTP head mapping was not read")
     types = model_types(architecture)
     ifs = sorted((n for n in ast.walk(fn) if isinstance(n, ast.If)), key=lambda n: n.lineno)
-    unread = []
+    unread, unnamed = [], []
     for i, node in enumerate(ifs):
         named = _names_target(site, fn, node.test, architecture, types)
         if named is None:
             unread.append(node.lineno)
         if not named:
             continue
-        heads, renames = _heads_in(node.body)
+        branch = node.orelse if named == "else" else node.body
+        if named == "else" and (not branch or len(branch) == 1 and isinstance(branch[0], ast.If)):
+            continue  # the target skips the body (an elif is read as its own test)
+        heads, renames = _heads_in(branch)
         for later in ifs[i + 1:] if not heads else ():
-            if renames and _names_target(site, fn, later.test, "", frozenset(renames)):
+            if renames and _names_target(site, fn, later.test, "", frozenset(renames)) == "body":
                 heads += _heads_in(later.body)[0]
+        if named == "unnamed" or (named == "else" and not heads):
+            if heads or renames:
+                unnamed.append(node.lineno)
+            continue
         what = " or ".join(dict.fromkeys(heads)) or "a head whose class was not read"
         return MtpHead(architecture, True, list(dict.fromkeys(heads)),
                        [f"{site.rel}:{node.lineno}: {name} maps {architecture} to {what}"])
@@ -203,6 +283,10 @@ def read_mtp_head(loc: EngineLocation, architecture: str) -> MtpHead:
     if unread:
         return MtpHead(architecture, None, reason=f"{site.rel}: {name} names no {architecture}{typed}, but the "
                        f"tests at line {', '.join(map(str, unread))} were not read to strings")
+    if unnamed:
+        return MtpHead(architecture, None, reason=f"{site.rel}: {name} names no {architecture}{typed}, but the "
+                       f"branch of the test at line {', '.join(map(str, unnamed))} that it takes without naming it "
+                       "(!= / not in / not) renames the config or builds a head")
     if not types and any(_mentions_model_type(n.test) for n in ifs):
         return MtpHead(architecture, None, reason=f"{site.rel}: {name} selects some heads by model_type, and the "
                        f"model_type of {architecture} is not in transformers' mapping tables")

@@ -407,54 +407,136 @@ def _mentions_first_rank(test: ast.expr) -> bool:
     return any(isinstance(n, ast.Attribute) and n.attr == "is_first_rank" for n in ast.walk(test))
 
 
+def _first_rank_test(test: ast.expr) -> tuple[set[bool], set[bool]] | None:
+    """The values ``test`` can take on the first rank and on a later one (``is_first_rank`` under
+    ``not``/``and``/``or``, every other condition free); None where ``is_first_rank`` appears in
+    another form (a comparison, a call's argument) this does not read."""
+    leaves: list[ast.expr] = []
+
+    def collect(n: ast.expr) -> None:
+        if isinstance(n, ast.BoolOp):
+            for v in n.values:
+                collect(v)
+        elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+            collect(n.operand)
+        else:
+            leaves.append(n)
+    collect(test)
+    rank = [n for n in leaves if isinstance(n, ast.Attribute) and n.attr == "is_first_rank"]
+    free = [n for n in leaves if not any(n is r for r in rank)]
+    if any(_mentions_first_rank(n) for n in free) or len(free) > 10:
+        return None
+
+    def value(n: ast.expr, first: bool, given: dict[int, bool]) -> bool:
+        if isinstance(n, ast.BoolOp):
+            vals = [value(v, first, given) for v in n.values]
+            return all(vals) if isinstance(n.op, ast.And) else any(vals)
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+            return not value(n.operand, first, given)
+        return first if any(n is r for r in rank) else given[id(n)]
+    runs = [{id(n): bool(k >> j & 1) for j, n in enumerate(free)} for k in range(2 ** len(free))]
+    return {value(test, True, g) for g in runs}, {value(test, False, g) for g in runs}
+
+
+def _rank_guard(tree: ast.Module, line: int, rel: str) -> tuple[str, str] | None:
+    """Which ranks run ``line`` by the ``is_first_rank`` tests around it: ("first" | "later" |
+    "unread", file:line of the test), the innermost deciding test first; None: under no such test."""
+    found: list[tuple[int, str, str]] = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.If) and _mentions_first_rank(n.test)):
+            continue
+        for branch, taken in ((n.body, True), (n.orelse, False)):
+            if not any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in branch):
+                continue
+            values = _first_rank_test(n.test)
+            if values is None or (taken in values[0]) == (taken in values[1]):
+                kind = "unread"  # both ranks (another condition decides) or the test was not read
+            else:
+                kind = "first" if taken in values[0] else "later"
+            found.append((n.lineno, kind, f"{rel}:{n.lineno}"))
+    if not found:
+        return None
+    kinds = {k for _, k, _ in found}
+    kind = kinds.pop() if len(kinds) == 1 else "unread"
+    return kind, max(found)[2]
+
+
 def _received(fn: ast.FunctionDef, rel: str) -> str | None:
     """file:line where a later stage's ``hidden_states`` comes from ``intermediate_tensors`` (the
-    ``else`` of the forward's ``is_first_rank`` test), or None where that was not read."""
+    branch of the forward's ``is_first_rank`` test that later ranks take), or None where that was
+    not read."""
     for n in ast.walk(fn):
-        if isinstance(n, ast.If) and _mentions_first_rank(n.test):
-            for a in (m for s in n.orelse for m in ast.walk(s)):
-                if isinstance(a, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "hidden_states" for t in a.targets) \
-                        and "intermediate_tensors" in ast.unparse(a.value):
-                    return f"{rel}:{a.lineno}"
+        values = _first_rank_test(n.test) if isinstance(n, ast.If) and _mentions_first_rank(n.test) else None
+        if values is None or not isinstance(n, ast.If):
+            continue
+        later = n.body if values[1] == {True} and values[0] == {False} else \
+            n.orelse if values[1] == {False} and values[0] == {True} else []
+        for a in (m for s in later for m in ast.walk(s)):
+            if isinstance(a, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "hidden_states" for t in a.targets) \
+                    and "intermediate_tensors" in ast.unparse(a.value):
+                return f"{rel}:{a.lineno}"
     return None
 
 
-def every_rank_capture(root: str, cc: ClassConvention, position: int | None,
-                       num_layers: int) -> tuple[str, str | None] | None:
-    """For a capture made before the decoder loop: (its site, where later stages' ``hidden_states``
-    come from) when the site runs on every rank, i.e. is not under an ``is_first_rank`` test (vLLM
-    0.32's qwen3_vl and gemma4 call ``_maybe_add_hidden_state([], 0, ...)`` unconditionally, llama
-    only ``if get_pp_group().is_first_rank``); None for a first-rank-only site or another kind."""
+def before_loop_capture(root: str, cc: ClassConvention, position: int | None,
+                        num_layers: int) -> tuple[str, str, str | None] | None:
+    """For a capture made before the decoder loop that is not first-rank-only: (which ranks make it:
+    "every" | "later" | "unread", its site, where later stages' ``hidden_states`` come from). vLLM
+    0.32's qwen3_vl and gemma4 call ``_maybe_add_hidden_state([], 0, ...)`` unconditionally
+    ("every"), llama only ``if get_pp_group().is_first_rank`` (None); a site under ``if not
+    ...is_first_rank`` or in that test's ``else`` runs on the later ranks only ("later"); a test
+    whose branch is not decided by the rank alone is "unread"."""
     site = cc.site_for(position, num_layers) if position is not None else None
     if site is None or site.where != "before_loop":
         return None
     tree = _module(root, site.path)
     if tree is None:
         return None
-    guarded = any(isinstance(n, ast.If) and _mentions_first_rank(n.test) and any(
-        s.lineno <= site.line <= (s.end_lineno or s.lineno) for s in n.body) for n in ast.walk(tree))
-    if guarded:
+    guard = _rank_guard(tree, site.line, site.path)
+    if guard is not None and guard[0] == "first":
         return None
     fn = _enclosing(tree, ast.Pass(lineno=site.line, col_offset=0))
-    return f"{site.path}:{site.line}", (_received(fn, site.path) if fn is not None else None)
+    where = f"{site.path}:{site.line}" + (f" (under the is_first_rank test at {guard[1]})" if guard else "")
+    return guard[0] if guard else "every", where, (_received(fn, site.path) if fn is not None else None)
 
 
-def _every_rank_placement(position: int, stages: list[tuple[int, int]], site: str, received: str | None,
-                          ) -> tuple[str, str | None, str | None]:
-    """(why, the error, unverified) for a before-loop capture every rank makes: stage 0 captures the
-    point itself; every later stage captures, at the same index, the state it received, which is
-    the previous stage's output (``hidden_states + residual``), and the draft's stage hands the
-    draft that in the point's place."""
+def every_rank_capture(root: str, cc: ClassConvention, position: int | None,
+                       num_layers: int) -> tuple[str, str | None] | None:
+    """(its site, where later stages' ``hidden_states`` come from) for a capture before the decoder
+    loop that every rank makes (under no ``is_first_rank`` test); None otherwise."""
+    got = before_loop_capture(root, cc, position, num_layers)
+    return (got[1], got[2]) if got is not None and got[0] == "every" else None
+
+
+def _before_loop_placement(point: str, position: int, stages: list[tuple[int, int]], ranks: str, site: str,
+                           received: str | None, forwarded: tuple[bool | None, str],
+                           ) -> tuple[Placement, str | None, str | None]:
+    """(the placement, the error, unverified) for a before-loop capture that is not first-rank-only.
+    Every rank: stage 0 captures the point itself; every later stage captures, at the same index,
+    the state it received, which is the previous stage's output (``hidden_states + residual``), and
+    the draft's stage hands the draft that in the point's place. Later ranks only: the same, less
+    stage 0. ``forwarded``: whether, and why, a capture of stage 0 reaches the draft's stage."""
+    last = len(stages) - 1
+    earlier, how = forwarded
+    if ranks == "unread":
+        return (Placement(point, position, 0, None, None, f"{site} (before_loop); {how}"), None,
+                f"{site}: which pipeline ranks make the capture before the loop was not read")
+    tag = "every rank" if ranks == "every" else "later ranks only"
+    stage, reaches, tail = (0, earlier, f"; {how}") if ranks == "every" else (last, True, ": the draft's stage")
     if received is None:
-        return (f"{site} (before_loop, every rank)", None,
-                f"{site}: the capture before the loop runs on every rank, and what a later stage holds there "
+        return (Placement(point, position, stage, None, reaches if ranks == "every" else None,
+                          f"{site} (before_loop, {tag}){tail}"),
+                None, f"{site}: the capture before the loop runs on {tag}, and what a later stage holds there "
                 "was not read")
-    said = [f"stage 0 (layers {stages[0][0]}..{stages[0][1] - 1}) captures {_point_name(position)}"]
+    a0, b0 = stages[0]
+    said = [f"stage 0 (layers {a0}..{b0 - 1}) " + (f"captures {_point_name(position)}" if ranks == "every" else
+                                                   "does not make it (the first rank skips the site)")]
     said += [f"stage {s} (layers {a}..{b - 1}) captures layer_out[{a - 1}] in its place (its hidden_states come "
              f"from intermediate_tensors at {received})" for s, (a, b) in enumerate(stages) if s]
     what = "; ".join(said)
-    why = f"{site} (before_loop, every rank, not under is_first_rank): {what}"
-    return why, f"{_point_name(position)} (capture index {position}): the draft's stage captures another state: {why}", None
+    why = f"{site} (before_loop, {tag}" + (", not under is_first_rank" if ranks == "every" else "") + f"): {what}"
+    error = f"{_point_name(position)} (capture index {position}): the draft's stage captures another state: {why}"
+    return Placement(point, position, stage, None, reaches, why + tail), error, None
 
 
 def _builds_layers(root: str, owner: str, package: str) -> str | None:
@@ -731,12 +813,12 @@ def pipeline_answer(engine: str, root: str, release: str, cc: ClassConvention, p
         ans.unverified = "; ".join(filter(None, [ans.unverified, f"whether the decoder loop's index is the global "
                                                  f"layer number was not read: {loop}"]))
     for p in points:
-        every = every_rank_capture(root, cc, p.position, num_layers) if pp > 1 and p.position is not None else None
+        every = before_loop_capture(root, cc, p.position, num_layers) if pp > 1 and p.position is not None else None
         if every is not None and p.position is not None:
-            site, error, unread = _every_rank_placement(p.position, stages, *every)
+            placed, error, unread = _before_loop_placement(str(p), p.position, stages, *every, (earlier, why))
             ans.misread.extend([error] if error else [])
             ans.unverified = "; ".join(filter(None, [ans.unverified, unread])) or None
-            ans.placements.append(Placement(str(p), p.position, 0, None, earlier, f"{site}; {why}"))
+            ans.placements.append(placed)
             continue
         if kind == "local":
             stage, layer, site, error = _local_placement(cc, p.position, num_layers, stages, loop)

@@ -438,43 +438,48 @@ class DFlashAnswer:
     unverified: str | None
 
 
-def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None) -> DFlashAnswer:
+def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None, target: str = "sglang") -> DFlashAnswer:
     """The ``dflash_config.target_layer_ids`` that make SGLang feed the draft the spec's points, from
     the class's ``set_dflash_layers_to_capture`` (run by the probe's classifier) and the runner's
     path to it (:mod:`surgeon.engines.sglang_dflash`). BadInput with the reason where SGLang or the
     class is missing or the setter was not read to the end; Unverified where the runner was not;
-    DFlashRefused where SGLang cannot serve the points."""
+    DFlashRefused where SGLang cannot serve the points. ``target``: what the user asked to render
+    for, named in every refusal (SpecForge's ids go through SGLang's convention)."""
+    cannot = "cannot render for sglang" if target == "sglang" else (
+        f"cannot render for {target} (its DFlash ids go through SGLang's convention: it captures through SGLang's "
+        f"{DFLASH_SETTER})")
     view = open_engine("sglang", engine_root)
     cls = model_class_for(spec, "sglang", model_class)
     if view.location is None:
-        raise BadInput(f"{spec.file}: SGLang is not installed here: its DFlash ids are read from its source only "
+        raise BadInput(f"{spec.file}: {'' if target == 'sglang' else cannot + ': '}SGLang is not installed here: its "
+                       "DFlash ids are read from its source only "
                        "(install it or pass --engine-root)")
     where = f"sglang {view.version}"
     cc = classify_dflash(view.location.root, cls)
     if cc is None:
-        raise BadInput(f"{spec.file}: cannot render for sglang: {where} has no class {cls!r} with {DFLASH_SETTER}")
+        raise BadInput(f"{spec.file}: {cannot}: {where} has no class {cls!r} with {DFLASH_SETTER}")
     if cc.status != "classified":
-        raise BadInput(f"{spec.file}: cannot render for sglang: {where} {cc.class_name} ({cc.path}:{cc.line}): the probe "
+        raise BadInput(f"{spec.file}: {cannot}: {where} {cc.class_name} ({cc.path}:{cc.line}): the probe "
                        f"cannot tell what its DFlash ids mean: {cc.reason}")
     runner = read_dflash_runner(view.location.root)
     if not runner.verified:
-        raise Unverified(f"{spec.file}: cannot render for sglang: {where} runner unverified for DFlash: {runner.reason}")
+        raise Unverified(f"{spec.file}: {cannot}: {where} runner unverified for DFlash: {runner.reason}")
     hit = sorted(runner.conditional_literals & {spec.model.target.model_type or "", cc.path.rsplit("/", 1)[-1][:-3]})
     if hit:
-        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {where} rewrites DFlash ids for {hit[0]} targets "
+        raise DFlashRefused(f"{spec.file}: {cannot}: {where} rewrites DFlash ids for {hit[0]} targets "
                        f"depending on the draft's architecture: {'; '.join(runner.conditional)}")
     L = spec.num_layers
     positions = [p.position for p in spec.fc_points if p.position is not None]
     refused = refusal(cc, positions, L)
     if refused is not None:
-        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {refused}")
+        raise DFlashRefused(f"{spec.file}: {cannot}: {refused}")
     conv = EngineConvention(cc, f"{view.origin}; {DFLASH_SETTER}")
     lst = _engine_ids(conv, spec.fc_points, L)
     if lst.ids is None:
-        raise DFlashRefused(f"{spec.file}: cannot render for sglang: {lst.error}")
+        raise DFlashRefused(f"{spec.file}: {cannot}: {lst.error}")
     bad = [i for i in lst.ids if i < 0 or i >= L]
     if bad and runner.range_check:
-        raise DFlashRefused(f"{spec.file}: cannot render for sglang: DFlash ids {bad} are refused by the runner "
+        raise DFlashRefused(f"{spec.file}: {cannot}: DFlash ids {bad} are refused by the runner "
                        f"({runner.range_check})")
     notes = [n if n.startswith("sglang:") else f"sglang: {n}" for n in engine_notes(cc, positions, L)]
     notes.append(f"sglang: the runner passes the draft's dflash_config.target_layer_ids unchanged to {DFLASH_SETTER}")
@@ -486,7 +491,7 @@ def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None) 
 
 def _render_sglang_dflash(spec: Spec, engine_root, model_class: str | None, target: str = "sglang") -> Rendering:
     """SGLang's DFlash answer, for SGLang or for SpecForge (which captures through SGLang's setter)."""
-    ans = sglang_dflash(spec, engine_root, model_class)
+    ans = sglang_dflash(spec, engine_root, model_class, target)
     captures = [{"fc_slot": i, "name": n, "point": str(p), "captured": ans.captures[i]}
                 for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))]
     draft_config: dict = {"dflash_config": {"target_layer_ids": ans.ids}}

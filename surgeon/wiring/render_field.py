@@ -51,7 +51,13 @@ def _kind(spec: Spec) -> str:
 
 
 def render_field(spec: Spec, target: str, engine_root=None, model_class: str | None = None) -> TableAnswer:
-    """The answer for one of :data:`FIELD_TARGETS`."""
+    """The answer for one of :data:`FIELD_TARGETS`. Only modelopt-vllm reads an engine (its ids reach
+    vLLM unchanged); for every other table target ``--engine-root`` and ``--model-class`` are refused,
+    not ignored."""
+    if target != "modelopt-vllm":
+        for flag, given in (("--engine-root", engine_root), ("--model-class", model_class)):
+            if given is not None:
+                raise BadInput(f"{flag} does not apply to {target} (its ids follow a cited table)")
     if target == "trtllm":
         return render_trtllm(spec)
     if target == "zlab":
@@ -92,8 +98,6 @@ def render_modelopt(spec: Spec, backend: str, engine_root=None, model_class: str
     if backend == "vllm":  # the ids reach vLLM unchanged: the probed vLLM convention decides them
         cls = model_class_for(spec, "vllm", model_class)
         vllm = open_engine("vllm", engine_root).convention(cls)
-    elif engine_root is not None:
-        raise BadInput(f"--engine-root does not apply to {target} (its ids follow a cited table)")
     lst = fc_list(target, spec, vllm)
     if lst.ids is None:
         raise _refuse(spec, target, lst.error or "no ids")

@@ -257,3 +257,61 @@ def test_lint_grades_a_missing_head_by_whether_the_engine_was_asked_for(tmp_path
     anyone = lint_spec(s)
     assert anyone.ok and sorted(i.message.split()[0] for i in anyone.issues if i.severity == "warning") == ["sglang", "vllm"]
     _lint_json_ok(anyone)
+
+
+def _speculative_copy(tmp_path):
+    """vLLM 0.33.0's config/speculative.py (where it maps a target to its MTP head), copied."""
+    src = release_engine("vllm", "0.33.0")
+    root = tmp_path / "vllm"
+    (root / "config").mkdir(parents=True)
+    (root / "model_executor" / "models").mkdir(parents=True)
+    shutil.copy(src / "config" / "speculative.py", root / "config" / "speculative.py")
+    shutil.copy(src / "model_executor/models/registry.py", root / "model_executor/models/registry.py")
+    return locate_engine("vllm", root), root / "config" / "speculative.py"
+
+
+GLM_TEST = 'if hf_config.architectures[0] == "Glm4MoeForCausalLM":'
+
+
+@pytest.mark.parametrize("negated", ['if hf_config.architectures[0] != "Glm4MoeForCausalLM":',
+                                     'if not hf_config.architectures[0] == "Glm4MoeForCausalLM":',
+                                     'if hf_config.architectures[0] not in ("Glm4MoeForCausalLM",):'])
+def test_a_negated_test_does_not_name_its_target(tmp_path, negated):
+    """Before: vLLM 0.33.0 maps Glm4MoeForCausalLM to Glm4MoeMTPModel, and no Llama. After the Glm4Moe test
+    is negated (!=, not ==, not in), Glm4Moe takes no branch that builds a head (found False, not
+    "has a head"), and a Llama target, which now takes that branch without being named, is
+    undecided (not "no head", not "has a head")."""
+    loc, f = _speculative_copy(tmp_path)
+    before = read_mtp_head(loc, "Glm4MoeForCausalLM")
+    assert before.found is True and before.heads == ["Glm4MoeMTPModel"], before.reason
+    assert read_mtp_head(loc, "LlamaForCausalLM").found is False
+    assert f.read_text().count(GLM_TEST) == 1
+    f.write_text(f.read_text().replace(GLM_TEST, negated))
+    after = read_mtp_head(loc, "Glm4MoeForCausalLM")
+    assert after.found is False and after.heads == [], after.evidence
+    llama = read_mtp_head(loc, "LlamaForCausalLM")
+    line = f.read_text().splitlines().index("        " + negated) + 1
+    assert llama.found is None and f"line {line}" in (llama.reason or ""), llama
+
+
+def test_the_else_of_a_negated_test_names_its_target(tmp_path):
+    """After: ``if arch != "Glm4MoeForCausalLM": pass / else: <the Glm4Moe rewrite>`` -> Glm4Moe's head is
+    read from the else branch; a Llama target takes the empty body: no head."""
+    loc, f = _speculative_copy(tmp_path)
+    f.write_text(f.read_text().replace(GLM_TEST, GLM_TEST.replace("==", "!=") + "\n            pass\n        else:"))
+    after = read_mtp_head(loc, "Glm4MoeForCausalLM")
+    assert after.found is True and after.heads == ["Glm4MoeMTPModel"], after.reason
+    assert read_mtp_head(loc, "LlamaForCausalLM").found is False
+
+
+@pytest.mark.parametrize("guard", ['if "llama" not in hf_config.model_type:', 'if hf_config.model_type != "llama":'])
+def test_a_guard_that_excludes_llama_is_not_a_llama_head(tmp_path, guard):
+    """After: a guard that sends every target but Llama to a return, inserted before the rewrites
+    -> Llama still has no MTP head (before this fix it counted as naming Llama: "has a head")."""
+    loc, f = _speculative_copy(tmp_path)
+    old = "        initial_architecture = hf_config.architectures[0]\n"
+    assert f.read_text().count(old) == 1
+    f.write_text(f.read_text().replace(old, f"        {guard}\n            return hf_config\n{old}"))
+    head = read_mtp_head(loc, "LlamaForCausalLM")
+    assert head.found is False and head.heads == [], head
+    assert read_mtp_head(loc, "Glm4MoeForCausalLM").heads == ["Glm4MoeMTPModel"]

@@ -355,3 +355,46 @@ def test_a_first_rank_guard_moves_the_embed_capture_back_to_stage_0(engine_copy,
     assert every_rank_capture(view.probe.root, cc, 0, 36) is None
     assert not any(m.startswith("embed") for m in after.misread)
     assert after.placements[0].stage == 0 and "every rank" not in after.placements[0].why
+
+
+def _guarded_qwen3_vl(engine_copy, tmp_path, guard: str):
+    """A copy (under a fresh folder) of the installed vLLM with qwen3_vl.py's index-0 capture put
+    under ``guard`` (``{call}`` stands for the capture, indented under the guard's branch)."""
+    root = engine_copy("vllm", tmp_path / f"site-{len(list(tmp_path.glob('site-*')))}")
+    (root / "distributed").mkdir(exist_ok=True)
+    shutil.copy(installed_engine("vllm").root / "distributed" / "utils.py", root / "distributed" / "utils.py")
+    f = root / "model_executor" / "models" / "qwen3_vl.py"
+    text = f.read_text()
+    old = "        aux_hidden_states = self._maybe_add_hidden_state([], 0, hidden_states, residual)\n"
+    assert text.count(old) == 1
+    call = "            aux_hidden_states = self._maybe_add_hidden_state([], 0, hidden_states, residual)\n"
+    f.write_text(text.replace(old, "        aux_hidden_states = []\n" + guard.format(call=call)))
+    return root
+
+
+@pytest.mark.parametrize("guard", ["        if not get_pp_group().is_first_rank:\n{call}",
+                                   "        if get_pp_group().is_first_rank:\n            pass\n        else:\n{call}"])
+def test_a_capture_only_later_ranks_make_is_not_placed_on_stage_0(engine_copy, tmp_path, guard):
+    """Before (the first-rank guard): stage 0 only, no error. After: the same capture under ``if
+    not ...is_first_rank`` or in the ``else`` of ``if ...is_first_rank`` -> the first rank skips
+    it, and the draft's stage captures at index 0 the state it received (layer_out[17]): an error,
+    not "stage 0"."""
+    root = _guarded_qwen3_vl(engine_copy, tmp_path, "        if get_pp_group().is_first_rank:\n{call}")
+    view, cc, before = _vl_answer(tmp_path, "Qwen3VLForConditionalGeneration", str(root))
+    assert before.placements[0].stage == 0 and not any(m.startswith("embed") for m in before.misread)
+    root = _guarded_qwen3_vl(engine_copy, tmp_path, guard)
+    view, cc, after = _vl_answer(tmp_path, "Qwen3VLForConditionalGeneration", str(root))
+    assert every_rank_capture(view.probe.root, cc, 0, 36) is None
+    assert after.placements[0].stage == 1 and "later ranks only" in after.placements[0].why
+    errors = [m for m in after.misread if m.startswith("embed (capture index 0): the draft's stage captures another")]
+    assert len(errors) == 1 and "stage 0 (layers 0..17) does not make it" in errors[0]
+    assert "stage 1 (layers 18..35) captures layer_out[17] in its place" in errors[0]
+
+
+def test_a_capture_under_an_undecided_rank_test_is_unverified(engine_copy, tmp_path):
+    """After: ``if get_pp_group().is_first_rank or self.some_flag:`` -> which ranks make the capture
+    is not decided by the rank alone: unverified (was: stage 0, verified)."""
+    root = _guarded_qwen3_vl(engine_copy, tmp_path, "        if get_pp_group().is_first_rank or self.some_flag:\n{call}")
+    _, _, after = _vl_answer(tmp_path, "Qwen3VLForConditionalGeneration", str(root))
+    assert after.placements[0].reaches is None and not any(m.startswith("embed") for m in after.misread)
+    assert after.unverified is not None and "which pipeline ranks make the capture" in after.unverified

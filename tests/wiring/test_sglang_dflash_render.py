@@ -11,7 +11,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
 from surgeon.wiring.lint import lint_spec
 from surgeon.wiring.render import explain, render
-from tests.conftest import release_engine
+from tests.conftest import cli_run, release_engine
 
 
 def _spec(tmp_path, points=("layer_out[1]", "layer_out[3]", "layer_out[5]"), arch="LlamaForCausalLM", extra="",
@@ -160,3 +160,20 @@ def test_sglang_dflash_pin_values_come_from_the_dflash_answer(tmp_path):
     assert values["ids"] == render(spec, "sglang").ids and values["offset"] == "+1"
     pinned = _spec(tmp_path, tail=f"engines: {{sglang: {{ids: {values['ids']}, offset: '{values['offset']}'}}}}\n")
     assert check_pins(pinned, "sglang")[0] == []
+
+
+def test_a_specforge_dflash_refusal_names_specforge(tmp_path):
+    """`render --engine specforge` of a DFlash spec whose ids SGLang's runner refuses (embed -> -1):
+    the one-line message names specforge, and that its ids go through SGLang's convention (it was
+    "cannot render for sglang", a target the user did not ask for); `--engine sglang` still says sglang."""
+    spec = _spec(tmp_path, points=("embed", "layer_out[3]", "layer_out[5]"))
+    with pytest.raises(BadInput) as e:
+        render(spec, "specforge")
+    msg = str(e.value)
+    assert "cannot render for specforge (its DFlash ids go through SGLang's convention" in msg
+    assert "cannot render for sglang" not in msg and "val < 0" in msg and "\n" not in msg
+    res = cli_run("render", spec.file, "--engine", "specforge", code=2)
+    assert "cannot render for specforge" in res.output and "SGLang's convention" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    with pytest.raises(BadInput, match="cannot render for sglang: DFlash ids"):
+        render(spec, "sglang")
