@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from surgeon.engines.booltest import condition_values
 from surgeon.engines.draft_norms import parse_source
 from surgeon.engines.locate import EngineLocation
 
@@ -181,30 +182,13 @@ class _Test:
         return None
 
     def outcomes(self, test: ast.expr) -> set[bool]:
-        """The values ``test`` can take for the target, over every value of its free conditions."""
-        leaves: list[ast.expr] = []
-
-        def collect(n: ast.expr) -> None:
-            if isinstance(n, ast.BoolOp):
-                for v in n.values:
-                    collect(v)
-            elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
-                collect(n.operand)
-            else:
-                leaves.append(n)
-        collect(test)
-        decided = {id(n): self.atom(n) for n in leaves}
-        free = [n for n in leaves if decided[id(n)] is None][:10]
-
-        def value(n: ast.expr, given: dict[int, bool]) -> bool:
-            if isinstance(n, ast.BoolOp):
-                vals = [value(v, given) for v in n.values]
-                return all(vals) if isinstance(n.op, ast.And) else any(vals)
-            if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
-                return not value(n.operand, given)
-            d = decided.get(id(n))
-            return d if d is not None else given.get(id(n), False)
-        return {value(test, {id(n): bool(k >> j & 1) for j, n in enumerate(free)}) for k in range(2 ** len(free))}
+        """The values ``test`` can take for the target, over every value of its free conditions (both,
+        and the test marked unread, where too many are free to evaluate)."""
+        seen = condition_values(test, self.atom)
+        if seen is None:
+            self.unread = True
+            return {True, False}
+        return seen
 
 
 def _names_target(site: _Site, fn: ast.FunctionDef, test: ast.expr, arch: str,

@@ -34,6 +34,7 @@ from pathlib import Path
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
 from surgeon.core.spec import Issue, Spec
+from surgeon.engines.booltest import condition_values, leaves
 from surgeon.engines.pureeval import NotPure, call_function
 
 _PARTITION_FILE = {"vllm": "distributed/utils.py", "sglang": "srt/distributed/utils.py"}
@@ -411,31 +412,14 @@ def _first_rank_test(test: ast.expr) -> tuple[set[bool], set[bool]] | None:
     """The values ``test`` can take on the first rank and on a later one (``is_first_rank`` under
     ``not``/``and``/``or``, every other condition free); None where ``is_first_rank`` appears in
     another form (a comparison, a call's argument) this does not read."""
-    leaves: list[ast.expr] = []
+    def rank(n: ast.expr) -> bool:
+        return isinstance(n, ast.Attribute) and n.attr == "is_first_rank"
 
-    def collect(n: ast.expr) -> None:
-        if isinstance(n, ast.BoolOp):
-            for v in n.values:
-                collect(v)
-        elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
-            collect(n.operand)
-        else:
-            leaves.append(n)
-    collect(test)
-    rank = [n for n in leaves if isinstance(n, ast.Attribute) and n.attr == "is_first_rank"]
-    free = [n for n in leaves if not any(n is r for r in rank)]
-    if any(_mentions_first_rank(n) for n in free) or len(free) > 10:
+    if any(_mentions_first_rank(n) and not rank(n) for n in leaves(test)):
         return None
-
-    def value(n: ast.expr, first: bool, given: dict[int, bool]) -> bool:
-        if isinstance(n, ast.BoolOp):
-            vals = [value(v, first, given) for v in n.values]
-            return all(vals) if isinstance(n.op, ast.And) else any(vals)
-        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
-            return not value(n.operand, first, given)
-        return first if any(n is r for r in rank) else given[id(n)]
-    runs = [{id(n): bool(k >> j & 1) for j, n in enumerate(free)} for k in range(2 ** len(free))]
-    return {value(test, True, g) for g in runs}, {value(test, False, g) for g in runs}
+    first = condition_values(test, lambda n: True if rank(n) else None)
+    later = condition_values(test, lambda n: False if rank(n) else None)
+    return None if first is None or later is None else (first, later)
 
 
 def _rank_guard(tree: ast.Module, line: int, rel: str) -> tuple[str, str] | None:
