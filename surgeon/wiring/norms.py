@@ -1,5 +1,7 @@
 """The EAGLE 3.1 norm flags: what the spec declares, what the draft's config says, and what each
-engine builds the draft with (read from its source by :mod:`surgeon.engines.draft_norms`).
+engine builds the draft with (read from its source by :mod:`surgeon.engines.draft_norms`), or, for
+SpecForge, what the trainer trains it with (:mod:`surgeon.engines.trainer_norms`). A flag the draft
+config leaves unset takes speculators' default, read from speculators' ``Eagle3SpeculatorConfig``.
 
 A flag the draft was trained with that the engine does not read, reads but never uses (no use of
 the read value in the model file), or reads with another value (a default that differs, a
@@ -16,10 +18,12 @@ from typing import Any
 from surgeon.core.spec import NORM_FLAGS, Spec
 from surgeon.engines.draft_norms import FlagState, NormReading, read_norms
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
+from surgeon.engines.trainer_norms import logits_only, open_trainer, read_specforge, speculators_defaults
 
 # (severity, kind, detail): check-draft wraps these as findings
 Line = tuple[str, str, str]
-SPECULATORS_DEFAULT = False  # speculators 0.9.0 models/eagle3/config.py: every norm flag defaults to False
+UNSET = "unset"  # the source of a flag the spec and the draft config leave unset starts so
+Defaults = dict[str, tuple[bool, str]]  # flag -> (the default, what says so)
 
 
 @dataclass
@@ -43,10 +47,27 @@ def config_flag(data: dict, flag: str) -> Any:
     return nested.get(flag) if isinstance(nested, dict) else None
 
 
-def wanted(spec: Spec, data: dict) -> dict[str, tuple[bool, str]]:
+def trained_defaults(root=None) -> Defaults:
+    """flag -> (speculators' default, where), read from its ``Eagle3SpeculatorConfig`` (``root``, else
+    .engines, else installed); a flag not read there: False, saying the source was not read."""
+    src = open_trainer("speculators", root)
+    read = speculators_defaults(src) if src is not None else {}
+    out: Defaults = {}
+    for flag in NORM_FLAGS:
+        if flag in read:
+            out[flag] = (read[flag][0], f"{UNSET} (speculators {src.version if src else ''}'s default, {read[flag][1]})")
+        else:
+            out[flag] = (False, f"{UNSET} (speculators' default, taken as False: its source is not on this machine, "
+                                "run ./scripts/setup)")
+    return out
+
+
+def wanted(spec: Spec, data: dict, defaults: Defaults | None = None) -> dict[str, tuple[bool, str]]:
     """flag -> (the value the draft was trained with, where that comes from): the spec's
-    ``draft.norms``, else the draft config, else speculators' default (False)."""
+    ``draft.norms``, else the draft config, else speculators' default (``defaults``, else read from
+    its source by :func:`trained_defaults`)."""
     declared = spec.model.draft.norms if spec.model.draft is not None else None
+    defaults = defaults if defaults is not None else trained_defaults()
     out: dict[str, tuple[bool, str]] = {}
     for flag in NORM_FLAGS:
         v = getattr(declared, flag) if declared is not None else None
@@ -56,7 +77,7 @@ def wanted(spec: Spec, data: dict) -> dict[str, tuple[bool, str]]:
         elif c is not None:
             out[flag] = (bool(c), "draft config")
         else:
-            out[flag] = (SPECULATORS_DEFAULT, "unset (speculators' default)")
+            out[flag] = defaults[flag]
     return out
 
 
@@ -86,9 +107,8 @@ def norm_report(spec: Spec, engine: str, data: dict, engine_root=None) -> tuple[
             lines.append(("error", "norm_config", f"the draft config sets {flag} = {c}, the spec's draft.norms says {v}"))
     want = wanted(spec, data)
     if engine == "specforge":
-        if declared is not None:
-            lines.append(("warning", "norm_unchecked", "how SpecForge reads the norm flags is not modelled; not checked"))
-        return lines, []
+        more, reports = specforge_report(data, want, engine_root)
+        return lines + more, reports
     loc = _locate("vllm" if engine == "speculators" else engine, engine_root)
     if loc is None:
         lines.append(("warning", "norm_unchecked", f"{engine} is not installed here: its reading of the norm flags "
@@ -113,28 +133,58 @@ def flag_report(reading: NormReading, flag: str, data: dict, need: bool) -> Flag
     return FlagReport(flag, state, read.where if read is not None else None, used, got, need, why)
 
 
-def engine_report(reading: NormReading, data: dict,
-                  want: dict[str, tuple[bool, str]]) -> tuple[list[Line], list[FlagReport]]:
+def specforge_report(data: dict, want: dict[str, tuple[bool, str]], root=None) -> tuple[list[Line], list[FlagReport]]:
+    """What SpecForge trains the draft with, per flag, against what the draft needs: its draft
+    class's reads as for an engine; a ``norm_output`` SpecForge uses only for the logits trains the
+    EAGLE-3 state (speculators' and the engines' ``norm_output`` false) whatever its value, and
+    with the value false, no norm before lm_head at all (neither EAGLE-3 nor 3.1)."""
+    src = open_trainer("specforge", root)
+    if src is None:
+        return [("warning", "norm_unchecked", "SpecForge's source is not on this machine: its reading of the norm "
+                 "flags is read from its source only (run ./scripts/setup or pass --engine-root)")], []
+    reading = read_specforge(src, data)
+    if reading.model_file is None:
+        return [("warning", "norm_unchecked", f"specforge {src.version} registers no draft class "
+                 f"{reading.model_class!r}: norm flags not checked")], []
+    meaning = logits_only(src, reading)
+    lines: list[Line] = []
+    override = None
+    if meaning is not None:
+        got, why = reading.effective("norm_output", data)
+        override = {"norm_output": (False, f"{why}; but {meaning}")}
+        if not got:
+            lines.append(("error", "norm_mismatch", f"norm_output: specforge {src.version} trains with norm_output = "
+                          f"{got} ({why}), so lm_head gets the un-normed state: neither EAGLE-3 nor EAGLE 3.1 ({meaning})"))
+    more, reports = engine_report(reading, data, want, override)
+    return lines + more, reports
+
+
+def engine_report(reading: NormReading, data: dict, want: dict[str, tuple[bool, str]],
+                  override: dict[str, tuple[bool, str]] | None = None) -> tuple[list[Line], list[FlagReport]]:
     """Per flag: what the engine builds the draft with, against what it was trained with (the
-    findings), and what the engine's model file does with the flag (the reports)."""
+    findings), and what the engine's model file does with the flag (the reports); ``override``:
+    flag -> (what it builds, why), where the flag's use means something else than its name says."""
     lines: list[Line] = []
     reports: list[FlagReport] = []
     who = f"{reading.engine} {reading.version}"
+    builds, wrong = ("trains", "trained") if reading.engine == "specforge" else ("builds", "served")
     for flag in NORM_FLAGS:
         need, src = want[flag]
         r = flag_report(reading, flag, data, need)
+        if override is not None and flag in override:
+            r.builds, r.detail = override[flag]
         reports.append(r)
-        said = need or src != "unset (speculators' default)"
+        said = need or not src.startswith(UNSET)
         if r.builds == need:
             if r.state == "unverified" and said:
                 lines.append(("warning", "norm_unverified", f"{flag} = {need} ({src}); {who} reads it so, but where "
                               f"its value goes was not followed to a use: {r.detail}"))
             elif said:
-                lines.append(("info", "norm", f"{flag} = {need} ({src}); {who} builds it so: {r.detail}"))
+                lines.append(("info", "norm", f"{flag} = {need} ({src}); {who} {builds} it so: {r.detail}"))
             continue
         kind = {"not_read": "norm_ignored", "read_unused": "norm_unused"}.get(r.state, "norm_mismatch")
-        lines.append(("error", kind, f"{flag}: the draft needs {need} ({src}), but {who} builds it with {r.builds}: "
-                      f"{r.detail}; the draft is served wrong, silently"))
+        lines.append(("error", kind, f"{flag}: the draft needs {need} ({src}), but {who} {builds} it with {r.builds}: "
+                      f"{r.detail}; the draft is {wrong} wrong, silently"))
     return lines, reports
 
 
