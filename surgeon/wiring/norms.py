@@ -188,28 +188,47 @@ def engine_report(reading: NormReading, data: dict, want: dict[str, tuple[bool, 
     return lines, reports
 
 
+def _render_reading(engine: str, data: dict, engine_root) -> tuple[NormReading | None, dict[str, tuple[bool, str]], str]:
+    """(the reading render reports, flag -> (what it builds, why) where the use means otherwise,
+    why there is no reading)."""
+    if engine == "specforge":
+        src = open_trainer("specforge", engine_root)
+        if src is None:
+            return None, {}, "specforge: its source is not on this machine: its reading of the norm flags is not checked"
+        reading = read_specforge(src, data)
+        meaning = logits_only(src, reading)
+        return reading, ({"norm_output": (False, meaning)} if meaning else {}), ""
+    loc = _locate("vllm" if engine == "speculators" else engine, engine_root)
+    if loc is None:
+        return None, {}, f"{engine}: not installed here: its reading of the norm flags is not checked"
+    return read_norms(loc, data), {}, ""
+
+
 def render_lines(spec: Spec, engine: str, engine_root=None) -> list[str]:
     """For render/explain: whether ``engine`` reads each norm flag the spec declares (file:line),
     for a config that sets them at the top level, as speculators writes them. The draft class is
-    the engine's Llama EAGLE-3 class (the spec does not name the draft's class)."""
+    the engine's Llama EAGLE-3 class (the spec does not name the draft's class); for SpecForge,
+    what it trains the draft with."""
     if spec.model.draft is None or spec.model.draft.kind != "eagle3" or spec.model.draft.norms is None:
         return []
-    if engine not in ("sglang", "vllm", "speculators"):
+    if engine not in ("sglang", "vllm", "speculators", "specforge"):
         return [f"{engine}: how it reads the norm flags is not modelled"]
-    loc = _locate("vllm" if engine == "speculators" else engine, engine_root)
-    if loc is None:
-        return [f"{engine}: not installed here: its reading of the norm flags is not checked"]
     data: dict[str, Any] = {f: v for f in NORM_FLAGS if (v := getattr(spec.model.draft.norms, f)) is not None}
     if engine == "speculators":
         data["speculators_model_type"] = "eagle3"
-    reading = read_norms(loc, data)
+    reading, override, why = _render_reading(engine, data, engine_root)
+    if reading is None:
+        return [why]
+    who = "the trainer trains" if engine == "specforge" else "the engine builds"
     out = []
     for flag in (f for f in NORM_FLAGS if f in data):
         r = flag_report(reading, flag, data, data[flag])
+        if flag in override:
+            r.builds, r.detail = r.builds and override[flag][0], f"{r.detail}; but {override[flag][1]}"
         state = {"used": f"used at {r.used_at}", "unverified": "read, its use unverified",
                  "read_unused": "read but unused", "not_read": "not read"}[r.state]
         if r.builds != data[flag]:
-            state = f"NOT SERVED: the engine builds the draft with {r.builds}"
+            state = f"NOT {'TRAINED' if engine == 'specforge' else 'SERVED'}: {who} the draft with {r.builds}"
         out.append(f"{engine}: norm flag {flag} = {data[flag]}: {state} ({reading.model_class}): {r.detail}")
     return out
 
