@@ -201,3 +201,11 @@ def test_an_edited_speculators_default_changes_what_an_unset_flag_needs(tmp_path
     after = check_draft(s, d, "vllm")
     assert any(k == "norm_output" for _, k in errors(after)), after.findings
     assert any("speculators 0.9.0's default, speculators/models/eagle3/config.py:76" in f.detail for f in after.findings)
+
+
+def test_render_for_specforge_refuses_a_flag_it_would_train_without(tmp_path):
+    res = cli_run("render", spec(tmp_path, "norm_before_residual: true"), "--engine", "specforge", code=2)
+    line = res.stderr.strip()
+    assert "\n" not in line and "cannot render for specforge" in line and "never reads norm_before_residual" in line
+    ok = cli_run("render", spec(tmp_path, "fc_norm: true"), "--engine", "specforge")
+    assert f"fc_norm = True: used at specforge/{MODEL}:1764" in ok.stdout and '"fc_norm": true' in ok.stdout
