@@ -30,15 +30,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import libcst as cst
+
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS
-from surgeon.engines.draft_norms import NormReading, model_reads, parse_source
+from surgeon.engines.draft_norms import FlagRead, NormReading, model_reads, parse_module, parse_source
+from surgeon.engines.norm_flow import FlagUse, ValueFlow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRAFT_DIR = "modeling/draft"
 LOOP_FILE = "algorithms/eagle3/model.py"
 SPECULATORS_CONFIG = "models/eagle3/config.py"
 SPECULATORS_CLASS = "Eagle3SpeculatorConfig"
+SPECULATORS_MODEL = "models/eagle3/core.py"  # Eagle3DraftModel: reads config.<flag>
+SPECULATORS_LAYERS = "models/eagle3/model_definitions.py"  # the first-layer classes core.py passes flags to
 DEFAULT_ARCH = "LlamaForCausalLMEagle3"
 
 # SpecForge 0.2.0 (PyPI wheel) = github sgl-project/SpecForge@a6b6b0230009d15ec2a97a57384e6f53f0f96946
@@ -70,7 +75,17 @@ SPECULATORS_TABLE = [(SPECULATORS_CONFIG, 43, "norm_before_residual: bool = Fiel
                      (SPECULATORS_CONFIG, 66, "fc_norm: bool = Field("),
                      (SPECULATORS_CONFIG, 67, "default=False,"),
                      (SPECULATORS_CONFIG, 76, "norm_output: bool = Field("),
-                     (SPECULATORS_CONFIG, 77, "default=False,")]
+                     (SPECULATORS_CONFIG, 77, "default=False,"),
+                     (SPECULATORS_MODEL, 88, "norm_before_residual=self.config.norm_before_residual,"),
+                     (SPECULATORS_MODEL, 122, "if config.norm_before_fc:"),
+                     (SPECULATORS_MODEL, 131, "if config.fc_norm:"),
+                     (SPECULATORS_MODEL, 236, "if self.input_norm is not None:"),
+                     (SPECULATORS_MODEL, 238, "if self.fc_norm is not None:"),
+                     (SPECULATORS_MODEL, 302, "if self.config.norm_output:"),
+                     (SPECULATORS_LAYERS, 80, "if self.norm_before_residual:")]
+# where speculators 0.9.0's Eagle3DraftModel uses each flag (under speculators/)
+SPECULATORS_ANSWERS = {"norm_before_residual": f"{SPECULATORS_LAYERS}:80", "norm_before_fc": f"{SPECULATORS_MODEL}:236",
+                       "fc_norm": f"{SPECULATORS_MODEL}:238", "norm_output": f"{SPECULATORS_MODEL}:302"}
 
 
 @dataclass(frozen=True)
@@ -218,6 +233,59 @@ def speculators_defaults(src: Source) -> dict[str, tuple[bool, str]]:
     return out
 
 
+def _flow(src: Source, path: str) -> ValueFlow:
+    return ValueFlow(parse_module(src.package / path, src.rel(path)), src.rel(path))
+
+
+def _into_layers(src: Source, flag: str, use: FlagUse, head: str) -> FlagUse:
+    """A flag core.py passes as ``flag=`` to a layer class it does not define: followed from the
+    ``flag`` parameter of every ``__init__`` in model_definitions.py that takes one (used when all
+    use it; else the first that does not)."""
+    if not (src.package / SPECULATORS_LAYERS).is_file():
+        return use
+    flow = _flow(src, SPECULATORS_LAYERS)
+    params = [p for fn in (n for c in flow.classes.values() for n in c.body.body if isinstance(n, cst.FunctionDef))
+              if fn.name.value == "__init__" for p in fn.params.params if p.name.value == flag]
+    uses = [flow.follow_param(p) for p in params]
+    if not uses:
+        return use
+    worst = next((u for u in uses if u.state != "used"), uses[0])
+    return FlagUse(worst.state, worst.at, f"{head}; {worst.how}")
+
+
+_SPECULATORS: dict[tuple, NormReading] = {}
+
+
+def read_speculators(src: Source) -> NormReading:
+    """How speculators' ``Eagle3DraftModel`` (the model it trains) uses each flag: every load of
+    ``config.<flag>`` or ``self.config.<flag>`` in core.py, followed to its use; kept per version
+    of the two files (check-draft asks more than once)."""
+    key: tuple = (str(src.package),)
+    for path in (SPECULATORS_MODEL, SPECULATORS_LAYERS):
+        st = (src.package / path).stat() if (src.package / path).is_file() else None
+        key += (st.st_mtime_ns, st.st_size) if st is not None else (None,)
+    if key not in _SPECULATORS:
+        _SPECULATORS[key] = _read_speculators(src)
+    return _SPECULATORS[key]
+
+
+def _read_speculators(src: Source) -> NormReading:
+    flow = _flow(src, SPECULATORS_MODEL)
+    reading = NormReading("speculators", src.version, flow.rel, "Eagle3DraftModel")
+    for flag in NORM_FLAGS:
+        for node in flow.loads.get(flag, []):
+            if flow.module.code_for_node(node.value) not in ("config", "self.config"):
+                continue
+            use = flow.follow(node)
+            arg = flow.parent.get(node)
+            if isinstance(arg, cst.Arg) and arg.keyword is not None and arg.keyword.value == flag:
+                use = _into_layers(src, flag, use, f"{flow.site(node)} reads `{flow.code(node)}`; {flow.site(arg)} "
+                                   f"passes it as `{flag}=` to a first-layer class of {src.rel(SPECULATORS_LAYERS)}")
+            reading.reads.setdefault(flag, []).append(FlagRead(flag, f"config.{flag}", flow.rel, flow.line(node),
+                                                               None, use))
+    return reading
+
+
 def confirm(src: Source, table: list[tuple[str, int, str]]) -> list[str]:
     """The cited lines of ``table`` that ``src`` does not hold as cited (empty: all confirmed)."""
     bad = []
@@ -240,6 +308,13 @@ def check(dist: str, root: str) -> list[str]:
         defaults = speculators_defaults(src)
         out += [f"{f}: default {v} ({w})" for f, (v, w) in defaults.items()]
         out += [f"DIFFERS: {f}: no default read" for f in NORM_FLAGS if f not in defaults]
+        model = read_speculators(src)
+        for flag in NORM_FLAGS:
+            state, read = model.state(flag)
+            at = read.use.at if read is not None and read.use is not None else None
+            out.append(f"{flag}: {state}" + (f" at {at}" if at else ""))
+            if (state, at) != ("used", src.rel(SPECULATORS_ANSWERS[flag])):
+                out.append(f"DIFFERS: {flag}: cited used at {SPECULATORS_ANSWERS[flag]}")
         out += [f"DIFFERS: {b}" for b in confirm(src, SPECULATORS_TABLE)]
         return out
     reading = read_specforge(src, {})

@@ -18,7 +18,7 @@ from typing import Any
 from surgeon.core.spec import NORM_FLAGS, Spec
 from surgeon.engines.draft_norms import FlagState, NormReading, read_norms
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
-from surgeon.engines.trainer_norms import logits_only, open_trainer, read_specforge, speculators_defaults
+from surgeon.engines.trainer_norms import logits_only, open_trainer, read_specforge, read_speculators, speculators_defaults
 
 # (severity, kind, detail): check-draft wraps these as findings
 Line = tuple[str, str, str]
@@ -48,17 +48,28 @@ def config_flag(data: dict, flag: str) -> Any:
 
 
 def trained_defaults(root=None) -> Defaults:
-    """flag -> (speculators' default, where), read from its ``Eagle3SpeculatorConfig`` (``root``, else
-    .engines, else installed); a flag not read there: False, saying the source was not read."""
+    """flag -> (what a draft config that leaves the flag unset was trained with, why): speculators'
+    default, read from its ``Eagle3SpeculatorConfig`` (``root``, else .engines, else installed),
+    where its ``Eagle3DraftModel`` uses the flag; False where that model reads it nowhere (a norm
+    never built is not trained); False, saying so, where its source is not on this machine."""
     src = open_trainer("speculators", root)
     read = speculators_defaults(src) if src is not None else {}
+    model = read_speculators(src) if src is not None else None
     out: Defaults = {}
     for flag in NORM_FLAGS:
-        if flag in read:
-            out[flag] = (read[flag][0], f"{UNSET} (speculators {src.version if src else ''}'s default, {read[flag][1]})")
-        else:
+        if src is None or model is None or flag not in read:
             out[flag] = (False, f"{UNSET} (speculators' default, taken as False: its source is not on this machine, "
                                 "run ./scripts/setup)")
+            continue
+        default, where = read[flag]
+        state, first = model.state(flag)
+        who = f"{UNSET} (speculators {src.version}'s default, {where}"
+        if state == "used" and first is not None and first.use is not None:
+            out[flag] = (default, f"{who}; its model uses it at {first.use.at})")
+        elif state == "unverified" and first is not None and first.use is not None:
+            out[flag] = (default, f"{who}; its model's use is unverified: {first.use.how})")
+        else:
+            out[flag] = (False, f"{who}, but its model {model.model_file} never uses it: trained without it)")
     return out
 
 

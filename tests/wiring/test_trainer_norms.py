@@ -182,7 +182,26 @@ def test_speculators_defaults_are_read_from_its_config_class(tmp_path):
                    "fc_norm": (False, "speculators/models/eagle3/config.py:66"),
                    "norm_output": (False, "speculators/models/eagle3/config.py:76")}
     want = wanted(load_spec(spec(tmp_path)), {})
-    assert want["norm_output"] == (False, "unset (speculators 0.9.0's default, speculators/models/eagle3/config.py:76)")
+    assert want["norm_output"] == (False, "unset (speculators 0.9.0's default, speculators/models/eagle3/config.py:76; "
+                                          "its model uses it at speculators/models/eagle3/core.py:302)")
+    assert "model_definitions.py:80" in want["norm_before_residual"][1]  # followed into the first-layer class
+
+
+def test_a_default_speculators_never_uses_trains_nothing(tmp_path, capsys):
+    """Before: a default of True in a copied config.py is what an unset norm_output needs; after
+    core.py's one use of it is removed, its model never builds the norm: the unset flag needs False,
+    and the checker reports the changed answer."""
+    root = copy(tmp_path, "speculators", "0.9.0")
+    pkg = root / "speculators" / "models" / "eagle3"
+    edit(pkg / "config.py", "    norm_output: bool = Field(\n        default=False,",
+         "    norm_output: bool = Field(\n        default=True,")
+    assert trained_defaults(root)["norm_output"][0] is True
+    edit(pkg / "core.py", "            if self.config.norm_output:\n", "            if False:\n")
+    need, why = trained_defaults(root)["norm_output"]
+    assert need is False and "never uses it: trained without it" in why
+    assert trainer_norms.main(["speculators", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "norm_output: not_read" in out and "DIFFERS: norm_output: cited used at models/eagle3/core.py:302" in out
 
 
 def test_an_edited_speculators_default_changes_what_an_unset_flag_needs(tmp_path, monkeypatch):
