@@ -8,12 +8,18 @@ SpecForge (``specforge`` on PyPI, a pure-Python wheel): its draft classes are re
 loop (``specforge/algorithms/eagle3/model.py``) takes its logits from one method of the draft
 (``compute_logits``) and the state it feeds to the next step from another (``backbone``); a
 ``norm_output`` used only in the logits method selects the norm before ``lm_head``, not the
-normed state fed back that speculators and vLLM mean by it (SpecForge 0.2.0; SpecForge PR #879
-"Fix eagle3/eagle3.1 hidden states normalisation" describes and fixes exactly this).
+normed state fed back that speculators and vLLM mean by it. SpecForge 0.2.0 (PyPI, 2026-08; the
+same files as GitHub sgl-project/SpecForge@a6b6b02) does so: its EAGLE 3.1 support (PR #568,
+2026-05-27: "draft model output norm, fc norm on target hidden states") reads ``fc_norm`` and
+``norm_output`` only, and PR #879 ("Fix eagle3/eagle3.1 hidden states normalisation", merged
+2026-09-15, after 0.2.0) says of it: with ``norm_output`` false neither lm_head's input nor the next
+state is normed, "neither of eagle3 nor eagle3.1"; with it true, the EAGLE-3 state.
 
 speculators (``speculators`` on PyPI): the defaults of ``Eagle3SpeculatorConfig``
 (``speculators/models/eagle3/config.py``, pydantic ``Field(default=...)``) are what a draft
-config that leaves a flag unset was trained with.
+config that leaves a flag unset was trained with, where its ``Eagle3DraftModel``
+(``models/eagle3/core.py``, ``config.<flag>`` loads followed by norm_flow, into the first-layer
+classes of ``model_definitions.py`` for ``norm_before_residual``) uses the flag.
 
 Sources are found, in order: ``root`` when given, ``.engines/<dist>-*/<package>`` (put there by
 scripts/fetch-engines) under this repository, then an installed package (``find_spec``, which
