@@ -152,7 +152,7 @@ def flag_reads(flow: ValueFlow, under: cst.CSTNode | None = None, follow: bool =
 _READS: dict[tuple[str, str, int, int], dict[str, list[FlagRead]]] = {}
 
 
-def _model_reads(file: Path, rel: str) -> dict[str, list[FlagRead]]:
+def model_reads(file: Path, rel: str) -> dict[str, list[FlagRead]]:
     """:func:`flag_reads` of a model file, kept per file version (its path, mtime and size): the
     value flow costs a few tenths of a second a file, and check-draft and render ask per flag."""
     try:
@@ -228,6 +228,6 @@ def read_norms(loc: EngineLocation, config: dict) -> NormReading:
     reading.model_file, reading.model_class = finder(loc, arch)
     if reading.model_file is not None:
         rel = f"{loc.layout.package}/{reading.model_file}"
-        reading.reads = _model_reads(loc.root / reading.model_file, rel)
+        reading.reads = model_reads(loc.root / reading.model_file, rel)
         reading.model_file = rel
     return reading

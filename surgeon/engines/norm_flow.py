@@ -104,10 +104,20 @@ class ValueFlow:
         text = " ".join(self.module.code_for_node(node).split())
         return text if len(text) <= 70 else text[:67] + "..."
 
-    def follow(self, read: cst.Call) -> FlagUse:
-        """Where the value of ``read`` is used (the first use in the file), or why none was found."""
+    def follow(self, read: cst.BaseExpression) -> FlagUse:
+        """Where the value of ``read`` (a flag read: a call, or an attribute ``config.<flag>``) is
+        used (the first use in the file), or why none was found."""
         state = _Walk(self)
         state.carry(read, f"{self.site(read)} reads `{self.code(read)}`")
+        return self._answer(state, read)
+
+    def follow_param(self, param: cst.Param) -> FlagUse:
+        """Where the value a caller passes for ``param`` is used in its function, as :meth:`follow`."""
+        state = _Walk(self)
+        state._references(param, f"{self.site(param)} takes it as `{param.name.value}`")
+        return self._answer(state, param)
+
+    def _answer(self, state: _Walk, read: cst.CSTNode) -> FlagUse:
         if state.uses:
             best = min(state.uses, key=lambda s: s.line)
             return FlagUse("used", best.where, best.how)

@@ -1,5 +1,7 @@
 """The EAGLE 3.1 norm flags: what the spec declares, what the draft's config says, and what each
-engine builds the draft with (read from its source by :mod:`surgeon.engines.draft_norms`).
+engine builds the draft with (read from its source by :mod:`surgeon.engines.draft_norms`), or, for
+SpecForge, what the trainer trains it with (:mod:`surgeon.engines.trainer_norms`). A flag the draft
+config leaves unset takes speculators' default, read from speculators' ``Eagle3SpeculatorConfig``.
 
 A flag the draft was trained with that the engine does not read, reads but never uses (no use of
 the read value in the model file), or reads with another value (a default that differs, a
@@ -16,10 +18,12 @@ from typing import Any
 from surgeon.core.spec import NORM_FLAGS, Spec
 from surgeon.engines.draft_norms import FlagState, NormReading, read_norms
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
+from surgeon.engines.trainer_norms import logits_only, open_trainer, read_specforge, read_speculators, speculators_defaults
 
 # (severity, kind, detail): check-draft wraps these as findings
 Line = tuple[str, str, str]
-SPECULATORS_DEFAULT = False  # speculators 0.9.0 models/eagle3/config.py: every norm flag defaults to False
+UNSET = "unset"  # the source of a flag the spec and the draft config leave unset starts so
+Defaults = dict[str, tuple[bool, str]]  # flag -> (the default, what says so)
 
 
 @dataclass
@@ -43,10 +47,38 @@ def config_flag(data: dict, flag: str) -> Any:
     return nested.get(flag) if isinstance(nested, dict) else None
 
 
-def wanted(spec: Spec, data: dict) -> dict[str, tuple[bool, str]]:
+def trained_defaults(root=None) -> Defaults:
+    """flag -> (what a draft config that leaves the flag unset was trained with, why): speculators'
+    default, read from its ``Eagle3SpeculatorConfig`` (``root``, else .engines, else installed),
+    where its ``Eagle3DraftModel`` uses the flag; False where that model reads it nowhere (a norm
+    never built is not trained); False, saying so, where its source is not on this machine."""
+    src = open_trainer("speculators", root)
+    read = speculators_defaults(src) if src is not None else {}
+    model = read_speculators(src) if src is not None else None
+    out: Defaults = {}
+    for flag in NORM_FLAGS:
+        if src is None or model is None or flag not in read:
+            out[flag] = (False, f"{UNSET} (speculators' default, taken as False: its source is not on this machine, "
+                                "run ./scripts/setup)")
+            continue
+        default, where = read[flag]
+        state, first = model.state(flag)
+        who = f"{UNSET} (speculators {src.version}'s default, {where}"
+        if state == "used" and first is not None and first.use is not None:
+            out[flag] = (default, f"{who}; its model uses it at {first.use.at})")
+        elif state == "unverified" and first is not None and first.use is not None:
+            out[flag] = (default, f"{who}; its model's use is unverified: {first.use.how})")
+        else:
+            out[flag] = (False, f"{who}, but its model {model.model_file} never uses it: trained without it)")
+    return out
+
+
+def wanted(spec: Spec, data: dict, defaults: Defaults | None = None) -> dict[str, tuple[bool, str]]:
     """flag -> (the value the draft was trained with, where that comes from): the spec's
-    ``draft.norms``, else the draft config, else speculators' default (False)."""
+    ``draft.norms``, else the draft config, else speculators' default (``defaults``, else read from
+    its source by :func:`trained_defaults`)."""
     declared = spec.model.draft.norms if spec.model.draft is not None else None
+    defaults = defaults if defaults is not None else trained_defaults()
     out: dict[str, tuple[bool, str]] = {}
     for flag in NORM_FLAGS:
         v = getattr(declared, flag) if declared is not None else None
@@ -56,7 +88,7 @@ def wanted(spec: Spec, data: dict) -> dict[str, tuple[bool, str]]:
         elif c is not None:
             out[flag] = (bool(c), "draft config")
         else:
-            out[flag] = (SPECULATORS_DEFAULT, "unset (speculators' default)")
+            out[flag] = defaults[flag]
     return out
 
 
@@ -86,9 +118,8 @@ def norm_report(spec: Spec, engine: str, data: dict, engine_root=None) -> tuple[
             lines.append(("error", "norm_config", f"the draft config sets {flag} = {c}, the spec's draft.norms says {v}"))
     want = wanted(spec, data)
     if engine == "specforge":
-        if declared is not None:
-            lines.append(("warning", "norm_unchecked", "how SpecForge reads the norm flags is not modelled; not checked"))
-        return lines, []
+        more, reports = specforge_report(data, want, engine_root)
+        return lines + more, reports
     loc = _locate("vllm" if engine == "speculators" else engine, engine_root)
     if loc is None:
         lines.append(("warning", "norm_unchecked", f"{engine} is not installed here: its reading of the norm flags "
@@ -113,53 +144,102 @@ def flag_report(reading: NormReading, flag: str, data: dict, need: bool) -> Flag
     return FlagReport(flag, state, read.where if read is not None else None, used, got, need, why)
 
 
-def engine_report(reading: NormReading, data: dict,
-                  want: dict[str, tuple[bool, str]]) -> tuple[list[Line], list[FlagReport]]:
+def specforge_report(data: dict, want: dict[str, tuple[bool, str]], root=None) -> tuple[list[Line], list[FlagReport]]:
+    """What SpecForge trains the draft with, per flag, against what the draft needs: its draft
+    class's reads as for an engine; a ``norm_output`` SpecForge uses only for the logits trains the
+    EAGLE-3 state (speculators' and the engines' ``norm_output`` false) whatever its value, and
+    with the value false, no norm before lm_head at all (neither EAGLE-3 nor 3.1)."""
+    src = open_trainer("specforge", root)
+    if src is None:
+        return [("warning", "norm_unchecked", "SpecForge's source is not on this machine: its reading of the norm "
+                 "flags is read from its source only (run ./scripts/setup or pass --engine-root)")], []
+    reading = read_specforge(src, data)
+    if reading.model_file is None:
+        return [("warning", "norm_unchecked", f"specforge {src.version} registers no draft class "
+                 f"{reading.model_class!r}: norm flags not checked")], []
+    meaning = logits_only(src, reading)
+    lines: list[Line] = []
+    override = None
+    if meaning is not None:
+        got, why = reading.effective("norm_output", data)
+        override = {"norm_output": (False, f"{why}; but {meaning}")}
+        if not got:
+            lines.append(("error", "norm_mismatch", f"norm_output: specforge {src.version} trains with norm_output = "
+                          f"{got} ({why}), so lm_head gets the un-normed state: neither EAGLE-3 nor EAGLE 3.1 ({meaning})"))
+    more, reports = engine_report(reading, data, want, override)
+    return lines + more, reports
+
+
+def engine_report(reading: NormReading, data: dict, want: dict[str, tuple[bool, str]],
+                  override: dict[str, tuple[bool, str]] | None = None) -> tuple[list[Line], list[FlagReport]]:
     """Per flag: what the engine builds the draft with, against what it was trained with (the
-    findings), and what the engine's model file does with the flag (the reports)."""
+    findings), and what the engine's model file does with the flag (the reports); ``override``:
+    flag -> (what it builds, why), where the flag's use means something else than its name says."""
     lines: list[Line] = []
     reports: list[FlagReport] = []
     who = f"{reading.engine} {reading.version}"
+    builds, wrong = ("trains", "trained") if reading.engine == "specforge" else ("builds", "served")
     for flag in NORM_FLAGS:
         need, src = want[flag]
         r = flag_report(reading, flag, data, need)
+        if override is not None and flag in override:
+            r.builds, r.detail = override[flag]
         reports.append(r)
-        said = need or src != "unset (speculators' default)"
+        said = need or not src.startswith(UNSET)
         if r.builds == need:
             if r.state == "unverified" and said:
                 lines.append(("warning", "norm_unverified", f"{flag} = {need} ({src}); {who} reads it so, but where "
                               f"its value goes was not followed to a use: {r.detail}"))
             elif said:
-                lines.append(("info", "norm", f"{flag} = {need} ({src}); {who} builds it so: {r.detail}"))
+                lines.append(("info", "norm", f"{flag} = {need} ({src}); {who} {builds} it so: {r.detail}"))
             continue
         kind = {"not_read": "norm_ignored", "read_unused": "norm_unused"}.get(r.state, "norm_mismatch")
-        lines.append(("error", kind, f"{flag}: the draft needs {need} ({src}), but {who} builds it with {r.builds}: "
-                      f"{r.detail}; the draft is served wrong, silently"))
+        lines.append(("error", kind, f"{flag}: the draft needs {need} ({src}), but {who} {builds} it with {r.builds}: "
+                      f"{r.detail}; the draft is {wrong} wrong, silently"))
     return lines, reports
+
+
+def _render_reading(engine: str, data: dict, engine_root) -> tuple[NormReading | None, dict[str, tuple[bool, str]], str]:
+    """(the reading render reports, flag -> (what it builds, why) where the use means otherwise,
+    why there is no reading)."""
+    if engine == "specforge":
+        src = open_trainer("specforge", engine_root)
+        if src is None:
+            return None, {}, "specforge: its source is not on this machine: its reading of the norm flags is not checked"
+        reading = read_specforge(src, data)
+        meaning = logits_only(src, reading)
+        return reading, ({"norm_output": (False, meaning)} if meaning else {}), ""
+    loc = _locate("vllm" if engine == "speculators" else engine, engine_root)
+    if loc is None:
+        return None, {}, f"{engine}: not installed here: its reading of the norm flags is not checked"
+    return read_norms(loc, data), {}, ""
 
 
 def render_lines(spec: Spec, engine: str, engine_root=None) -> list[str]:
     """For render/explain: whether ``engine`` reads each norm flag the spec declares (file:line),
     for a config that sets them at the top level, as speculators writes them. The draft class is
-    the engine's Llama EAGLE-3 class (the spec does not name the draft's class)."""
+    the engine's Llama EAGLE-3 class (the spec does not name the draft's class); for SpecForge,
+    what it trains the draft with."""
     if spec.model.draft is None or spec.model.draft.kind != "eagle3" or spec.model.draft.norms is None:
         return []
-    if engine not in ("sglang", "vllm", "speculators"):
+    if engine not in ("sglang", "vllm", "speculators", "specforge"):
         return [f"{engine}: how it reads the norm flags is not modelled"]
-    loc = _locate("vllm" if engine == "speculators" else engine, engine_root)
-    if loc is None:
-        return [f"{engine}: not installed here: its reading of the norm flags is not checked"]
     data: dict[str, Any] = {f: v for f in NORM_FLAGS if (v := getattr(spec.model.draft.norms, f)) is not None}
     if engine == "speculators":
         data["speculators_model_type"] = "eagle3"
-    reading = read_norms(loc, data)
+    reading, override, why = _render_reading(engine, data, engine_root)
+    if reading is None:
+        return [why]
+    who = "the trainer trains" if engine == "specforge" else "the engine builds"
     out = []
     for flag in (f for f in NORM_FLAGS if f in data):
         r = flag_report(reading, flag, data, data[flag])
+        if flag in override:
+            r.builds, r.detail = r.builds and override[flag][0], f"{r.detail}; but {override[flag][1]}"
         state = {"used": f"used at {r.used_at}", "unverified": "read, its use unverified",
                  "read_unused": "read but unused", "not_read": "not read"}[r.state]
         if r.builds != data[flag]:
-            state = f"NOT SERVED: the engine builds the draft with {r.builds}"
+            state = f"NOT {'TRAINED' if engine == 'specforge' else 'SERVED'}: {who} the draft with {r.builds}"
         out.append(f"{engine}: norm flag {flag} = {data[flag]}: {state} ({reading.model_class}): {r.detail}")
     return out
 

@@ -403,13 +403,14 @@ def _table_rendering(spec: Spec, target: str, ans: TableAnswer) -> Rendering:
 def _norm_flags(spec: Spec, target: str, engine_root, draft_config: dict, notes: list[str]) -> None:
     """The spec's declared norm flags go into the draft config's top level (where speculators
     writes them and both engines read them); each engine's reading of them (file:line) goes into
-    the notes, and an engine that would build the draft without a declared flag refuses the render."""
+    the notes, and an engine that would build the draft without a declared flag (SpecForge: train
+    it without) refuses the render."""
     draft = spec.model.draft
     if draft is None or draft.kind != "eagle3" or draft.norms is None:
         return
     draft_config.update({f: v for f in NORM_FLAGS if (v := getattr(draft.norms, f)) is not None})
     lines = render_lines(spec, target, engine_root)
-    wrong = [line for line in lines if "NOT SERVED" in line]
+    wrong = [line for line in lines if "NOT SERVED" in line or "NOT TRAINED" in line]
     if wrong:
         raise BadInput(f"{spec.file}: cannot render for {target}: {wrong[0]}")
     notes.extend(lines)
