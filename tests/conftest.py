@@ -235,3 +235,40 @@ def write_modelopt_trtllm(path, ref, aux_ids, conversation_id=3):
     trtllm_dumped["hidden_states"] = trtllm_dumped.pop("hidden_state")
     torch.save(trtllm_dumped, path)
     return path
+
+
+# -- the norm-flag tests' tiny spec and draft-file copies -----------------------------------------
+NORMS_SPEC = """\
+spec: 1
+name: tiny
+target: {architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}
+captures:
+  low: layer_out[1]
+  mid: layer_out[3]
+  high: layer_out[5]
+EXTRAdraft: {kind: eagle3, fc_input: [low, mid, high]TAIL}
+"""
+
+
+def norms_spec(tmp_path: Path, norms: str = "", *, tail: str | None = None, captures: str = "") -> Path:
+    """``tmp_path/s.yaml``: the tiny 8-layer Llama EAGLE-3 spec of the norm-flag tests. ``norms``:
+    the inside of ``draft.norms`` (``"fc_norm: true"``; empty: no norms); ``tail``: raw text after the
+    fc_input list instead (bad input); ``captures``: more capture lines (``"last: final_norm"``)."""
+    f = tmp_path / "s.yaml"
+    tail = tail if tail is not None else f", norms: {{{norms}}}" if norms else ""
+    extra = "".join(f"  {line}\n" for line in captures.splitlines())
+    f.write_text(NORMS_SPEC.replace("EXTRA", extra).replace("TAIL", tail))
+    return f
+
+
+def vllm_models_copy(tmp_path: Path, *files: str, version: str = "0.33.0") -> tuple[Path, list[Path]]:
+    """A vLLM engine root under ``tmp_path/vllm`` holding the release's model registry and ``files``
+    (names under model_executor/models) copied from ``.engines``: (root, the copied files)."""
+    src = release_engine("vllm", version) / "model_executor" / "models"
+    models = tmp_path / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    out = []
+    for name in ("registry.py", *files):
+        shutil.copy(src / name, models / name)
+        out.append(models / name)
+    return tmp_path / "vllm", out[1:]

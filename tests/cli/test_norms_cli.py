@@ -2,25 +2,13 @@
 a draft served wrong is exit 3."""
 
 import json
-import textwrap
 
 from tests.conftest import cli_run as run
-
-SPEC = textwrap.dedent("""\
-    spec: 1
-    name: tiny
-    target: {architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}
-    captures:
-      low: layer_out[1]
-      mid: layer_out[3]
-      high: layer_out[5]
-    draft: {kind: eagle3, fc_input: [low, mid, high]NORMS}
-    """)
+from tests.conftest import norms_spec
 
 
 def write(tmp_path, norms="", config=None):
-    f = tmp_path / "s.yaml"
-    f.write_text(SPEC.replace("NORMS", norms))
+    f = norms_spec(tmp_path, tail=norms)
     c = tmp_path / "config.json"
     c.write_text(json.dumps(config or {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}))
     return f, c

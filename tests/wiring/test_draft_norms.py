@@ -3,8 +3,6 @@ sources (the installed vLLM and SGLang, and fetched releases), and a before/afte
 engine file changes the answer."""
 
 import json
-import shutil
-import textwrap
 
 import pytest
 
@@ -13,26 +11,13 @@ from surgeon.engines.draft_norms import read_norms
 from surgeon.engines.locate import locate_engine
 from surgeon.wiring.draft import check_draft
 from surgeon.wiring.norms import norm_lines, render_lines
-from tests.conftest import installed_engine, release_engine
+from tests.conftest import installed_engine, norms_spec, release_engine, vllm_models_copy
 
-SPEC = textwrap.dedent("""\
-    spec: 1
-    name: tiny
-    target: {architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}
-    captures:
-      low: layer_out[1]
-      mid: layer_out[3]
-      high: layer_out[5]
-      last: final_norm
-    draft: {kind: eagle3, fc_input: [low, mid, high]NORMS}
-    """)
 IDS = {"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}
 
 
 def spec(tmp_path, norms=""):
-    f = tmp_path / "s.yaml"
-    f.write_text(SPEC.replace("NORMS", f", norms: {{{norms}}}" if norms else ""))
-    return load_spec(f)
+    return load_spec(norms_spec(tmp_path, norms, captures="last: final_norm"))
 
 
 def draft(tmp_path, **config):
@@ -128,13 +113,7 @@ def test_render_lines_say_where_each_flag_is_read(tmp_path):
 def test_a_changed_engine_file_changes_the_answer(tmp_path):
     """Before: a copy of vLLM 0.33.0's llama_eagle3.py reads norm_output. After: the same file
     with that read removed (as in releases that dropped it) -> an error naming the file."""
-    src = release_engine("vllm", "0.33.0")
-    root = tmp_path / "vllm"
-    models = root / "model_executor" / "models"
-    models.mkdir(parents=True)
-    shutil.copy(src / "model_executor/models/registry.py", models / "registry.py")
-    model = models / "llama_eagle3.py"
-    shutil.copy(src / "model_executor/models/llama_eagle3.py", model)
+    root, (model,) = vllm_models_copy(tmp_path, "llama_eagle3.py")
     s = spec(tmp_path, "norm_output: true")
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "norm_output": True}
     assert errors(norm_lines(s, "vllm", cfg, root)) == []

@@ -5,7 +5,6 @@ but unused, not read or unverified; and before/after copies of an engine file wh
 
 import json
 import shutil
-import textwrap
 
 import jsonschema
 import pytest
@@ -16,26 +15,14 @@ from surgeon.engines.draft_norms import read_norms
 from surgeon.engines.locate import locate_engine
 from surgeon.wiring.draft import check_draft
 from surgeon.wiring.norms import norm_lines
-from tests.conftest import cli_run, installed_engine, release_engine
+from tests.conftest import cli_run, installed_engine, norms_spec, release_engine, vllm_models_copy
 
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-SPEC = textwrap.dedent("""\
-    spec: 1
-    name: tiny
-    target: {architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}
-    captures:
-      low: layer_out[1]
-      mid: layer_out[3]
-      high: layer_out[5]
-    draft: {kind: eagle3, fc_input: [low, mid, high]NORMS}
-    """)
 IDS = {"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}
 
 
 def spec(tmp_path, norms=""):
-    f = tmp_path / "s.yaml"
-    f.write_text(SPEC.replace("NORMS", f", norms: {{{norms}}}" if norms else ""))
-    return load_spec(f)
+    return load_spec(norms_spec(tmp_path, norms))
 
 
 def states(loc, arch):
@@ -173,13 +160,7 @@ def test_sglang_norm_module_built_but_never_applied_is_unused(tmp_path):
 def test_vllm_residual_norm_use_deleted_is_read_but_unused(tmp_path):
     """Before/after on vLLM 0.33.0's llama_eagle3.py: the layer's forward calls the method the
     flag selected; after, it calls the after-residual norm itself (the read and the selection kept)."""
-    src = release_engine("vllm", "0.33.0")
-    root = tmp_path / "vllm"
-    models = root / "model_executor" / "models"
-    models.mkdir(parents=True)
-    shutil.copy(src / "model_executor/models/registry.py", models / "registry.py")
-    model = models / "llama_eagle3.py"
-    shutil.copy(src / "model_executor/models/llama_eagle3.py", model)
+    root, (model,) = vllm_models_copy(tmp_path, "llama_eagle3.py")
     s = spec(tmp_path, "norm_before_residual: true")
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "norm_before_residual": True}
     assert errors(norm_lines(s, "vllm", cfg, root)) == []
@@ -258,8 +239,7 @@ def errors(lines):
 
 def test_check_draft_json_reports_each_flag(tmp_path):
     installed_engine("sglang")
-    f = tmp_path / "s.yaml"
-    f.write_text(SPEC.replace("NORMS", ", norms: {norm_before_residual: true, fc_norm: true}"))
+    f = norms_spec(tmp_path, "norm_before_residual: true, fc_norm: true")
     d = tmp_path / "draft"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], **IDS,
@@ -278,13 +258,7 @@ def test_check_draft_json_reports_each_flag(tmp_path):
 def test_use_only_in_a_branch_dead_for_eagle3(tmp_path):
     """Before/after on vLLM 0.33.0's llama_eagle3.py: norm_output's use moved into an arm that
     runs only when use_aux_hidden_state is false (never for an EAGLE-3 draft) -> read but unused."""
-    src = release_engine("vllm", "0.33.0")
-    root = tmp_path / "vllm"
-    models = root / "model_executor" / "models"
-    models.mkdir(parents=True)
-    shutil.copy(src / "model_executor/models/registry.py", models / "registry.py")
-    model = models / "llama_eagle3.py"
-    shutil.copy(src / "model_executor/models/llama_eagle3.py", model)
+    root, (model,) = vllm_models_copy(tmp_path, "llama_eagle3.py")
     use = "        aux_output = hidden_states if self.norm_output else hidden_prenorm\n"
     text = model.read_text()
     assert text.count(use) == 1

@@ -4,7 +4,6 @@ before/after edits of copied sources that change the answer."""
 
 import json
 import shutil
-import textwrap
 
 import pytest
 
@@ -21,26 +20,14 @@ from surgeon.engines.trainer_norms import (
 )
 from surgeon.wiring.draft import check_draft
 from surgeon.wiring.norms import render_lines, trained_defaults, wanted
-from tests.conftest import cli_run, release_engine
+from tests.conftest import cli_run, norms_spec, release_engine
 
-SPEC = textwrap.dedent("""\
-    spec: 1
-    name: tiny
-    target: {architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}
-    captures:
-      low: layer_out[1]
-      mid: layer_out[3]
-      high: layer_out[5]
-    draft: {kind: eagle3, fc_input: [low, mid, high]NORMS}
-    """)
 IDS = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}
 MODEL = "modeling/draft/llama3_eagle.py"
 
 
 def spec(tmp_path, norms=""):
-    f = tmp_path / "s.yaml"
-    f.write_text(SPEC.replace("NORMS", f", norms: {{{norms}}}" if norms else ""))
-    return f
+    return norms_spec(tmp_path, norms)
 
 
 def draft(tmp_path, arch="LlamaForCausalLMEagle3", **config):
