@@ -212,15 +212,8 @@ def test_a_changed_mapping_gives_qwen3_a_head(tmp_path):
     """Before: vLLM 0.33.0's hf_config_override maps no qwen3 target. After: the qwen3_next test
     widened to ("qwen3_next", "qwen3") -> a Qwen3 target is renamed qwen3_next_mtp, and the later
     test maps that to Qwen3NextMTP."""
-    src = release_engine("vllm", "0.33.0")
-    root = tmp_path / "vllm"
-    (root / "config").mkdir(parents=True)
-    (root / "model_executor" / "models").mkdir(parents=True)
-    shutil.copy(src / "config" / "speculative.py", root / "config" / "speculative.py")
-    shutil.copy(src / "model_executor/models/registry.py", root / "model_executor/models/registry.py")
-    loc = locate_engine("vllm", root)
+    loc, f = _speculative_copy(tmp_path)
     assert read_mtp_head(loc, "Qwen3ForCausalLM").found is False
-    f = root / "config" / "speculative.py"
     old = 'if hf_config.model_type == "qwen3_next":'
     assert f.read_text().count(old) == 1
     f.write_text(f.read_text().replace(old, 'if hf_config.model_type in ("qwen3_next", "qwen3"):'))
