@@ -23,7 +23,16 @@ from surgeon.audit.aggregate import Aggregate
 from surgeon.audit.profile import Profile
 from surgeon.audit.state import State
 from surgeon.audit.structure import STATE_NAME, discover
-from surgeon.audit.worker import BATCH, Context, batches, file_key, init_worker, run_batch, run_batch_here
+from surgeon.audit.worker import (
+    BATCH,
+    Context,
+    batches,
+    exact_identify,
+    file_key,
+    init_worker,
+    run_batch,
+    run_batch_here,
+)
 from surgeon.core.errors import BadInput
 
 FAILING = ("identity", "exact")  # finding kinds that say a slot is not what the spec declares
@@ -86,7 +95,7 @@ def _trim_heap() -> None:
         pass
 
 
-def _local(ctx: Context, todo: list[tuple[str, bool]], workers: int, cpu: dict[str, float]) -> Iterator[dict[str, Any]]:
+def _local(ctx: Context, todo: list[str], workers: int, cpu: dict[str, float]) -> Iterator[dict[str, Any]]:
     """Results in ``todo`` order: inline for one worker, else a pool of ``workers`` persistent
     processes (forked: no start-up import; the context handed over once) with a bounded window of
     batches in flight. ``cpu``: CPU seconds per process (``driver``, ``worker PID``)."""
@@ -159,7 +168,7 @@ def usable_cores() -> int:
 
 
 def _executor(plan: Plan, ctx: Context, workers: int,
-              cpu: dict[str, float]) -> tuple[Callable[[list[tuple[str, bool]]], Iterator[dict[str, Any]]], str]:
+              cpu: dict[str, float]) -> tuple[Callable[[list[str]], Iterator[dict[str, Any]]], str]:
     if plan.ray_address:
         from surgeon.audit.ray_backend import run_on_ray
 
@@ -195,7 +204,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     agg, resumed, started = Aggregate(), 0, time.perf_counter()
     try:
         done = [plan.resume and state.done(file_key(p), read=False) is not None for p in paths]
-        fresh = iter(run([(p, i in picks) for i, (p, d) in enumerate(zip(paths, done)) if not d]))
+        fresh = iter(run([p for p, d in zip(paths, done) if not d]))
         for i, p in enumerate(paths):
             if done[i]:
                 r = state.done(file_key(p)) or {}
@@ -203,6 +212,8 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
                 agg.stale_check({**r, "findings": []})  # its own findings were recorded with it
             else:
                 r = next(fresh)
+                if i in picks:
+                    exact_identify(ctx, r)  # here, not in a worker: one copy of the target model
                 agg.stale_check(r)
                 state.record(r)
             agg.add(r)

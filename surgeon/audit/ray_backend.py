@@ -19,7 +19,7 @@ from surgeon.audit.worker import BATCH, Context, batches, run_batch
 from surgeon.core.errors import BadInput
 
 
-def run_on_ray(address: str, ctx: Context, todo: list[tuple[str, bool]], workers: int) -> Iterator[dict[str, Any]]:
+def run_on_ray(address: str, ctx: Context, todo: list[str], workers: int) -> Iterator[dict[str, Any]]:
     import ray
 
     try:

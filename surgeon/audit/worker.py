@@ -5,6 +5,8 @@ JSON-serialisable dict (what the resume state stores and what crosses a process 
 boundary): the file's identity (path, size, mtime), its structure, each slot's values and
 identity, its findings, and the sampled row hashes the driver's cross-file stale check needs.
 A file the gate or a reader refuses becomes a finding (``unreadable``), not an exception.
+:func:`exact_identify` adds exact identification to a sampled file's result; the driver runs it,
+so the target model is loaded by one process, never by every worker at once.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ class Context:
 BATCH = 8  # files per task: amortises the per-task cost of a pool or a Ray task over small files
 
 
-def batches(items: list[tuple[str, bool]], size: int) -> Iterator[list[tuple[str, bool]]]:
+def batches(items: list[str], size: int) -> Iterator[list[str]]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
 
 
-def run_batch(ctx: Context, batch: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+def run_batch(ctx: Context, batch: list[str]) -> list[dict[str, Any]]:
     """One task: a few files audited in order (what a worker process or a Ray task runs)."""
-    return [audit_file(ctx, path, exact) for path, exact in batch]
+    return [audit_file(ctx, path) for path in batch]
 
 
 _WORKER_CTX: list[Context] = []  # a pool worker's context, set once when it starts (nothing pickled per task)
@@ -65,7 +67,7 @@ def init_worker(ctx: Context) -> None:
     _WORKER_CTX[:] = [ctx]
 
 
-def run_batch_here(batch: list[tuple[str, bool]]) -> tuple[list[dict[str, Any]], int, float]:
+def run_batch_here(batch: list[str]) -> tuple[list[dict[str, Any]], int, float]:
     """A pool worker's task: :func:`run_batch` with the context :func:`init_worker` kept, this
     process's id and the CPU seconds it has used so far (parallel efficiency is judged by them)."""
     import time
@@ -91,17 +93,19 @@ def _finding(kind: str, slot: str | None, detail: str) -> dict[str, Any]:
     return {"kind": kind, "slot": slot, "detail": detail}
 
 
-def audit_file(ctx: Context, path: str, exact: bool = False) -> dict[str, Any]:
-    """Audit one file (``exact``: also identify its slots against a reference run on its own tokens)."""
+VALUE_LAYOUTS = ("specforge", "speculators", "surgeon")  # the layouts whose slots are values to check
+
+
+def audit_file(ctx: Context, path: str) -> dict[str, Any]:
+    """Audit one file: its structure, values and identity (exact identification is
+    :func:`exact_identify`'s, run by the driver)."""
     out: dict[str, Any] = {**file_key(path), "layout": None, "tokens": None, "slots": [], "findings": [],
                            "hashes": [], "exact": None}
     try:
         st = read_structure(path)
         _structure_part(ctx, st, out)
-        if not ctx.structure_only and st.layout in ("specforge", "speculators", "surgeon"):
+        if not ctx.structure_only and st.layout in VALUE_LAYOUTS:
             _value_part(ctx, path, st, out)
-            if exact and ctx.exact_model:
-                _exact_part(ctx, path, out)
     except BadInput as e:
         out["findings"].append(_finding("unreadable", None, str(e).splitlines()[0] if str(e) else type(e).__name__))
     return out
@@ -186,6 +190,19 @@ def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> 
         out["findings"].append(_finding(kind, name, rest))
     out["slots"] = slots
     out["hashes"] = sampled_rows(declared, hashes, ids)
+
+
+def exact_identify(ctx: Context, out: dict[str, Any]) -> None:
+    """Exact identification of an audited file (its result ``out``, updated in place): each slot
+    against the target run on the file's own tokens. Run by the driver, one file at a time, so the
+    target model is in memory once however many workers audit the rest (each exact file loads it)."""
+    if ctx.structure_only or not ctx.exact_model or out.get("layout") not in VALUE_LAYOUTS \
+            or any(f["kind"] == "unreadable" for f in out["findings"]):
+        return
+    try:
+        _exact_part(ctx, out["path"], out)
+    except BadInput as e:
+        out["findings"].append(_finding("unreadable", None, str(e).splitlines()[0] if str(e) else type(e).__name__))
 
 
 def _exact_part(ctx: Context, path: str, out: dict[str, Any]) -> None:

@@ -72,6 +72,24 @@ def test_a_clean_set_passes(specforge_set, tiny_target, tmp_path):
     assert rep.to_json()["findings"] == {}
 
 
+def test_exact_identification_runs_in_the_driver_alone(speculators_set, tiny_target, monkeypatch):
+    """Each exact file loads the target model: the driver does them one at a time, so two (or 64)
+    workers never hold a copy each. A worker's call would land in its own process, not this list."""
+    import surgeon.audit.worker as worker
+
+    calls: list[int] = []
+    real = worker._exact_part
+
+    def recorded(ctx, path, out):
+        calls.append(os.getpid())
+        real(ctx, path, out)
+    monkeypatch.setattr(worker, "_exact_part", recorded)
+    rep = run_audit(Plan(speculators_set.root, str(speculators_set.spec), reference=f"hf:{tiny_target}",
+                         workers=2, exact_files=2, state_path=speculators_set.root.parent / "exact.jsonl"))
+    assert calls == [os.getpid()] * 2
+    assert rep.agg.exact_files == 2 and rep.workers == 2  # both identified, their results aggregated
+
+
 @pytest.mark.slow
 def test_speculators(speculators_set, tiny_target):
     rep = run_audit(Plan(speculators_set.root, str(speculators_set.spec), reference=f"hf:{tiny_target}", exact_files=0))
