@@ -167,6 +167,8 @@ def specforge_report(data: dict, want: dict[str, tuple[bool, str]], root=None) -
             lines.append(("error", "norm_mismatch", f"norm_output: specforge {src.version} trains with norm_output = "
                           f"{got} ({why}), so lm_head gets the un-normed state: neither EAGLE-3 nor EAGLE 3.1 ({meaning})"))
     more, reports = engine_report(reading, data, want, override)
+    if lines:  # the error above says what norm_output = false trains: no "trains it so" line beside it
+        more = [m for m in more if not (m[1] == "norm" and m[2].startswith("norm_output "))]
     return lines + more, reports
 
 
@@ -240,6 +242,9 @@ def render_lines(spec: Spec, engine: str, engine_root=None) -> list[str]:
                  "read_unused": "read but unused", "not_read": "not read"}[r.state]
         if r.builds != data[flag]:
             state = f"NOT {'TRAINED' if engine == 'specforge' else 'SERVED'}: {who} the draft with {r.builds}"
+        elif flag in override and not data[flag]:  # SpecForge's norm_output false: no norm before lm_head at all
+            state = (f"NOT TRAINED: {who} the draft with lm_head on the un-normed state, neither EAGLE-3 nor "
+                     "EAGLE 3.1 (leave norm_output unset or true for SpecForge)")
         out.append(f"{engine}: norm flag {flag} = {data[flag]}: {state} ({reading.model_class}): {r.detail}")
     return out
 

@@ -111,6 +111,11 @@ def test_norm_output_false_trains_lm_head_on_the_unnormed_state(tmp_path):
     r = check_draft(s, draft(tmp_path, norm_output=False), "specforge")
     assert ("norm_mismatch", "norm_output") in errors(r)
     assert any("neither EAGLE-3 nor EAGLE 3.1" in f.detail for f in r.findings)
+    assert not any(f.kind == "norm" and f.detail.startswith("norm_output") for f in r.findings)  # no "trains it so"
+    rendered = render_lines(s, "specforge")  # render refuses to write the config check-draft rejects
+    assert len(rendered) == 1 and "NOT TRAINED" in rendered[0] and "un-normed" in rendered[0], rendered
+    res = cli_run("render", s.file, "--engine", "specforge", code=2)
+    assert "NOT TRAINED" in res.output and len(res.output.strip().splitlines()) == 1
 
 
 def test_norm_output_moved_into_the_fed_back_state_is_trained(tmp_path):
