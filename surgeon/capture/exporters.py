@@ -17,10 +17,12 @@ of a surgeon dump named like a spec capture but declaring another point is refus
 mislabelled. Values are kept exactly: no dtype change, no arithmetic (captures stacked into one
 tensor must share a dtype). Every refusal is :class:`BadInput`, one line, and comes before any
 file is written: a first pass checks every unit (structure, points, dtypes) and nothing else.
-Then everything, the manifest included, is written into a staging folder next to the output
-folder, published only once all of it is written: a new folder by one rename, an existing one
-file by file, the manifest last. Any error before that (an internal one too) removes the staging
-folder and any parent folder it made, so nothing partial is ever left.
+Then everything, the manifest included, is written into a staging folder on the output folder's
+filesystem, published only once all of it is written: a new folder by one rename, an existing one
+file by file, the files a previous export there wrote and this one does not removed, the manifest
+last. An existing folder holding files no export wrote is refused first (a trainer globbing it would
+mix them in). Any error before publishing (an internal one too) removes the staging folder and any
+parent folder it made, so nothing partial is left.
 
 What is read is a :data:`Reader`'s business: surgeon dumps by default (one unit per file); the
 verify layer's :func:`surgeon.verify.fielddumps.export_reader` also reads TensorRT-LLM and Model
@@ -90,18 +92,27 @@ def _label(path: Path, unit: Dump | DumpHeader) -> str:
 
 @contextmanager
 def _staged(out: Path) -> Iterator[Path]:
-    """A fresh folder next to ``out`` to write into; published into ``out`` when the block ends
+    """A fresh folder to write into, on ``out``'s own filesystem: inside ``out`` where it exists (a
+    symlink to another disk included), else next to it; published into ``out`` when the block ends
     without error, else removed with the parent folders it made (nothing partial is left)."""
+    if out.is_symlink() and not out.exists():
+        raise BadInput(f"{out}: a symlink to nothing")
     if out.exists() and not out.is_dir():
         raise BadInput(f"{out}: exists and is not a folder")
+    if out.is_dir() and (foreign := sorted(set(os.listdir(out)) - _listed(out) - {MANIFEST})):
+        raise BadInput(f"{out}: holds files no surgeon export wrote ({', '.join(foreign[:3])}"
+                       f"{', ...' if len(foreign) > 3 else ''}): a trainer reading the folder would mix them in; "
+                       "export into a new or empty folder")
     made = [a for a in out.parents if not a.exists()]
-    stage = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    home = out if out.exists() else out.parent
+    stage = home / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        home.mkdir(parents=True, exist_ok=True)
         stage.mkdir()  # the default mode (umask), as a folder made by mkdir -p
     except OSError as e:
         _remove_made(made)
-        raise BadInput(f"{out}: cannot create a folder next to it to write into: {e.strerror or e}") from None
+        raise BadInput(f"{out}: cannot create a folder {'in' if home == out else 'next to'} it to write into: "
+                       f"{e.strerror or e}") from None
     try:
         yield stage
         _publish(stage, out)
@@ -119,18 +130,34 @@ def _remove_made(made: list[Path]) -> None:
             break
 
 
+def _listed(out: Path) -> set[str]:
+    """The file names a previous export's manifest in ``out`` lists (none: no readable manifest)."""
+    try:
+        files = json.loads((out / MANIFEST).read_text()).get("files", [])
+        return {f["file"] for f in files if isinstance(f, dict) and isinstance(f.get("file"), str)
+                and "/" not in f["file"] and f["file"] not in ("", ".", "..")}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
 def _publish(stage: Path, out: Path) -> None:
     """``stage`` becomes ``out``: by one rename when ``out`` does not exist, else each file
-    replaced into it, the manifest last (a reader who sees the manifest sees every file)."""
+    replaced into it, then the files of a previous export there that this one does not write
+    removed, the manifest last (a reader who sees the manifest sees every file, and only them)."""
     if not out.exists():
         try:
             os.rename(stage, out)
             return
         except OSError:  # made meanwhile: fall through
             pass
+    old = _listed(out)
     names = sorted(p.name for p in stage.iterdir())
-    for name in [n for n in names if n != MANIFEST] + [n for n in names if n == MANIFEST]:
+    for name in [n for n in names if n != MANIFEST]:
         os.replace(stage / name, out / name)
+    for name in sorted(old - set(names)):
+        (out / name).unlink(missing_ok=True)
+    if MANIFEST in names:
+        os.replace(stage / MANIFEST, out / MANIFEST)
     stage.rmdir()
 
 

@@ -4,6 +4,8 @@ collect_hidden_states dumps, written by the writers of tests/conftest.py as each
 and the trainer files and manifest export writes from them."""
 
 import json
+import os
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -392,3 +394,31 @@ def test_export_into_a_file_or_an_unwritable_place_is_one_line_exit_2(tmp_path, 
     res = run("export", f, "--spec", spec, "--layout", "speculators", "-o", blocker / "out", *slots, code=2)
     one_line_refusal(res, "cannot create a folder")
     assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["c1.pt", "file"]
+
+
+def test_export_into_an_existing_folder_on_another_disk_and_again_with_fewer_files(tmp_path, field_target):
+    """An existing output folder (here a symlink to tmpfs, another filesystem where Linux has one)
+    gets the files by renames inside it; exporting again with fewer units leaves no file of the first
+    export behind; a folder holding files no export wrote is refused before anything is written."""
+    import tempfile
+
+    ref, _, spec = field_target
+    d = tmp_path / "trt"
+    d.mkdir()
+    for i in range(3):
+        write_trtllm(d / f"data_{i}.pt", ref, {1, 3, 5})
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    with tempfile.TemporaryDirectory(dir=shm) as other:
+        link = tmp_path / "link"
+        link.symlink_to(other)
+        slots = ["--slots", "trtllm:1,3,5"]
+        run("export", d, "--spec", spec, "--layout", "specforge", "-o", link, *slots)
+        assert sorted(os.listdir(other)) == ["data_0.ckpt", "data_1.ckpt", "data_2.ckpt", "surgeon-export.json"]
+        (d / "data_2.pt").unlink()
+        run("export", d, "--spec", spec, "--layout", "specforge", "-o", link, *slots)
+        assert sorted(os.listdir(other)) == ["data_0.ckpt", "data_1.ckpt", "surgeon-export.json"]
+        assert [e["file"] for e in manifest(link)["files"]] == ["data_0.ckpt", "data_1.ckpt"]
+        (Path(other) / "notes.txt").write_text("mine")
+        res = run("export", d, "--spec", spec, "--layout", "specforge", "-o", link, *slots, code=2)
+        one_line_refusal(res, "notes.txt", "no surgeon export wrote")
+        assert sorted(os.listdir(other)) == ["data_0.ckpt", "data_1.ckpt", "notes.txt", "surgeon-export.json"]
