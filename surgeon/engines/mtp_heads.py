@@ -125,15 +125,38 @@ def _locals(fn: ast.FunctionDef) -> set[str]:
     return names
 
 
+TARGET_WORDS = frozenset({"model_type", "architectures", "architecture", "arch", "archs"})
+
+
+def _about_target(e: ast.expr, names: frozenset[str]) -> bool:
+    """Whether ``e`` is (an expression over) the target's model type or architecture names: an
+    attribute or name of :data:`TARGET_WORDS`, or a local assigned from one (``names``)."""
+    return any((isinstance(n, ast.Attribute) and n.attr in TARGET_WORDS)
+               or (isinstance(n, ast.Name) and (n.id in TARGET_WORDS or n.id in names)) for n in ast.walk(e))
+
+
+def _target_names(fn: ast.FunctionDef) -> frozenset[str]:
+    """Locals of ``fn`` assigned from the target's model type or architectures, to a fixed point."""
+    names: set[str] = set()
+    while True:
+        more = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and _about_target(n.value, frozenset(names))
+                for t in n.targets if isinstance(t, ast.Name)} - names
+        if not more:
+            return frozenset(names)
+        names |= more
+
+
 class _Test:
     """A branch test read for one target. A comparison of a string (or a module's string tuple) with
-    anything is decided for the target: ``==``/``in`` hold where it names the target, ``!=``/``not in``
-    where it does not; ``isinstance`` of an imported config class is decided by its ``model_type``.
-    Every other condition (a flag, a length, a name not resolved) is free: either value may hold."""
+    the target's model type or architecture (:func:`_about_target`) is decided for the target:
+    ``==``/``in`` hold where it names the target, ``!=``/``not in`` where it does not; ``isinstance``
+    of an imported config class is decided by its ``model_type``. Every other condition (a flag, a
+    method's name, a length, a name not resolved) is free: either value may hold."""
 
     def __init__(self, site: _Site, fn: ast.FunctionDef, arch: str, types: frozenset[str]):
         self.site, self.fn, self.arch, self.types = site, fn, arch, types
         self.local = _locals(fn)
+        self.about = _target_names(fn)
         self.named = False  # a decided atom mentions the target
         self.unread = False  # an atom's strings (or config class) were not resolved
 
@@ -147,8 +170,8 @@ class _Test:
                 self.unread |= words is None
             sides.append(words)
         i = 0 if sides[0] is not None else 1 if sides[1] is not None else None
-        if i is None:
-            return None
+        if i is None or not _about_target((right, left)[i], self.about):
+            return None  # a string compared with something else than the target's name (a method, a flag)
         words = sides[i]
         assert words is not None
         hit = self.arch in words or bool(self.types & set(words))

@@ -308,3 +308,19 @@ def test_a_guard_that_excludes_llama_is_not_a_llama_head(tmp_path, guard):
     head = read_mtp_head(loc, "LlamaForCausalLM")
     assert head.found is False and head.heads == [], head
     assert read_mtp_head(loc, "Glm4MoeForCausalLM").heads == ["Glm4MoeMTPModel"]
+
+
+def test_a_string_compared_with_something_else_than_the_target_is_free(tmp_path):
+    """Before/after on vLLM 0.33.0: the DeepSeek-V3 rename gains an unrelated string test
+    (an environment switch). It says nothing about the target, so it is free: DeepSeek-V3 still has
+    its head (not "no head" because "on" is not its name), and Llama still has none."""
+    loc, f = _speculative_copy(tmp_path)
+    old = "        if hf_config.model_type in (\n            \"deepseek_v3\","
+    assert f.read_text().count(old) == 1
+    before = read_mtp_head(loc, "DeepseekV3ForCausalLM")
+    assert before.found is True and "DeepSeekMTPModel" in before.heads, before
+    f.write_text(f.read_text().replace(old, "        if os.environ.get(\"MTP\", \"on\") == \"on\" and hf_config.model_type in (\n"
+                                            "            \"deepseek_v3\","))
+    after = read_mtp_head(loc, "DeepseekV3ForCausalLM")
+    assert after.found is True and after.heads == before.heads, after
+    assert read_mtp_head(loc, "LlamaForCausalLM").found is False
