@@ -54,10 +54,14 @@ _E3 = "f933a608045a46426792263617475b359d568043"
 _E3_ONE = "001e67005b4f64b69b0045456870be48ab7b2cf0"
 _LLM_ARGS = "tensorrt_llm/llmapi/llm_args.py"
 _ARGS = "0004396720054fd8e205cbf616f21f0b57c6b412"
+# one layer is handled before the tuple, and each version differently: (1,) and () in early
+# Eagle3SpecMetadata, (num_layers - 1,) and then (-1,) in later ones (read in GitHub's history, not pinned)
+TRTLLM_ONE_LAYER = ("a 1-layer target's default differs between TensorRT-LLM versions ((1,), (), (0,) or (-1,)) "
+                    "and is not in surgeon's table")
 TRTLLM: dict[str, Cite] = {
     "default": Cite(TRTLLM_REPO, _E3, _EAGLE3, 136, "self.layers_to_capture = (1, self.num_layers // 2 - 1,",
                     "Eagle3SpecMetadata.__post_init__: no ids -> (1, num_layers // 2 - 1, num_layers - 4), "
-                    "a tuple (not de-duplicated); 5 layers or fewer raise"),
+                    "a tuple (not de-duplicated); 2 to 5 layers raise"),
     "sorted": Cite(TRTLLM_REPO, _E3, _EAGLE3, 139, "self.layers_to_capture = sorted(list(self.layers_to_capture))",
                    "given ids (a Set[int]: duplicates merge) are sorted: captures arrive in ascending id order"),
     "minus_one_last": Cite(TRTLLM_REPO, _E3, _EAGLE3, 140, "if self.layers_to_capture[0] == -1:",

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
+from packaging.version import InvalidVersion, Version
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS
@@ -117,6 +118,14 @@ def _version(package: Path, dist: str) -> str:
     return "checkout"
 
 
+def _release(folder: str, dist: str) -> tuple[int, Version]:
+    """The version in a ``.engines/<dist>-<version>`` folder's name, for ordering (unparsable: last)."""
+    try:
+        return 1, Version(folder[len(dist) + 1:])
+    except InvalidVersion:
+        return 0, Version("0")
+
+
 def open_trainer(dist: str, root: str | Path | None = None) -> Source | None:
     """``dist``'s source (specforge or speculators), or None when none is on this machine. A
     ``root`` that is not one is bad input."""
@@ -127,7 +136,8 @@ def open_trainer(dist: str, root: str | Path | None = None) -> Source | None:
         if not (package / marker).is_file():
             raise BadInput(f"{root}: no {dist}/{marker} there: not a {dist} source")
         return Source(dist, package.resolve(), _version(package, dist))
-    found = sorted((REPO_ROOT / ".engines").glob(f"{dist}-*/{dist}"), reverse=True)
+    found = sorted((REPO_ROOT / ".engines").glob(f"{dist}-*/{dist}"), key=lambda p: _release(p.parent.name, dist),
+                   reverse=True)  # the newest release first, by version (0.10.0 after 0.2.0)
     tries = [p for p in found if (p.parent / ".complete").exists()]
     spec = importlib.util.find_spec(dist)
     if spec is not None and spec.submodule_search_locations:

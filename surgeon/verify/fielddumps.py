@@ -46,7 +46,7 @@ import torch
 from surgeon.core.conventions import EngineConvention, InvalidId, builtin_convention
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point
-from surgeon.engines.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, Cite
+from surgeon.engines.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER, Cite
 
 PRODUCERS = ("trtllm", "modelopt-hf", "modelopt-vllm", "modelopt-trtllm")
 _DIRECTIVE = re.compile(r"\s*(?P<producer>trtllm|modelopt-hf|modelopt-vllm|modelopt-trtllm)\s*:\s*(?P<ids>.*)", re.S)
@@ -200,9 +200,11 @@ def _modelopt_ids(producer: Producer, L: int, notes: list[str]) -> list[int]:
 def _trtllm_ids(producer: Producer, L: int) -> list[int]:
     """eagle3_layers_to_capture as the engine orders it: sorted, -1 last (added when absent)."""
     if producer.ids_text.strip().lower() == "default":
+        if L == 1:  # handled before the tuple, differently from version to version
+            raise BadInput(f"--slots trtllm:default: {TRTLLM_ONE_LAYER}; pass the ids")
         if L <= 5:
             raise BadInput(f"--slots trtllm:default: TensorRT-LLM has no default eagle3_layers_to_capture for a "
-                           f"{L}-layer target, it raises for 5 layers or fewer ({TRTLLM['default']}); pass the ids")
+                           f"{L}-layer target, it raises for 2 to 5 layers ({TRTLLM['default']}); pass the ids")
         ids = [t.evaluate(L) for t in TRTLLM_CONV.default or ()]  # the source's tuple, as it is
     else:
         ids = sorted(set(_int_list(producer)))

@@ -21,7 +21,15 @@ from surgeon.core.conventions import EngineConvention, InvalidId, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
-from surgeon.engines.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_LAST, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV
+from surgeon.engines.field_tables import (
+    MODELOPT,
+    MODELOPT_HF,
+    MODELOPT_LAST,
+    MODELOPT_TRTLLM,
+    TRTLLM,
+    TRTLLM_CONV,
+    TRTLLM_ONE_LAYER,
+)
 from surgeon.engines.modelopt import ModeloptSource, open_modelopt
 
 FIELD_COLUMNS = ("trtllm", "modelopt-hf", "modelopt-trtllm", "modelopt-vllm")
@@ -160,7 +168,7 @@ def explain_field(spec: Spec, vllm: EngineConvention | None, *, modelopt_root=No
     fc_lists = {c: fc_list(c, spec, vllm) for c in FIELD_COLUMNS} if spec.fc_names else {}
     notes = [f"trtllm: evidence: {c}" for c in TRTLLM.values()]
     default = ", ".join(str(p) for p in TRTLLM_CONV.decode(None, L)) if L > 5 else (
-        "none: Eagle3SpecMetadata raises for 5 layers or fewer" + (" (one layer: layer 0 only)" if L == 1 else ""))
+        TRTLLM_ONE_LAYER if L == 1 else "none: Eagle3SpecMetadata raises for 2 to 5 layers")
     notes.append(f"trtllm: default when no ids are given: {default} ({TRTLLM['default']})")
     if source is None:
         notes.append("modelopt: its source is not on this machine (run scripts/fetch-engines): presets not evaluated")

@@ -15,10 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS, Spec
 from surgeon.engines.draft_norms import FlagState, NormReading, read_norms
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
-from surgeon.engines.trainer_norms import logits_only, open_trainer, read_specforge, read_speculators, speculators_defaults
+from surgeon.engines.trainer_norms import (
+    SPECULATORS_CONFIG,
+    logits_only,
+    open_trainer,
+    read_specforge,
+    read_speculators,
+    speculators_defaults,
+)
 
 # (severity, kind, detail): check-draft wraps these as findings
 Line = tuple[str, str, str]
@@ -47,19 +55,31 @@ def config_flag(data: dict, flag: str) -> Any:
     return nested.get(flag) if isinstance(nested, dict) else None
 
 
+UNREAD = "not read from its source"  # in a default's reason: taken as False, unverified (a warning)
+
+
 def trained_defaults(root=None) -> Defaults:
     """flag -> (what a draft config that leaves the flag unset was trained with, why): speculators'
     default, read from its ``Eagle3SpeculatorConfig`` (``root``, else .engines, else installed),
     where its ``Eagle3DraftModel`` uses the flag; False where that model reads it nowhere (a norm
-    never built is not trained); False, saying so, where its source is not on this machine."""
+    never built is not trained); False, saying so, where its source is not on this machine, and
+    False marked :data:`UNREAD` where the source is there but its default could not be read."""
     src = open_trainer("speculators", root)
-    read = speculators_defaults(src) if src is not None else {}
-    model = read_speculators(src) if src is not None else None
+    problem = None
+    try:
+        read = speculators_defaults(src) if src is not None else {}
+        model = read_speculators(src) if src is not None else None
+    except BadInput as e:
+        read, model, problem = {}, None, f"{src.package if src else root}: {e}"
     out: Defaults = {}
     for flag in NORM_FLAGS:
-        if src is None or model is None or flag not in read:
+        if src is None:
             out[flag] = (False, f"{UNSET} (speculators' default, taken as False: its source is not on this machine, "
                                 "run ./scripts/setup)")
+            continue
+        if problem is not None or model is None or flag not in read:
+            why = problem or f"{SPECULATORS_CONFIG} gives no literal True/False default for it"
+            out[flag] = (False, f"{UNSET} (speculators {src.version}'s default taken as False, {UNREAD}: {why})")
             continue
         default, where = read[flag]
         state, first = model.state(flag)
@@ -117,6 +137,7 @@ def norm_report(spec: Spec, engine: str, data: dict, engine_root=None) -> tuple[
         if v is not None and c is not None and bool(c) != v:
             lines.append(("error", "norm_config", f"the draft config sets {flag} = {c}, the spec's draft.norms says {v}"))
     want = wanted(spec, data)
+    lines += [("warning", "norm_unchecked", f"{flag}: {why}") for flag, (_, why) in want.items() if UNREAD in why]
     if engine == "specforge":
         more, reports = specforge_report(data, want, engine_root)
         return lines + more, reports

@@ -16,7 +16,7 @@ from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec
 from surgeon.engines.dflash_trainers import SPECFORGE, SPECULATORS, ZLAB, ZLAB_CONV
-from surgeon.engines.field_tables import COLLECT, MODELOPT, MODELOPT_LAST, TRTLLM, TRTLLM_CONV
+from surgeon.engines.field_tables import COLLECT, MODELOPT, MODELOPT_LAST, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER
 from surgeon.engines.modelopt import open_modelopt
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.field import fc_list, hazards
@@ -79,7 +79,8 @@ def render_trtllm(spec: Spec) -> TableAnswer:
         raise _refuse(spec, "trtllm", f"{e} (TensorRT-LLM takes a set and sorts it: {TRTLLM['sorted']})") from None
     config = {"decoding_type": "Eagle", "max_draft_len": 3, "speculative_model_dir": "<DRAFT>",
               "eagle3_one_model": True, "eagle3_layers_to_capture": ids}
-    default = ", ".join(str(p) for p in TRTLLM_CONV.decode(None, L)) if L > 5 else "none (5 layers or fewer raise)"
+    default = (", ".join(str(p) for p in TRTLLM_CONV.decode(None, L)) if L > 5
+               else "none (2 to 5 layers raise)" if L > 1 else TRTLLM_ONE_LAYER)
     notes = [f"trtllm: {TABLE}",
              "trtllm: draft_config is the LLM API options, not the draft's config.json: write it as YAML to "
              "<OPTIONS>.yaml for trtllm-serve, or pass EagleDecodingConfig(**speculative_config) to LLM(...)",

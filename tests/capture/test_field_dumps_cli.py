@@ -352,12 +352,12 @@ def _spec_of(tmp_path, layers):
     return f
 
 
-def test_trtllm_default_ids_are_refused_for_5_layers_or_fewer_as_tensorrt_llm_raises(tmp_path, field_target):
+def test_trtllm_default_ids_are_refused_for_2_to_5_layers_as_tensorrt_llm_raises(tmp_path, field_target):
     ref, _, _ = field_target
     f = write_trtllm(tmp_path / "trt.pt", ref, {1, 3, 5})  # three aux columns, as a default capture writes
     for layers in (4, 5):
         res = run("dump-info", f, "--slots", "trtllm:default", "--spec", _spec_of(tmp_path, layers), code=2)
-        one_line_refusal(res, "trt.pt", "trtllm:default", f"{layers}-layer", "5 layers or fewer", "eagle3.py:136")
+        one_line_refusal(res, "trt.pt", "trtllm:default", f"{layers}-layer", "2 to 5 layers", "eagle3.py:136")
     # 6 layers: the source's tuple (1, 6 // 2 - 1, 6 - 4) = (1, 2, 2), kept as it is (not de-duplicated)
     six = info(f, "--slots", "trtllm:default", "--spec", _spec_of(tmp_path, 6))
     assert points(six) == ["layer_out[1]", "layer_out[2]", "layer_out[2]", "final_norm"]
@@ -422,3 +422,13 @@ def test_export_into_an_existing_folder_on_another_disk_and_again_with_fewer_fil
         res = run("export", d, "--spec", spec, "--layout", "specforge", "-o", link, *slots, code=2)
         one_line_refusal(res, "notes.txt", "no surgeon export wrote")
         assert sorted(os.listdir(other)) == ["data_0.ckpt", "data_1.ckpt", "notes.txt", "surgeon-export.json"]
+
+
+def test_trtllm_default_for_one_layer_is_refused_as_it_differs_by_version(tmp_path, field_target):
+    ref, _, _ = field_target
+    f = write_trtllm(tmp_path / "trt.pt", ref, {1, 3, 5})
+    one = tmp_path / "one.yaml"
+    one.write_text("spec: 1\nname: one\ntarget: {architecture: LlamaForCausalLM, num_layers: 1, hidden_size: 64}\n"
+                   "captures: {a: 'layer_out[0]', last: final_norm}\ndraft: {kind: eagle3, fc_input: [a], fc_in_features: 64}\n")
+    res = run("dump-info", f, "--slots", "trtllm:default", "--spec", one, code=2)
+    one_line_refusal(res, "trt.pt", "trtllm:default", "1-layer", "differs between TensorRT-LLM versions")

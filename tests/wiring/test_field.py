@@ -108,7 +108,7 @@ def test_lint_lists_the_model_optimizer_hazards_as_checked_lines():
 
 
 def test_a_small_model_gets_no_invented_defaults(tmp_path):
-    """TensorRT-LLM raises for 5 layers or fewer (eagle3.py:133-135), and Model Optimizer's DFlash
+    """TensorRT-LLM raises for 2 to 5 layers (eagle3.py:133-135), and Model Optimizer's DFlash
     preset raises for fewer target than draft layers: both are said, not computed."""
     spec_file = tmp_path / "tiny.yaml"
     spec_file.write_text("spec: 1\nname: tiny4\ntarget: {architecture: LlamaForCausalLM, num_layers: 4, hidden_size: 64}\n"

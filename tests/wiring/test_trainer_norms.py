@@ -220,3 +220,39 @@ def test_render_for_specforge_refuses_a_flag_it_would_train_without(tmp_path):
     assert "\n" not in line and "cannot render for specforge" in line and "never reads norm_before_residual" in line
     ok = cli_run("render", spec(tmp_path, "fc_norm: true"), "--engine", "specforge")
     assert f"fc_norm = True: used at specforge/{MODEL}:1764" in ok.stdout and '"fc_norm": true' in ok.stdout
+
+
+def test_the_newest_fetched_release_is_read_by_version_not_by_name(tmp_path, monkeypatch):
+    """.engines keeps old releases after a pin bump: 0.10.0 must win over 0.2.0 (a string sort
+    would take 0.2.0)."""
+    release = release_engine("specforge", "0.2.0").parent
+    repo = tmp_path / "repo"
+    for version in ("0.2.0", "0.10.0"):
+        dest = repo / ".engines" / f"specforge-{version}"
+        shutil.copytree(release, dest)
+        (dest / ".complete").touch()
+    monkeypatch.setattr(trainer_norms, "REPO_ROOT", repo)
+    monkeypatch.setattr(trainer_norms.importlib.util, "find_spec", lambda name: None)
+    src = open_trainer("specforge")
+    assert src is not None and src.package == (repo / ".engines" / "specforge-0.10.0" / "specforge").resolve()
+
+
+@pytest.mark.parametrize("change, needle", [
+    (("    fc_norm: bool = Field(\n        default=False,", "    fc_norm: bool = Field(\n        default=bool(0),"),
+     "no literal True/False default"),
+    (("class Eagle3SpeculatorConfig(", "class RenamedSpeculatorConfig("), "no class Eagle3SpeculatorConfig"),
+])
+def test_a_speculators_default_that_cannot_be_read_is_a_warning_not_a_guess(tmp_path, monkeypatch, change, needle):
+    """A present speculators source whose default is not a literal (or whose config class is gone):
+    the unset flag is taken as False and check-draft says so in a warning, on every engine, instead
+    of stating 'its source is not on this machine' or failing the whole command."""
+    repo = tmp_path / "repo"
+    release = release_engine("speculators", "0.9.0").parent
+    shutil.copytree(release, repo / ".engines" / release.name)
+    edit(repo / ".engines" / release.name / "speculators" / "models" / "eagle3" / "config.py", *change)
+    monkeypatch.setattr(trainer_norms, "REPO_ROOT", repo)
+    monkeypatch.setattr(trainer_norms.importlib.util, "find_spec", lambda name: None)
+    r = check_draft(load_spec(spec(tmp_path)), draft(tmp_path), "vllm")
+    warned = [f.detail for f in r.findings if f.severity == "warning" and f.kind == "norm_unchecked"]
+    assert any(needle in w and "not read from its source" in w for w in warned), r.findings
+    assert not any("not on this machine" in f.detail for f in r.findings)
