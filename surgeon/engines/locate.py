@@ -11,7 +11,7 @@ import ast
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from surgeon.core.errors import BadInput
 from surgeon.core.idrules import Engine
@@ -136,6 +136,29 @@ def _find_installed(layout: EngineLayout) -> Path:
     if not locations:
         raise ProbeError(f"{layout.package} is not installed in this environment (pass the package directory)")
     return _package_dir_under(Path(locations[0]), layout)
+
+
+def _release(folder: str, dist: str) -> tuple[int, Any]:
+    """The version in a ``<dist>-<version>`` folder's name, for ordering (unparsable: last)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return 1, Version(folder[len(dist) + 1:])
+    except InvalidVersion:
+        return 0, Version("0")
+
+
+def tool_packages(engines: Path, dist: str, package: str) -> list[Path]:
+    """A tool's package folders to read, best first: each completed ``engines/<dist>-<version>/
+    <package>`` (unpacked by scripts/fetch-engines; its ``.complete`` stamp present), the newest
+    release first by version (0.10.0 before 0.2.0), then the installed package (found without
+    running it)."""
+    found = sorted(engines.glob(f"{dist}-*/{package}"), key=lambda p: _release(p.parent.name, dist), reverse=True)
+    out = [p for p in found if (p.parent / ".complete").exists()]
+    spec = importlib.util.find_spec(package)
+    if spec is not None and spec.submodule_search_locations:
+        out.extend(Path(p) for p in spec.submodule_search_locations)
+    return out
 
 
 def copy_engine_sources(engine: str, dest: str | Path, root: str | Path | None = None) -> Path:

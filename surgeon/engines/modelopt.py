@@ -22,13 +22,13 @@ directory: an answer does not depend on where the command is run.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 from surgeon.core.errors import BadInput
+from surgeon.engines.locate import tool_packages
 from surgeon.engines.pureeval import NotPure, evaluate_function
 
 EAGLE_FILE = "torch/speculative/plugins/hf_eagle.py"
@@ -227,12 +227,7 @@ def candidates(root: str | Path | None = None) -> list[Path]:
     if root is not None:
         p = Path(root)
         return [p / "modelopt" if (p / "modelopt").is_dir() else p]
-    found = sorted((REPO_ROOT / ".engines").glob("nvidia-modelopt-*/modelopt"), reverse=True)
-    out = [p for p in found if (p.parent / ".complete").exists()]  # not the working directory's .engines
-    spec = importlib.util.find_spec("modelopt")
-    if spec is not None and spec.submodule_search_locations:
-        out.extend(Path(p) for p in spec.submodule_search_locations)
-    return out
+    return tool_packages(REPO_ROOT / ".engines", "nvidia-modelopt", "modelopt")  # not the working directory's
 
 
 def open_modelopt(root: str | Path | None = None) -> ModeloptSource | None:

@@ -30,18 +30,17 @@ cited table below against a checkout and prints what the analysis reads there.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
-from packaging.version import InvalidVersion, Version
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS
 from surgeon.engines.draft_norms import FlagRead, NormReading, model_reads, parse_module, parse_source
+from surgeon.engines.locate import tool_packages
 from surgeon.engines.norm_flow import FlagUse, ValueFlow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -118,14 +117,6 @@ def _version(package: Path, dist: str) -> str:
     return "checkout"
 
 
-def _release(folder: str, dist: str) -> tuple[int, Version]:
-    """The version in a ``.engines/<dist>-<version>`` folder's name, for ordering (unparsable: last)."""
-    try:
-        return 1, Version(folder[len(dist) + 1:])
-    except InvalidVersion:
-        return 0, Version("0")
-
-
 def open_trainer(dist: str, root: str | Path | None = None) -> Source | None:
     """``dist``'s source (specforge or speculators), or None when none is on this machine. A
     ``root`` that is not one is bad input."""
@@ -136,13 +127,7 @@ def open_trainer(dist: str, root: str | Path | None = None) -> Source | None:
         if not (package / marker).is_file():
             raise BadInput(f"{root}: no {dist}/{marker} there: not a {dist} source")
         return Source(dist, package.resolve(), _version(package, dist))
-    found = sorted((REPO_ROOT / ".engines").glob(f"{dist}-*/{dist}"), key=lambda p: _release(p.parent.name, dist),
-                   reverse=True)  # the newest release first, by version (0.10.0 after 0.2.0)
-    tries = [p for p in found if (p.parent / ".complete").exists()]
-    spec = importlib.util.find_spec(dist)
-    if spec is not None and spec.submodule_search_locations:
-        tries.extend(Path(p) for p in spec.submodule_search_locations)
-    for package in tries:
+    for package in tool_packages(REPO_ROOT / ".engines", dist, dist):
         if (package / marker).is_file():
             return Source(dist, package.resolve(), _version(package, dist))
     return None

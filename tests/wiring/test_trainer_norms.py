@@ -2,6 +2,7 @@
 speculators 0.9.0, fetched into .engines by scripts/fetch-engines), the cited table's checker, and
 before/after edits of copied sources that change the answer."""
 
+import importlib.util
 import json
 import shutil
 
@@ -232,7 +233,7 @@ def test_the_newest_fetched_release_is_read_by_version_not_by_name(tmp_path, mon
         shutil.copytree(release, dest)
         (dest / ".complete").touch()
     monkeypatch.setattr(trainer_norms, "REPO_ROOT", repo)
-    monkeypatch.setattr(trainer_norms.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     src = open_trainer("specforge")
     assert src is not None and src.package == (repo / ".engines" / "specforge-0.10.0" / "specforge").resolve()
 
@@ -251,7 +252,7 @@ def test_a_speculators_default_that_cannot_be_read_is_a_warning_not_a_guess(tmp_
     shutil.copytree(release, repo / ".engines" / release.name)
     edit(repo / ".engines" / release.name / "speculators" / "models" / "eagle3" / "config.py", *change)
     monkeypatch.setattr(trainer_norms, "REPO_ROOT", repo)
-    monkeypatch.setattr(trainer_norms.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     r = check_draft(load_spec(spec(tmp_path)), draft(tmp_path), "vllm")
     warned = [f.detail for f in r.findings if f.severity == "warning" and f.kind == "norm_unchecked"]
     assert any(needle in w and "not read from its source" in w for w in warned), r.findings
