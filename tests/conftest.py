@@ -272,3 +272,26 @@ def vllm_models_copy(tmp_path: Path, *files: str, version: str = "0.33.0") -> tu
         shutil.copy(src / name, models / name)
         out.append(models / name)
     return tmp_path / "vllm", out[1:]
+
+
+def tiny_spec(tmp_path: Path, body: str = "", name: str = "s.yaml", fc: str = "[low, mid, high]",
+              points: tuple[str, str, str] = ("layer_out[1]", "layer_out[3]", "layer_out[5]"),
+              kind: str = "eagle3") -> Path:
+    """``tmp_path/name``: a tiny 8-layer Llama spec (captures low, mid, high at ``points`` and last =
+    final_norm; a ``kind`` draft reading ``fc``, which may name ``last``), then ``body``."""
+    import textwrap
+
+    f = tmp_path / name
+    n = len(fc.strip("[]").split(","))
+    f.write_text(textwrap.dedent(f"""\
+        spec: 1
+        name: tiny
+        target: {{architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}}
+        captures:
+          low: {points[0]}
+          mid: {points[1]}
+          high: {points[2]}
+          last: final_norm
+        draft: {{kind: {kind}, fc_input: {fc}, fc_in_features: {64 * n}}}
+        """) + body)
+    return f

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cli_run as run
+from tests.conftest import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = str(ROOT / "specs/kimi-k2.5-eagle3.yaml")
@@ -21,20 +22,6 @@ def run_json(*args, code=0):
     return json.loads(run(*args, "--json", code=code).stdout)
 
 
-def tiny_spec(tmp_path, body="", name="s.yaml", fc="[low, mid, high]", points=("layer_out[1]", "layer_out[3]", "layer_out[5]")):
-    f = tmp_path / name
-    f.write_text(textwrap.dedent(f"""\
-        spec: 1
-        name: tiny
-        target: {{architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}}
-        captures:
-          low: {points[0]}
-          mid: {points[1]}
-          high: {points[2]}
-          last: final_norm
-        draft: {{kind: eagle3, fc_input: {fc}, fc_in_features: 192}}
-        """) + body)
-    return f
 
 
 # -- acceptance --------------------------------------------------------------------------------

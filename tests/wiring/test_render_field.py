@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,27 +21,14 @@ from surgeon.engines.field_tables import TRTLLM, TRTLLM_CONV, check_against_sour
 from surgeon.engines.probe_sglang import DFLASH_SETTER
 from surgeon.wiring import render_field
 from surgeon.wiring.render import RENDER_TARGETS, explain, render
-from tests.conftest import cli_run, installed_engine
+from tests.conftest import cli_run, installed_engine, tiny_spec
 
 KIMI = Path(__file__).resolve().parents[2] / "specs" / "kimi-k2.5-eagle3.yaml"
 
 
 def _spec(tmp_path, points=("layer_out[1]", "layer_out[3]", "layer_out[5]"), kind="dflash", fc="[low, mid, high]"):
     """A tiny 8-layer Llama spec; ``fc`` may name ``last`` (final_norm)."""
-    f = tmp_path / "s.yaml"
-    n = len(fc.strip("[]").split(","))
-    f.write_text(textwrap.dedent(f"""\
-        spec: 1
-        name: tiny
-        target: {{architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}}
-        captures:
-          low: {points[0]}
-          mid: {points[1]}
-          high: {points[2]}
-          last: final_norm
-        draft: {{kind: {kind}, fc_input: {fc}, fc_in_features: {64 * n}}}
-        """))
-    return load_spec(f)
+    return load_spec(tiny_spec(tmp_path, fc=fc, points=points, kind=kind))
 
 
 # -- TensorRT-LLM ---------------------------------------------------------------------------------
