@@ -3,9 +3,13 @@ allows, checked against the spec's dump slots.
 
 * speculators ``hs_*.safetensors`` and surgeon dumps: the safetensors header the gate
   (:func:`surgeon.capture.tensorfiles.open_tensor_file`) already parsed; no tensor is read;
-* SpecForge ``.ckpt`` (``torch.save`` zip): loaded with ``mmap=True, weights_only=True``, which
-  reads the pickle (names, shapes, dtypes) and maps the storages without reading them; a legacy
-  (non-zip) pickle has no such index and is read whole.
+* SpecForge ``.ckpt`` (``torch.save`` zip): loaded with ``weights_only=True`` onto the meta
+  device, which reads the pickle (names, shapes, dtypes) and each storage's offset in the file,
+  and no tensor data; a legacy (non-zip) pickle has no such index and is read whole.
+
+Where the format says so, the structure also says where each slot's rows lie in the file (a
+:class:`surgeon.audit.rows.RowPlan`): the value pass then reads them in chunks, not through the
+tensors.
 
 Checked per file: the slot count against the spec's dump slots, the hidden size, one dtype for
 every slot, input ids present and as long as the slots, the loss mask as long (SpecForge), and for
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from surgeon.audit.rows import FLOATS, INTS, Region, RowPlan, plan
 from surgeon.capture.tensorfiles import SAFETENSORS, ZIP, TensorFile, open_tensor_file
 from surgeon.core.errors import BadInput
 
@@ -39,7 +44,8 @@ class Structure:
     dtypes: list[str] = field(default_factory=list)
     ids: bool = False
     findings: list[str] = field(default_factory=list)
-    loaded: Any = field(default=None, repr=False)  # a SpecForge dict already loaded (mmap), for the value pass
+    loaded: Any = field(default=None, repr=False)  # a SpecForge dict as loaded (meta tensors from a zip)
+    rows: RowPlan | None = field(default=None, repr=False)  # where the slots' rows lie, where the format says
 
 
 def discover(root: str | Path) -> Iterator[Path]:
@@ -74,14 +80,17 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
         from surgeon.capture.dumps import read_dump_header
 
         head = read_dump_header(gated)
-        return Structure("surgeon", head.tokens, head.hidden_size, [n for n, _, _ in head.captures],
-                         [_ST_DTYPES.get(tensors[n]["dtype"], tensors[n]["dtype"]) for n, _, _ in head.captures], True)
+        names = [n for n, _, _ in head.captures]
+        return Structure("surgeon", head.tokens, head.hidden_size, names,
+                         [_ST_DTYPES.get(tensors[n]["dtype"], tensors[n]["dtype"]) for n in names], True,
+                         rows=_safetensors_plan(gated, [(n, (i,)) for i, n in enumerate(names)], "input_ids"))
     ids_key = next((k for k in ("token_ids", "input_ids") if k in tensors), None)
     ids_len = gated.shape(ids_key) if ids_key else None
     if "hidden_states" in tensors and len(gated.shape("hidden_states")) == 3:
         T, n, H = gated.shape("hidden_states")
         st = Structure("speculators", T, H, [f"hidden_states[:, {i}]" for i in range(n)],
-                       [_ST_DTYPES.get(tensors["hidden_states"]["dtype"], "?")] * n, ids_key is not None)
+                       [_ST_DTYPES.get(tensors["hidden_states"]["dtype"], "?")] * n, ids_key is not None,
+                       rows=_safetensors_plan(gated, [("hidden_states", tuple(range(n)))], ids_key))
     else:
         floats = [(k, v) for k, v in tensors.items() if v["dtype"] in _ST_DTYPES and len(v["shape"]) == 2]
         shapes = {tuple(v["shape"]) for _, v in floats}
@@ -95,6 +104,25 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
     return st
 
 
+def _safetensors_plan(gated: TensorFile, parts: list[tuple[str, tuple[int, ...]]], ids_key: str | None) -> RowPlan | None:
+    """Where the slots lie: each of ``parts`` (a tensor, ``[T, H]`` holding one slot or ``[T, n, H]``
+    holding n, and the indices of its slots), and the 1-D integer ids ``ids_key``."""
+    regions = []
+    for name, slots in parts:
+        e = gated.tensors[name]
+        shape, dtype = e["shape"], FLOATS.get(e["dtype"])
+        if dtype is None or not ((len(shape) == 2 and len(slots) == 1) or (len(shape) == 3 and shape[1] == len(slots))):
+            return None
+        regions.append(Region(gated.data_start + e["data_offsets"][0], shape[0], slots, shape[-1], dtype))
+    ids = None
+    if ids_key is not None:
+        e = gated.tensors[ids_key]
+        if e["dtype"] not in INTS or len(e["shape"]) != 1:
+            return None
+        ids = (gated.data_start + e["data_offsets"][0], e["shape"][0], INTS[e["dtype"]])
+    return plan(str(gated.path), regions, ids, gated.size)
+
+
 def _length(t: Any) -> int | None:
     import torch
 
@@ -106,10 +134,8 @@ def _length(t: Any) -> int | None:
 def _pickle_structure(gated: TensorFile) -> Structure:
     import torch
 
-    try:  # mmap needs torch.save's zip format: the pickle is read, the storages are only mapped
-        data = torch.load(str(gated.path), map_location="cpu", weights_only=True, mmap=gated.format == ZIP)
-    except Exception as e:
-        raise BadInput(f"{gated.path}: cannot be read with weights_only=True: {str(e).splitlines()[0][:160]}") from None
+    # a zip onto the meta device: the pickle is read, each storage's offset noted, no data read
+    data = _load(gated, "meta" if gated.format == ZIP else "cpu")
     if not isinstance(data, dict) or not isinstance(data.get("aux_hidden_state"), torch.Tensor):
         return Structure("plain", findings=["not a SpecForge sample (no aux_hidden_state tensor)"])
     aux, hidden = data["aux_hidden_state"], data.get("hidden_state")
@@ -131,7 +157,59 @@ def _pickle_structure(gated: TensorFile) -> Structure:
             st.findings.append(f"{key} has shape {list(data[key].shape)} for {T} tokens")
         elif key not in data:
             st.findings.append(f"no {key}")
+    if gated.format == ZIP and k and isinstance(hidden, torch.Tensor):
+        st.rows = _specforge_plan(gated, aux, hidden, data.get("input_ids"), k)
     return st
+
+
+def _load(gated: TensorFile, where: str, mmap: bool = False) -> Any:
+    import torch
+
+    try:
+        return torch.load(str(gated.path), map_location=where, weights_only=True, mmap=mmap)
+    except Exception as e:
+        raise BadInput(f"{gated.path}: cannot be read with weights_only=True: {str(e).splitlines()[0][:160]}") from None
+
+
+def specforge_data(st: Structure, path: str | Path) -> Any:
+    """The SpecForge dict with its data: as the structure pass loaded it (a legacy pickle), or, for a
+    zip it loaded onto the meta device, loaded again with its storages mapped (not read)."""
+    import torch
+
+    if not any(isinstance(v, torch.Tensor) and v.is_meta for v in st.loaded.values()):
+        return st.loaded
+    return _load(open_tensor_file(path), "cpu", mmap=True)
+
+
+def _file_offset(t: Any) -> int | None:
+    """Where a meta tensor loaded from a zip starts in the file (None: not dense, or this torch does
+    not record its storage's offset)."""
+    at = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+    if not isinstance(at, int) or not t.is_contiguous() or any(d != 1 for d in t.shape[:-2]):
+        return None
+    return at + t.storage_offset() * t.element_size()
+
+
+def _specforge_plan(gated: TensorFile, aux: Any, hidden: Any, ids: Any, k: int) -> RowPlan | None:
+    """Where a SpecForge sample's slots lie: ``aux_hidden_state`` ``[1, T, k x H]`` (k slots side
+    by side) and ``hidden_state`` ``[1, T, H]``, and its ``input_ids``."""
+    import torch
+
+    H, T = int(hidden.shape[-1]), int(aux.shape[-2])
+    at_aux, at_hidden = _file_offset(aux), _file_offset(hidden)
+    dtypes = {str(aux.dtype).replace("torch.", ""), str(hidden.dtype).replace("torch.", "")}
+    if at_aux is None or at_hidden is None or len(dtypes) != 1 or not dtypes <= set(FLOATS.values()) \
+            or hidden.dim() < 2 or int(hidden.shape[-2]) != T:
+        return None
+    dtype = dtypes.pop()
+    regions = [Region(at_aux, T, tuple(range(k)), H, dtype), Region(at_hidden, T, (k,), H, dtype)]
+    at_ids, ids_type = None, None
+    if isinstance(ids, torch.Tensor):
+        ids_type = str(ids.dtype).replace("torch.", "")
+        at_ids = _file_offset(ids.reshape(-1, 1)) if ids.is_contiguous() else None
+        if at_ids is None or ids_type not in INTS.values():
+            return None
+    return plan(str(gated.path), regions, None if at_ids is None else (at_ids, ids.numel(), str(ids_type)), gated.size)
 
 
 def read_structure(path: str | Path) -> Structure:

@@ -19,10 +19,14 @@ Per slot ``[T, H]`` (any float dtype; statistics in float32):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from surgeon.core.points import EMBED, Point
+
+if TYPE_CHECKING:
+    from surgeon.audit.rows import RowPlan
 
 KEEP = 4  # rows per slot sent to the cross-file index
 HASH_COLUMNS = 64
@@ -170,28 +174,29 @@ def _block(x):
     return x[:, a:a + HASH_COLUMNS]
 
 
-def _bad_rows(xs: list, N, finite) -> None:
+def _bad_rows(g: Gathered, N, finite) -> None:
     """For the rows whose norm is not finite: which hold NaN/Inf, and which only overflowed their
     dtype (their norm recomputed in float64), in place (torch [S, T])."""
     import torch
 
     for s in torch.nonzero(~finite.all(1)).reshape(-1).tolist():
-        x = xs[s]
         bad = torch.nonzero(~finite[s]).reshape(-1)
-        finite[s, bad] = torch.isfinite(x[bad]).all(1)
-        fixed = bad[finite[s, bad]]
-        N[s, fixed] = torch.linalg.vector_norm(x[fixed].double(), dim=1).float()
+        x = g.rows_of(s, bad)
+        ok = torch.isfinite(x).all(1)
+        finite[s, bad] = ok
+        N[s, bad[ok]] = torch.linalg.vector_norm(x[ok].double(), dim=1).float()
 
 
-def _constant(xs: list, maybe, zero, finite):
+def _constant(g: Gathered, maybe, zero, finite):
     """[S, T] rows holding one value repeated (not zero): the candidates ``maybe`` checked whole."""
     import numpy as np
     import torch
 
     const = maybe & ~zero & finite
     for s in np.flatnonzero(const.any(1)).tolist():
-        rows = torch.from_numpy(np.flatnonzero(const[s]))
-        const[s, rows.numpy()] = (xs[s][rows].amax(1) == xs[s][rows].amin(1)).numpy()
+        rows = np.flatnonzero(const[s])
+        x = g.rows_of(s, torch.from_numpy(rows))
+        const[s, rows] = (x.amax(1) == x.amin(1)).numpy()
     return const
 
 
@@ -204,27 +209,21 @@ def _findings(sv: SlotValues, T: int) -> None:
         sv.findings.append(f"constant: {sv.constant_rows} of {T} rows hold one value repeated")
 
 
+def sample_index(T: int, n: int = SAMPLE_ROWS):
+    """The rows sampled for the per-channel statistics: about ``n`` evenly spaced rows of ``T`` (the
+    first row, often a BOS sink, left out where there is another); int64 numpy, ascending."""
+    import numpy as np
+
+    return np.arange(1, T, max(1, (T - 1) // n))[:n] if T > 1 else np.zeros(1, dtype=np.int64)
+
+
 class Samples:
     """A float32 sample of about :data:`SAMPLE_ROWS` evenly spaced rows of every slot of a file
-    (the first row, often a BOS sink, left out): ``rows`` [S, n, H] torch and ``good`` [S, n] numpy
-    bool, the sampled rows that hold good values. Indexing or iterating gives one slot's good rows."""
+    (:func:`sample_index`): ``rows`` [S, n, H] torch and ``good`` [S, n] numpy bool, the sampled rows
+    that hold good values. Indexing or iterating gives one slot's good rows."""
 
     def __init__(self, rows, good) -> None:
         self.rows, self.good = rows, good
-
-    @classmethod
-    def of(cls, xs: list, good, n: int = SAMPLE_ROWS) -> Samples:
-        """The sample of slots ``xs`` (each [T, H]) given their good rows ``good`` [S, T] (numpy)."""
-        import numpy as np
-        import torch
-
-        T = xs[0].shape[0]
-        idx = np.arange(1, T, max(1, (T - 1) // n))[:n] if T > 1 else np.zeros(1, dtype=np.int64)
-        at = torch.from_numpy(idx)
-        rows = torch.empty(len(xs), idx.size, xs[0].shape[1], dtype=torch.float32)
-        for s, x in enumerate(xs):
-            rows[s].copy_(x.index_select(0, at))  # index_select: ~6x faster than x[at] on a strided view
-        return cls(rows, good[:, idx])
 
     def __len__(self) -> int:
         return self.rows.shape[0]
@@ -238,37 +237,120 @@ class Samples:
         return (self[s] for s in range(len(self)))
 
 
-def file_values(names: list[str], declared: list[Point | None], xs: list, norms: list | None = None):
-    """The values of a file's slots ``xs`` (each [T, H], one T and H): per slot its
-    :class:`SlotValues`, the row hashes ``[S, T]`` int64 (numpy; 0 for bad rows) and the
-    :class:`Samples` of its good rows (for the per-channel identity statistics). ``norms``: per slot
-    its row norms where the caller computed several slots' in one pass (None: computed here)."""
-    import numpy as np
+@dataclass
+class Gathered:
+    """What the value pass takes from every row of a file's ``S`` slots of ``T`` rows, in one read:
+    ``norms`` [S, T] float32 (computed in the slots' dtype), ``blocks`` [S, T, <=64] (the hashed
+    columns, :func:`_block`), ``samples`` [S, n, H] float32 (the rows :func:`sample_index` picks) and
+    ``first`` [S, H] float32 (row 0); ``rows_of(slot, rows)`` reads rows again (ascending int64
+    torch indices) for the few a check looks at whole."""
+
+    norms: Any
+    blocks: Any
+    samples: Any
+    first: Any
+    rows_of: Callable[[int, Any], Any]
+    dtype: str
+
+
+def gather_tensors(xs: list, norms: list | None = None) -> Gathered:
+    """:class:`Gathered` of slots held as tensors (each [T, H], one T, H and dtype). ``norms``: per
+    slot its row norms where the caller computed several slots' in one pass (None: computed here)."""
     import torch
 
     # the slot's own dtype: torch accumulates half types in float32 (converting first: ~10x slower)
-    Nt = torch.stack([(torch.linalg.vector_norm(x, dim=1) if n is None else n).float()
-                      for x, n in zip(xs, norms or [None] * len(xs))])
+    N = torch.stack([(torch.linalg.vector_norm(x, dim=1) if n is None else n).float()
+                     for x, n in zip(xs, norms or [None] * len(xs))])
+    at = torch.from_numpy(sample_index(xs[0].shape[0]))
+    samples = torch.empty(len(xs), at.numel(), xs[0].shape[1], dtype=torch.float32)
+    for s, x in enumerate(xs):
+        samples[s].copy_(x.index_select(0, at))  # index_select: ~6x faster than x[at] on a strided view
+    return Gathered(N, torch.stack([_block(x) for x in xs]), samples, torch.stack([x[0].float() for x in xs]),
+                    lambda s, rows: xs[s].index_select(0, rows), str(xs[0].dtype).replace("torch.", ""))
+
+
+def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
+    """:class:`Gathered` of the slots a :class:`~surgeon.audit.rows.RowPlan` locates, read in chunks
+    (:func:`surgeon.audit.rows.chunks`): each chunk's norms, hashed columns and sampled rows taken
+    while it is in the cache, a few tensor ops a chunk whatever its slot count (each region's
+    results are laid out slot by slot once, at its end)."""
+    import numpy as np
+    import torch
+
+    from surgeon.audit.rows import CHUNK_BYTES, chunks, rows_of
+
+    S, T, H = rp.slots, rp.tokens, rp.hidden
+    a = max(0, H // 2 - HASH_COLUMNS // 2)
+    b = min(H, a + HASH_COLUMNS)
+    idx = sample_index(T)
+    norms = torch.empty(S, T, dtype=torch.float32)
+    blocks = torch.empty(S, T, b - a, dtype=getattr(torch, rp.dtype))
+    samples = torch.empty(S, idx.size, H, dtype=torch.float32)
+    first = torch.empty(S, H, dtype=torch.float32)
+    region: Any = None
+    nr: Any = None
+    blk: Any = None
+    picks: Any = None
+    for reg, r0, X in chunks(rp, chunk_bytes or CHUNK_BYTES):
+        if reg is not region:
+            if region is not None:
+                _lay_out(region, nr, blk, picks, norms, blocks, samples)
+            region, m = reg, len(reg.slots)
+            nr = torch.empty(T, m, dtype=X.dtype)
+            blk = torch.empty(T, m, b - a, dtype=X.dtype)
+            picks = torch.empty(idx.size, m, H, dtype=X.dtype)
+            first[list(reg.slots)] = X[0].float()
+        n = X.shape[0]
+        torch.linalg.vector_norm(X, dim=2, out=nr[r0:r0 + n])  # every slot of the region in one pass
+        blk[r0:r0 + n] = X[:, :, a:b]
+        lo, hi = int(np.searchsorted(idx, r0)), int(np.searchsorted(idx, r0 + n))
+        if hi > lo:
+            torch.index_select(X, 0, torch.from_numpy(idx[lo:hi] - r0), out=picks[lo:hi])
+    _lay_out(region, nr, blk, picks, norms, blocks, samples)
+    return Gathered(norms, blocks, samples, first, lambda s, rows: rows_of(rp, s, rows.tolist()), rp.dtype)
+
+
+def _lay_out(reg, nr, blk, picks, norms, blocks, samples) -> None:
+    """A region's results ([T, m] norms, [T, m, w] columns, [n, m, H] samples) into the file's
+    slot-major arrays, at its slots."""
+    at = list(reg.slots)
+    norms[at] = nr.t().float()
+    blocks[at] = blk.permute(1, 0, 2)
+    samples[at] = picks.permute(1, 0, 2).float()
+
+
+def file_values(names: list[str], declared: list[Point | None], xs: list, norms: list | None = None):
+    """:func:`gathered_values` of slots held as tensors ``xs`` (each [T, H], one T and H)."""
+    return gathered_values(names, declared, gather_tensors(xs, norms))
+
+
+def gathered_values(names: list[str], declared: list[Point | None], g: Gathered):
+    """The values of a file's slots from what :class:`Gathered` took of them: per slot its
+    :class:`SlotValues`, the row hashes ``[S, T]`` int64 (numpy; 0 for bad rows) and the
+    :class:`Samples` of its good rows (for the per-channel identity statistics)."""
+    import numpy as np
+    import torch
+
+    Nt = g.norms
     finite_t = torch.isfinite(Nt)  # NaN/Inf rows give NaN/Inf
     if not bool(finite_t.all()):
-        _bad_rows(xs, Nt, finite_t)
+        _bad_rows(g, Nt, finite_t)
     N, finite = Nt.numpy(), finite_t.numpy()
     zero = N == 0
-    blocks = torch.stack([_block(x) for x in xs])  # [S, T, 64]: one page a row of each slot
-    h, maybe = row_hashes(blocks, raw=True)
-    const = _constant(xs, maybe, zero, finite)
+    h, maybe = row_hashes(g.blocks, raw=True)
+    const = _constant(g, maybe, zero, finite)
     good = finite & ~zero & ~const
     table = _norm_table(N, finite)
     counts = np.stack([(~finite).sum(1), zero.sum(1), const.sum(1)], 1).tolist()
     T = N.shape[1]
     out = []
-    for name, d, x, row, (nf, nz, nc) in zip(names, declared, xs, table, counts):
-        sv = SlotValues(name, None if d is None else str(d), str(x.dtype).replace("torch.", ""), nf, nz, nc)
+    for name, d, row, (nf, nz, nc) in zip(names, declared, table, counts):
+        sv = SlotValues(name, None if d is None else str(d), g.dtype, nf, nz, nc)
         for k, val in row.items():
             setattr(sv, k, val)
         _findings(sv, T)
         out.append(sv)
-    return out, np.where(good, h, 0), Samples.of(xs, good)
+    return out, np.where(good, h, 0), Samples(g.samples, good[:, sample_index(T)])
 
 
 def slot_values(name: str, declared: Point | None, x, norms=None) -> tuple[SlotValues, Any, Any]:

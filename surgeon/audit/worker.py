@@ -127,13 +127,16 @@ def _subject_slots(path: str, spec) -> tuple[list, Any]:
     return [t for _, _, t in subject.slots], subject.input_ids
 
 
-def _specforge_slots(st: Structure) -> tuple[list, Any, list]:
-    """The slots of a SpecForge dict the structure pass loaded (checked there): the aux states split
-    by the hidden width, then ``hidden_state``, as :func:`surgeon.verify.subjects.read_subject` reads
-    them; and their per-row norms, each tensor's slots in one pass (``[T, k, H]`` viewed)."""
+def _specforge_slots(st: Structure, path: str) -> tuple[list, Any, list]:
+    """The slots of a SpecForge dict (loaded again with its data where the structure pass loaded
+    it onto the meta device): the aux states split by the hidden width, then ``hidden_state``, as
+    :func:`surgeon.verify.subjects.read_subject` reads them; and their per-row norms, each tensor's
+    slots in one pass (``[T, k, H]`` viewed)."""
     import torch
 
-    data, H = st.loaded, st.hidden
+    from surgeon.audit.structure import specforge_data
+
+    data, H = specforge_data(st, path), st.hidden
     width = data["aux_hidden_state"].shape[-1]
     if not H or not st.tokens or width % H or data["hidden_state"].numel() != st.tokens * H:
         raise BadInput(f"aux_hidden_state width {width} and hidden_state {list(data['hidden_state'].shape)}: "
@@ -149,24 +152,38 @@ def _specforge_slots(st: Structure) -> tuple[list, Any, list]:
     return tensors, None if ids is None else ids.reshape(-1), norms
 
 
-def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> None:
-    from surgeon.audit.profile import file_stats
-    from surgeon.audit.values import file_values, repeated_across_slots, sampled_rows
+def _gathered(st: Structure, path: str, spec) -> tuple[Any, Any, int]:
+    """What the value pass takes of the file's slots (:class:`~surgeon.audit.values.Gathered`),
+    its token ids and its slot count: read in chunks where the structure located the rows, else
+    through the tensors."""
+    from surgeon.audit.values import gather_file, gather_tensors
 
-    spec = ctx.spec
+    if st.rows is not None:
+        from surgeon.audit.rows import read_ids
+
+        return gather_file(st.rows), read_ids(st.rows), st.rows.slots
     if st.loaded is not None:
-        tensors, ids, norms = _specforge_slots(st)
+        tensors, ids, norms = _specforge_slots(st, path)
     else:
         tensors, ids = _subject_slots(path, spec)
         norms = [None] * len(tensors)
-    names, declared = _declared(spec, st.layout, st.names if len(st.names) == len(tensors)
-                                else [f"slot{i}" for i in range(len(tensors))])
+    return gather_tensors(tensors, norms), ids, len(tensors)
+
+
+def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> None:
+    from surgeon.audit.profile import file_stats
+    from surgeon.audit.values import gathered_values, repeated_across_slots, sampled_rows
+
+    spec = ctx.spec
+    g, ids, count = _gathered(st, path, spec)
+    names, declared = _declared(spec, st.layout, st.names if len(st.names) == count
+                                else [f"slot{i}" for i in range(count)])
     first = int(ids[0]) if ids is not None and ids.numel() else None
-    svs, hashes, samples = file_values(names, declared, tensors, norms)
+    svs, hashes, samples = gathered_values(names, declared, g)
     stats: list = [None] * len(svs)
     dists: list = [None] * len(svs)
     if ctx.profile is not None:
-        stats = file_stats(svs, samples, first, [x[0] for x in tensors])
+        stats = file_stats(svs, samples, first, list(g.first.unbind(0)))
         dists = ctx.profile.distances_of(stats)
     slots = []
     for sv, stat, dist in zip(svs, stats, dists):

@@ -50,6 +50,7 @@ class TensorFile:
     size: int
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # safetensors: name -> {dtype, shape, data_offsets}
     metadata: dict[str, str] = field(default_factory=dict)
+    data_start: int = 0  # safetensors: the file offset its tensors' data_offsets count from
 
     @property
     def kind(self) -> str | None:
@@ -125,7 +126,7 @@ def _safetensors(p: Path, f, size: int, n: int, bad) -> TensorFile:
     data_bytes = size - 8 - n
     for name, entry in header.items():
         _check_entry(name, entry, data_bytes, bad)
-    return TensorFile(p, SAFETENSORS, size, header, meta)
+    return TensorFile(p, SAFETENSORS, size, header, meta, 8 + n)
 
 
 def _check_entry(name: str, entry: Any, data_bytes: int, bad) -> None:

@@ -1,0 +1,178 @@
+"""Where each slot's rows lie in a training file, and a reader of them in chunks.
+
+A file's slots sit in one or more *regions*: runs of ``T`` dense rows, each row the ``H`` values of
+one or more slots side by side (a speculators ``hidden_states`` ``[T, n, H]``, a SpecForge
+``aux_hidden_state`` ``[T, k*H]`` and its ``hidden_state`` ``[T, H]``, or one ``[T, H]`` tensor of a
+surgeon dump per capture). The headers give their byte offsets: the safetensors header, or the
+pickle of a ``torch.save`` zip loaded onto the meta device (each storage's record offset, nothing
+read). :func:`chunks` then reads each region with ``pread`` into one reused buffer a few MB long,
+and the value pass computes on each chunk while it is in the cache. A memory map of the file, the
+alternative, costs a page fault per few pages on first touch and the unmapping after: on the
+benchmark's 25 MB files that was as slow as reading them twice (``benchmarks/audit.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+CHUNK_BYTES = 4 << 20  # read per pread: a few MB stays in the cache for the pass that follows (measured: 2-8 MB best)
+
+# the dtypes a slot may have, by their safetensors and torch names
+FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+INTS = {"I64": "int64", "I32": "int32", "I16": "int16", "U8": "uint8", "I8": "int8"}
+
+
+@dataclass(frozen=True)
+class Region:
+    """``rows`` dense rows from ``offset`` in the file, each the ``hidden`` values of ``slots``
+    (indices into the file's slots) side by side, in ``dtype`` (a torch dtype's name)."""
+
+    offset: int
+    rows: int
+    slots: tuple[int, ...]
+    hidden: int
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        return len(self.slots) * self.hidden * self.itemsize
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where a file's slots and token ids lie: every slot in exactly one region, one T, H and dtype
+    across them (what :func:`plan` checks); ``ids``: (offset, count, dtype name) or None."""
+
+    path: str
+    regions: tuple[Region, ...]
+    ids: tuple[int, int, str] | None
+
+    @property
+    def slots(self) -> int:
+        return sum(len(r.slots) for r in self.regions)
+
+    @property
+    def tokens(self) -> int:
+        return self.regions[0].rows
+
+    @property
+    def hidden(self) -> int:
+        return self.regions[0].hidden
+
+    @property
+    def dtype(self) -> str:
+        return self.regions[0].dtype
+
+
+def plan(path: str, regions: list[Region], ids: tuple[int, int, str] | None, size: int) -> RowPlan | None:
+    """A :class:`RowPlan` where the regions cover slots 0..S-1 once, with one T >= 1, H >= 1 and
+    dtype, T ids (where there are ids), and every byte inside the file (``size``); None otherwise (the caller reads the
+    file's tensors instead, and their checks say what is wrong)."""
+    if not regions:
+        return None
+    covered = sorted(s for r in regions for s in r.slots)
+    if covered != list(range(len(covered))) or len({(r.rows, r.hidden, r.dtype) for r in regions}) != 1:
+        return None
+    if regions[0].rows < 1 or regions[0].hidden < 1:
+        return None
+    if any(r.offset < 0 or r.offset + r.rows * r.row_bytes > size for r in regions):
+        return None
+    if ids is not None and (ids[1] != regions[0].rows or ids[0] < 0 or ids[0] + ids[1] * _int_size(ids[2]) > size):
+        return None
+    return RowPlan(path, tuple(regions), ids)
+
+
+def _int_size(name: str) -> int:
+    return {"int64": 8, "int32": 4, "int16": 2, "uint8": 1, "int8": 1}[name]
+
+
+_BUFFER: list[Any] = []  # this process's read buffer (uint8 torch), grown on demand, reused across files
+
+
+def _buffer(nbytes: int):
+    import torch
+
+    if not _BUFFER or _BUFFER[0].numel() < nbytes:
+        _BUFFER[:] = [torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)]
+    return _BUFFER[0]
+
+
+def _pread(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from ``offset`` (a short read, of a file truncated since its header was read,
+    is BadInput)."""
+    from surgeon.core.errors import BadInput
+
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise BadInput(f"{path}: ends at byte {offset + got}, its header says {offset + len(view)}: truncated?")
+        got += n
+
+
+def chunks(rp: RowPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[Region, int, Any]]:
+    """(region, first row, ``[n, len(region.slots), H]`` torch view) for consecutive runs of rows,
+    each region in turn. The view is of a buffer the next chunk overwrites: copy what you keep."""
+    import torch
+
+    buf = _buffer(max(chunk_bytes, max(r.row_bytes for r in rp.regions)))
+    mv = memoryview(buf.numpy())
+    fd = os.open(rp.path, os.O_RDONLY)
+    try:
+        for reg in rp.regions:
+            per = max(1, chunk_bytes // reg.row_bytes)
+            for r0 in range(0, reg.rows, per):
+                n = min(per, reg.rows - r0)
+                nbytes = n * reg.row_bytes
+                _pread(fd, mv[:nbytes], reg.offset + r0 * reg.row_bytes, rp.path)
+                yield reg, r0, buf[:nbytes].view(getattr(torch, reg.dtype)).view(n, len(reg.slots), reg.hidden)
+    finally:
+        os.close(fd)
+
+
+def rows_of(rp: RowPlan, slot: int, idx) -> Any:
+    """``[len(idx), H]`` torch (a copy): the rows ``idx`` (ascending ints) of slot ``slot``, read
+    one run of consecutive rows at a time (for the few rows a check looks at again)."""
+    import torch
+
+    reg = next(r for r in rp.regions if slot in r.slots)
+    j = reg.slots.index(slot)
+    idx = [int(i) for i in idx]
+    out = torch.empty(len(idx), reg.hidden, dtype=getattr(torch, reg.dtype))
+    fd = os.open(rp.path, os.O_RDONLY)
+    try:
+        at = 0
+        while at < len(idx):
+            end = at + 1
+            while end < len(idx) and idx[end] == idx[end - 1] + 1:
+                end += 1
+            span = torch.empty((end - at) * reg.row_bytes, dtype=torch.uint8)
+            _pread(fd, memoryview(span.numpy()), reg.offset + idx[at] * reg.row_bytes, rp.path)
+            out[at:end] = span.view(out.dtype).view(end - at, len(reg.slots), reg.hidden)[:, j]
+            at = end
+    finally:
+        os.close(fd)
+    return out
+
+
+def read_ids(rp: RowPlan) -> Any:
+    """The token ids (flat int64 torch), or None where the file has none."""
+    import torch
+
+    if rp.ids is None:
+        return None
+    off, n, name = rp.ids
+    raw = torch.empty(n * _int_size(name), dtype=torch.uint8)
+    fd = os.open(rp.path, os.O_RDONLY)
+    try:
+        _pread(fd, memoryview(raw.numpy()), off, rp.path)
+    finally:
+        os.close(fd)
+    return raw.view(getattr(torch, name)).to(torch.int64)
