@@ -81,7 +81,7 @@ class AuditReport:
         }
 
 
-LOCAL_BATCH = 2  # files per task in a local pool: a small result crosses a pipe; fine grains balance the end
+LOCAL_BATCH = 4  # files per task in a local pool: each task costs the driver ~1 ms (measured); fine grains balance the end
 
 
 def _trim_heap() -> None:

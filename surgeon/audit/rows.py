@@ -72,7 +72,8 @@ class RowPlan:
 
 
 def plan(path: str, regions: list[Region], ids: tuple[int, int, str] | None, size: int) -> RowPlan | None:
-    """A :class:`RowPlan` where the regions cover slots 0..S-1 once, with one T >= 1, H >= 1 and
+    """A :class:`RowPlan` where the regions cover slots 0..S-1 once, each a consecutive run, with
+    one T >= 1, H >= 1 and
     dtype, T ids (where there are ids), and every byte inside the file (``size``); None otherwise (the caller reads the
     file's tensors instead, and their checks say what is wrong)."""
     if not regions:
@@ -80,6 +81,8 @@ def plan(path: str, regions: list[Region], ids: tuple[int, int, str] | None, siz
     covered = sorted(s for r in regions for s in r.slots)
     if covered != list(range(len(covered))) or len({(r.rows, r.hidden, r.dtype) for r in regions}) != 1:
         return None
+    if any(list(r.slots) != list(range(r.slots[0], r.slots[0] + len(r.slots))) for r in regions if r.slots):
+        return None  # a region's slots are consecutive (laid out as one block of the file's slots)
     if regions[0].rows < 1 or regions[0].hidden < 1:
         return None
     if any(r.offset < 0 or r.offset + r.rows * r.row_bytes > size for r in regions):

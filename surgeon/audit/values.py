@@ -299,7 +299,7 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
             nr = torch.empty(T, m, dtype=X.dtype)
             blk = torch.empty(T, m, b - a, dtype=X.dtype)
             picks = torch.empty(idx.size, m, H, dtype=X.dtype)
-            first[list(reg.slots)] = X[0].float()
+            first[reg.slots[0]:reg.slots[0] + m].copy_(X[0])
         n = X.shape[0]
         torch.linalg.vector_norm(X, dim=2, out=nr[r0:r0 + n])  # every slot of the region in one pass
         blk[r0:r0 + n] = X[:, :, a:b]
@@ -312,11 +312,12 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
 
 def _lay_out(reg, nr, blk, picks, norms, blocks, samples) -> None:
     """A region's results ([T, m] norms, [T, m, w] columns, [n, m, H] samples) into the file's
-    slot-major arrays, at its slots."""
-    at = list(reg.slots)
-    norms[at] = nr.t().float()
-    blocks[at] = blk.permute(1, 0, 2)
-    samples[at] = picks.permute(1, 0, 2).float()
+    slot-major arrays, at its slots (consecutive: :func:`surgeon.audit.rows.plan`), as strided
+    copies (an index list would take torch's scatter path, ~20x slower here)."""
+    at = slice(reg.slots[0], reg.slots[0] + len(reg.slots))
+    norms[at].copy_(nr.t())
+    blocks[at].copy_(blk.permute(1, 0, 2))
+    samples[at].copy_(picks.permute(1, 0, 2))
 
 
 def file_values(names: list[str], declared: list[Point | None], xs: list, norms: list | None = None):
