@@ -8,15 +8,16 @@ workers, memory vs the number of files, and the structure pass on 100k files, in
     ``--files`` samples of ``--lengths`` tokens, 4 slots in bf16, seeded faults: ~25 MB a file at
     the defaults) in a temporary directory (``--set DIR``: made there once and reused). The raw
     sequential read rate: every file read whole with ``readinto``, in path order, page cache warm
-    (the second of two passes), with a 128 KB and a 16 MB buffer, the faster taken. Two controls: a busy loop in 2 processes vs 1 (what two processes
-    get of the CPU at that moment) and the raw read in 2 processes vs 1 (what a second core adds
-    to a memory-bound pass). The audit (structure, values, identity against an ``hf:``
-    profile; the profile's build is outside the timed loop, no exact identification) with 1 and 2
-    local workers, of a directory holding ``--links`` symlinks to each sample (both sides read the
-    same entries: an audit of a second or more, so that starting the pool, ~45 ms, is not what is
-    measured; the set's own 1.2 GB in the page cache; the seeded
-    faults are flagged once per link). Each ratio is the median over ``--repeat`` rounds of (raw read, 1 worker, 2
-    workers) measured back to back, so that a neighbour's load moves both sides alike.
+    (the second of two passes), with a 128 KB and a 16 MB buffer, the faster taken. Two controls:
+    a busy loop in 2 processes vs 1 (what two processes get of the CPU at that moment) and the raw
+    read in 2 processes vs 1 (what a second core adds to a memory-bound pass). The audit
+    (structure, values, identity against an ``hf:`` profile; the profile's build is outside the
+    timed loop, no exact identification) with 1 and 2 local workers, of a directory holding
+    ``--links`` symlinks to each sample (both sides read the same entries: an audit of a second or
+    more, so that starting the pool, ~45 ms, is not what is measured, with the set's own 1.2 GB in
+    the page cache; the seeded faults are flagged once per link). Each ratio is the median over
+    ``--repeat`` rounds of (raw read, 1 worker, 2 workers) measured back to back, so that a
+    neighbour's load moves both sides alike.
     Targets: audit >= 50% of the raw read rate; 2 workers >= 1.6x one. The CPU seconds of each
     process (the driver, each worker) are reported with the wall time: on a machine shared with
     other jobs, sum(worker CPU) / (workers x wall) says how much of the two cores the workers got.
