@@ -5,7 +5,7 @@ one or more slots side by side (a speculators ``hidden_states`` ``[T, n, H]``, a
 ``aux_hidden_state`` ``[T, k*H]`` and its ``hidden_state`` ``[T, H]``, or one ``[T, H]`` tensor of a
 surgeon dump per capture). The headers give their byte offsets: the safetensors header, or the
 pickle of a ``torch.save`` zip loaded onto the meta device (each storage's record offset, nothing
-read). :func:`chunks` then reads each region with ``pread`` into one reused buffer a few MB long,
+read). :func:`chunks` then reads each region into one reused buffer a few MB long,
 and the value pass computes on each chunk while it is in the cache. A memory map of the file, the
 alternative, costs a page fault per few pages on first touch and the unmapping after: on the
 benchmark's 25 MB files that was as slow as reading them twice (``benchmarks/audit.py``).
@@ -13,12 +13,11 @@ benchmark's 25 MB files that was as slow as reading them twice (``benchmarks/aud
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-CHUNK_BYTES = 4 << 20  # read per pread: a few MB stays in the cache for the pass that follows (measured: 2-8 MB best)
+CHUNK_BYTES = 4 << 20  # bytes a read: a few MB stays in the cache for the pass that follows (measured: 2-8 MB best)
 
 # the dtypes a slot may have, by their safetensors and torch names
 FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -76,7 +75,7 @@ def plan(path: str, regions: list[Region], ids: tuple[int, int, str] | None, siz
     one T >= 1, H >= 1 and
     dtype, T ids (where there are ids), and every byte inside the file (``size``); None otherwise (the caller reads the
     file's tensors instead, and their checks say what is wrong)."""
-    if not regions:
+    if not regions or not all(r.slots for r in regions):
         return None
     covered = sorted(s for r in regions for s in r.slots)
     if covered != list(range(len(covered))) or len({(r.rows, r.hidden, r.dtype) for r in regions}) != 1:
@@ -96,26 +95,31 @@ def _int_size(name: str) -> int:
     return {"int64": 8, "int32": 4, "int16": 2, "uint8": 1, "int8": 1}[name]
 
 
-_BUFFER: list[Any] = []  # this process's read buffer (uint8 torch), grown on demand, reused across files
+_BUFFER: list[Any] = []  # this process's read buffer (uint8 torch, CHUNK_BYTES), reused across files
 
 
 def _buffer(nbytes: int):
+    """A buffer of at least ``nbytes``: this process's own, or, for a row wider than it, one of its
+    own for that file (not kept: one odd file does not hold its memory for the rest of the run)."""
     import torch
 
-    if not _BUFFER or _BUFFER[0].numel() < nbytes:
-        _BUFFER[:] = [torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)]
+    if nbytes > CHUNK_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    if not _BUFFER:
+        _BUFFER.append(torch.empty(CHUNK_BYTES, dtype=torch.uint8))
     return _BUFFER[0]
 
 
-def _pread(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from ``offset`` (a short read, of a file truncated since its header was read,
-    is BadInput)."""
+def _read_at(f, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from ``offset`` of the open (unbuffered) file ``f``; a short read, of a file cut
+    short since its header was read, is BadInput."""
     from surgeon.core.errors import BadInput
 
+    f.seek(offset)
     got = 0
     while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
+        n = f.readinto(view[got:])
+        if not n:
             raise BadInput(f"{path}: ends at byte {offset + got}, its header says {offset + len(view)}: truncated?")
         got += n
 
@@ -127,41 +131,37 @@ def chunks(rp: RowPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[Region
 
     buf = _buffer(max(chunk_bytes, max(r.row_bytes for r in rp.regions)))
     mv = memoryview(buf.numpy())
-    fd = os.open(rp.path, os.O_RDONLY)
-    try:
+    with open(rp.path, "rb", buffering=0) as f:
         for reg in rp.regions:
             per = max(1, chunk_bytes // reg.row_bytes)
             for r0 in range(0, reg.rows, per):
                 n = min(per, reg.rows - r0)
                 nbytes = n * reg.row_bytes
-                _pread(fd, mv[:nbytes], reg.offset + r0 * reg.row_bytes, rp.path)
+                _read_at(f, mv[:nbytes], reg.offset + r0 * reg.row_bytes, rp.path)
                 yield reg, r0, buf[:nbytes].view(getattr(torch, reg.dtype)).view(n, len(reg.slots), reg.hidden)
-    finally:
-        os.close(fd)
 
 
 def rows_of(rp: RowPlan, slot: int, idx) -> Any:
     """``[len(idx), H]`` torch (a copy): the rows ``idx`` (ascending ints) of slot ``slot``, read
-    one run of consecutive rows at a time (for the few rows a check looks at again)."""
+    a run of consecutive rows at a time, at most :data:`CHUNK_BYTES` a read (for the few rows a
+    check looks at again; a slot bad throughout is read a chunk at a time)."""
     import torch
 
     reg = next(r for r in rp.regions if slot in r.slots)
     j = reg.slots.index(slot)
     idx = [int(i) for i in idx]
     out = torch.empty(len(idx), reg.hidden, dtype=getattr(torch, reg.dtype))
-    fd = os.open(rp.path, os.O_RDONLY)
-    try:
+    most = max(1, CHUNK_BYTES // reg.row_bytes)
+    with open(rp.path, "rb", buffering=0) as f:
         at = 0
         while at < len(idx):
             end = at + 1
-            while end < len(idx) and idx[end] == idx[end - 1] + 1:
+            while end < len(idx) and end - at < most and idx[end] == idx[end - 1] + 1:
                 end += 1
             span = torch.empty((end - at) * reg.row_bytes, dtype=torch.uint8)
-            _pread(fd, memoryview(span.numpy()), reg.offset + idx[at] * reg.row_bytes, rp.path)
+            _read_at(f, memoryview(span.numpy()), reg.offset + idx[at] * reg.row_bytes, rp.path)
             out[at:end] = span.view(out.dtype).view(end - at, len(reg.slots), reg.hidden)[:, j]
             at = end
-    finally:
-        os.close(fd)
     return out
 
 
@@ -173,9 +173,6 @@ def read_ids(rp: RowPlan) -> Any:
         return None
     off, n, name = rp.ids
     raw = torch.empty(n * _int_size(name), dtype=torch.uint8)
-    fd = os.open(rp.path, os.O_RDONLY)
-    try:
-        _pread(fd, memoryview(raw.numpy()), off, rp.path)
-    finally:
-        os.close(fd)
+    with open(rp.path, "rb", buffering=0) as f:
+        _read_at(f, memoryview(raw.numpy()), off, rp.path)
     return raw.view(getattr(torch, name)).to(torch.int64)

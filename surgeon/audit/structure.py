@@ -20,6 +20,7 @@ disagreement is a finding (``structure``), never an exception: one bad file does
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,8 @@ _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "fl
 
 
 def _safetensors_structure(gated: TensorFile) -> Structure:
+    from surgeon.verify.subjects import IDS_KEYS
+
     meta, tensors = gated.metadata, gated.tensors
     if gated.kind == "dump":
         from surgeon.capture.dumps import read_dump_header
@@ -84,7 +87,7 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
         return Structure("surgeon", head.tokens, head.hidden_size, names,
                          [_ST_DTYPES.get(tensors[n]["dtype"], tensors[n]["dtype"]) for n in names], True,
                          rows=_safetensors_plan(gated, [(n, (i,)) for i, n in enumerate(names)], "input_ids"))
-    ids_key = next((k for k in ("token_ids", "input_ids") if k in tensors), None)
+    ids_key = next((k for k in IDS_KEYS if k in tensors), None)  # read_subject's order: the same ids either way
     ids_len = gated.shape(ids_key) if ids_key else None
     if "hidden_states" in tensors and len(gated.shape("hidden_states")) == 3:
         T, n, H = gated.shape("hidden_states")
@@ -134,18 +137,21 @@ def _length(t: Any) -> int | None:
 def _pickle_structure(gated: TensorFile) -> Structure:
     import torch
 
-    # a zip onto the meta device: the pickle is read, each storage's offset noted, no data read
-    data = _load(gated, "meta" if gated.format == ZIP else "cpu")
+    if gated.format == ZIP:  # onto the meta device: the pickle is read, each storage's offset noted, no data read
+        native, mappable = _zip_mode(gated)
+        data = _load(gated, "meta") if native else _load(gated, "cpu", mmap=mappable)
+    else:
+        data = _load(gated, "cpu")
     if not isinstance(data, dict) or not isinstance(data.get("aux_hidden_state"), torch.Tensor):
         return Structure("plain", findings=["not a SpecForge sample (no aux_hidden_state tensor)"])
     aux, hidden = data["aux_hidden_state"], data.get("hidden_state")
     H = int(hidden.shape[-1]) if isinstance(hidden, torch.Tensor) and hidden.dim() else None
     T = int(aux.shape[-2]) if aux.dim() >= 2 else None
-    k = aux.shape[-1] // H if H and aux.shape[-1] % H == 0 else None
+    k = aux.shape[-1] // H if H and aux.dim() and aux.shape[-1] % H == 0 else None
     st = Structure("specforge", T, H, [f"aux_{i}" for i in range(k or 0)], [_dt(str(aux.dtype))] * (k or 0),
                    "input_ids" in data, loaded=data)
     if k is None:
-        st.findings.append(f"aux_hidden_state width {aux.shape[-1]} is not a multiple of hidden_state's {H}")
+        st.findings.append(f"aux_hidden_state shape {list(aux.shape)}: its width is not a multiple of hidden_state's {H}")
     if isinstance(hidden, torch.Tensor):
         st.names.append("hidden_state")
         st.dtypes.append(_dt(str(hidden.dtype)))
@@ -157,7 +163,7 @@ def _pickle_structure(gated: TensorFile) -> Structure:
             st.findings.append(f"{key} has shape {list(data[key].shape)} for {T} tokens")
         elif key not in data:
             st.findings.append(f"no {key}")
-    if gated.format == ZIP and k and isinstance(hidden, torch.Tensor):
+    if T and k and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2 and aux.is_meta:
         st.rows = _specforge_plan(gated, aux, hidden, data.get("input_ids"), k)
     return st
 
@@ -171,23 +177,54 @@ def _load(gated: TensorFile, where: str, mmap: bool = False) -> Any:
         raise BadInput(f"{gated.path}: cannot be read with weights_only=True: {str(e).splitlines()[0][:160]}") from None
 
 
+def _zip_mode(gated: TensorFile) -> tuple[bool, bool]:
+    """(native, mappable) of a ``torch.save`` zip: whether its storages are in this machine's byte
+    order (torch swaps them as it loads, which on the meta device crashes the process, torch 2.13),
+    and whether they are stored uncompressed (what a memory map of them needs)."""
+    import zipfile
+
+    data = [v for n, v in gated.records.items() if n.startswith("data/") or "/data/" in n]
+    mappable = all(c == zipfile.ZIP_STORED for _, _, c in data)
+    order = next((v for n, v in gated.records.items() if n == "byteorder" or n.endswith("/byteorder")), None)
+    if order is None:  # written before torch recorded it: little-endian, as torch assumes
+        return sys.byteorder == "little", mappable
+    start, size, how = order
+    if how != zipfile.ZIP_STORED or size > 16:
+        return False, mappable
+    with open(gated.path, "rb") as f:
+        f.seek(start)
+        return f.read(size) == sys.byteorder.encode(), mappable
+
+
 def specforge_data(st: Structure, path: str | Path) -> Any:
-    """The SpecForge dict with its data: as the structure pass loaded it (a legacy pickle), or, for a
-    zip it loaded onto the meta device, loaded again with its storages mapped (not read)."""
+    """The SpecForge dict with its data: as the structure pass loaded it (a legacy pickle, or a zip
+    in another byte order), or, for a zip it loaded onto the meta device, loaded again with its
+    storages mapped (read whole where they are compressed)."""
     import torch
 
     if not any(isinstance(v, torch.Tensor) and v.is_meta for v in st.loaded.values()):
         return st.loaded
-    return _load(open_tensor_file(path), "cpu", mmap=True)
+    gated = open_tensor_file(path)
+    return _load(gated, "cpu", mmap=_zip_mode(gated)[1])
 
 
-def _file_offset(t: Any) -> int | None:
-    """Where a meta tensor loaded from a zip starts in the file (None: not dense, or this torch does
-    not record its storage's offset)."""
-    at = getattr(t.untyped_storage(), "_checkpoint_offset", None)
-    if not isinstance(at, int) or not t.is_contiguous() or any(d != 1 for d in t.shape[:-2]):
+def _file_offset(t: Any, records: dict[int, tuple[int, int]]) -> int | None:
+    """Where a dense meta tensor loaded from a zip starts in the file: its storage's offset as torch
+    recorded it (computed, where the zip says format version >= 1, from the layout torch's own
+    writer gives), checked against the zip: the data of a stored record of the storage's size
+    (``records``: data offset -> (size, compression) of each record). None otherwise: not dense,
+    a torch that does not record offsets, or a zip another tool rewrote."""
+    import zipfile
+
+    storage = t.untyped_storage()
+    at = getattr(storage, "_checkpoint_offset", None)
+    if not isinstance(at, int) or at not in records or not t.is_contiguous() or any(d != 1 for d in t.shape[:-2]):
         return None
-    return at + t.storage_offset() * t.element_size()
+    size, how = records[at]
+    begin = at + t.storage_offset() * t.element_size()
+    if how != zipfile.ZIP_STORED or size != storage.nbytes() or begin + t.numel() * t.element_size() > at + size:
+        return None
+    return begin
 
 
 def _specforge_plan(gated: TensorFile, aux: Any, hidden: Any, ids: Any, k: int) -> RowPlan | None:
@@ -195,18 +232,20 @@ def _specforge_plan(gated: TensorFile, aux: Any, hidden: Any, ids: Any, k: int) 
     by side) and ``hidden_state`` ``[1, T, H]``, and its ``input_ids``."""
     import torch
 
+    records = {start: (size, how) for name, (start, size, how) in gated.records.items()
+               if name.startswith("data/") or "/data/" in name}
     H, T = int(hidden.shape[-1]), int(aux.shape[-2])
-    at_aux, at_hidden = _file_offset(aux), _file_offset(hidden)
+    at_aux, at_hidden = _file_offset(aux, records), _file_offset(hidden, records)
     dtypes = {str(aux.dtype).replace("torch.", ""), str(hidden.dtype).replace("torch.", "")}
     if at_aux is None or at_hidden is None or len(dtypes) != 1 or not dtypes <= set(FLOATS.values()) \
-            or hidden.dim() < 2 or int(hidden.shape[-2]) != T:
+            or int(hidden.shape[-2]) != T:
         return None
     dtype = dtypes.pop()
     regions = [Region(at_aux, T, tuple(range(k)), H, dtype), Region(at_hidden, T, (k,), H, dtype)]
     at_ids, ids_type = None, None
     if isinstance(ids, torch.Tensor):
         ids_type = str(ids.dtype).replace("torch.", "")
-        at_ids = _file_offset(ids.reshape(-1, 1)) if ids.is_contiguous() else None
+        at_ids = _file_offset(ids.reshape(-1, 1), records) if ids.is_contiguous() else None
         if at_ids is None or ids_type not in INTS.values():
             return None
     return plan(str(gated.path), regions, None if at_ids is None else (at_ids, ids.numel(), str(ids_type)), gated.size)

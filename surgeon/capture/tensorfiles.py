@@ -51,6 +51,7 @@ class TensorFile:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # safetensors: name -> {dtype, shape, data_offsets}
     metadata: dict[str, str] = field(default_factory=dict)
     data_start: int = 0  # safetensors: the file offset its tensors' data_offsets count from
+    records: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # zip: name -> (data offset, size, compression)
 
     @property
     def kind(self) -> str | None:
@@ -156,7 +157,23 @@ def _zip(p: Path, f, size: int, bad) -> TensorFile:
         raise bad("a zip without the data.pkl of torch.save")
     if any(i.header_offset + i.compress_size > size for i in infos):
         raise bad("a zip whose entries run past its end: truncated?")
-    return TensorFile(p, ZIP, size)
+    return TensorFile(p, ZIP, size, records=_records(f, infos, size, bad))
+
+
+def _records(f, infos: list, size: int, bad) -> dict[str, tuple[int, int, int]]:
+    """Each entry's (data offset, size, compression) from its local header (the central
+    directory does not say where the data starts: the local header's name and extra fields do)."""
+    out = {}
+    for i in infos:
+        f.seek(i.header_offset)
+        head = f.read(30)
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            raise bad(f"a damaged zip: entry {i.filename!r} has no local header")
+        start = i.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+        if start + i.compress_size > size:
+            raise bad(f"a zip whose entry {i.filename!r} runs past its end: truncated?")
+        out[i.filename] = (start, i.file_size, i.compress_type)
+    return out
 
 
 def unreadable(path: str | Path, error: BaseException) -> BadInput:

@@ -227,7 +227,7 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
         tensors = [hs[:, i] for i in range(hs.shape[1])]
         read = FileSlots("speculators", [f"hidden_states[:, {i}]" for i in range(len(tensors))], tensors,
                           [None] * len(tensors), ids)
-        if num_layers is not None:
+        if num_layers is not None and tensors:  # no slot ([T, 0, H]): read_subject says so, one line
             read.declared[-1] = layer_out(num_layers - 1)
             read.notes.append(f"speculators' last slot is layer_out[{num_layers - 1}] before the final norm: declared so")
         return read

@@ -132,3 +132,96 @@ def test_a_plan_refuses_what_it_cannot_read_densely():
     assert plan("f", [r, Region(500, 10, (2,), 8, "float16")], None, 10_000) is None  # two dtypes
     assert plan("f", [r], (0, 9, "int64"), 10_000) is None  # 9 ids for 10 rows
     assert plan("f", [Region(0, 0, (0,), 8, "bfloat16")], None, 10_000) is None  # no rows
+
+
+def _specforge_sample(path, T=40, H=64, k=3):
+    g = torch.Generator().manual_seed(0)
+    data = {"aux_hidden_state": torch.randn(1, T, k * H, generator=g).bfloat16(),
+            "hidden_state": torch.randn(1, T, H, generator=g).bfloat16(),
+            "input_ids": torch.arange(T), "loss_mask": torch.ones(1, T, dtype=torch.long)}
+    data["aux_hidden_state"][0, 5, :H] = float("nan")
+    torch.save(data, path)
+    return data
+
+
+def _rezip(src, dst, compression, change=lambda name, data: data):
+    """``src`` written again by Python's zipfile (another layout than torch's writer), each record
+    through ``change``."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w", compression) as w:
+        for info in z.infolist():
+            w.writestr(info.filename, change(info.filename, z.read(info.filename)))
+
+
+@pytest.mark.parametrize("how", ["stored", "deflated", "big-endian"])
+def test_a_zip_another_writer_made_is_read_through_its_tensors_with_the_same_answer(tmp_path, how):
+    """torch computes a zip's record offsets from its own writer's layout: another writer's stored
+    zip loads but those offsets are wrong, a compressed one cannot be mapped, and a big-endian one
+    crashed torch on the meta device. Each gets no row plan and the source's answer."""
+    import zipfile
+
+    import numpy as np
+
+    from surgeon.audit.worker import Context
+    from tests.conftest import tiny_spec
+
+    src = tmp_path / "data_src.ckpt"
+    data = _specforge_sample(src)
+    widths = {t.untyped_storage().nbytes(): t.element_size() for t in data.values()}
+
+    def swap(name, raw):
+        if name.endswith("/byteorder"):
+            return b"big"
+        if "/data/" in name:
+            return np.frombuffer(raw, {2: np.uint16, 8: np.uint64}[widths[len(raw)]]).byteswap().tobytes()
+        return raw
+
+    dst = tmp_path / "data_0.ckpt"
+    _rezip(src, dst, zipfile.ZIP_DEFLATED if how == "deflated" else zipfile.ZIP_STORED,
+           swap if how == "big-endian" else (lambda name, raw: raw))
+    loaded = torch.load(dst, weights_only=True)
+    assert all(torch.equal(loaded[k], data[k]) for k in ("hidden_state", "input_ids"))
+    assert read_structure(src).rows is not None and read_structure(dst).rows is None
+    ctx = Context(str(tiny_spec(tmp_path)))
+    got, want = audit_file(ctx, str(dst)), audit_file(ctx, str(src))
+    assert got["slots"] == want["slots"] and got["hashes"] == want["hashes"] and got["findings"] == want["findings"]
+    assert got["slots"][0]["nonfinite_rows"] == 1
+
+
+def test_the_ids_are_read_subjects_when_a_file_holds_both_names(tmp_path):
+    from tests.conftest import tiny_spec
+
+    path = tmp_path / "hs_0.safetensors"
+    save_file({"hidden_states": torch.randn(20, 3, 64), "input_ids": torch.arange(100, 120),
+               "token_ids": torch.arange(20)}, str(path))
+    a, b = both_ways(path, load_spec(tiny_spec(tmp_path)))
+    assert_same_gather(a, b)
+    from surgeon.audit.rows import read_ids
+
+    assert read_ids(read_structure(path).rows).tolist() == list(range(100, 120))
+
+
+def test_malformed_samples_are_findings_not_crashes(tmp_path):
+    from surgeon.audit.worker import Context
+    from tests.conftest import tiny_spec
+
+    ctx = Context(str(tiny_spec(tmp_path)))
+    save_file({"hidden_states": torch.zeros(4, 0, 64), "input_ids": torch.arange(4)}, str(tmp_path / "hs_n0.safetensors"))
+    torch.save({"aux_hidden_state": torch.zeros(192), "hidden_state": torch.zeros(1, 4, 64),
+                "input_ids": torch.arange(4), "loss_mask": torch.ones(4)}, tmp_path / "data_1d.ckpt")
+    for name in ("hs_n0.safetensors", "data_1d.ckpt"):
+        out = audit_file(ctx, str(tmp_path / name))
+        assert "unreadable" in {f["kind"] for f in out["findings"]}, out["findings"]
+
+
+def test_a_row_wider_than_the_buffer_is_read_and_its_memory_not_kept(tmp_path):
+    import surgeon.audit.rows as rows
+
+    path = tmp_path / "hs_0.safetensors"
+    H = rows.CHUNK_BYTES // 2 + 8  # one row of float16 is wider than the buffer
+    hs = torch.randn(2, 1, H).half()
+    save_file({"hidden_states": hs, "input_ids": torch.arange(2)}, str(path))
+    g = gather_file(read_structure(path).rows)
+    assert torch.equal(g.first[0], hs[0, 0].float())
+    assert rows._BUFFER and rows._BUFFER[0].numel() == rows.CHUNK_BYTES
