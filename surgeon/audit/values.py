@@ -269,16 +269,23 @@ def gather_tensors(xs: list, norms: list | None = None) -> Gathered:
                     lambda s, rows: xs[s].index_select(0, rows), str(xs[0].dtype).replace("torch.", ""))
 
 
-def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
+def gather_file(rp: RowPlan, chunk_bytes: int | None = None, how: str | None = None) -> Gathered:
     """:class:`Gathered` of the slots a :class:`~surgeon.audit.rows.RowPlan` locates, read in chunks
-    (:func:`surgeon.audit.rows.chunks`): each chunk's norms, hashed columns and sampled rows taken
-    while it is in the cache, a few tensor ops a chunk whatever its slot count (each region's
-    results are laid out slot by slot once, at its end)."""
+    (:func:`surgeon.audit.rows.chunks`, ``how="read"``) or mapped (:func:`~surgeon.audit.rows.mapped`,
+    ``"map"``; None: whichever :data:`~surgeon.audit.rows.READS` finds faster): each chunk's norms,
+    hashed columns and sampled rows copied into the file's slot-major arrays while it is in the
+    cache, a few tensor ops a chunk whatever its slot count (each region's slots are consecutive:
+    views of the arrays, in row-major order, take a chunk's ``[n, m, ...]`` results as they come)."""
+    import time
+
     import numpy as np
     import torch
 
-    from surgeon.audit.rows import CHUNK_BYTES, chunks, rows_of
+    from surgeon.audit.rows import CHUNK_BYTES, READS, chunks, mappable, mapped, rows_of
 
+    chosen = how is None and chunk_bytes is None and mappable(rp)
+    how = READS.pick() if chosen else how if how == "map" and mappable(rp) else "read"
+    started = time.perf_counter()
     S, T, H = rp.slots, rp.tokens, rp.hidden
     a = max(0, H // 2 - HASH_COLUMNS // 2)
     b = min(H, a + HASH_COLUMNS)
@@ -287,37 +294,18 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     blocks = torch.empty(S, T, b - a, dtype=getattr(torch, rp.dtype))
     samples = torch.empty(S, idx.size, H, dtype=torch.float32)
     first = torch.empty(S, H, dtype=torch.float32)
-    region: Any = None
-    nr: Any = None
-    blk: Any = None
-    picks: Any = None
-    for reg, r0, X in chunks(rp, chunk_bytes or CHUNK_BYTES):
-        if reg is not region:
-            if region is not None:
-                _lay_out(region, nr, blk, picks, norms, blocks, samples)
-            region, m = reg, len(reg.slots)
-            nr = torch.empty(T, m, dtype=X.dtype)
-            blk = torch.empty(T, m, b - a, dtype=X.dtype)
-            picks = torch.empty(idx.size, m, H, dtype=X.dtype)
-            first[reg.slots[0]:reg.slots[0] + m].copy_(X[0])
-        n = X.shape[0]
-        torch.linalg.vector_norm(X, dim=2, out=nr[r0:r0 + n])  # every slot of the region in one pass
-        blk[r0:r0 + n] = X[:, :, a:b]
+    for reg, r0, X in mapped(rp) if how == "map" else chunks(rp, chunk_bytes or CHUNK_BYTES):
+        at, n = slice(reg.slots[0], reg.slots[0] + len(reg.slots)), X.shape[0]
+        norms[at, r0:r0 + n].t().copy_(torch.linalg.vector_norm(X, dim=2))  # every slot of the region in one pass
+        blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, a:b])
         lo, hi = int(np.searchsorted(idx, r0)), int(np.searchsorted(idx, r0 + n))
         if hi > lo:
-            torch.index_select(X, 0, torch.from_numpy(idx[lo:hi] - r0), out=picks[lo:hi])
-    _lay_out(region, nr, blk, picks, norms, blocks, samples)
+            samples[at, lo:hi].transpose(0, 1).copy_(X.index_select(0, torch.from_numpy(idx[lo:hi] - r0)))
+        if r0 == 0:
+            first[at].copy_(X[0])
+    if chosen:
+        READS.record(how, sum(r.rows * r.row_bytes for r in rp.regions), time.perf_counter() - started)
     return Gathered(norms, blocks, samples, first, lambda s, rows: rows_of(rp, s, rows.tolist()), rp.dtype)
-
-
-def _lay_out(reg, nr, blk, picks, norms, blocks, samples) -> None:
-    """A region's results ([T, m] norms, [T, m, w] columns, [n, m, H] samples) into the file's
-    slot-major arrays, at its slots (consecutive: :func:`surgeon.audit.rows.plan`), as strided
-    copies (an index list would take torch's scatter path, ~20x slower here)."""
-    at = slice(reg.slots[0], reg.slots[0] + len(reg.slots))
-    norms[at].copy_(nr.t())
-    blocks[at].copy_(blk.permute(1, 0, 2))
-    samples[at].copy_(picks.permute(1, 0, 2))
 
 
 def file_values(names: list[str], declared: list[Point | None], xs: list, norms: list | None = None):
