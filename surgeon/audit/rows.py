@@ -1,4 +1,4 @@
-"""Where each slot's rows lie in a training file, and two readers of them.
+"""Where each slot's rows lie in a training file, and a reader of them in chunks.
 
 A file's slots sit in one or more *regions*: runs of ``T`` dense rows, each row the ``H`` values of
 one or more slots side by side (a speculators ``hidden_states`` ``[T, n, H]``, a SpecForge
@@ -7,18 +7,14 @@ surgeon dump per capture). The headers give their byte offsets: the safetensors 
 pickle of a ``torch.save`` zip loaded onto the meta device (each storage's record offset, checked
 against the zip; nothing read).
 
-Two ways to read them give the same bytes at different costs, and which is cheaper depends on the
-page cache, not on the file (measured, ``benchmarks/audit.py`` and Linux 6.18 on ext4):
-
-* :func:`chunks` reads each region into one reused buffer a few MB long, and the value pass
-  computes on each chunk while it is in the CPU's cache: one copy of every byte, as a plain read
-  makes. Faster for files just written (their cached pages map a few KB a page fault: 19% here)
-  and for files coming from disk (large sequential reads; a map faults its way through).
-* :func:`mapped` maps the file (copy-on-write, never written) and hands out each region whole: no
-  copy, a page fault per mapped folio. Faster for files the kernel read ahead into large folios
-  (9% here).
-
-:class:`ReadChooser` times both on a few files of the run now and then and uses the faster.
+:func:`chunks` reads each region into one reused buffer a few MB long, and the value pass computes
+on each chunk while it is in the CPU's cache: one copy of every byte, as a plain read makes. A
+memory map of the file (what the audit used before) was measured both ways, depending on the page
+cache, not the file (``benchmarks/audit.py``, Linux 6.18, ext4): ~20% slower on files just written
+(their cached pages map a few KB a page fault, and unmapping costs as much), 5-9% faster on files
+the kernel read ahead into large folios, and slower from disk. It is not used: a file that shrinks
+while mapped (rewritten in place, another NFS client) kills the process with SIGBUS, where a read
+gets a short count, which is bad input in one line (:func:`_read_at`).
 """
 
 from __future__ import annotations
@@ -149,80 +145,6 @@ def chunks(rp: RowPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[Region
                 nbytes = n * reg.row_bytes
                 _read_at(f, mv[:nbytes], reg.offset + r0 * reg.row_bytes, rp.path)
                 yield reg, r0, buf[:nbytes].view(getattr(torch, reg.dtype)).view(n, len(reg.slots), reg.hidden)
-
-
-def mapped(rp: RowPlan) -> Iterator[tuple[Region, int, Any]]:
-    """(region, 0, ``[T, len(region.slots), H]`` torch view) of each region whole, from a
-    copy-on-write map of the file (nothing is written to it). The views die with the map: copy what
-    you keep. A file shorter than its header says (cut since it was read) is BadInput, before any
-    access past its end could fault."""
-    import mmap
-
-    import torch
-
-    from surgeon.core.errors import BadInput
-
-    end = max(r.offset + r.rows * r.row_bytes for r in rp.regions)
-    with open(rp.path, "rb") as f:
-        try:
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except (OSError, ValueError) as e:
-            raise BadInput(f"{rp.path}: cannot be mapped ({e})") from None
-    if (size := len(m)) < end:
-        m.close()
-        raise BadInput(f"{rp.path}: ends at byte {size}, its header says {end}: truncated?")
-    t = torch.frombuffer(m, dtype=torch.uint8)
-    try:
-        for reg in rp.regions:
-            x = t[reg.offset:reg.offset + reg.rows * reg.row_bytes]
-            yield reg, 0, x.view(getattr(torch, reg.dtype)).view(reg.rows, len(reg.slots), reg.hidden)
-    finally:
-        del t
-        try:
-            m.close()
-        except BufferError:  # the caller still holds a view: the map goes when it does
-            pass
-
-
-def mappable(rp: RowPlan) -> bool:
-    """Whether :func:`mapped` can view every region in its dtype (each starts at a multiple of its
-    item size; safetensors does not promise that)."""
-    return all(r.offset % r.itemsize == 0 for r in rp.regions)
-
-
-class ReadChooser:
-    """Which read (:func:`chunks`: ``"read"``, :func:`mapped`: ``"map"``) is faster in this process
-    now: every ``SPAN`` files it times :data:`PROBE` files each way (alternating, the gather's whole
-    time per byte: a map's cost shows as page faults in the pass over the rows) and keeps the
-    faster. Both give the same bytes, so only the speed depends on the choice."""
-
-    PROBE = 3
-    SPAN = 200
-
-    def __init__(self) -> None:
-        self.choice = "read"
-        self._seen = 0
-        self._cost: dict[str, list[float]] = {"read": [0.0, 0.0], "map": [0.0, 0.0]}
-
-    def pick(self) -> str:
-        k = self._seen % (2 * self.PROBE + self.SPAN)
-        return ("read", "map")[k % 2] if k < 2 * self.PROBE else self.choice
-
-    def record(self, how: str, nbytes: int, seconds: float) -> None:
-        k = self._seen % (2 * self.PROBE + self.SPAN)
-        self._seen += 1
-        if k >= 2 * self.PROBE:
-            return
-        cost = self._cost[how]
-        cost[0] += seconds
-        cost[1] += nbytes
-        if k == 2 * self.PROBE - 1:
-            rate = {h: b / s if s > 0 else 0.0 for h, (s, b) in self._cost.items()}
-            self.choice = max(rate, key=lambda h: rate[h])
-            self._cost = {"read": [0.0, 0.0], "map": [0.0, 0.0]}
-
-
-READS = ReadChooser()  # this process's (a pool worker or a Ray task's process)
 
 
 def rows_of(rp: RowPlan, slot: int, idx) -> Any:

@@ -269,23 +269,17 @@ def gather_tensors(xs: list, norms: list | None = None) -> Gathered:
                     lambda s, rows: xs[s].index_select(0, rows), str(xs[0].dtype).replace("torch.", ""))
 
 
-def gather_file(rp: RowPlan, chunk_bytes: int | None = None, how: str | None = None) -> Gathered:
+def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     """:class:`Gathered` of the slots a :class:`~surgeon.audit.rows.RowPlan` locates, read in chunks
-    (:func:`surgeon.audit.rows.chunks`, ``how="read"``) or mapped (:func:`~surgeon.audit.rows.mapped`,
-    ``"map"``; None: whichever :data:`~surgeon.audit.rows.READS` finds faster): each chunk's norms,
-    hashed columns and sampled rows copied into the file's slot-major arrays while it is in the
-    cache, a few tensor ops a chunk whatever its slot count (each region's slots are consecutive:
-    views of the arrays, in row-major order, take a chunk's ``[n, m, ...]`` results as they come)."""
-    import time
-
+    (:func:`surgeon.audit.rows.chunks`): each chunk's norms, hashed columns and sampled rows copied
+    into the file's slot-major arrays while it is in the cache, a few tensor ops a chunk whatever
+    its slot count (each region's slots are consecutive: views of the arrays, in row-major order,
+    take a chunk's ``[n, m, ...]`` results as they come)."""
     import numpy as np
     import torch
 
-    from surgeon.audit.rows import CHUNK_BYTES, READS, chunks, mappable, mapped, rows_of
+    from surgeon.audit.rows import CHUNK_BYTES, chunks, rows_of
 
-    chosen = how is None and chunk_bytes is None and mappable(rp)
-    how = READS.pick() if chosen else how if how == "map" and mappable(rp) else "read"
-    started = time.perf_counter()
     S, T, H = rp.slots, rp.tokens, rp.hidden
     a = max(0, H // 2 - HASH_COLUMNS // 2)
     b = min(H, a + HASH_COLUMNS)
@@ -294,7 +288,7 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None, how: str | None = N
     blocks = torch.empty(S, T, b - a, dtype=getattr(torch, rp.dtype))
     samples = torch.empty(S, idx.size, H, dtype=torch.float32)
     first = torch.empty(S, H, dtype=torch.float32)
-    for reg, r0, X in mapped(rp) if how == "map" else chunks(rp, chunk_bytes or CHUNK_BYTES):
+    for reg, r0, X in chunks(rp, chunk_bytes or CHUNK_BYTES):
         at, n = slice(reg.slots[0], reg.slots[0] + len(reg.slots)), X.shape[0]
         norms[at, r0:r0 + n].t().copy_(torch.linalg.vector_norm(X, dim=2))  # every slot of the region in one pass
         blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, a:b])
@@ -303,8 +297,6 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None, how: str | None = N
             samples[at, lo:hi].transpose(0, 1).copy_(X.index_select(0, torch.from_numpy(idx[lo:hi] - r0)))
         if r0 == 0:
             first[at].copy_(X[0])
-    if chosen:
-        READS.record(how, sum(r.rows * r.row_bytes for r in rp.regions), time.perf_counter() - started)
     return Gathered(norms, blocks, samples, first, lambda s, rows: rows_of(rp, s, rows.tolist()), rp.dtype)
 
 

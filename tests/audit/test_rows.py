@@ -28,11 +28,11 @@ def assert_same_gather(a, b) -> None:
     assert a.dtype == b.dtype
 
 
-def both_ways(path, spec, chunk_bytes=None, how=None):
+def both_ways(path, spec, chunk_bytes=None):
     """(from the row plan, through the tensors): what each read of ``path`` gathers, and its ids."""
     s = read_structure(path)
     assert s.rows is not None, path
-    by_file = gather_file(s.rows, chunk_bytes, how)
+    by_file = gather_file(s.rows, chunk_bytes)
     by_tensors, ids, count = _gathered(dataclasses.replace(s, rows=None), str(path), spec)
     assert count == s.rows.slots
     _, ids_file, _ = _gathered(s, str(path), spec)
@@ -48,8 +48,8 @@ def test_every_layout_chunked_gives_what_its_tensors_give(layout, request):
     clean = sorted(p.name for p in synthetic.root.iterdir() if p.name not in synthetic.faults
                    and not p.name.startswith("."))[:2]
     for name in faulty + clean:
-        for chunk, how in ((None, "map"), (None, "read"), (3000, None)):  # the map; a chunk shorter than a row
-            a, b = both_ways(synthetic.root / name, spec, chunk, how)
+        for chunk in (None, 3000):  # the default, and a chunk shorter than some regions' rows
+            a, b = both_ways(synthetic.root / name, spec, chunk)
             assert_same_gather(a, b)
             names = [f"s{i}" for i in range(a.norms.shape[0])]
             va, ha, sa = gathered_values(names, [None] * len(names), a)
@@ -83,7 +83,6 @@ def test_any_chunk_size_any_shape_gives_the_tensors_answer(tmp_path_factory, T, 
 
     b = gather_tensors([hs[:, i] for i in range(n)])
     assert_same_gather(a, b)
-    assert_same_gather(gather_file(s.rows, how="map"), b)  # the mapped read, where the header aligns it
     names = [f"s{i}" for i in range(n)]
     va, ha, _ = gathered_values(names, [None] * n, a)
     vb, hb, _ = gathered_values(names, [None] * n, b)
@@ -93,15 +92,14 @@ def test_any_chunk_size_any_shape_gives_the_tensors_answer(tmp_path_factory, T, 
         assert va[0].nonfinite_rows >= 1 and va[0].zero_rows == 1 and va[-1].constant_rows >= 1
 
 
-@pytest.mark.parametrize("how", ["read", "map"])  # a map checks the size before any access could fault
-def test_a_file_cut_short_after_its_header_was_read_is_an_unreadable_finding(speculators_set, tmp_path, how):
+def test_a_file_cut_short_after_its_header_was_read_is_an_unreadable_finding(speculators_set, tmp_path):
     src = sorted(speculators_set.root.glob("hs_*"))[0]
     path = tmp_path / src.name
     path.write_bytes(src.read_bytes())
     s = read_structure(path)
     os.truncate(path, os.path.getsize(path) - 1000)
     with pytest.raises(BadInput, match="truncated"):
-        gather_file(s.rows, how=how)
+        gather_file(s.rows)
     from surgeon.audit.worker import Context
 
     out = audit_file(Context(str(speculators_set.spec)), str(path))  # the gate sees it now
@@ -227,24 +225,4 @@ def test_a_row_wider_than_the_buffer_is_read_and_its_memory_not_kept(tmp_path):
     g = gather_file(read_structure(path).rows)
     assert torch.equal(g.first[0], hs[0, 0].float())
     assert rows._BUFFER and rows._BUFFER[0].numel() == rows.CHUNK_BYTES
-
-
-def test_the_read_chooser_probes_both_reads_and_keeps_the_faster():
-    from surgeon.audit.rows import ReadChooser
-
-    c = ReadChooser()
-    seen = []
-    for _ in range(2 * c.PROBE):
-        how = c.pick()
-        seen.append(how)
-        c.record(how, 100, 1.0 if how == "read" else 0.5)  # the map twice as fast
-    assert seen == ["read", "map"] * c.PROBE
-    assert [c.pick() for _ in range(3)] == ["map"] * 3
-    for _ in range(c.SPAN):
-        c.record(c.pick(), 100, 1.0)
-    assert c.pick() == "read"  # probing again: the page cache may have changed
-    for _ in range(2 * c.PROBE):
-        how = c.pick()
-        c.record(how, 100, 0.5 if how == "read" else 1.0)
-    assert c.pick() == "read" and c.choice == "read"
 
