@@ -1,8 +1,6 @@
 """The resume state of an audit: a JSON-lines file, one header line, then one line per finished file
-(its result as the driver completed it, stale findings included), appended as each file finishes
-and flushed every :data:`FLUSH_S` seconds and at the end (a write call per file cost the driver
-~0.15 ms a file, CPU the workers need): a run killed at any point leaves every file recorded that
-finished up to :data:`FLUSH_S` before, and a resume audits the rest again.
+(its result as the driver completed it, stale findings included), appended and flushed as each
+file finishes, so a run killed at any point leaves every finished file recorded.
 
 A file is *done* when its path, size and mtime (ns) equal the recorded ones; a file changed since
 is audited again. The header records what the results depend on (the spec's sha256, the profile,
@@ -13,14 +11,12 @@ each file's key and byte offset are held in memory; a result is read back when i
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import IO, Any
 
 from surgeon.core.errors import BadInput
 
 VERSION = 2  # 2: row hashes of a 64-column block, identity on several statistics
-FLUSH_S = 0.5  # at most this much finished work is lost with a killed run
 
 
 class State:
@@ -28,13 +24,12 @@ class State:
         self.path = path
         self.header = {"surgeon.audit.state": VERSION, **header}
         self._done: dict[str, tuple[int, int, int]] = {}  # path -> (size, mtime_ns, offset)
-        self._flushed = time.monotonic()
         try:
             if resume and path.is_file():
                 self._load()
-                self._out: IO[str] = path.open("a", encoding="utf-8", buffering=1 << 20)
+                self._out: IO[str] = path.open("a", encoding="utf-8")
             else:
-                self._out = path.open("w", encoding="utf-8", buffering=1 << 20)
+                self._out = path.open("w", encoding="utf-8")
                 self._write(self.header)
         except OSError as e:
             raise BadInput(f"{path}: cannot write the audit state ({e.strerror or e}): pass --state FILE elsewhere") from None
@@ -100,10 +95,7 @@ class State:
 
     def _write(self, obj: dict[str, Any]) -> None:
         self._out.write(json.dumps(obj, separators=(",", ":")) + "\n")
-        now = time.monotonic()
-        if now - self._flushed >= FLUSH_S or "surgeon.audit.state" in obj:
-            self._out.flush()
-            self._flushed = now
+        self._out.flush()
 
     def close(self) -> None:
         self._out.close()

@@ -257,26 +257,3 @@ def test_two_workers_give_the_one_worker_answer(dump_set, reference_file):
     two = run_audit(Plan(dump_set.root, str(dump_set.spec), reference=str(reference_file), workers=2,
                          state_path=dump_set.root.parent / "two.jsonl"))
     assert stable(two) == stable(one)
-
-
-def test_the_state_is_flushed_every_half_second_not_every_file(tmp_path, monkeypatch):
-    """A write call per file cost the driver CPU the workers need: the state is flushed when
-    FLUSH_S has passed since the last flush, and at the end; its header at once."""
-    from surgeon.audit import state as state_mod
-
-    clock = [100.0]
-    monkeypatch.setattr(state_mod.time, "monotonic", lambda: clock[0])
-    path = tmp_path / "state.jsonl"
-    st = state_mod.State(path, {"spec_sha256": "x"}, resume=False)
-    assert len(path.read_text().splitlines()) == 1  # the header, at once
-    st.record({"path": "a", "size": 1, "mtime_ns": 1})
-    assert len(path.read_text().splitlines()) == 1  # buffered
-    clock[0] += state_mod.FLUSH_S
-    st.record({"path": "b", "size": 1, "mtime_ns": 1})
-    assert len(path.read_text().splitlines()) == 3  # both, once FLUSH_S passed
-    st.record({"path": "c", "size": 1, "mtime_ns": 1})
-    st.close()
-    assert len(path.read_text().splitlines()) == 4
-    again = state_mod.State(path, {"spec_sha256": "x"}, resume=True)
-    assert again.recorded == 3
-    again.close()
