@@ -156,6 +156,9 @@ class Plan:
     structure_only: bool = False
     exact_files: int = 4
     state_path: Path | None = None
+    # (profile, exact model folder) as :func:`surgeon.audit.reference.build_profile` gave them for this
+    # set and spec: not built again (a benchmark builds it once, before it empties the page cache)
+    built: tuple[Profile | None, str | None] | None = None
 
 
 def usable_cores() -> int:
@@ -190,7 +193,10 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     if not paths:
         raise BadInput(f"{plan.root}: no .ckpt, .safetensors or .pt files under it")
     notes: list[str] = []
-    profile, exact_model = (None, None) if plan.structure_only else build_profile(plan.reference, spec, paths, notes)
+    if plan.structure_only:
+        profile, exact_model = None, None
+    else:
+        profile, exact_model = plan.built or build_profile(plan.reference, spec, paths, notes)
     if workers > 1 and not plan.ray_address:
         _trim_heap()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)

@@ -108,6 +108,15 @@ def test_a_one_prompt_reference_file_finds_every_seeded_fault(speculators_set, r
         assert EXPECTED[fault] in got.get(name, set()), (name, fault, got.get(name))
     assert any("exact identification not run" in n for n in rep.notes)
     assert rep.to_json()["profile"]["prompts"] == 1
+    # a profile built once serves another audit of the set as it is: the same answer, not built again
+    from surgeon.audit import reference
+    from surgeon.core.spec import load_spec
+
+    built = reference.build_profile(str(reference_file), load_spec(speculators_set.spec), [], [])
+    again = run_audit(Plan(speculators_set.root, str(speculators_set.spec), built=built,
+                           state_path=speculators_set.root.parent / "again.jsonl"))
+    assert {k: v for k, v in stable(again).items() if k != "notes"} == \
+        {k: v for k, v in stable(rep).items() if k != "notes"}
 
 
 @pytest.mark.slow
