@@ -116,18 +116,31 @@ def _buffer(nbytes: int):
     return _BUFFER[0]
 
 
-def _read_at(f, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from ``offset`` of the open (unbuffered) file ``f``; a short read, of a file cut
-    short since its header was read, is BadInput."""
+def _open(path: str):
+    """``path`` opened unbuffered; a file gone or unreadable since its header was read is BadInput."""
     from surgeon.core.errors import BadInput
 
-    f.seek(offset)
+    try:
+        return open(path, "rb", buffering=0)
+    except OSError as e:
+        raise BadInput(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _read_at(f, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from ``offset`` of the open (unbuffered) file ``f``; a short read, of a file cut
+    short since its header was read, or a read error is BadInput."""
+    from surgeon.core.errors import BadInput
+
     got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise BadInput(f"{path}: ends at byte {offset + got}, its header says {offset + len(view)}: truncated?")
-        got += n
+    try:
+        f.seek(offset)
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise BadInput(f"{path}: ends at byte {offset + got}, its header says {offset + len(view)}: truncated?")
+            got += n
+    except OSError as e:
+        raise BadInput(f"{path}: cannot be read at byte {offset + got} ({e.strerror or e})") from None
 
 
 def chunks(rp: RowPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[Region, int, Any]]:
@@ -137,7 +150,7 @@ def chunks(rp: RowPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[Region
 
     buf = _buffer(max(chunk_bytes, max(r.row_bytes for r in rp.regions)))
     mv = memoryview(buf.numpy())
-    with open(rp.path, "rb", buffering=0) as f:
+    with _open(rp.path) as f:
         for reg in rp.regions:
             per = max(1, chunk_bytes // reg.row_bytes)
             for r0 in range(0, reg.rows, per):
@@ -158,7 +171,7 @@ def rows_of(rp: RowPlan, slot: int, idx) -> Any:
     idx = [int(i) for i in idx]
     out = torch.empty(len(idx), reg.hidden, dtype=getattr(torch, reg.dtype))
     most = max(1, CHUNK_BYTES // reg.row_bytes)
-    with open(rp.path, "rb", buffering=0) as f:
+    with _open(rp.path) as f:
         at = 0
         while at < len(idx):
             end = at + 1
@@ -179,6 +192,6 @@ def read_ids(rp: RowPlan) -> Any:
         return None
     off, n, name = rp.ids
     raw = torch.empty(n * _int_size(name), dtype=torch.uint8)
-    with open(rp.path, "rb", buffering=0) as f:
+    with _open(rp.path) as f:
         _read_at(f, memoryview(raw.numpy()), off, rp.path)
     return raw.view(getattr(torch, name)).to(torch.int64)

@@ -102,6 +102,10 @@ def test_a_file_cut_short_after_its_header_was_read_is_an_unreadable_finding(spe
         gather_file(s.rows)
     from surgeon.audit.worker import Context
 
+    os.unlink(path)  # gone since its header was read: bad input too, not an OSError
+    with pytest.raises(BadInput, match="cannot be read"):
+        gather_file(s.rows)
+    path.write_bytes(src.read_bytes()[:-1000])
     out = audit_file(Context(str(speculators_set.spec)), str(path))  # the gate sees it now
     assert [f["kind"] for f in out["findings"]] == ["unreadable"]
 
