@@ -72,9 +72,6 @@ def _dt(text: str) -> str:
     return text.replace("torch.", "").lower()
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-
-
 def _safetensors_structure(gated: TensorFile) -> Structure:
     from surgeon.verify.subjects import IDS_KEYS
 
@@ -85,20 +82,20 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
         head = read_dump_header(gated)
         names = [n for n, _, _ in head.captures]
         return Structure("surgeon", head.tokens, head.hidden_size, names,
-                         [_ST_DTYPES.get(tensors[n]["dtype"], tensors[n]["dtype"]) for n in names], True,
+                         [FLOATS.get(tensors[n]["dtype"], tensors[n]["dtype"]) for n in names], True,
                          rows=_safetensors_plan(gated, [(n, (i,)) for i, n in enumerate(names)], "input_ids"))
     ids_key = next((k for k in IDS_KEYS if k in tensors), None)  # read_subject's order: the same ids either way
     ids_len = gated.shape(ids_key) if ids_key else None
     if "hidden_states" in tensors and len(gated.shape("hidden_states")) == 3:
         T, n, H = gated.shape("hidden_states")
         st = Structure("speculators", T, H, [f"hidden_states[:, {i}]" for i in range(n)],
-                       [_ST_DTYPES.get(tensors["hidden_states"]["dtype"], "?")] * n, ids_key is not None,
+                       [FLOATS.get(tensors["hidden_states"]["dtype"], "?")] * n, ids_key is not None,
                        rows=_safetensors_plan(gated, [("hidden_states", tuple(range(n)))], ids_key))
     else:
-        floats = [(k, v) for k, v in tensors.items() if v["dtype"] in _ST_DTYPES and len(v["shape"]) == 2]
+        floats = [(k, v) for k, v in tensors.items() if v["dtype"] in FLOATS and len(v["shape"]) == 2]
         shapes = {tuple(v["shape"]) for _, v in floats}
         T, H = next(iter(shapes)) if len(shapes) == 1 else (None, None)
-        st = Structure("plain", T, H, [k for k, _ in floats], [_ST_DTYPES[v["dtype"]] for _, v in floats],
+        st = Structure("plain", T, H, [k for k, _ in floats], [FLOATS[v["dtype"]] for _, v in floats],
                        ids_key is not None)
         if meta.get("surgeon.kind"):
             st.findings.append(f"a surgeon {meta['surgeon.kind']} file, not a training sample")
@@ -236,7 +233,7 @@ def _specforge_plan(gated: TensorFile, aux: Any, hidden: Any, ids: Any, k: int) 
                if name.startswith("data/") or "/data/" in name}
     H, T = int(hidden.shape[-1]), int(aux.shape[-2])
     at_aux, at_hidden = _file_offset(aux, records), _file_offset(hidden, records)
-    dtypes = {str(aux.dtype).replace("torch.", ""), str(hidden.dtype).replace("torch.", "")}
+    dtypes = {_dt(str(aux.dtype)), _dt(str(hidden.dtype))}
     if at_aux is None or at_hidden is None or len(dtypes) != 1 or not dtypes <= set(FLOATS.values()) \
             or int(hidden.shape[-2]) != T:
         return None
@@ -244,7 +241,7 @@ def _specforge_plan(gated: TensorFile, aux: Any, hidden: Any, ids: Any, k: int) 
     regions = [Region(at_aux, T, tuple(range(k)), H, dtype), Region(at_hidden, T, (k,), H, dtype)]
     at_ids, ids_type = None, None
     if isinstance(ids, torch.Tensor):
-        ids_type = str(ids.dtype).replace("torch.", "")
+        ids_type = _dt(str(ids.dtype))
         at_ids = _file_offset(ids.reshape(-1, 1), records) if ids.is_contiguous() else None
         if at_ids is None or ids_type not in INTS.values():
             return None

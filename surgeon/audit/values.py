@@ -166,12 +166,16 @@ def norm_stats(sv: SlotValues, norms) -> None:
         setattr(sv, k, x)
 
 
-def _block(x):
-    """[T, <=64] the :data:`HASH_COLUMNS` contiguous columns in the middle of each row: one page of a
-    memory-mapped file a row (scattered columns cost a TLB miss each, ~10x the arithmetic)."""
-    H = x.shape[1]
+def _hashed(H: int) -> slice:
+    """The :data:`HASH_COLUMNS` contiguous columns in the middle of a row of ``H`` (all of a shorter
+    one): one page of the file a row (scattered columns cost a TLB miss each, ~10x the arithmetic)."""
     a = max(0, H // 2 - HASH_COLUMNS // 2)
-    return x[:, a:a + HASH_COLUMNS]
+    return slice(a, min(H, a + HASH_COLUMNS))
+
+
+def _block(x):
+    """[T, <=64] the hashed columns (:func:`_hashed`) of each row of ``x`` [T, H]."""
+    return x[:, _hashed(x.shape[1])]
 
 
 def _bad_rows(g: Gathered, N, finite) -> None:
@@ -281,17 +285,16 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     from surgeon.audit.rows import CHUNK_BYTES, chunks, rows_of
 
     S, T, H = rp.slots, rp.tokens, rp.hidden
-    a = max(0, H // 2 - HASH_COLUMNS // 2)
-    b = min(H, a + HASH_COLUMNS)
+    cols = _hashed(H)
     idx = sample_index(T)
     norms = torch.empty(S, T, dtype=torch.float32)
-    blocks = torch.empty(S, T, b - a, dtype=getattr(torch, rp.dtype))
+    blocks = torch.empty(S, T, cols.stop - cols.start, dtype=getattr(torch, rp.dtype))
     samples = torch.empty(S, idx.size, H, dtype=torch.float32)
     first = torch.empty(S, H, dtype=torch.float32)
     for reg, r0, X in chunks(rp, chunk_bytes or CHUNK_BYTES):
         at, n = slice(reg.slots[0], reg.slots[0] + len(reg.slots)), X.shape[0]
         norms[at, r0:r0 + n].t().copy_(torch.linalg.vector_norm(X, dim=2))  # every slot of the region in one pass
-        blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, a:b])
+        blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, cols])
         lo, hi = int(np.searchsorted(idx, r0)), int(np.searchsorted(idx, r0 + n))
         if hi > lo:
             samples[at, lo:hi].transpose(0, 1).copy_(X.index_select(0, torch.from_numpy(idx[lo:hi] - r0)))
