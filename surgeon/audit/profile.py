@@ -52,6 +52,9 @@ K_CHUNKS = 10.0  # chunks of one prompt vary less than whole samples do at some 
 MIN_TOL = 0.03  # log units: 3% in norm
 VK = 2.0  # direction tolerance: this many times the largest distance of a reference prompt
 MIN_VTOL = 0.02  # cosine distance
+# good sampled rows a slot needs for the per-channel statistics: fewer lean on the first positions of
+# a sample (states right after the BOS sink), whose direction is not the one of a long sample's rows
+MIN_VECTOR_ROWS = 32
 ANCHOR_TOL = 0.02  # cosine distance within which a first row is the point's (engines' numerics differ a little)
 SCALARS = ("log_norm_median", "log_norm_width")
 VECTORS = ("direction", "rms_profile")
@@ -65,12 +68,15 @@ class Stats:
     vectors: tuple[Any, ...] = (None, None)  # VECTORS: unit float32 [H] tensors, or None
     first_token: int | None = None  # the anchor: the sample's first token and its row (unit float32 [H])
     first_row: Any = None
+    tokens: int | None = None  # the rows behind the scalars (finite, nonzero); None: not known
 
 
-def file_stats(svs: list, samples=None, first_token: int | None = None, first_rows: list | None = None) -> list[Stats]:
+def file_stats(svs: list, samples=None, first_token: int | None = None, first_rows: list | None = None,
+               min_rows: int = MIN_VECTOR_ROWS, tokens: int | None = None) -> list[Stats]:
     """The statistics of a file's slots from their :class:`~surgeon.audit.values.SlotValues`, their
     :class:`~surgeon.audit.values.Samples` and their first rows (the state of position 0, which
-    depends on the first token only), every slot in the same few tensor ops."""
+    depends on the first token only), every slot in the same few tensor ops; the per-channel ones
+    where a slot has ``min_rows`` good sampled rows. ``tokens``: the slots' row count."""
     import numpy as np
     import torch
 
@@ -88,7 +94,7 @@ def file_stats(svs: list, samples=None, first_token: int | None = None, first_ro
             rms = np.log(np.maximum(np.sqrt((w @ (rows * rows))[:, 0]), np.float32(1e-30)))
             both = np.stack([mean, rms - rms.mean(1, keepdims=True)], 1)  # [S, 2, H]
             both = both / np.maximum(np.linalg.norm(both, axis=2, keepdims=True), np.float32(1e-30))
-        usable = ((cnt >= 2) & np.isfinite(both).all((1, 2))).tolist()
+        usable = ((cnt >= max(2, min_rows)) & np.isfinite(both).all((1, 2))).tolist()
         vecs = [(torch.from_numpy(b[0]), torch.from_numpy(b[1])) if u else (None, None) for b, u in zip(both, usable)]
     firsts: list[Any] = [None] * S
     if first_token is not None and first_rows is not None:
@@ -101,18 +107,20 @@ def file_stats(svs: list, samples=None, first_token: int | None = None, first_ro
     out = []
     for sv, vec, row in zip(svs, vecs, firsts):
         width = None if sv.log_norm_q90 is None else sv.log_norm_q90 - sv.log_norm_q10
-        out.append(Stats((sv.log_norm_median, width), vec, first_token if row is not None else None, row))
+        n = None if tokens is None else tokens - sv.nonfinite_rows - sv.zero_rows
+        out.append(Stats((sv.log_norm_median, width), vec, first_token if row is not None else None, row, n))
     return out
 
 
-def stats_of(sv, sample=None, first_token: int | None = None, first_row=None) -> Stats:
+def stats_of(sv, sample=None, first_token: int | None = None, first_row=None, min_rows: int = MIN_VECTOR_ROWS,
+             tokens: int | None = None) -> Stats:
     """:func:`file_stats` of one slot, from its row sample ([n, H], every row good) and first row."""
     import numpy as np
 
     from surgeon.audit.values import Samples
 
     samples = None if sample is None else Samples(sample.float()[None], np.ones((1, sample.shape[0]), dtype=bool))
-    return file_stats([sv], samples, first_token, None if first_row is None else [first_row])[0]
+    return file_stats([sv], samples, first_token, None if first_row is None else [first_row], min_rows, tokens)[0]
 
 
 def _unit(v):
@@ -140,6 +148,7 @@ class PointProfile:
     vtols: tuple[float, ...] = (math.inf, math.inf)
     first_token: int | None = None  # the anchor's token and this point's state there (unit), if any
     first_row: Any = None
+    tokens: float = 0.0  # rows behind a sample whose spread the tolerances are (the median); 0: not known
 
     @property
     def tol(self) -> float:
@@ -188,6 +197,11 @@ class Profile:
         x = np.array([[math.nan if v is None else v for v in s.scalars] for s in stats], dtype=np.float64)
         with np.errstate(invalid="ignore"):
             gap = np.abs(x[:, None, :] - m["centres"][None]) / m["tols"][None]
+        # a statistic over fewer rows than the spread was measured on varies more (as 1/sqrt(rows)): its
+        # tolerance widened so, or a short sample of the right point would not fit it
+        n = np.array([math.inf if s.tokens is None else s.tokens for s in stats], dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gap = gap * np.sqrt(np.minimum(1.0, n[:, None] / m["tokens"][None]))[..., None]
         gap = np.where(np.isnan(gap), 0.0, gap)  # a statistic the slot lacks decides nothing (inf stays inf)
         d = np.maximum(gap.max(2), 0.0)  # [S, P]
         for i in range(len(VECTORS)):
@@ -219,6 +233,7 @@ class Profile:
                      else np.asarray(v, dtype=np.float32) for v in vs]))
             cached = {"centres": np.array([p.centres for p in pts], dtype=np.float64),
                       "tols": np.array([[max(MIN_TOL, p.k * sp) for sp in p.spreads] for p in pts], dtype=np.float64),
+                      "tokens": np.array([p.tokens for p in pts], dtype=np.float64),
                       "vectors": vectors,
                       "vtols": [np.array([p.vtols[i] for p in pts], dtype=np.float64) for i in range(len(VECTORS))]}
             object.__setattr__(self, "_mats", cached)
@@ -230,26 +245,26 @@ class Profile:
 
         h = hashlib.sha256(repr(self.to_json()).encode())
         for p in self.points:
-            h.update(repr((p.centres, p.spreads, p.vtols, p.k, p.first_token)).encode())
+            h.update(repr((p.centres, p.spreads, p.vtols, p.k, p.first_token, p.tokens)).encode())
             for v in (*p.vectors, p.first_row):
                 if v is not None:
                     h.update(v.numpy().tobytes())
         return h.hexdigest()
 
 
-def _norm_stats(norms) -> Stats:
+def _norm_stats(norms, min_rows: int = MIN_VECTOR_ROWS) -> Stats:
     from surgeon.audit.values import SlotValues, norm_stats
 
     sv = SlotValues("", None, "")
     norm_stats(sv, norms.float().reshape(-1))
-    return stats_of(sv)
+    return stats_of(sv, tokens=int(norms.numel()))
 
 
-def _state_stats(x) -> Stats:
+def _state_stats(x, min_rows: int = MIN_VECTOR_ROWS) -> Stats:
     from surgeon.audit.values import slot_values
 
     sv, _, sample = slot_values("", None, x.float())
-    return stats_of(sv, sample)
+    return stats_of(sv, sample, min_rows=min_rows, tokens=int(x.shape[0]))
 
 
 def _vector_centre(vs: list, pieces: list) -> tuple[Any, float]:
@@ -275,8 +290,9 @@ def _point(p: str, whole: list[Stats], pieces: list[Stats], k: float, anchor: tu
         spreads.append(sd if math.isfinite(sd) else 0.0)
     vecs = [_vector_centre([s.vectors[i] for s in whole if s.vectors[i] is not None],
                            [s.vectors[i] for s in pieces if s.vectors[i] is not None]) for i in range(len(VECTORS))]
+    rows = sorted(s.tokens for s in pieces if s.tokens)
     return PointProfile(p, centres[0], spreads[0], k, tuple(centres), tuple(spreads), tuple(v for v, _ in vecs),
-                        tuple(t for _, t in vecs), *anchor)
+                        tuple(t for _, t in vecs), *anchor, tokens=float(rows[len(rows) // 2]) if rows else 0.0)
 
 
 def _chunks(x, n: int) -> list:
@@ -304,7 +320,8 @@ def _profile(prompts: list[dict[Point, Any]], num_layers: int, source: str, stat
     out = []
     for p in points:
         whole = [stats(x[p]) for x in prompts]
-        pieces = [stats(c) for x in prompts for c in _chunks(x[p], x[p].shape[0])] if few else whole
+        # chunks measure the spread only, each of CHUNK rows or fewer: per-channel statistics of them all
+        pieces = [stats(c, 2) for x in prompts for c in _chunks(x[p], x[p].shape[0])] if few else whole
         out.append(_point(str(p), whole, pieces, K_CHUNKS if few else K, _anchor([x[p] for x in prompts], first_tokens)))
     tokens = sum(int(x[points[-1]].shape[0]) for x in prompts) if points else 0
     return Profile(tuple(out), source, len(prompts), tokens)

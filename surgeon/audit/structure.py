@@ -88,8 +88,9 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
     ids_len = gated.shape(ids_key) if ids_key else None
     if "hidden_states" in tensors and len(gated.shape("hidden_states")) == 3:
         T, n, H = gated.shape("hidden_states")
-        st = Structure("speculators", T, H, [f"hidden_states[:, {i}]" for i in range(n)],
-                       [FLOATS.get(tensors["hidden_states"]["dtype"], "?")] * n, ids_key is not None,
+        dtype = tensors["hidden_states"]["dtype"]
+        st = Structure("speculators", T, H, [f"hidden_states[:, {i}]" for i in range(n)], [FLOATS.get(dtype, dtype)] * n,
+                       ids_key is not None,
                        rows=_safetensors_plan(gated, [("hidden_states", tuple(range(n)))], ids_key))
     else:
         floats = [(k, v) for k, v in tensors.items() if v["dtype"] in FLOATS and len(v["shape"]) == 2]
@@ -131,6 +132,13 @@ def _length(t: Any) -> int | None:
     return int(t.numel()) if t.dim() <= 1 or all(d == 1 for d in t.shape[:-1]) else -1
 
 
+def _shape(t: Any) -> str:
+    """What a finding says of a value's shape: a tensor's dims, anything else's type."""
+    import torch
+
+    return f"has shape {list(t.shape)}" if isinstance(t, torch.Tensor) else f"is a {type(t).__name__}, not a tensor"
+
+
 def _pickle_structure(gated: TensorFile) -> Structure:
     import torch
 
@@ -146,10 +154,14 @@ def _pickle_structure(gated: TensorFile) -> Structure:
     T = int(aux.shape[-2]) if aux.dim() >= 2 else None
     k = aux.shape[-1] // H if H and aux.dim() and aux.shape[-1] % H == 0 else None
     st = Structure("specforge", T, H, [f"aux_{i}" for i in range(k or 0)], [_dt(str(aux.dtype))] * (k or 0),
-                   "input_ids" in data, loaded=data)
-    if k is None:
+                   isinstance(data.get("input_ids"), torch.Tensor), loaded=data)
+    if k == 0 or T is None:
+        st.findings.append(f"aux_hidden_state shape {list(aux.shape)}: no [tokens, k x hidden] slots in it")
+    elif k is None and H:
         st.findings.append(f"aux_hidden_state shape {list(aux.shape)}: its width is not a multiple of hidden_state's {H}")
-    if isinstance(hidden, torch.Tensor):
+    if not isinstance(hidden, torch.Tensor):
+        st.findings.append("no hidden_state tensor" if hidden is None else f"hidden_state {_shape(hidden)}")
+    else:
         st.names.append("hidden_state")
         st.dtypes.append(_dt(str(hidden.dtype)))
         if hidden.dim() < 2 or int(hidden.shape[-2]) != T:
@@ -157,7 +169,7 @@ def _pickle_structure(gated: TensorFile) -> Structure:
     for key in ("input_ids", "loss_mask"):
         n = _length(data.get(key))
         if key in data and n != T:
-            st.findings.append(f"{key} has shape {list(data[key].shape)} for {T} tokens")
+            st.findings.append(f"{key} {_shape(data[key])} for {T} tokens")
         elif key not in data:
             st.findings.append(f"no {key}")
     if T and k and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2 and aux.is_meta:

@@ -191,6 +191,21 @@ def _bad_rows(g: Gathered, N, finite) -> None:
         N[s, bad[ok]] = torch.linalg.vector_norm(x[ok].double(), dim=1).float()
 
 
+def _zero_rows(g: Gathered, N) -> None:
+    """For the rows whose norm is 0: those holding a nonzero value (so small that its square is 0 in
+    float32) get their norm recomputed in float64, at least float32's smallest normal, in place
+    (torch [S, T]); the rest hold only zeros."""
+    import torch
+
+    for s in torch.nonzero((N == 0).any(1)).reshape(-1).tolist():
+        rows = torch.nonzero(N[s] == 0).reshape(-1)
+        x = g.rows_of(s, rows)
+        some = (x != 0).any(1)
+        if bool(some.any()):
+            N[s, rows[some]] = torch.linalg.vector_norm(x[some].double(), dim=1).float().clamp_min(
+                torch.finfo(torch.float32).tiny)
+
+
 def _constant(g: Gathered, maybe, zero, finite):
     """[S, T] rows holding one value repeated (not zero): the candidates ``maybe`` checked whole."""
     import numpy as np
@@ -319,6 +334,8 @@ def gathered_values(names: list[str], declared: list[Point | None], g: Gathered)
     finite_t = torch.isfinite(Nt)  # NaN/Inf rows give NaN/Inf
     if not bool(finite_t.all()):
         _bad_rows(g, Nt, finite_t)
+    if bool((Nt == 0).any()):
+        _zero_rows(g, Nt)
     N, finite = Nt.numpy(), finite_t.numpy()
     zero = N == 0
     h, maybe = row_hashes(g.blocks, raw=True)
@@ -343,16 +360,59 @@ def slot_values(name: str, declared: Point | None, x, norms=None) -> tuple[SlotV
     return svs[0], h[0], samples[0]
 
 
-def repeated_across_slots(names: list[str], hashes) -> list[tuple[str, str]]:
+def repeated_rows(names: list[str], declared: list[Point | None], hashes, ids) -> list[tuple[str, str]]:
+    """(slot, finding) for rows repeated where a state cannot repeat: in two slots of the file
+    (:func:`repeated_across_slots`), or in one slot at positions that hold other tokens
+    (:func:`repeated_within_slots`). ``hashes``: [S, T] (numpy); ``ids``: [T] or None."""
+    import numpy as np
+
+    hashes = np.asarray(hashes)
+    srt = np.sort(hashes, 1)  # sorted once for both checks
+    return repeated_within_slots(names, declared, hashes, ids, srt) + repeated_across_slots(names, hashes, srt)
+
+
+def repeated_within_slots(names: list[str], declared: list[Point | None], hashes, ids, srt=None) -> list[tuple[str, str]]:
+    """(slot, finding) for a slot declared a state after the embedding whose row at one position is
+    bit for bit its row at a position holding another token (one buffer written at every position,
+    a stale last-token state): a residual state depends on its token, so two tokens never share one.
+    An embed slot repeats wherever its token does, and is left out; so is a slot with no declared
+    point, or a file without one token id a row. ``srt``: ``hashes`` sorted along rows, if at hand."""
+    import numpy as np
+
+    hashes = np.asarray(hashes)
+    srt = np.sort(hashes, 1) if srt is None else srt
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != 0)  # no repeated row in any slot: the usual case
+    ids = None if ids is None else _int64(ids)
+    if ids is None or ids.size != hashes.shape[1] or not bool(dup.any()):
+        return []
+    out = []
+    for s in np.flatnonzero(dup.any(1)).tolist():
+        if declared[s] is None or declared[s] == EMBED:
+            continue
+        live = hashes[s] != 0
+        h, t = hashes[s][live], ids[live]
+        order = np.lexsort((t, h))
+        h, t = h[order], t[order]
+        starts = np.flatnonzero(np.r_[True, h[1:] != h[:-1]])
+        mixed = np.minimum.reduceat(t, starts) != np.maximum.reduceat(t, starts)  # a hash seen on two tokens
+        n = int(np.diff(np.r_[starts, h.size])[mixed].sum())
+        if n:
+            out.append((names[s], f"repeated: {n} of its rows repeat, bit for bit on the {HASH_COLUMNS} hashed columns, "
+                                  "at positions holding other tokens (one state written at several positions: a "
+                                  "broadcast or stale buffer)"))
+    return out
+
+
+def repeated_across_slots(names: list[str], hashes, srt=None) -> list[tuple[str, str]]:
     """(slot, finding) for rows one slot shares bit for bit with another slot of the same file
     (two different points are never bit-identical; bad rows, hashed 0, are reported already).
-    ``hashes``: [S, T] (numpy)."""
+    ``hashes``: [S, T] (numpy); ``srt``: it sorted along rows, if at hand."""
     import numpy as np
 
     hashes = np.asarray(hashes)
     # each slot's distinct hashes (an embed slot repeats a row wherever its token repeats): no hash
     # in two slots is the usual case, settled with two sorts
-    srt = np.sort(hashes, 1)
+    srt = np.sort(hashes, 1) if srt is None else srt
     first = np.ones(srt.shape, dtype=bool)
     first[:, 1:] = srt[:, 1:] != srt[:, :-1]
     live = np.sort(srt[first & (srt != 0)])
@@ -376,9 +436,9 @@ def sampled_rows(declared: list[Point | None], hashes, ids) -> list[list[int]]:
     import numpy as np
 
     hashes = np.asarray(hashes)
-    if ids is None or not hashes.size:
+    ids = None if ids is None else _int64(ids)
+    if ids is None or not hashes.size or ids.size != hashes.shape[1]:  # no ids, or not one a row: no context to key by
         return []
-    ids = _int64(ids)
     pre = prefix_hashes(ids)
     top = np.iinfo(np.int64).max
     keyed = np.where(hashes == 0, top, hashes)

@@ -121,3 +121,19 @@ def test_a_files_distances_at_once_are_each_slots_own_and_a_missing_statistic_de
     assert together[1]["layer_out[9]"] == 0.0  # no width: the median alone decides
     assert together[2] == {"layer_out[5]": 0.0, "layer_out[9]": 0.0}  # nothing to compare: nothing decided
     assert together[3]["layer_out[5]"] == math.inf  # an infinite gap stays infinite
+
+
+def test_a_short_samples_scalars_are_judged_with_a_tolerance_widened_as_its_rows_are_few():
+    p = PointProfile("layer_out[5]", 4.3, 0.01, 8.0, (4.3, 0.1), (0.01, 0.0), (None, None), (math.inf, math.inf),
+                     tokens=128.0)
+    prof = Profile((p,), "test", 12, 1536)
+    off = 4.3 + 2 * p.tol  # two tolerances off, as measured on samples of 128 rows
+
+    def dist(tokens):
+        return prof.distances(Stats((off, 0.1), tokens=tokens))["layer_out[5]"]
+
+    assert dist(128) == pytest.approx(2.0)
+    assert dist(8) == pytest.approx(2.0 * (8 / 128) ** 0.5)  # a median of 8 rows varies 4x as much
+    assert dist(4096) == pytest.approx(2.0) and dist(None) == pytest.approx(2.0)  # never narrower; unknown: as is
+    bare = PointProfile("layer_out[5]", 4.3, 0.01, 8.0, (4.3, 0.1), (0.01, 0.0), (None, None), (math.inf, math.inf))
+    assert Profile((bare,), "test", 12, 1536).distances(Stats((off, 0.1), tokens=8))["layer_out[5]"] == pytest.approx(2.0)

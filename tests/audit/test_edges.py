@@ -1,0 +1,184 @@
+"""The audit at the edges of its input: a sample no writer should have made is a finding on that file
+and the audit goes on; values a float32 norm cannot tell apart are told apart; a buffer written at
+every position of a slot is found; the ``hf:`` profile is built from prompts spread over the set, and
+a short sample is judged with the wider tolerance its few rows call for."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from surgeon.audit.pipeline import Plan, run_audit
+from surgeon.audit.synthetic import make_synthetic_set, spec_text
+from surgeon.audit.worker import Context, audit_file
+
+H, T = 16, 6
+
+
+def _spec(tmp_path: Path, layout: str, hidden: int = H) -> str:
+    p = tmp_path / f"spec_{layout}.yaml"
+    p.write_text(spec_text(layout, 8, hidden))
+    return str(p)
+
+
+def _specforge(path: Path, slots: list, ids=None) -> Path:
+    ids = torch.arange(slots[0].shape[0]) if ids is None else ids
+    torch.save({"input_ids": ids[None], "loss_mask": torch.ones(1, slots[0].shape[0]),
+                "aux_hidden_state": torch.cat(slots[:-1], -1)[None], "hidden_state": slots[-1][None]}, path)
+    return path
+
+
+def _speculators(path: Path, slots: list, ids=None) -> Path:
+    ids = torch.arange(slots[0].shape[0]) if ids is None else ids
+    save_file({"token_ids": ids, "hidden_states": torch.stack(slots, 1).contiguous()}, str(path))
+    return path
+
+
+def _slots(n: int = T, hidden: int = H, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, hidden, generator=g) * (i + 1) for i in range(4)]
+
+
+def _kinds(out: dict) -> list[tuple[str, str | None]]:
+    return [(f["kind"], f["slot"]) for f in out["findings"]]
+
+
+_aux, _hidden = torch.randn(1, T, 3 * H), torch.randn(1, T, H)
+_ids, _mask = torch.arange(T)[None], torch.ones(1, T)
+MALFORMED = {
+    "no_hidden_state": (dict(input_ids=_ids, loss_mask=_mask, aux_hidden_state=_aux), "no hidden_state tensor"),
+    "hidden_state_none": (dict(input_ids=_ids, loss_mask=_mask, aux_hidden_state=_aux, hidden_state=None),
+                          "no hidden_state tensor"),
+    "loss_mask_list": (dict(input_ids=_ids, loss_mask=[1] * T, aux_hidden_state=_aux, hidden_state=_hidden),
+                       "loss_mask is a list, not a tensor"),
+    "input_ids_none": (dict(input_ids=None, loss_mask=_mask, aux_hidden_state=_aux, hidden_state=_hidden),
+                       "input_ids is a NoneType, not a tensor"),
+    "aux_0d": (dict(input_ids=_ids, loss_mask=_mask, aux_hidden_state=torch.tensor(1.0), hidden_state=_hidden),
+               "no [tokens, k x hidden] slots"),
+    "aux_width_0": (dict(input_ids=_ids, loss_mask=_mask, aux_hidden_state=torch.randn(1, T, 0), hidden_state=_hidden),
+                    "no [tokens, k x hidden] slots"),
+    "fp8": (dict(input_ids=_ids, loss_mask=_mask, aux_hidden_state=_aux.to(torch.float8_e4m3fn),
+                 hidden_state=_hidden.to(torch.float8_e4m3fn)), "values not checked: slots of dtype float8_e4m3fn"),
+    "int_hidden": (dict(input_ids=_ids, loss_mask=_mask, aux_hidden_state=_aux, hidden_state=_hidden.long()),
+                   "values not checked: slots of dtype int64"),
+    "short_ids": (dict(input_ids=_ids[:, :4], loss_mask=_mask, aux_hidden_state=_aux, hidden_state=_hidden),
+                  "input_ids has shape [1, 4] for 6 tokens"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_a_malformed_specforge_sample_is_a_finding_on_it(tmp_path, name):
+    data, needle = MALFORMED[name]
+    torch.save(data, tmp_path / "data_0.ckpt")
+    out = audit_file(Context(_spec(tmp_path, "specforge")), str(tmp_path / "data_0.ckpt"))
+    details = [f["detail"] for f in out["findings"]]
+    assert any(needle in d for d in details), details
+    assert not any("not audited" in d for d in details), details  # foreseen: no fallback finding
+
+
+@pytest.mark.parametrize("dtype, needle", [(torch.float8_e4m3fn, "F8_E4M3"), (torch.int64, "I64")])
+def test_speculators_slots_of_no_float_dtype_are_not_read_as_values(tmp_path, dtype, needle):
+    save_file({"token_ids": torch.arange(T), "hidden_states": torch.randn(T, 4, H).to(dtype)}, str(tmp_path / "hs_0.safetensors"))
+    out = audit_file(Context(_spec(tmp_path, "speculators")), str(tmp_path / "hs_0.safetensors"))
+    assert [f["detail"] for f in out["findings"]] == [f"values not checked: slots of dtype {needle} (the value pass reads "
+                                                      "float16, bfloat16, float32, float64)"]
+
+
+def test_the_audit_goes_on_past_a_malformed_sample_and_past_a_failure_no_check_foresaw(tmp_path, monkeypatch):
+    import surgeon.audit.worker as worker
+
+    root = tmp_path / "set"
+    root.mkdir()
+    for i in range(3):
+        _specforge(root / f"data_{i}.ckpt", _slots(seed=i))
+    torch.save(MALFORMED["short_ids"][0], root / "data_3.ckpt")
+    rep = run_audit(Plan(root, _spec(tmp_path, "specforge"), workers=1, state_path=tmp_path / "s.jsonl"))
+    assert rep.exit_code == 3 and [Path(o["path"]).name for o in rep.to_json()["outliers"]] == ["data_3.ckpt"]
+
+    def broken(*a, **k):
+        raise RuntimeError("a case nobody foresaw\nsecond line")
+
+    monkeypatch.setattr(worker, "_value_part", broken)
+    out = audit_file(Context(_spec(tmp_path, "specforge")), str(root / "data_0.ckpt"))
+    assert out["findings"] == [{"kind": "unreadable", "slot": None,
+                                "detail": "not audited: RuntimeError: a case nobody foresaw"}]
+
+
+def test_rows_too_small_for_a_float32_norm_are_not_zero_rows(tmp_path):
+    slots = [x.bfloat16() for x in _slots()]
+    slots[0][1] = torch.randn(H).bfloat16() * 1e-25  # squares underflow float32: the norm would be 0
+    slots[1][2] = 1e-39  # a subnormal repeated: a constant row, not a zero one
+    slots[2][3] = 0.0
+    for write, name in ((_specforge, "data_0.ckpt"), (_speculators, "hs_0.safetensors")):
+        path = write(tmp_path / name, slots)
+        layout = "specforge" if name.endswith(".ckpt") else "speculators"
+        out = audit_file(Context(_spec(tmp_path, layout)), str(path))
+        by_slot = {s["name"]: s for s in out["slots"]}
+        assert [(f["kind"], f["slot"]) for f in out["findings"]] == [("constant", "mid"), ("zero", "high")], out["findings"]
+        assert by_slot["low"]["zero_rows"] == 0 and by_slot["low"]["norm_min"] > 0
+        assert by_slot["mid"]["constant_rows"] == 1 and by_slot["mid"]["zero_rows"] == 0
+
+
+@pytest.mark.parametrize("write, layout, name", [(_specforge, "specforge", "data_0.ckpt"),
+                                                 (_speculators, "speculators", "hs_0.safetensors")])
+def test_one_row_written_at_every_position_of_a_slot_is_found(tmp_path, write, layout, name):
+    slots = _slots(n=64)
+    slots[1] = slots[1][40].expand(64, H).clone()  # 'mid', a layer's state: one row at all 64 positions
+    ids = torch.randint(2, 300, (64,), generator=torch.Generator().manual_seed(1))
+    out = audit_file(Context(_spec(tmp_path, layout)), str(write(tmp_path / name, slots, ids)))
+    assert _kinds(out) == [("repeated", "mid")]
+    assert out["findings"][0]["detail"].startswith("64 of its rows repeat")
+
+
+def test_rows_repeated_on_their_own_token_are_no_finding(tmp_path):
+    from surgeon.audit.values import repeated_within_slots
+    from surgeon.core.points import EMBED, layer_out
+
+    hashes = torch.randint(1, 2**62, (2, 6)).numpy()
+    ids = torch.tensor([5, 7, 5, 9, 5, 7])
+    hashes[:, 2] = hashes[:, 0]  # position 2 repeats position 0: the same token, 5
+    assert repeated_within_slots(["e", "x"], [EMBED, layer_out(1)], hashes, ids) == []
+    hashes[0, 3] = hashes[0, 0]  # an embed row on another token: an embedding may repeat (untrained rows)
+    assert repeated_within_slots(["e", "x"], [EMBED, layer_out(1)], hashes, ids) == []
+    hashes[1, 3] = hashes[1, 0]  # a layer's state on another token: a broadcast
+    found = repeated_within_slots(["e", "x"], [EMBED, layer_out(1)], hashes, ids)
+    assert [(s, d.split(" of ")[0]) for s, d in found] == [("x", "repeated: 3")]  # positions 0, 2 and 3: one row
+    assert repeated_within_slots(["e", "x"], [EMBED, layer_out(1)], hashes, None) == []  # no ids: no context
+
+
+@pytest.mark.slow
+def test_the_profile_is_built_across_the_set_and_judges_short_samples_by_their_rows(tiny_target, tmp_path):
+    """A set sorted so that its first files are short (8 tokens), the rest long (128): the profile
+    takes long prompts from across the set; neither kind of clean file is flagged."""
+    short = make_synthetic_set(tmp_path / "a", tiny_target, files=12, layout="speculators", count=0, seed=6,
+                               dtype="float32", lengths=(8,))
+    long = make_synthetic_set(tmp_path / "b", tiny_target, files=20, layout="speculators", count=0, seed=7,
+                              dtype="float32", lengths=(128,))
+    root = tmp_path / "set"
+    root.mkdir()
+    for prefix, s in (("a_", short), ("b_", long)):
+        for p in s.root.glob("*.safetensors"):
+            shutil.copy(p, root / (prefix + p.name))
+    rep = run_audit(Plan(root, str(short.spec), reference=f"hf:{tiny_target}", exact_files=0,
+                         state_path=tmp_path / "s.jsonl"))
+    assert rep.ok, [(Path(o["path"]).name, o["findings"][:1]) for o in rep.to_json()["outliers"]]
+    assert any("12 files spread over the set (128-128 tokens)" in n for n in rep.notes), rep.notes
+
+
+@pytest.mark.slow
+def test_a_file_the_target_cannot_run_is_left_out_of_the_profile_and_named(tiny_target, tmp_path):
+    s = make_synthetic_set(tmp_path / "s", tiny_target, files=14, layout="speculators", count=0, seed=1,
+                           dtype="float32", lengths=(64,))
+    bad = sorted(s.root.glob("hs_*.safetensors"))[3]
+    t = load_file(str(bad))
+    t["token_ids"] = t["token_ids"].clone()
+    t["token_ids"][1] = 100000  # out of the target's vocabulary
+    save_file(t, str(bad))
+    rep = run_audit(Plan(s.root, str(s.spec), reference=f"hf:{tiny_target}", exact_files=0,
+                         state_path=tmp_path / "s.jsonl"))
+    assert any("1 file(s) left out" in n and bad.name in n for n in rep.notes), rep.notes
+    assert any("12 files spread over the set" in n for n in rep.notes), rep.notes
