@@ -368,7 +368,7 @@ def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids:
 @click.option("--structure-only", is_flag=True, help="Headers only: no values, no identity.")
 @click.option("--state", type=click.Path(dir_okay=False),
               help="The resume state file (default: DIR/.surgeon-audit-state.jsonl).")
-@click.option("--exact", type=int, default=4, show_default=True,
+@click.option("--exact", type=click.IntRange(min=0), default=4, show_default=True,
               help="Files identified exactly, each on its own tokens (with --reference hf:MODEL).")
 def audit(root: str, spec: str, ref: str | None, as_json: bool, report: str | None, workers: int | None,
           ray_address: str | None, resume: bool, structure_only: bool, state: str | None, exact: int) -> Any:

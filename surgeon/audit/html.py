@@ -15,6 +15,8 @@ import io
 from pathlib import Path
 from typing import Any
 
+from surgeon.core.errors import BadInput
+
 
 def _png(fig) -> str:
     import matplotlib.pyplot as plt
@@ -48,7 +50,8 @@ def _profile_figure(j: dict[str, Any]):
                     capsize=3, label=f"{s['name']} (declared {s['declared']})")
     ax.set_ylabel("median log per-token norm")
     ax.set_title("each slot over the set, at its declared point, against the target's profile", fontsize=9)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # nothing to label (a structure pass): no legend, no warning
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -91,5 +94,8 @@ def write_report(report: Any, path: str | Path) -> Path:
 <h2>Outliers by file</h2><table>{rows or '<tr><td>none</td></tr>'}</table>
 <h2>Notes</h2><ul>{''.join(f'<li>{e(n)}</li>' for n in j['notes'])}</ul></body></html>"""
     out = Path(path)
-    out.write_text(page, encoding="utf-8")
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as e:
+        raise BadInput(f"--report {path}: cannot write it ({e.strerror or e})") from None
     return out

@@ -127,20 +127,26 @@ def _local(ctx: Context, todo: list[str], workers: int, cpu: dict[str, float]) -
             cpu[f"worker {pid}"] = used
             return results
 
-        for batch in batches(todo, LOCAL_BATCH):
-            window.append(pool.submit(run_batch_here, batch))
-            if len(window) >= 4 * workers:
+        try:
+            for batch in batches(todo, LOCAL_BATCH):
+                window.append(pool.submit(run_batch_here, batch))
+                if len(window) >= 4 * workers:
+                    yield from take()
+            while window:
                 yield from take()
-        while window:
-            yield from take()
+        except BaseException:  # Ctrl-C, an error, a consumer gone: the batches not started are dropped
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     cpu["driver"] = time.process_time() - start
 
 
 def _exact_picks(n: int, k: int) -> set[int]:
-    """``k`` evenly spaced file indices of ``n`` (the sample that gets exact identification)."""
-    if k <= 0 or n == 0:
+    """``k`` evenly spaced file indices of ``n`` (the sample that gets exact identification; all of
+    them where there are no more)."""
+    m = min(k, n)
+    if m <= 0:
         return set()
-    return {min(n - 1, (i * n) // k + (n // k) // 2) for i in range(min(k, n))}
+    return {min(n - 1, (i * n) // m + (n // m) // 2) for i in range(m)}
 
 
 @dataclass
@@ -189,7 +195,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     if workers < 1:
         raise BadInput(f"--workers {workers}: at least 1")
     spec = load_spec(plan.spec_path)
-    paths = [str(p) for p in discover(plan.root)]
+    paths = [str(p) for p in discover(plan.root.absolute())]  # one key per file however DIR was typed, wherever from
     if not paths:
         raise BadInput(f"{plan.root}: no .ckpt, .safetensors or .pt files under it")
     notes: list[str] = []
@@ -200,6 +206,10 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     if workers > 1 and not plan.ray_address:
         _trim_heap()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)
+    if plan.ray_address:
+        from surgeon.audit.ray_backend import check_address
+
+        check_address(plan.ray_address)  # before the state is opened (and emptied, without --resume)
     picks = _exact_picks(len(paths), plan.exact_files if exact_model else 0)
     state = State(plan.state_path or plan.root / STATE_NAME,
                   {"spec_sha256": spec.sha256, "profile": profile.digest() if profile else None,
@@ -209,15 +219,21 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     run, backend = _executor(plan, ctx, workers, cpu)
     agg, resumed, started = Aggregate(), 0, time.perf_counter()
     try:
-        done = [plan.resume and state.done(file_key(p), read=False) is not None for p in paths]
+        done = [plan.resume and _recorded(state, p, read=False) is not None for p in paths]
+        if plan.resume and state.recorded and not any(done):
+            notes.append(f"--resume: none of the {state.recorded} files the state records is here unchanged "
+                         "(moved, rewritten, or another DIR?): every file audited again")
         fresh = iter(run([p for p, d in zip(paths, done) if not d]))
         for i, p in enumerate(paths):
-            if done[i]:
-                r = state.done(file_key(p)) or {}
+            r = _recorded(state, p) if done[i] else None
+            if r is not None:
                 resumed += 1
-                agg.stale_check({**r, "findings": []})  # its own findings were recorded with it
-            else:
-                r = next(fresh)
+                # the stale check is the driver's, in this run's file order: redone from the recorded row
+                # hashes (an earlier file may have changed or gone since), no file read
+                r["findings"] = [f for f in r["findings"] if f["kind"] != "stale"]
+                agg.stale_check(r)
+            else:  # a file done at the start but changed since is audited here, in its turn
+                r = next(fresh) if not done[i] else run_batch(ctx, [p])[0]
                 if i in picks:
                     exact_identify(ctx, r)  # here, not in a worker: one copy of the target model
                 agg.stale_check(r)
@@ -227,12 +243,21 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         next(fresh, None)  # runs the executor to its end: the pool closed, the CPU times taken
     finally:
         state.close()
-    _notes(notes, agg, plan, profile, exact_model, len(picks))
+    _notes(notes, agg, plan, profile, exact_model)
     return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,
                        workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu)
 
 
-def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model, picked: int) -> None:
+def _recorded(state: State, path: str, read: bool = True) -> dict[str, Any] | None:
+    """The state's result for ``path`` if it is recorded and unchanged (None too for a file gone)."""
+    try:
+        key = file_key(path)
+    except OSError:
+        return None
+    return state.done(key, read=read)
+
+
+def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model) -> None:
     if plan.structure_only:
         notes.append("structure pass only: values and identity not checked")
     elif profile is None:
@@ -243,8 +268,8 @@ def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model, p
         notes.append("exact identification not run: it needs --reference hf:MODEL to run the target on each "
                      "sampled file's own tokens")
     elif exact_model is not None:
-        notes.append(f"exact identification on {picked} evenly spaced files, each against {exact_model} run on its "
-                     "own tokens")
+        notes.append(f"exact identification on {agg.exact_files} evenly spaced files, each against {exact_model} run "
+                     "on its own tokens")
     if agg.index_full_at:
         notes.append(f"the cross-file stale check indexed rows up to {agg.index_full_at}; later files were checked "
                      "against those only")

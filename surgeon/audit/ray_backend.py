@@ -19,6 +19,22 @@ from surgeon.audit.worker import BATCH, Context, batches, run_batch
 from surgeon.core.errors import BadInput
 
 
+def check_address(address: str) -> None:
+    """Bad input unless something listens at ``address`` (``HOST:PORT``; ``auto`` and ``local`` are
+    Ray's to resolve): asked before any work, where ``ray.init`` would wait on a dead address."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        if address in ("auto", "local") or address.startswith(("ray://", "anyscale://")):
+            return
+        raise BadInput(f"--ray {address}: not HOST:PORT (or auto, local)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise BadInput(f"--ray {address}: cannot connect to a Ray cluster there ({e.strerror or e})") from None
+
+
 def run_on_ray(address: str, ctx: Context, todo: list[str], workers: int) -> Iterator[dict[str, Any]]:
     import ray
 

@@ -10,6 +10,7 @@ each file's key and byte offset are held in memory; a result is read back when i
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import IO, Any
@@ -17,6 +18,12 @@ from typing import IO, Any
 from surgeon.core.errors import BadInput
 
 VERSION = 2  # 2: row hashes of a 64-column block, identity on several statistics
+
+
+def _is_record(r: Any) -> bool:
+    return isinstance(r, dict) and isinstance(r.get("path"), str) and isinstance(r.get("size"), int) \
+        and (r.get("mtime_ns") is None or isinstance(r.get("mtime_ns"), int)) \
+        and isinstance(r.get("findings"), list) and isinstance(r.get("slots"), list)
 
 
 class State:
@@ -40,12 +47,14 @@ class State:
             try:
                 header = json.loads(first)
             except ValueError:
+                header = None
+            if not isinstance(header, dict) or "surgeon.audit.state" not in header:
                 raise BadInput(f"{self.path}:1:1: not an audit state file (remove it, or run without --resume)") from None
             if header != self.header:
                 differs = sorted(k for k in set(header) | set(self.header) if header.get(k) != self.header.get(k))
                 raise BadInput(f"{self.path}:1:1: the state was written for another audit (differs in "
                                f"{', '.join(differs)}): remove it, or run without --resume")
-            while True:
+            for number in itertools.count(2):
                 offset = f.tell()
                 line = f.readline()
                 if not line:
@@ -56,6 +65,9 @@ class State:
                     r = json.loads(line)
                 except ValueError:
                     break
+                if not _is_record(r):
+                    raise BadInput(f"{self.path}:{number}:1: not a file's audit result (path, size, mtime_ns): "
+                                   "remove the state, or run without --resume")
                 self._done[r["path"]] = (r["size"], r["mtime_ns"], offset)
         self._truncate_partial()
 

@@ -60,10 +60,14 @@ _WORKER_CTX: list[Context] = []  # a pool worker's context, set once when it sta
 def init_worker(ctx: Context) -> None:
     """A local pool worker's start: one torch thread (a worker is a core; threads of two workers on
     two cores stall each other at barriers; and a forked child must not enter the OpenMP pool its
-    parent used), its context kept for every batch."""
+    parent used), Ctrl-C ignored (the driver's, which shuts the pool down: no traceback from every
+    worker), its context kept for every batch."""
+    import signal
+
     import torch
 
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it stops the pool
     _WORKER_CTX[:] = [ctx]
 
 
@@ -100,8 +104,13 @@ VALUE_DTYPES = ("float16", "bfloat16", "float32", "float64")  # the slot dtypes 
 def audit_file(ctx: Context, path: str) -> dict[str, Any]:
     """Audit one file: its structure, values and identity (exact identification is
     :func:`exact_identify`'s, run by the driver)."""
-    out: dict[str, Any] = {**file_key(path), "layout": None, "tokens": None, "slots": [], "findings": [],
-                           "hashes": [], "exact": None}
+    out: dict[str, Any] = {"path": str(path), "size": 0, "mtime_ns": None, "layout": None, "tokens": None, "slots": [],
+                           "findings": [], "hashes": [], "exact": None}
+    try:
+        out.update(file_key(path))
+    except OSError as e:  # gone since the set was listed
+        out["findings"].append(_finding("unreadable", None, f"{path}: {e.strerror or e}"))
+        return out
     try:
         st = read_structure(path)
         _structure_part(ctx, st, out)

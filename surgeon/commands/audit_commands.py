@@ -8,6 +8,17 @@ from typing import Any
 from surgeon.commands.progress import QUIET, Progress
 
 
+def _writable_folder(path: str) -> None:
+    import os
+
+    from surgeon.core.errors import BadInput
+
+    folder = Path(path).parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise BadInput(f"--report {path}: {folder} is {'not writable' if folder.is_dir() else 'no folder'} "
+                       "(checked before the audit, not after it)")
+
+
 def audit(*, root: str, spec: str, ref: str | None = None, workers: int | None = None, ray: str | None = None,
           resume: bool = False, report: str | None = None, structure_only: bool = False, exact: int = 4,
           state: str | None = None, progress: Progress = QUIET) -> Any:
@@ -19,6 +30,7 @@ def audit(*, root: str, spec: str, ref: str | None = None, workers: int | None =
 
     if report:
         require("matplotlib")  # before the work, not after it
+        _writable_folder(report)
     if ray:
         require("ray")
     from surgeon.audit.pipeline import Plan, run_audit

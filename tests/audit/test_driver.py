@@ -1,0 +1,148 @@
+"""The audit's driver at its edges: a resumed run gives a fresh run's answer whatever changed in
+between, a file changed mid-run is audited, not a crash; bad input (a dead Ray address, a report
+folder that is not there, a state file of the wrong shape, ``--exact -1``) is exit 2 before any work
+or any write; Ctrl-C stops a pool without a traceback from every worker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from surgeon.audit.pipeline import Plan, _exact_picks, run_audit
+from surgeon.cli import main
+from surgeon.core.errors import BadInput
+
+TIMING = ("seconds", "files_per_s", "mb_per_s", "resumed", "workers", "backend")
+
+
+def _stable(report) -> dict:
+    return {k: v for k, v in report.to_json().items() if k not in TIMING}
+
+
+def _stale(report) -> set[str]:
+    return {Path(o["path"]).name for o in report.to_json()["outliers"] if any(f["kind"] == "stale" for f in o["findings"])}
+
+
+def _cli(*args, code):
+    res = CliRunner().invoke(main, ["audit", *map(str, args)])
+    assert res.exit_code == code, res.output
+    return res
+
+
+def test_a_resumed_run_redoes_the_stale_check_against_the_files_as_they_are_now(dump_set, tmp_path):
+    root = tmp_path / "set"
+    shutil.copytree(dump_set.root, root)
+    spec, state = str(dump_set.spec), tmp_path / "s.jsonl"
+    first = run_audit(Plan(root, spec, state_path=state))
+    (detail,) = [f["detail"] for o in first.to_json()["outliers"] for f in o["findings"] if f["kind"] == "stale"]
+    source = Path(detail.split(" to rows of ")[1].split(" (slot")[0])
+    assert source.parent == root.absolute()
+    source.unlink()  # the copy's source gone: the copy is no finding any more
+    resumed = run_audit(Plan(root, spec, state_path=state, resume=True))
+    fresh = run_audit(Plan(root, spec, state_path=tmp_path / "fresh.jsonl"))
+    assert resumed.resumed == 59 and _stale(resumed) == _stale(fresh) == set()
+    assert _stable(resumed) == _stable(fresh)
+
+
+def test_a_file_changed_after_the_resume_began_is_audited_in_its_turn(dump_set, tmp_path, monkeypatch):
+    import surgeon.audit.pipeline as pipeline
+
+    state = tmp_path / "s.jsonl"
+    first = run_audit(Plan(dump_set.root, str(dump_set.spec), state_path=state))
+    real, calls = pipeline._recorded, []
+
+    def changed_after_the_start(st, path, read=True):
+        calls.append(read)
+        return None if read and len(calls) == 61 + 3 else real(st, path, read)  # the 4th file, at its turn
+
+    monkeypatch.setattr(pipeline, "_recorded", changed_after_the_start)
+    again = run_audit(Plan(dump_set.root, str(dump_set.spec), state_path=state, resume=True))
+    assert again.resumed == 59 and _stable(again) == _stable(first)
+
+
+def test_resume_knows_the_files_however_dir_was_typed(dump_set, tmp_path, monkeypatch):
+    state = tmp_path / "s.jsonl"
+    monkeypatch.chdir(dump_set.root.parent)
+    run_audit(Plan(Path(dump_set.root.name), str(dump_set.spec), state_path=state, structure_only=True))
+    monkeypatch.chdir(tmp_path)
+    again = run_audit(Plan(dump_set.root, str(dump_set.spec), state_path=state, structure_only=True, resume=True))
+    assert again.resumed == 60
+    other = tmp_path / "moved"
+    shutil.copytree(dump_set.root, other, copy_function=os.link)
+    moved = run_audit(Plan(other, str(dump_set.spec), state_path=state, structure_only=True, resume=True))
+    assert moved.resumed == 0 and any("none of the 60 files the state records" in n for n in moved.notes), moved.notes
+
+
+@pytest.mark.parametrize("n, k, want", [(3, 8, {0, 1, 2}), (2, 4, {0, 1}), (100, 4, {12, 37, 62, 87}), (5, 0, set()),
+                                        (0, 4, set())])
+def test_exact_picks_are_spread_and_all_files_where_there_are_fewer(n, k, want):
+    assert _exact_picks(n, k) == want
+
+
+def test_a_dead_ray_address_is_bad_input_before_the_state_is_touched(dump_set, tmp_path):
+    import socket
+
+    state = tmp_path / "s.jsonl"
+    run_audit(Plan(dump_set.root, str(dump_set.spec), state_path=state, structure_only=True))
+    before = state.read_bytes()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    t = time.monotonic()
+    with pytest.raises(BadInput, match=f"--ray 127.0.0.1:{port}: cannot connect"):
+        run_audit(Plan(dump_set.root, str(dump_set.spec), state_path=state, structure_only=True,
+                       ray_address=f"127.0.0.1:{port}"))
+    assert time.monotonic() - t < 30 and state.read_bytes() == before
+    with pytest.raises(BadInput, match="not HOST:PORT"):
+        run_audit(Plan(dump_set.root, str(dump_set.spec), state_path=state, structure_only=True, ray_address="nowhere"))
+
+
+def test_a_report_into_a_missing_folder_is_bad_input_before_the_audit(dump_set, tmp_path):
+    res = _cli(dump_set.root, "--spec", dump_set.spec, "--structure-only", "--state", tmp_path / "s.jsonl",
+               "--report", tmp_path / "no" / "r.html", code=2)
+    assert "no folder" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "s.jsonl").exists()  # nothing written
+
+
+def test_a_negative_exact_count_is_a_usage_error(dump_set):
+    res = _cli(dump_set.root, "--spec", dump_set.spec, "--exact", "-1", code=2)
+    assert "--exact" in res.output
+
+
+@pytest.mark.parametrize("lines, where", [
+    (["[1, 2]"], ":1:1:"), (['"x"'], ":1:1:"), (["null"], ":1:1:"),
+    (["{header}", '{"a": 1}'], ":2:1:"), (["{header}", "[1]"], ":2:1:"),
+])
+def test_a_state_file_of_the_wrong_shape_is_bad_input_with_its_line(dump_set, tmp_path, lines, where):
+    state = tmp_path / "s.jsonl"
+    run_audit(Plan(dump_set.root, str(dump_set.spec), state_path=state, structure_only=True))
+    header = state.read_text().splitlines()[0]
+    state.write_text("".join((header if x == "{header}" else x) + "\n" for x in lines))
+    res = _cli(dump_set.root, "--spec", dump_set.spec, "--structure-only", "--state", state, "--resume", code=2)
+    assert f"{state}{where}" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_pool_with_one_line(specforge_set, tiny_target, tmp_path):
+    state = tmp_path / "s.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    args = ["audit", str(specforge_set.root), "--spec", str(specforge_set.spec), "--reference", f"hf:{tiny_target}",
+            "--exact", "160", "--workers", "2", "--state", str(state), "--json"]
+    p = subprocess.Popen([sys.executable, "-m", "surgeon", *args], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while (not state.exists() or len(state.read_bytes().splitlines()) < 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # as a terminal sends it, to every process of the group, while the workers wait for work (the
+    # driver identifies every file exactly, one at a time)
+    os.killpg(p.pid, signal.SIGINT)
+    err = p.communicate(timeout=60)[1].decode()
+    assert p.returncode == 130 and "Traceback" not in err and err.strip().splitlines() == ["surgeon: interrupted"], err
