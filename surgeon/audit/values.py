@@ -192,17 +192,18 @@ def _bad_rows(g: Gathered, N, finite) -> None:
 
 
 def _zero_rows(g: Gathered, N) -> None:
-    """For the rows whose norm is 0: those holding a nonzero value (so small that its square is 0 in
-    float32) get their norm recomputed in float64, at least float32's smallest normal, in place
-    (torch [S, T]); the rest hold only zeros."""
+    """For the rows whose norm is 0: those whose hashed columns hold a nonzero value (values so small
+    that their squares vanish in float32) are read again and get their norm in float64, at least
+    float32's smallest normal, in place (torch [S, T]). The others hold zeros: a row of such values
+    that is zero in 64 contiguous columns is taken for zeros (no hidden state either way; not
+    reading it again keeps a slot of zeros, a common fault, from costing a second read of the slot)."""
     import torch
 
     for s in torch.nonzero((N == 0).any(1)).reshape(-1).tolist():
         rows = torch.nonzero(N[s] == 0).reshape(-1)
-        x = g.rows_of(s, rows)
-        some = (x != 0).any(1)
-        if bool(some.any()):
-            N[s, rows[some]] = torch.linalg.vector_norm(x[some].double(), dim=1).float().clamp_min(
+        rows = rows[(g.blocks[s].index_select(0, rows) != 0).any(1)]
+        if rows.numel():
+            N[s, rows] = torch.linalg.vector_norm(g.rows_of(s, rows).double(), dim=1).float().clamp_min(
                 torch.finfo(torch.float32).tiny)
 
 
