@@ -168,6 +168,7 @@ class Profile:
     source: str
     prompts: int
     tokens: int
+    files: tuple[str, ...] = ()  # the set's files whose ids the target ran on (an hf: profile)
 
     def to_json(self) -> dict:
         return {"source": self.source, "prompts": self.prompts, "tokens": self.tokens,

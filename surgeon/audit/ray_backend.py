@@ -20,15 +20,16 @@ from surgeon.core.errors import BadInput
 
 
 def check_address(address: str) -> None:
-    """Bad input unless something listens at ``address`` (``HOST:PORT``; ``auto`` and ``local`` are
-    Ray's to resolve): asked before any work, where ``ray.init`` would wait on a dead address."""
+    """Bad input unless something listens at ``address`` (``HOST:PORT`` or ``ray://HOST:PORT``;
+    ``auto``, ``local`` and ``anyscale://`` are Ray's to resolve): asked before any work, where
+    ``ray.init`` would wait on a dead address."""
     import socket
 
-    host, sep, port = address.rpartition(":")
+    if address in ("auto", "local") or address.startswith("anyscale://"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")  # a Ray Client address: its server's port
     if not sep or not port.isdigit():
-        if address in ("auto", "local") or address.startswith(("ray://", "anyscale://")):
-            return
-        raise BadInput(f"--ray {address}: not HOST:PORT (or auto, local)")
+        raise BadInput(f"--ray {address}: not HOST:PORT (or ray://HOST:PORT, auto, local)")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
     except OSError as e:

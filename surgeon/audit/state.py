@@ -17,13 +17,19 @@ from typing import IO, Any
 
 from surgeon.core.errors import BadInput
 
-VERSION = 2  # 2: row hashes of a 64-column block, identity on several statistics
+VERSION = 3  # 2: row hashes of a 64-column block, identity on several statistics; 3: the profile's files
 
 
 def _is_record(r: Any) -> bool:
+    """Whether ``r`` has the shape of a file's result, as far as a resumed run reads it back."""
+    def listed(key: str, ok) -> bool:
+        return isinstance(r.get(key), list) and all(ok(x) for x in r[key])
+
     return isinstance(r, dict) and isinstance(r.get("path"), str) and isinstance(r.get("size"), int) \
         and (r.get("mtime_ns") is None or isinstance(r.get("mtime_ns"), int)) \
-        and isinstance(r.get("findings"), list) and isinstance(r.get("slots"), list)
+        and listed("findings", lambda f: isinstance(f, dict) and isinstance(f.get("kind"), str)) \
+        and listed("slots", lambda s: isinstance(s, dict) and isinstance(s.get("name"), str)) \
+        and listed("hashes", lambda h: isinstance(h, list) and len(h) == 4 and all(isinstance(v, int) for v in h))
 
 
 class State:
@@ -97,6 +103,18 @@ class State:
         with self.path.open("rb") as f:
             f.seek(rec[2])
             return json.loads(f.readline())
+
+    @staticmethod
+    def prompt_files(path: Path) -> list[str]:
+        """The files the profile of the audit recorded at ``path`` was built on (none where there is
+        no such state: its own checks come when it is opened)."""
+        try:
+            with path.open("rb") as f:
+                header = json.loads(f.readline())
+        except (OSError, ValueError):
+            return []
+        files = header.get("prompt_files") if isinstance(header, dict) else None
+        return [p for p in files if isinstance(p, str)] if isinstance(files, list) else []
 
     @property
     def recorded(self) -> int:

@@ -99,6 +99,7 @@ def _finding(kind: str, slot: str | None, detail: str) -> dict[str, Any]:
 
 VALUE_LAYOUTS = ("specforge", "speculators", "surgeon")  # the layouts whose slots are values to check
 VALUE_DTYPES = ("float16", "bfloat16", "float32", "float64")  # the slot dtypes the value pass reads
+ERROR = "error"  # the finding of a file whose audit hit an error no check foresaw
 
 
 def audit_file(ctx: Context, path: str) -> dict[str, Any]:
@@ -123,9 +124,9 @@ def audit_file(ctx: Context, path: str) -> dict[str, Any]:
                 _value_part(ctx, path, st, out)
     except BadInput as e:
         out["findings"].append(_finding("unreadable", None, str(e).splitlines()[0] if str(e) else type(e).__name__))
-    except Exception as e:  # noqa: BLE001 - a sample no check foresaw: a finding on that file, the audit goes on
-        out["findings"].append(_finding("unreadable", None, f"not audited: {type(e).__name__}: "
-                                                            f"{(str(e).splitlines() or [''])[0][:200]}"))
+    except Exception as e:  # noqa: BLE001 - no check foresaw it: said on that file, the audit goes on (exit 1)
+        out["findings"].append(_finding(ERROR, None, f"not audited: {type(e).__name__}: "
+                                                     f"{(str(e).splitlines() or [''])[0][:200]}"))
     return out
 
 

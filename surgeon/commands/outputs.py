@@ -676,7 +676,8 @@ class AcceptOutput(_Output):
 
 # -- audit of a training set -------------------------------------------------------------------------
 class AuditFinding(_Closed):
-    kind: str = Field(description="structure, unreadable, nonfinite, zero, constant, repeated, stale, identity, exact")
+    kind: str = Field(description="structure, unreadable, nonfinite, zero, constant, repeated, stale, identity, exact; "
+                                  "error: the file's audit hit an error no check foresaw (exit 1)")
     slot: str | None
     detail: str
 
@@ -721,7 +722,7 @@ class AuditExact(_Closed):
 
 
 class AuditOutput(_Output):
-    ok: bool = Field(description="no file has a finding (exit 3 otherwise)")
+    ok: bool = Field(description="no file has a finding (exit 3 otherwise; 1 where a file's audit hit an error)")
     root: str
     spec: str
     files: int

@@ -227,6 +227,10 @@ def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dty
     )
 
 
+class OutOfVocabulary(BadInput):
+    """Token ids the model has no embedding for: the ids' fault, not the model's."""
+
+
 def checked_structure(model, model_dir: Path, ids: torch.Tensor) -> tuple[list[torch.nn.Module], torch.nn.Module]:
     """The decoder layers and final norm, refused when the config disagrees with them or the ids
     fall outside the vocabulary."""
@@ -238,7 +242,7 @@ def checked_structure(model, model_dir: Path, ids: torch.Tensor) -> tuple[list[t
     vocab = model.get_input_embeddings().num_embeddings
     bad = ids[(ids < 0) | (ids >= vocab)]
     if bad.numel():
-        raise BadInput(f"token id {int(bad[0])} is out of the vocabulary (0..{vocab - 1})")
+        raise OutOfVocabulary(f"token id {int(bad[0])} is out of the vocabulary (0..{vocab - 1})")
     return layers, norm
 
 

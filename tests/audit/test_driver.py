@@ -117,9 +117,13 @@ def test_a_negative_exact_count_is_a_usage_error(dump_set):
     assert "--exact" in res.output
 
 
+_RECORD = '{"path": "p", "size": 1, "mtime_ns": 1, "slots": [], "hashes": [], "findings": %s}'
+
+
 @pytest.mark.parametrize("lines, where", [
     (["[1, 2]"], ":1:1:"), (['"x"'], ":1:1:"), (["null"], ":1:1:"),
     (["{header}", '{"a": 1}'], ":2:1:"), (["{header}", "[1]"], ":2:1:"),
+    (["{header}", _RECORD % "[]", _RECORD % "[1]"], ":3:1:"),
 ])
 def test_a_state_file_of_the_wrong_shape_is_bad_input_with_its_line(dump_set, tmp_path, lines, where):
     state = tmp_path / "s.jsonl"
@@ -146,3 +150,76 @@ def test_ctrl_c_stops_a_pool_with_one_line(specforge_set, tiny_target, tmp_path)
     os.killpg(p.pid, signal.SIGINT)
     err = p.communicate(timeout=60)[1].decode()
     assert p.returncode == 130 and "Traceback" not in err and err.strip().splitlines() == ["surgeon: interrupted"], err
+
+
+def test_ray_client_and_ipv6_addresses_are_probed_where_they_point(dump_set, tmp_path):
+    import socket
+
+    from surgeon.audit.ray_backend import check_address
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        check_address(f"ray://127.0.0.1:{port}")  # a Ray Client server listens there: no error
+        check_address(f"localhost:{port}")
+    for address in ("auto", "local"):
+        check_address(address)  # Ray's to resolve
+    with pytest.raises(BadInput, match="cannot connect"):
+        check_address(f"ray://127.0.0.1:{port}")
+
+
+def test_a_resume_keeps_its_profile_when_files_are_added_or_removed(specforge_set, tiny_target, tmp_path):
+    root = tmp_path / "set"
+    root.mkdir()
+    files = sorted(specforge_set.root.glob("data_*"))
+    for p in files[:40]:
+        os.symlink(p, root / p.name)
+    state = tmp_path / "s.jsonl"
+    first = run_audit(Plan(root, str(specforge_set.spec), reference=f"hf:{tiny_target}", exact_files=0, state_path=state))
+    assert len(first.profile.files) == 12
+    gone = next(p for p in sorted(root.iterdir()) if str(p) not in first.profile.files)
+    gone.unlink()
+    for p in files[40:50]:
+        os.symlink(p, root / p.name)
+    again = run_audit(Plan(root, str(specforge_set.spec), reference=f"hf:{tiny_target}", exact_files=0, state_path=state,
+                           resume=True))  # the prompts spread over 49 files are others: the state's are taken
+    assert again.resumed == 39 and again.profile.files == first.profile.files
+
+
+def test_resume_knows_the_files_through_a_symlink_or_dotdot(dump_set, tmp_path):
+    state = tmp_path / "s.jsonl"
+    run_audit(Plan(dump_set.root, str(dump_set.spec), state_path=state, structure_only=True))
+    link = tmp_path / "link"
+    link.symlink_to(dump_set.root, target_is_directory=True)
+    for root in (link, dump_set.root / ".." / dump_set.root.name):
+        again = run_audit(Plan(root, str(dump_set.spec), state_path=state, structure_only=True, resume=True))
+        assert again.resumed == 60
+
+
+def test_an_interrupted_pool_stops_its_workers_at_once(dump_set, monkeypatch):
+    import multiprocessing
+
+    import surgeon.audit.worker as worker
+    from surgeon.audit.pipeline import LOCAL_BATCH, _local
+
+    real = worker.audit_file
+    paths = sorted(str(p) for p in dump_set.root.glob("dump_*"))
+    first = set(paths[:LOCAL_BATCH])
+
+    def slow_after_the_first(ctx, path):
+        if path not in first:
+            time.sleep(5)  # every batch after the first takes 20 s: waiting for them is what must not happen
+        return real(ctx, path)
+
+    monkeypatch.setattr(worker, "audit_file", slow_after_the_first)  # the forked workers have it too
+    gen = _local(worker.Context(str(dump_set.spec)), paths, 2, {})
+    next(gen)
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        gen.throw(KeyboardInterrupt)
+    assert time.monotonic() - t < 4
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not multiprocessing.active_children()

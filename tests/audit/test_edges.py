@@ -104,8 +104,14 @@ def test_the_audit_goes_on_past_a_malformed_sample_and_past_a_failure_no_check_f
 
     monkeypatch.setattr(worker, "_value_part", broken)
     out = audit_file(Context(_spec(tmp_path, "specforge")), str(root / "data_0.ckpt"))
-    assert out["findings"] == [{"kind": "unreadable", "slot": None,
-                                "detail": "not audited: RuntimeError: a case nobody foresaw"}]
+    assert out["findings"] == [{"kind": "error", "slot": None, "detail": "not audited: RuntimeError: a case nobody foresaw"}]
+    # every file audited and reported all the same; exit 1 (an internal error), and none recorded as
+    # done: --resume audits them again
+    rep = run_audit(Plan(root, _spec(tmp_path, "specforge"), workers=1, state_path=tmp_path / "e.jsonl"))
+    assert rep.exit_code == 1 and rep.agg.kinds["error"] == 4 and any("4 file(s) not audited" in n for n in rep.notes)
+    monkeypatch.undo()
+    again = run_audit(Plan(root, _spec(tmp_path, "specforge"), workers=1, state_path=tmp_path / "e.jsonl", resume=True))
+    assert again.resumed == 0 and again.exit_code == 3 and "error" not in again.agg.kinds
 
 
 def test_rows_too_small_for_a_float32_norm_are_not_zero_rows(tmp_path):
@@ -153,7 +159,8 @@ def test_rows_repeated_on_their_own_token_are_no_finding(tmp_path):
 @pytest.mark.slow
 def test_the_profile_is_built_across_the_set_and_judges_short_samples_by_their_rows(tiny_target, tmp_path):
     """A set sorted so that its first files are short (8 tokens), the rest long (128): the profile
-    takes long prompts from across the set; neither kind of clean file is flagged."""
+    takes prompts from across the set, both lengths; neither kind of clean file is flagged (the
+    first files alone made every long one "mismatch")."""
     short = make_synthetic_set(tmp_path / "a", tiny_target, files=12, layout="speculators", count=0, seed=6,
                                dtype="float32", lengths=(8,))
     long = make_synthetic_set(tmp_path / "b", tiny_target, files=20, layout="speculators", count=0, seed=7,
@@ -166,7 +173,7 @@ def test_the_profile_is_built_across_the_set_and_judges_short_samples_by_their_r
     rep = run_audit(Plan(root, str(short.spec), reference=f"hf:{tiny_target}", exact_files=0,
                          state_path=tmp_path / "s.jsonl"))
     assert rep.ok, [(Path(o["path"]).name, o["findings"][:1]) for o in rep.to_json()["outliers"]]
-    assert any("12 files spread over the set (128-128 tokens)" in n for n in rep.notes), rep.notes
+    assert any("12 files spread over the set (8-128 tokens)" in n for n in rep.notes), rep.notes
 
 
 @pytest.mark.slow
@@ -182,3 +189,20 @@ def test_a_file_the_target_cannot_run_is_left_out_of_the_profile_and_named(tiny_
                          state_path=tmp_path / "s.jsonl"))
     assert any("1 file(s) left out" in n and bad.name in n for n in rep.notes), rep.notes
     assert any("12 files spread over the set" in n for n in rep.notes), rep.notes
+
+
+def test_a_model_the_audit_cannot_use_stops_the_profile_at_its_first_file(specforge_set, monkeypatch):
+    import surgeon.verify.reference as reference
+    from surgeon.core.errors import BadInput
+
+    calls = []
+
+    def unusable(model_dir, ids, **kw):
+        calls.append(model_dir)
+        raise BadInput(f"{model_dir}: unrecognised model structure")
+
+    monkeypatch.setattr(reference, "capture_reference", unusable)
+    with pytest.raises(BadInput, match="unrecognised model structure"):
+        run_audit(Plan(specforge_set.root, str(specforge_set.spec), reference=f"hf:{specforge_set.model}", exact_files=0,
+                       state_path=specforge_set.root.parent / "m.jsonl"))
+    assert len(calls) == 1  # not once per candidate file
