@@ -210,7 +210,8 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     if workers < 1:
         raise BadInput(f"--workers {workers}: at least 1")
     spec = load_spec(plan.spec_path)
-    paths = [str(p) for p in discover(plan.root.resolve())]  # one key per file however DIR was typed, wherever from
+    root = plan.root.resolve()
+    paths = [str(p) for p in discover(root)]  # one key per file however DIR was typed, wherever from
     if not paths:
         raise BadInput(f"{plan.root}: no .ckpt, .safetensors or .pt files under it")
     if plan.ray_address:
@@ -222,14 +223,15 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     if plan.structure_only:
         profile, exact_model = None, None
     else:  # a resumed audit runs the target on the files its state names: the profile recorded
-        prefer = State.prompt_files(state_path) if plan.resume else []
+        prefer = _recorded_prompts(state_path, root, paths) if plan.resume else []
         profile, exact_model = plan.built or build_profile(plan.reference, spec, paths, notes, prefer)
     if workers > 1 and not plan.ray_address:
         _trim_heap()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)
     picks = _exact_picks(len(paths), plan.exact_files if exact_model else 0)
     state = State(state_path, {"spec_sha256": spec.sha256, "profile": profile.digest() if profile else None,
-                               "prompt_files": list(profile.files) if profile else [], "exact_model": exact_model,
+                               "prompt_files": [os.path.relpath(f, root) for f in profile.files] if profile else [],
+                               "exact_model": exact_model,
                                "exact_files": len(picks), "structure_only": plan.structure_only}, plan.resume)
     cpu: dict[str, float] = {}
     run, backend = _executor(plan, ctx, workers, cpu)
@@ -263,6 +265,21 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     _notes(notes, agg, plan, profile, exact_model)
     return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,
                        workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu)
+
+
+def _recorded_prompts(state_path: Path, root: Path, paths: list[str]) -> list[str]:
+    """The files a resumed audit's profile was built on (the state names them relative to DIR);
+    bad input where some are no longer here (its profile cannot be built again)."""
+    names = State.prompt_files(state_path)
+    if not names:
+        return []
+    here = set(paths)
+    files = [os.path.normpath(root / n) for n in names]
+    gone = [n for n, f in zip(names, files) if f not in here]
+    if gone:
+        raise BadInput(f"{state_path}:1:1: its profile was built on files no longer in DIR ({', '.join(gone[:3])}"
+                       f"{' ...' if len(gone) > 3 else ''}): remove the state, or run without --resume")
+    return files
 
 
 def _recorded(state: State, path: str, read: bool = True) -> dict[str, Any] | None:

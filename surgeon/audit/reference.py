@@ -50,15 +50,16 @@ def _with_ids(paths: list[str]) -> list[str]:
 
 
 def prompt_files(paths: list[str], prefer: Sequence[str] = ()) -> Iterator[str]:
-    """The files in the order the target is run on them until :data:`PROMPTS` ran: ``prefer`` (the
-    ones a resumed audit's state names), then :data:`PROMPTS` spread over the candidates, then the
-    other candidates (the headers read only if ``prefer`` does not suffice)."""
-    yield from prefer
+    """The files in the order the target is run on them until :data:`PROMPTS` ran: ``prefer`` alone
+    where given (a resumed audit's, from its state: the profile it recorded), else :data:`PROMPTS`
+    spread over the candidates, then the other candidates."""
+    if prefer:
+        yield from prefer
+        return
     found = _with_ids(paths)
     first = _spread(found, PROMPTS)
-    taken = set(prefer)
-    yield from (p for p in first if p not in taken)
-    taken |= set(first)
+    yield from first
+    taken = set(first)
     yield from (p for p in found if p not in taken)
 
 
@@ -101,7 +102,7 @@ def _captured(model_dir: str | Path, paths: list[str], num_layers: int, notes: l
 def build_profile(reference: str | None, spec, paths: list[str], notes: list[str],
                   prefer: Sequence[str] = ()) -> tuple[Profile | None, str | None]:
     """(profile, model folder for exact identification or None). ``prefer``: for ``hf:``, the files
-    to run the target on first (a resumed audit's, from its state)."""
+    to run the target on, and no others (a resumed audit's, from its state)."""
     if reference is None:
         return None, None
     if reference.startswith("hf:"):

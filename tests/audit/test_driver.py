@@ -1,5 +1,6 @@
-"""The audit's driver at its edges: a resumed run gives a fresh run's answer whatever changed in
-between, a file changed mid-run is audited, not a crash; bad input (a dead Ray address, a report
+"""The audit's driver at its edges: a resumed run redoes the stale check as a fresh run would and
+keeps its recorded profile whatever was added or removed, a file changed mid-run is audited, not a
+crash; bad input (a dead Ray address, a report
 folder that is not there, a state file of the wrong shape, ``--exact -1``) is exit 2 before any work
 or any write; Ctrl-C stops a pool without a traceback from every worker."""
 
@@ -223,3 +224,26 @@ def test_an_interrupted_pool_stops_its_workers_at_once(dump_set, monkeypatch):
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not multiprocessing.active_children()
+
+
+def test_a_resume_rebuilds_its_profile_on_its_own_files_or_says_which_are_gone(specforge_set, tiny_target, tmp_path):
+    root = tmp_path / "set"
+    root.mkdir()
+    for p in sorted(specforge_set.root.glob("data_*"))[:30]:
+        os.symlink(p, root / p.name)
+    state = tmp_path / "s.jsonl"
+    ref = f"hf:{tiny_target}"
+    first = run_audit(Plan(root, str(specforge_set.spec), reference=ref, exact_files=0, state_path=state))
+    moved = tmp_path / "moved"
+    root.rename(moved)  # the state names the profile's files relative to DIR: a moved set resumes
+    again = run_audit(Plan(moved, str(specforge_set.spec), reference=ref, exact_files=0, state_path=state, resume=True))
+    assert again.profile.digest() == first.profile.digest()
+    other = tmp_path / "other"
+    other.mkdir()
+    for p in sorted(specforge_set.root.glob("data_*"))[100:110]:
+        os.symlink(p, other / p.name)
+    with pytest.raises(BadInput, match=r"s\.jsonl:1:1: its profile was built on files no longer in DIR \(data_"):
+        run_audit(Plan(other, str(specforge_set.spec), reference=ref, exact_files=0, state_path=state, resume=True))
+    (moved / Path(first.profile.files[3]).name).unlink()
+    with pytest.raises(BadInput, match=Path(first.profile.files[3]).name):
+        run_audit(Plan(moved, str(specforge_set.spec), reference=ref, exact_files=0, state_path=state, resume=True))
