@@ -26,7 +26,7 @@ from typing import Any
 CHUNK_BYTES = 4 << 20  # bytes a read: a few MB stays in the cache for the pass that follows (measured: 2-8 MB best)
 
 # the dtypes a slot may have, by their safetensors and torch names
-FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 INTS = {"I64": "int64", "I32": "int32", "I16": "int16", "U8": "uint8", "I8": "int8"}
 
 

@@ -186,14 +186,18 @@ def _load(gated: TensorFile, where: str, mmap: bool = False) -> Any:
         raise BadInput(f"{gated.path}: cannot be read with weights_only=True: {str(e).splitlines()[0][:160]}") from None
 
 
+def _storage_records(gated: TensorFile) -> dict[str, tuple[int, int, int]]:
+    """The zip records of a ``torch.save`` file's tensor storages (``data/N``, under its archive folder)."""
+    return {n: v for n, v in gated.records.items() if n.startswith("data/") or "/data/" in n}
+
+
 def _zip_mode(gated: TensorFile) -> tuple[bool, bool]:
     """(native, mappable) of a ``torch.save`` zip: whether its storages are in this machine's byte
     order (torch swaps them as it loads, which on the meta device crashes the process, torch 2.13),
     and whether they are stored uncompressed (what a memory map of them needs)."""
     import zipfile
 
-    data = [v for n, v in gated.records.items() if n.startswith("data/") or "/data/" in n]
-    mappable = all(c == zipfile.ZIP_STORED for _, _, c in data)
+    mappable = all(c == zipfile.ZIP_STORED for _, _, c in _storage_records(gated).values())
     order = next((v for n, v in gated.records.items() if n == "byteorder" or n.endswith("/byteorder")), None)
     if order is None:  # written before torch recorded it: little-endian, as torch assumes
         return sys.byteorder == "little", mappable
@@ -241,8 +245,7 @@ def _specforge_plan(gated: TensorFile, aux: Any, hidden: Any, ids: Any, k: int) 
     by side) and ``hidden_state`` ``[1, T, H]``, and its ``input_ids``."""
     import torch
 
-    records = {start: (size, how) for name, (start, size, how) in gated.records.items()
-               if name.startswith("data/") or "/data/" in name}
+    records = {start: (size, how) for start, size, how in _storage_records(gated).values()}
     H, T = int(hidden.shape[-1]), int(aux.shape[-2])
     at_aux, at_hidden = _file_offset(aux, records), _file_offset(hidden, records)
     dtypes = {_dt(str(aux.dtype)), _dt(str(hidden.dtype))}

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from surgeon.audit.profile import Profile, match_slot
+from surgeon.audit.rows import FLOATS
 from surgeon.audit.structure import Structure, check_structure, read_structure
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
@@ -98,7 +99,7 @@ def _finding(kind: str, slot: str | None, detail: str) -> dict[str, Any]:
 
 
 VALUE_LAYOUTS = ("specforge", "speculators", "surgeon")  # the layouts whose slots are values to check
-VALUE_DTYPES = ("float16", "bfloat16", "float32", "float64")  # the slot dtypes the value pass reads
+VALUE_DTYPES = tuple(FLOATS.values())  # the slot dtypes the value pass reads: the float ones a plan may read
 ERROR = "error"  # the finding of a file whose audit hit an error no check foresaw
 
 
