@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from surgeon.audit.rows import FLOATS, INTS, Region, RowPlan, plan
+from surgeon.audit.torchzip import meta_load
 from surgeon.capture.tensorfiles import SAFETENSORS, ZIP, TensorFile, open_tensor_file
 from surgeon.core.errors import BadInput
 
@@ -144,7 +145,7 @@ def _pickle_structure(gated: TensorFile) -> Structure:
 
     if gated.format == ZIP:  # onto the meta device: the pickle is read, each storage's offset noted, no data read
         native, mappable = _zip_mode(gated)
-        data = _load(gated, "meta") if native else _load(gated, "cpu", mmap=mappable)
+        data = (meta_load(gated) or _load(gated, "meta")) if native else _load(gated, "cpu", mmap=mappable)
     else:
         data = _load(gated, "cpu")
     if not isinstance(data, dict) or not isinstance(data.get("aux_hidden_state"), torch.Tensor):
