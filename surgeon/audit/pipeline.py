@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from surgeon.audit.aggregate import Aggregate
+from surgeon.audit.heap import settle, trim
 from surgeon.audit.profile import Profile
 from surgeon.audit.state import State
 from surgeon.audit.structure import STATE_NAME, discover
@@ -85,17 +86,6 @@ class AuditReport:
 
 
 LOCAL_BATCH = 4  # files per task in a local pool: each task costs the driver ~1 ms (measured); fine grains balance the end
-
-
-def _trim_heap() -> None:
-    """Give freed heap back to the OS (glibc's malloc_trim; nothing elsewhere)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _local(ctx: Context, todo: list[str], workers: int, cpu: dict[str, float]) -> Iterator[dict[str, Any]]:
@@ -226,7 +216,8 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         prefer = _recorded_prompts(state_path, root, paths) if plan.resume else []
         profile, exact_model = plan.built or build_profile(plan.reference, spec, paths, notes, prefer)
     if workers > 1 and not plan.ray_address:
-        _trim_heap()  # the profile's build left freed heap: forking workers would copy its page tables
+        settle()  # here, before the fork: each worker inherits it, none walks (and so copies) the driver's objects
+        trim()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)
     picks = _exact_picks(len(paths), plan.exact_files if exact_model else 0)
     state = State(state_path, {"spec_sha256": spec.sha256, "profile": profile.digest() if profile else None,

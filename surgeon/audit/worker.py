@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from surgeon.audit.heap import settle
 from surgeon.audit.profile import Profile, match_slot
 from surgeon.audit.rows import FLOATS
 from surgeon.audit.structure import Structure, check_structure, read_structure
@@ -51,7 +52,9 @@ def batches(items: list[str], size: int) -> Iterator[list[str]]:
 
 
 def run_batch(ctx: Context, batch: list[str]) -> list[dict[str, Any]]:
-    """One task: a few files audited in order (what a worker process or a Ray task runs)."""
+    """One task: a few files audited in order (what a worker process or a Ray task runs), in a
+    process settled for file after file (:func:`surgeon.audit.heap.settle`)."""
+    settle()
     return [audit_file(ctx, path) for path in batch]
 
 
