@@ -5,7 +5,7 @@ An audited file allocates a few MB of arrays (its norms, hashed columns and samp
 numpy's temporaries on them) and frees them at its end. glibc's defaults give that memory back to
 the OS whenever the free space at the top of the heap passes a threshold it sets to twice the
 largest block it recently freed, so the next file faults every page in again and the kernel zeroes
-each one: 250 page faults a file, and a quarter of the time of the per-channel statistics,
+each one: 250 page faults a file, and two thirds of the time of the per-channel statistics,
 measured in-loop on ``benchmarks/audit.py``'s set (:func:`keep_freed` cut them to 40).
 
 Python's collector, for its part, walked every object of the process (torch's and numpy's modules,
