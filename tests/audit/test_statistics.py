@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from surgeon.audit.profile import ANCHOR_TOL, PointProfile, Profile, Stats, match_slot, profile_from_states
 from surgeon.audit.values import file_values, repeated_across_slots, sampled_rows
@@ -137,3 +139,22 @@ def test_a_short_samples_scalars_are_judged_with_a_tolerance_widened_as_its_rows
     assert dist(4096) == pytest.approx(2.0) and dist(None) == pytest.approx(2.0)  # never narrower; unknown: as is
     bare = PointProfile("layer_out[5]", 4.3, 0.01, 8.0, (4.3, 0.1), (0.01, 0.0), (None, None), (math.inf, math.inf))
     assert Profile((bare,), "test", 12, 1536).distances(Stats((off, 0.1), tokens=8))["layer_out[5]"] == pytest.approx(2.0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(2, 300), st.integers(0, 2**31 - 1))
+def test_the_norm_table_of_good_rows_takes_its_short_path_to_the_same_figures(S, T, seed):
+    """Slots whose rows are all good take a path of fewer ops; a file with one more slot holding a
+    NaN row takes the general one: the good slots' figures are the same either way."""
+    import numpy as np
+
+    from surgeon.audit.values import _norm_table
+
+    N = np.random.default_rng(seed).lognormal(2.0, 1.5, (S, T)).astype(np.float32)
+    bad = np.concatenate([N, N[:1]])
+    bad[-1, 0] = np.nan
+    short, general = _norm_table(N, np.isfinite(N)), _norm_table(bad, np.isfinite(bad))[:S]
+    for a, b in zip(short, general):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-12, abs=1e-12), k
