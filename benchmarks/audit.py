@@ -26,7 +26,8 @@ workers, memory vs the number of files, and the structure pass on 100k files, in
 (2) Memory: the peak RSS of a child process auditing the first quarter of the files and all of
     them (flat: the tensors of one file at a time per worker).
 (3) The structure pass (``--structure-only``: headers only) over ``--structure-files`` tiny
-    speculators files.
+    speculators files, and the peak memory of the driver's cross-file index of sampled rows over as
+    many files (16 rows a file) against the dict it replaced.
 
 The CPU is shared with whatever else runs: figures move with the machine's load.
 """
@@ -195,6 +196,44 @@ def child_peak(root: Path, spec: Path, state: Path) -> int:
     return int(json.loads(out.stdout.strip().splitlines()[-1])["maxrss_kb"])
 
 
+def index_memory(files: int) -> dict:
+    """The driver's cross-file index over ``files`` files of 16 sampled rows each (4 slots x KEEP,
+    random hashes: every row indexed): the peak memory (tracemalloc) of its stale checks and of
+    the dict of (context, path, slot) tuples it replaced (the baseline), and its time a file."""
+    import tracemalloc
+
+    import numpy as np
+
+    from surgeon.audit.aggregate import Aggregate
+
+    hashes = np.random.default_rng(0).integers(-(2**62), 2**62, (files, 16)).tolist()
+    rows = [[[k % 4, h, i, 0] for k, h in enumerate(hs)] for i, hs in enumerate(hashes)]
+    index: dict[int, tuple[int, str, int]] = {}
+
+    def by_dict(r: dict) -> None:
+        for slot, h, ctx, _tok in r["hashes"]:
+            index.setdefault(h, (ctx, r["path"], slot))
+
+    out: dict = {"files": files, "rows": 16 * files}
+    for name, check in (("index", Aggregate().stale_check), ("dict", by_dict)):
+        results = [{"path": f"/data/set/sample_{i:06d}.ckpt", "slots": [{"name": n} for n in "abcd"], "hashes": rs,
+                    "findings": []} for i, rs in enumerate(rows)]
+        t = time.perf_counter()
+        for r in results:
+            check(r)
+        out[f"{name}_us_per_file"] = (time.perf_counter() - t) / files * 1e6
+        tracemalloc.start()
+        try:
+            fresh = Aggregate().stale_check if name == "index" else by_dict
+            index.clear()
+            for r in results:
+                fresh(r)
+            out[f"{name}_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    return out
+
+
 def subset(root: Path, n: int, dest: Path) -> Path:
     dest.mkdir()
     for p in sorted(root.iterdir())[:n]:
@@ -272,6 +311,7 @@ def run(args) -> dict:
     rep["memory"] = {"files": [len(paths) // 4, len(paths)],
                      "maxrss_kb": [child_peak(quarter, synth.spec, tmp / "m1.jsonl"),
                                    child_peak(synth.root, synth.spec, tmp / "m2.jsonl")]}
+    rep["index_memory"] = index_memory(args.structure_files or 100_000)
     if args.structure_files:
         t = time.perf_counter()
         sroot = structure_set(tmp / "structure", args.structure_files)

@@ -170,6 +170,12 @@ def rows_audit(r: dict) -> list[Row]:
     m = r["memory"]
     out.append((f"audit peak RSS, {m['files'][0]} vs {m['files'][1]} files", f"{m['maxrss_kb'][1] / 1024:.0f} MB",
                 f"{m['maxrss_kb'][0] / 1024:.0f} MB", f"{m['maxrss_kb'][1] / m['maxrss_kb'][0]:.2f}x", "flat"))
+    im = r.get("index_memory")
+    if im:
+        out.append((f"audit driver: cross-file index of sampled rows, {im['files']:,} files ({im['rows']:,} rows), peak "
+                    f"(tracemalloc; {im['index_us_per_file']:.0f} us a file)", f"{im['index_peak_bytes'] / 1e6:.0f} MB",
+                    f"a dict of (context, path, slot) tuples {im['dict_peak_bytes'] / 1e6:.0f} MB",
+                    f"{im['dict_peak_bytes'] / im['index_peak_bytes']:.1f}x less", "flat"))
     if "structure_pass" in r:
         sp = r["structure_pass"]
         out.append((f"audit --structure-only, {sp['files']:,} files", _s(sp["seconds"]), "", f"{sp['files_per_s']:.0f} files/s",
