@@ -10,12 +10,14 @@ measured in-loop on ``benchmarks/audit.py``'s set (:func:`keep_freed` cut them t
 
 Python's collector, for its part, walked every object of the process (torch's and numpy's modules,
 the profile) in each full collection that a file's garbage triggered: 8.6% of the samples of a
-profile of the audit loop (``perf``), 2.3% once they are frozen (:func:`settle`).
+profile of the audit loop (``perf``), 2.3% once they are frozen (:func:`settle_owned`, :func:`settled`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 KEEP_BYTES = 64 << 20  # free heap kept for the next file: well above one file's arrays (a few MB)
@@ -47,20 +49,45 @@ def keep_freed() -> bool:
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))
 
 
-@functools.lru_cache(maxsize=1)
-def settle() -> None:
-    """Once a process, before its first file: :func:`keep_freed`, and every object alive now (the
-    imported modules, the context and its profile) collected where garbage and the rest moved out
-    of the collector's sight (``gc.freeze``), so that a file's garbage costs a walk of its own
-    objects only. They are handed back to it at exit, for the interpreter's last collection (an
-    extension that checks for leaks then, as nanobind's do, would report every frozen object)."""
+_OWNED: list[bool] = []  # settle_owned() ran in this process
+
+
+def settle_owned(*, collect: bool = True) -> None:
+    """Once in a process the audit owns (a pool worker, a Ray worker), before its first file:
+    :func:`keep_freed`, and every object alive now (the imported modules, the context and its
+    profile) moved out of the collector's sight (``gc.freeze``), so that a file's garbage costs a
+    walk of its own objects only; garbage in cycles collected first, unless the caller did so
+    before forking this process (``collect=False``: a walk here would copy every page the parent
+    shares with it). The objects go back to the collector at exit, for the interpreter's last
+    collection (an extension that checks for leaks then, as nanobind's do, would report each one)."""
     import atexit
     import gc
 
+    if _OWNED:
+        return
+    _OWNED.append(True)
     keep_freed()
-    gc.collect()  # garbage in cycles freed first: a frozen object is never collected
+    if collect:
+        gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
+
+
+@contextlib.contextmanager
+def settled() -> Iterator[None]:
+    """The same for an audit run in the caller's own process (one worker: the driver audits), for
+    the run only: the objects frozen are handed back to the collector when it ends (the caller's
+    objects that die meanwhile are collected then). The heap thresholds stay: the caller keeps at
+    most :data:`KEEP_BYTES` of freed heap."""
+    import gc
+
+    keep_freed()
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def trim() -> None:

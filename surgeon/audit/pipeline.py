@@ -9,6 +9,7 @@ finished file's result on disk.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from surgeon.audit.aggregate import Aggregate
-from surgeon.audit.heap import settle, trim
+from surgeon.audit.heap import settled, trim
 from surgeon.audit.profile import Profile
 from surgeon.audit.state import State
 from surgeon.audit.structure import STATE_NAME, discover
@@ -99,8 +100,9 @@ def _local(ctx: Context, todo: list[str], workers: int, cpu: dict[str, float]) -
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # many small ops: one thread each (a worker = a core); threads stall at
         try:  # barriers when a neighbour is busy (~10x slower on a loaded 2-core machine, measured)
-            for batch in batches(todo, BATCH):
-                yield from run_batch(ctx, batch)
+            with settled():
+                for batch in batches(todo, BATCH):
+                    yield from run_batch(ctx, batch)
         finally:
             torch.set_num_threads(threads)
             cpu["driver"] = time.process_time() - start
@@ -216,7 +218,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         prefer = _recorded_prompts(state_path, root, paths) if plan.resume else []
         profile, exact_model = plan.built or build_profile(plan.reference, spec, paths, notes, prefer)
     if workers > 1 and not plan.ray_address:
-        settle()  # here, before the fork: each worker inherits it, none walks (and so copies) the driver's objects
+        gc.collect()  # here, before the fork: no worker inherits the driver's garbage, or walks (and so copies) it
         trim()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)
     picks = _exact_picks(len(paths), plan.exact_files if exact_model else 0)

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from surgeon.audit.worker import BATCH, Context, batches, run_batch
+from surgeon.audit.worker import BATCH, Context, batches, run_batch_owned
 from surgeon.core.errors import BadInput
 
 
@@ -45,7 +45,7 @@ def run_on_ray(address: str, ctx: Context, todo: list[str], workers: int) -> Ite
         raise BadInput(f"--ray {address}: cannot connect to a Ray cluster there ({str(e).splitlines()[0][:160]})") from None
     try:
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        task = ray.remote(num_cpus=1, max_retries=2)(run_batch)
+        task = ray.remote(num_cpus=1, max_retries=2)(run_batch_owned)
         shared = ray.put(ctx)
         window: deque = deque()
         for batch in batches(todo, BATCH):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from surgeon.audit.rows import FLOATS, INTS, Region, RowPlan, plan
-from surgeon.audit.torchzip import meta_load
+from surgeon.audit.torchzip import TorchZip
 from surgeon.capture.tensorfiles import SAFETENSORS, ZIP, TensorFile, open_tensor_file
 from surgeon.core.errors import BadInput
 
@@ -144,8 +144,9 @@ def _pickle_structure(gated: TensorFile) -> Structure:
     import torch
 
     if gated.format == ZIP:  # onto the meta device: the pickle is read, each storage's offset noted, no data read
-        native, mappable = _zip_mode(gated)
-        data = (meta_load(gated) or _load(gated, "meta")) if native else _load(gated, "cpu", mmap=mappable)
+        tz = TorchZip.open(gated)
+        native, mappable = _zip_mode(gated, tz)
+        data = ((tz and tz.meta_load()) or _load(gated, "meta")) if native else _load(gated, "cpu", mmap=mappable)
     else:
         data = _load(gated, "cpu")
     if not isinstance(data, dict) or not isinstance(data.get("aux_hidden_state"), torch.Tensor):
@@ -192,22 +193,22 @@ def _storage_records(gated: TensorFile) -> dict[str, tuple[int, int, int]]:
     return {n: v for n, v in gated.records.items() if n.startswith("data/") or "/data/" in n}
 
 
-def _zip_mode(gated: TensorFile) -> tuple[bool, bool]:
+def _zip_mode(gated: TensorFile, tz: TorchZip | None = None) -> tuple[bool, bool]:
     """(native, mappable) of a ``torch.save`` zip: whether its storages are in this machine's byte
     order (torch swaps them as it loads, which on the meta device crashes the process, torch 2.13),
-    and whether they are stored uncompressed (what a memory map of them needs)."""
+    as its ``byteorder`` record says to torch's own reader (``tz``; opened here where not given:
+    Python's zipfile may find another entry of that name than torch does), and whether they are
+    stored uncompressed (what a memory map of them needs)."""
     import zipfile
 
     mappable = all(c == zipfile.ZIP_STORED for _, _, c in _storage_records(gated).values())
-    order = next((v for n, v in gated.records.items() if n == "byteorder" or n.endswith("/byteorder")), None)
+    tz = tz or TorchZip.open(gated)
+    if tz is None:  # torch cannot read it: its load, on the CPU, says why
+        return False, mappable
+    order = tz.byteorder()
     if order is None:  # written before torch recorded it: little-endian, as torch assumes
         return sys.byteorder == "little", mappable
-    start, size, how = order
-    if how != zipfile.ZIP_STORED or size > 16:
-        return False, mappable
-    with open(gated.path, "rb") as f:
-        f.seek(start)
-        return f.read(size) == sys.byteorder.encode(), mappable
+    return order == sys.byteorder.encode(), mappable
 
 
 def specforge_data(st: Structure, path: str | Path) -> Any:

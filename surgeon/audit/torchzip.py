@@ -1,35 +1,41 @@
-"""The tensors of a ``torch.save`` zip as meta tensors, from its ``data.pkl`` alone, for the
-structure pass: what ``torch.load(map_location="meta", weights_only=True)`` gives, without its
-per-file cost.
+"""A ``torch.save`` zip as ``torch.load`` reads it, for the structure pass: its records through
+torch's own zip reader, and its tensors as meta tensors from its ``data.pkl`` alone, what
+``torch.load(map_location="meta", weights_only=True)`` gives, without that loader's per-file cost.
 
-``torch.load`` parses the zip again (the gate parsed it already) and runs its weights-only
-unpickler, written in Python: about 0.3 ms a file alone, and more than a millisecond a file
-measured inside an audit, where the 25 MB read before each file has evicted it from the CPU's
-caches (``benchmarks/audit.py``; a third of the audit's time besides the read and the norms).
-Here the C unpickler reads the pickle, and it may build nothing but what this module hands it:
+``torch.load``'s weights-only unpickler is written in Python: about 0.3 ms a file alone, and more
+than a millisecond a file measured inside an audit, where the 25 MB read before each file has
+evicted it from the CPU's caches (``benchmarks/audit.py``; a third of the audit's time besides the
+read and the norms). :meth:`TorchZip.meta_load` runs the C unpickler instead, on a pickle it has
+checked first, so that it builds only what the weights-only loader would build, the same way:
 
+* every opcode is one of those ``torch.save`` writes for a dict of plain tensors, numbers,
+  strings and lists (:data:`OPCODES`, a subset of the weights-only loader's): no ``BUILD``,
+  ``NEWOBJ``, ``INST``/``OBJ`` or extension codes, nothing that sets an attribute of an object;
 * :meth:`_HeadUnpickler.find_class` resolves exactly the globals ``torch.save`` writes for plain
-  tensors (``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict`` for their empty hook
-  dicts, the typed storage classes of the float and integer dtypes) to this module's own inert
-  stand-ins, and refuses every other name: no function of the file's choosing ever runs
-  (the "restricting globals" pattern of the :mod:`pickle` documentation);
+  tensors (``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict`` called without
+  arguments for their empty hook dicts, the typed storage classes of the float and integer
+  dtypes) to stand-ins of this module, fresh for each call, and refuses every other name: no
+  function of the file's choosing ever runs (the "restricting globals" pattern of the
+  :mod:`pickle` documentation);
 * :meth:`_HeadUnpickler.persistent_load` takes only torch's ``("storage", type, key, location,
-  numel)`` ids, and makes an empty meta storage of that size, its ``_checkpoint_offset`` the data
-  offset of the zip record ``data/<key>`` as the gate read it (what ``torch.load`` records on the
-  meta device).
+  numel)`` ids with a key of decimal digits, one size and one dtype a key, and makes an empty meta
+  storage of that size, its ``_checkpoint_offset`` the data offset of the record ``data/<key>``
+  as torch's own zip reader finds it (``torch.load`` on the meta device computes it from the
+  layout of torch's writer, wrong for a zip another tool rewrote; on the CPU it reads that record).
 
-Whatever it does not take (another global, a pickle over :data:`MAX_PICKLE_BYTES`, a compressed
-``data.pkl``, a storage that is no record of the zip, a top level that is no dict of those) makes
-:func:`meta_load` return None, and the caller uses ``torch.load(..., weights_only=True)``, whose
-verdict then stands. Nothing is ever loaded by this module that the weights-only loader would
-refuse.
+Every record (``data.pkl``, ``byteorder``, ``data/<key>``) is looked up by torch's reader, never by
+Python's :mod:`zipfile`: the two disagree on a zip with two entries of one name, names that differ
+in case, or a NUL in a name, and the audit must read the bytes training will load. Whatever this
+module does not take (a pickle over :data:`MAX_PICKLE_BYTES`, another opcode or global, a top level
+that is no dict of str keys, a stand-in left in the result) makes :meth:`TorchZip.meta_load` return
+None, and the caller uses ``torch.load(..., weights_only=True)``, whose verdict then stands.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-import zipfile
+import pickletools
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +43,13 @@ if TYPE_CHECKING:
     from surgeon.capture.tensorfiles import TensorFile
 
 MAX_PICKLE_BYTES = 1 << 20  # a sample's data.pkl is a few hundred bytes; more is left to torch.load
+
+# what torch.save (pickle protocol 2) writes for a dict of tensors, numbers, strings and lists
+OPCODES = frozenset({"PROTO", "STOP", "MARK", "GLOBAL", "REDUCE", "BINPERSID", "EMPTY_DICT", "EMPTY_LIST",
+                     "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
+                     "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE",
+                     "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+MAX_WALK = 100_000  # values of the result looked through for a stand-in; more is left to torch.load
 
 # torch's typed storage classes (``torch.<Name>Storage``) and the dtype each holds
 _STORAGES = {"BFloat16Storage": "bfloat16", "HalfStorage": "float16", "FloatStorage": "float32",
@@ -48,38 +61,62 @@ class _Refused(Exception):
     """The pickle holds something this module does not build: left to ``torch.load``."""
 
 
-class _StorageType:
-    """The stand-in of a ``torch.<Name>Storage`` global: only its dtype is used."""
+class _StandIn:
+    """What :meth:`_HeadUnpickler.find_class` hands the pickle: an object of this module, made for
+    that one reference, that refuses to be given state."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise _Refused("state set on a stand-in")
+
+
+class _StorageType(_StandIn):
+    """A ``torch.<Name>Storage`` global: only its dtype is used; called, it refuses."""
 
     __slots__ = ("dtype",)
 
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: Any) -> None:
         self.dtype = dtype
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise _Refused("a storage class called")
 
 
-class _Storage:
-    """A storage the pickle names: an empty meta storage and its dtype."""
+class _Storage(_StandIn):
+    """A storage the pickle names: an empty meta storage, its dtype and its element count."""
 
-    __slots__ = ("dtype", "untyped")
+    __slots__ = ("dtype", "numel", "untyped")
 
-    def __init__(self, dtype: str, untyped: Any) -> None:
-        self.dtype, self.untyped = dtype, untyped
+    def __init__(self, dtype: Any, numel: int, untyped: Any) -> None:
+        self.dtype, self.numel, self.untyped = dtype, numel, untyped
 
 
-def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
-                       backward_hooks: Any, metadata: Any = None) -> Any:
+class _EmptyOrderedDict(_StandIn):
+    """``collections.OrderedDict``, called as ``torch.save`` writes it for a tensor's hooks: with no
+    arguments (anything else, an iterable of the file's choosing, is refused)."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Any:
+        return OrderedDict()
+
+
+class _RebuildTensor(_StandIn):
     """``torch._utils._rebuild_tensor_v2`` of a plain tensor, on the meta device: a view of the
     storage, nothing allocated, nothing read."""
-    import torch
 
-    if not isinstance(storage, _Storage) or not _ints(size) or not _ints(stride) or len(size) != len(stride) \
-            or not _ints((storage_offset,)) or requires_grad is not False or backward_hooks or metadata:
-        raise _Refused("not a plain tensor")
-    t = torch.empty((0,), dtype=getattr(torch, storage.dtype), device="meta")
-    return t.set_(storage.untyped, storage_offset, tuple(size), tuple(stride))
+    __slots__ = ()
+
+    def __call__(self, storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                 backward_hooks: Any, metadata: Any = None) -> Any:
+        import torch
+
+        if not isinstance(storage, _Storage) or not _ints(size) or not _ints(stride) or len(size) != len(stride) \
+                or not _ints((storage_offset,)) or requires_grad is not False or backward_hooks or metadata:
+            raise _Refused("not a plain tensor")
+        t = torch.empty((0,), dtype=storage.dtype, device="meta")
+        return t.set_(storage.untyped, storage_offset, tuple(size), tuple(stride))
 
 
 def _ints(xs: Any) -> bool:
@@ -89,63 +126,102 @@ def _ints(xs: Any) -> bool:
 class _HeadUnpickler(pickle.Unpickler):
     """The C unpickler, restricted to what ``torch.save`` writes for a dict of plain tensors."""
 
-    def __init__(self, data: bytes, offsets: dict[str, int]) -> None:
+    def __init__(self, data: bytes, reader: Any) -> None:
         super().__init__(io.BytesIO(data))
-        self._offsets = offsets  # storage key -> data offset of its zip record
+        self._reader = reader  # torch's zip reader: where each storage's record starts
         self._storages: dict[str, _Storage] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        import torch
+
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor_v2
+            return _RebuildTensor()
         if module == "collections" and name == "OrderedDict":
-            return OrderedDict
+            return _EmptyOrderedDict()
         if module == "torch" and name in _STORAGES:
-            return _StorageType(_STORAGES[name])
+            return _StorageType(getattr(torch, _STORAGES[name]))
         raise _Refused(f"global {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         import torch
 
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
-                and isinstance(pid[2], str) and type(pid[4]) is int and pid[4] >= 0):
+                and isinstance(pid[2], str) and pid[2].isascii() and pid[2].isdigit() and type(pid[4]) is int
+                and pid[4] >= 0):
             raise _Refused("not a storage id")
-        key, dtype = pid[2], pid[1].dtype
+        key, dtype, numel = pid[2], pid[1].dtype, pid[4]
         if key in self._storages:
-            if self._storages[key].dtype != dtype:
-                raise _Refused("one storage of two dtypes")
-            return self._storages[key]
-        if key not in self._offsets:
-            raise _Refused(f"storage {key} is no record of the zip")
-        untyped = torch.UntypedStorage(pid[4] * torch.empty((), dtype=getattr(torch, dtype)).element_size(),
-                                       device="meta")
-        untyped._checkpoint_offset = self._offsets[key]
-        self._storages[key] = _Storage(dtype, untyped)
+            seen = self._storages[key]
+            if (seen.dtype, seen.numel) != (dtype, numel):
+                raise _Refused("one storage of two dtypes or sizes")
+            return seen
+        untyped = torch.UntypedStorage(numel * torch.empty((), dtype=dtype).element_size(), device="meta")
+        untyped._checkpoint_offset = self._reader.get_record_offset(f"data/{key}")  # torch's reader: its record
+        self._storages[key] = _Storage(dtype, numel, untyped)
         return self._storages[key]
 
 
-def meta_load(gated: TensorFile) -> dict[str, Any] | None:
-    """The top-level dict of a ``torch.save`` zip (``gated``, through the gate), its tensors on the
-    meta device as ``torch.load(map_location="meta", weights_only=True)`` gives them; None for a
-    file this module does not read (see the module's docstring)."""
-    pkl = [(n, r) for n, r in gated.records.items() if n == "data.pkl" or n.endswith("/data.pkl")]
-    if len(pkl) != 1:
-        return None
-    name, (start, size, how) = pkl[0]
-    if how != zipfile.ZIP_STORED or size > MAX_PICKLE_BYTES:
-        return None
-    folder = name[:-len("data.pkl")]
-    offsets = {n[len(folder) + 5:]: r[0] for n, r in gated.records.items() if n.startswith(folder + "data/")}
-    with open(gated.path, "rb", buffering=0) as f:
-        f.seek(start)
-        data = f.read(size)
-    if len(data) != size:
-        return None
+def _plain(data: bytes) -> bool:
+    """Whether every opcode of the pickle is one of :data:`OPCODES` (and it parses)."""
     try:
-        out = _HeadUnpickler(data, offsets).load()
-    except (_Refused, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
-            KeyError, RuntimeError, MemoryError, RecursionError):
-        return None
-    if not isinstance(out, dict) or not all(isinstance(k, str) for k in out) \
-            or any(isinstance(v, (_Storage, _StorageType)) for v in out.values()):
-        return None
-    return dict(out)
+        return all(op.name in OPCODES for op, _, _ in pickletools.genops(data))
+    except Exception:  # noqa: BLE001 - a pickle pickletools cannot walk is not one this module reads
+        return False
+
+
+def _no_stand_in(out: dict[str, Any]) -> bool:
+    """Whether no stand-in of this module is left anywhere in the result (where ``torch.load``
+    would have put a class or a function of torch's)."""
+    todo, seen = list(out.values()), 0
+    while todo:
+        x = todo.pop()
+        seen += 1
+        if seen > MAX_WALK or isinstance(x, _StandIn):
+            return False
+        if isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.keys())
+            todo.extend(x.values())
+    return True
+
+
+class TorchZip:
+    """A ``torch.save`` zip opened with torch's own reader (what ``torch.load`` reads)."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+
+    @classmethod
+    def open(cls, gated: TensorFile) -> TorchZip | None:
+        """The zip (``gated``, through the gate) as torch's reader opens it; None where it cannot."""
+        import torch
+
+        try:
+            return cls(torch._C.PyTorchFileReader(str(gated.path)))
+        except Exception:  # noqa: BLE001 - torch's reader refuses it: so will torch.load, whose error is the one said
+            return None
+
+    def byteorder(self) -> bytes | None:
+        """The ``byteorder`` record (None: written before torch recorded it, little-endian)."""
+        try:
+            return bytes(self._reader.get_record("byteorder")) if self._reader.has_record("byteorder") else None
+        except Exception:  # noqa: BLE001 - an unreadable record: no byte order torch would take
+            return b""
+
+    def meta_load(self) -> dict[str, Any] | None:
+        """The top-level dict, its tensors on the meta device as ``torch.load(map_location="meta",
+        weights_only=True)`` gives them (each storage's ``_checkpoint_offset`` its record's data);
+        None for a file this module does not read (see the module's docstring)."""
+        try:
+            if not self._reader.has_record("data.pkl") or self._reader.get_record_size("data.pkl") > MAX_PICKLE_BYTES:
+                return None
+            data = bytes(self._reader.get_record("data.pkl"))
+            if not _plain(data):
+                return None
+            out = _HeadUnpickler(data, self._reader).load()
+        except Exception:  # noqa: BLE001 - _Refused, or anything the pickle or torch's reader raise: torch.load decides
+            return None
+        if not isinstance(out, dict) or not all(isinstance(k, str) for k in out) or not _no_stand_in(out):
+            return None
+        return out

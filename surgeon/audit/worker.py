@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from surgeon.audit.heap import settle
+from surgeon.audit.heap import settle_owned
 from surgeon.audit.profile import Profile, match_slot
 from surgeon.audit.rows import FLOATS
 from surgeon.audit.structure import Structure, check_structure, read_structure
@@ -52,9 +52,7 @@ def batches(items: list[str], size: int) -> Iterator[list[str]]:
 
 
 def run_batch(ctx: Context, batch: list[str]) -> list[dict[str, Any]]:
-    """One task: a few files audited in order (what a worker process or a Ray task runs), in a
-    process settled for file after file (:func:`surgeon.audit.heap.settle`)."""
-    settle()
+    """One task: a few files audited in order (what a worker process or a Ray task runs)."""
     return [audit_file(ctx, path) for path in batch]
 
 
@@ -73,6 +71,13 @@ def init_worker(ctx: Context) -> None:
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it stops the pool
     _WORKER_CTX[:] = [ctx]
+    settle_owned(collect=False)  # forked: the driver collected before it forked
+
+
+def run_batch_owned(ctx: Context, batch: list[str]) -> list[dict[str, Any]]:
+    """A Ray task: :func:`run_batch` in a worker process the audit owns, settled before its first file."""
+    settle_owned()
+    return run_batch(ctx, batch)
 
 
 def run_batch_here(batch: list[str]) -> tuple[list[dict[str, Any]], int, float]:

@@ -12,7 +12,8 @@ The gate (torch-free, so a bad file is refused before torch is even imported):
   the file and safetensors' 100 MB limit, the header is a JSON object whose entries have a
   dtype, non-negative integer dims and data offsets that lie inside the file and match the shape
   (a truncated file is refused here, not halfway through a read); a ``torch.save`` file starts
-  with the zip magic (and holds a ``data.pkl``) or a pickle protocol 2-5 opcode.
+  with the zip magic (and holds a ``data.pkl``, its entries named in distinct ASCII, which every
+  zip reader resolves alike) or a pickle protocol 2-5 opcode.
 
 Everything else is :class:`BadInput` (exit 2), one line naming the file.
 """
@@ -153,11 +154,29 @@ def _zip(p: Path, f, size: int, bad) -> TensorFile:
             infos = z.infolist()
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         raise bad(f"a damaged zip: {str(e)[:120]}") from None
+    _ambiguous(infos, bad)
     if not any(i.filename == "data.pkl" or i.filename.endswith("/data.pkl") for i in infos):
         raise bad("a zip without the data.pkl of torch.save")
     if any(i.header_offset + i.compress_size > size for i in infos):
         raise bad("a zip whose entries run past its end: truncated?")
     return TensorFile(p, ZIP, size, records=_records(f, infos, size, bad))
+
+
+def _ambiguous(infos: list, bad) -> None:
+    """Refuse entry names that readers resolve differently: torch's reader (miniz) takes the first
+    entry whose raw name matches ignoring case, Python's zipfile the last of a name, cut at a NUL
+    and decoded as cp437 unless flagged UTF-8. torch.save writes distinct ASCII names; a zip that
+    holds two versions of a record is one whose bytes depend on the tool that reads it."""
+    seen: dict[str, str] = {}
+    for i in infos:
+        name = i.orig_filename
+        if "\0" in name or not name.isascii():
+            raise bad(f"entry name {name!r} is not plain ASCII: zip readers disagree on it")
+        if name.lower() in seen:
+            other = seen[name.lower()]
+            raise bad(f"two entries named {name!r}" + ("" if other == name else f" and {other!r}")
+                      + ": zip readers disagree on which one is read")
+        seen[name.lower()] = name
 
 
 def _records(f, infos: list, size: int, bad) -> dict[str, tuple[int, int, int]]:

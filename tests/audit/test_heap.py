@@ -39,9 +39,21 @@ def test_a_file_s_arrays_reuse_the_pages_the_last_file_freed():
     assert faults("default") > 20 * 512 and faults("keep") < 100
 
 
-def test_settle_freezes_once_and_hands_the_objects_back_at_exit():
-    code = ("import gc, sys; from surgeon.audit.heap import settle; settle(); n = gc.get_freeze_count(); settle(); "
-            "assert n > 1000 and gc.get_freeze_count() == n, n; import atexit; atexit._run_exitfuncs(); "
+def test_an_owned_process_freezes_once_and_hands_the_objects_back_at_exit():
+    code = ("import gc, sys; from surgeon.audit.heap import settle_owned; settle_owned(); n = gc.get_freeze_count(); "
+            "settle_owned(); assert n > 1000 and gc.get_freeze_count() == n, n; import atexit; atexit._run_exitfuncs(); "
             "assert gc.get_freeze_count() == 0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_an_audit_in_the_callers_process_leaves_nothing_frozen(speculators_set, tmp_path):
+    """One worker: the driver audits; its objects are the collector's again when the run ends."""
+    import gc
+
+    from surgeon.audit.pipeline import Plan, run_audit
+
+    assert gc.get_freeze_count() == 0
+    rep = run_audit(Plan(speculators_set.root, str(speculators_set.spec), workers=1, exact_files=0,
+                         state_path=tmp_path / "s.jsonl", structure_only=False))
+    assert rep.files == 60 and gc.get_freeze_count() == 0

@@ -15,9 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from surgeon.audit.structure import read_structure
-from surgeon.audit.torchzip import meta_load
+from surgeon.audit.torchzip import TorchZip
 from surgeon.capture.tensorfiles import open_tensor_file
 from surgeon.core.errors import BadInput
+
+
+def meta_load(path: Path):
+    tz = TorchZip.open(open_tensor_file(path))
+    return None if tz is None else tz.meta_load()
+
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]
@@ -70,7 +76,7 @@ def _samples(draw):
 def test_it_builds_what_torch_load_builds_on_the_meta_device(tmp_path, data):
     path = tmp_path / "s.ckpt"
     torch.save(data, path)
-    got = meta_load(open_tensor_file(path))
+    got = meta_load(path)
     want = torch.load(path, map_location="meta", weights_only=True)
     assert got is not None and set(got) == set(want)
     for k in want:
@@ -103,7 +109,7 @@ class _System:
 def test_a_pickle_that_names_another_function_runs_nothing_and_gets_torch_loads_verdict(tmp_path):
     marker = tmp_path / "ran"
     path = _zip_with_pickle(tmp_path / "evil.ckpt", pickle.dumps({"x": _System(f"touch {marker}")}, protocol=2))
-    assert meta_load(open_tensor_file(path)) is None
+    assert meta_load(path) is None
     with pytest.raises(BadInput, match="cannot be read with weights_only=True"):
         read_structure(path)
     assert not marker.exists()
@@ -114,7 +120,7 @@ def test_a_pickle_that_names_another_function_runs_nothing_and_gets_torch_loads_
 def test_what_it_does_not_build_is_left_to_torch_load(tmp_path, value):
     path = tmp_path / "p.ckpt"
     torch.save({"aux_hidden_state": value}, path)
-    assert meta_load(open_tensor_file(path)) is None
+    assert meta_load(path) is None
     st_ = read_structure(path)  # torch.load read it
     assert st_.layout == "specforge" and "no hidden_state tensor" in st_.findings
 
@@ -122,7 +128,7 @@ def test_what_it_does_not_build_is_left_to_torch_load(tmp_path, value):
 @pytest.mark.parametrize("payload", [pickle.dumps([1, 2], protocol=2), pickle.dumps({1: 2}, protocol=2), b"\x80\x02}",
                                      b"not a pickle"], ids=["list", "int_keys", "truncated", "garbage"])
 def test_a_top_level_it_does_not_take_is_none(tmp_path, payload):
-    assert meta_load(open_tensor_file(_zip_with_pickle(tmp_path / "odd.ckpt", payload))) is None
+    assert meta_load(_zip_with_pickle(tmp_path / "odd.ckpt", payload)) is None
 
 
 def test_a_storage_that_is_no_record_of_the_zip_is_none(tmp_path):
@@ -135,4 +141,86 @@ def test_a_storage_that_is_no_record_of_the_zip_is_none(tmp_path):
         for name, raw in blobs.items():
             if "/data/" not in name:  # the storage's record left out
                 z.writestr(name, raw)
-    assert meta_load(open_tensor_file(path)) is None
+    assert meta_load(path) is None
+
+
+def _poisoned_twice(path: Path, rename) -> Path:
+    """A SpecForge sample whose zip holds each storage twice: NaNs under ``rename(name)`` first
+    (the entry torch's reader finds), the clean bytes under the name itself last (the one Python's
+    zipfile keeps)."""
+    import warnings
+
+    T, H = 8, 16
+    clean = {"input_ids": torch.arange(T)[None], "loss_mask": torch.ones(1, T),
+             "aux_hidden_state": torch.randn(1, T, 3 * H), "hidden_state": torch.randn(1, T, H)}
+    bad = {k: v.clone() for k, v in clean.items()}
+    bad["aux_hidden_state"][:] = float("nan")
+    cb, pb = io.BytesIO(), io.BytesIO()
+    torch.save(clean, cb)
+    torch.save(bad, pb)
+    zc, zp = zipfile.ZipFile(cb), zipfile.ZipFile(pb)
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "w") as w:
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name it is asked to write
+        for name in zc.namelist():
+            if "/data/" in name:
+                w.writestr(rename(name), zp.read(name))
+            w.writestr(name, zc.read(name))
+    return path
+
+
+@pytest.mark.parametrize("rename", [lambda n: n, lambda n: n.replace("/data/", "/DATA/"), lambda n: n + "\0x"],
+                         ids=["twice", "case", "nul"])
+def test_a_zip_whose_readers_disagree_on_a_record_is_unreadable_not_clean(tmp_path, rename):
+    """torch.load reads the NaNs; reading the record Python's zipfile names would audit it clean."""
+    from surgeon.audit.worker import Context, audit_file
+    from tests.conftest import tiny_spec
+
+    path = _poisoned_twice(tmp_path / "data_0.ckpt", rename)
+    if rename("x") == "x":
+        assert not torch.isfinite(torch.load(path, weights_only=True)["aux_hidden_state"]).all()
+    with pytest.raises(BadInput, match="zip readers disagree"):
+        open_tensor_file(path)
+    out = audit_file(Context(str(tiny_spec(tmp_path))), str(path))
+    assert [f["kind"] for f in out["findings"]] == ["unreadable"] and "disagree" in out["findings"][0]["detail"]
+
+
+def _s(text: str) -> bytes:  # BINUNICODE
+    return b"X" + len(text.encode()).to_bytes(4, "little") + text.encode()
+
+
+def _i(n: int) -> bytes:  # BININT1 / BININT
+    return b"K" + bytes([n]) if 0 <= n < 256 else b"J" + n.to_bytes(4, "little", signed=True)
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _tup(*xs: bytes) -> bytes:
+    return b"(" + b"".join(xs) + b"t"
+
+
+def _tensor(key: str, numel: int, storage_class: bytes | None = None, hooks: bytes | None = None) -> bytes:
+    """A plain float32 tensor of ``numel`` elements, as torch.save pickles it (pieces replaceable)."""
+    cls = storage_class if storage_class is not None else _global("torch", "FloatStorage")
+    pid = _tup(_s("storage"), cls, _s(key), _s("cpu"), _i(numel)) + b"Q"
+    hk = hooks if hooks is not None else _global("collections", "OrderedDict") + b")R"
+    return _global("torch._utils", "_rebuild_tensor_v2") + _tup(pid, _i(0), _tup(_i(numel)), _tup(_i(1)), b"\x89", hk) + b"R"
+
+
+def _dict(**items: bytes) -> bytes:
+    return b"\x80\x02}(" + b"".join(_s(k) + v for k, v in items.items()) + b"u."
+
+
+@pytest.mark.parametrize("payload", [
+    _dict(x=_tensor("0", 4)),  # the control: what torch.save writes, built
+    # BUILD (slot state) giving the storage class stand-in another dtype: torch.load refuses BUILD there
+    _dict(x=_tensor("0", 4, _global("torch", "FloatStorage") + b"N}" + _s("dtype") + _s("int64") + b"s\x86b")),
+    # OrderedDict called with an iterable of the file's choosing (a meta tensor of 2**26 rows: hours)
+    _dict(x=_tensor("0", 4, hooks=_global("collections", "OrderedDict") + _tup(b"]") + b"R")),
+    # one storage key with two sizes (torch.load on the CPU refuses the record's size)
+    _dict(x=_tensor("0", 4), y=_tensor("0", 2)),
+], ids=["control", "build_dtype", "ordered_dict_args", "one_key_two_sizes"])
+def test_what_torch_save_does_not_write_is_left_to_torch_load(tmp_path, payload):
+    got = meta_load(_zip_with_pickle(tmp_path / "p.ckpt", payload))
+    assert (got is not None) == (payload == _dict(x=_tensor("0", 4)))
