@@ -5,7 +5,7 @@ alike), so the cross-file stale check, which names the *earlier* file as the sou
 same answer on every run. Memory: per slot a few running sums and a histogram; per flagged file
 its findings (up to :data:`MAX_LISTED` files listed); and the cross-file index of sampled rows
 (``KEEP`` per slot, capped at :data:`MAX_INDEX` entries, past which new rows are not indexed and
-the report says from which file on the stale check stopped), 22 bytes an entry in sorted numpy
+the report says from which file on the stale check stopped), 24 bytes an entry in sorted numpy
 arrays (:class:`RowIndex`) and a list of the files' paths: the 1.6M rows of a 100k-sample set of
 4 slots peak at 59 MB, where a dict of tuples took 274 MB (tracemalloc, ``tests/audit/test_aggregate.py``'s
 rows; 44 us a file against 15 us, beside an audit's milliseconds a file).
@@ -72,7 +72,7 @@ class SlotAggregate:
 
 class RowIndex:
     """Row hash -> (context, file number, slot) of the first file that sampled the row: sorted
-    int64/int32/int16 arrays, and the newest entries in a dict merged into them every
+    int64/int64/int32/int32 arrays, and the newest entries in a dict merged into them every
     :data:`BUFFER` entries (a file's lookups: one binary search of the arrays for all its rows)."""
 
     BUFFER = 1 << 15  # ~6 MB of dict
@@ -83,7 +83,7 @@ class RowIndex:
         self._hash: Any = np.empty(0, dtype=np.int64)
         self._ctx: Any = np.empty(0, dtype=np.int64)
         self._file: Any = np.empty(0, dtype=np.int32)
-        self._slot: Any = np.empty(0, dtype=np.int16)
+        self._slot: Any = np.empty(0, dtype=np.int32)
         self._new: dict[int, tuple[int, int, int]] = {}
 
     def __len__(self) -> int:
@@ -122,7 +122,7 @@ class RowIndex:
         self._hash = np.insert(self._hash, at, hs)
         self._ctx = np.insert(self._ctx, at, rest[:, 0])
         self._file = np.insert(self._file, at, rest[:, 1].astype(np.int32))
-        self._slot = np.insert(self._slot, at, rest[:, 2].astype(np.int16))
+        self._slot = np.insert(self._slot, at, rest[:, 2].astype(np.int32))
 
 
 class Aggregate:

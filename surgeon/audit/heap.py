@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
@@ -73,21 +74,34 @@ def settle_owned(*, collect: bool = True) -> None:
     atexit.register(gc.unfreeze)
 
 
+_RUNS: list[int] = [0, 0]  # inline runs under way in this process; whether their freeze is theirs (1)
+_RUNS_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def settled() -> Iterator[None]:
     """The same for an audit run in the caller's own process (one worker: the driver audits), for
-    the run only: the objects frozen are handed back to the collector when it ends (the caller's
-    objects that die meanwhile are collected then). The heap thresholds stay: the caller keeps at
-    most :data:`KEEP_BYTES` of freed heap."""
+    the run only: the objects frozen are handed back to the collector when the last run under way
+    ends (the caller's objects that die meanwhile are collected then), and a freeze the caller made
+    before is left as it is. The heap thresholds stay: the caller keeps at most
+    :data:`KEEP_BYTES` of freed heap."""
     import gc
 
     keep_freed()
-    gc.collect()
-    gc.freeze()
+    with _RUNS_LOCK:
+        if _RUNS[0] == 0:
+            _RUNS[1] = int(gc.get_freeze_count() == 0)
+            if _RUNS[1]:
+                gc.collect()
+                gc.freeze()
+        _RUNS[0] += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _RUNS_LOCK:
+            _RUNS[0] -= 1
+            if _RUNS[0] == 0 and _RUNS[1]:
+                gc.unfreeze()
 
 
 def trim() -> None:

@@ -229,6 +229,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
     cpu: dict[str, float] = {}
     run, backend = _executor(plan, ctx, workers, cpu)
     agg, resumed, started = Aggregate(), 0, time.perf_counter()
+    fresh: Any = None
     try:
         done = [plan.resume and _recorded(state, p, read=False) is not None for p in paths]
         if plan.resume and state.recorded and not any(done):
@@ -254,6 +255,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
             update(i + 1, len(paths))
         next(fresh, None)  # runs the executor to its end: the pool closed, the CPU times taken
     finally:
+        getattr(fresh, "close", lambda: None)()  # an error mid-run: the executor's own finally now (pool, freeze)
         state.close()
     _notes(notes, agg, plan, profile, exact_model)
     return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,

@@ -29,7 +29,8 @@ def _is_record(r: Any) -> bool:
         and (r.get("mtime_ns") is None or isinstance(r.get("mtime_ns"), int)) \
         and listed("findings", lambda f: isinstance(f, dict) and isinstance(f.get("kind"), str)) \
         and listed("slots", lambda s: isinstance(s, dict) and isinstance(s.get("name"), str)) \
-        and listed("hashes", lambda h: isinstance(h, list) and len(h) == 4 and all(isinstance(v, int) for v in h))
+        and listed("hashes", lambda h: isinstance(h, list) and len(h) == 4
+                   and all(type(v) is int and -(2**63) <= v < 2**63 for v in h) and 0 <= h[0] < 2**31)
 
 
 class State:

@@ -180,10 +180,14 @@ def _pickle_structure(gated: TensorFile) -> Structure:
 
 
 def _load(gated: TensorFile, where: str, mmap: bool = False) -> Any:
+    import warnings
+
     import torch
 
     try:
-        return torch.load(str(gated.path), map_location=where, weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # its complaints (a TorchScript archive...) become the one line below
+            warnings.simplefilter("ignore")
+            return torch.load(str(gated.path), map_location=where, weights_only=True, mmap=mmap)
     except Exception as e:
         raise BadInput(f"{gated.path}: cannot be read with weights_only=True: {str(e).splitlines()[0][:160]}") from None
 

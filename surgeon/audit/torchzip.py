@@ -11,6 +11,7 @@ checked first, so that it builds only what the weights-only loader would build, 
 * every opcode is one of those ``torch.save`` writes for a dict of plain tensors, numbers,
   strings and lists (:data:`OPCODES`, a subset of the weights-only loader's): no ``BUILD``,
   ``NEWOBJ``, ``INST``/``OBJ`` or extension codes, nothing that sets an attribute of an object;
+  and items are set on dicts and appended to lists only (:func:`_plain` follows the stack);
 * :meth:`_HeadUnpickler.find_class` resolves exactly the globals ``torch.save`` writes for plain
   tensors (``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict`` called without
   arguments for their empty hook dicts, the typed storage classes of the float and integer
@@ -27,8 +28,11 @@ Every record (``data.pkl``, ``byteorder``, ``data/<key>``) is looked up by torch
 Python's :mod:`zipfile`: the two disagree on a zip with two entries of one name, names that differ
 in case, or a NUL in a name, and the audit must read the bytes training will load. Whatever this
 module does not take (a pickle over :data:`MAX_PICKLE_BYTES`, another opcode or global, a top level
-that is no dict of str keys, a stand-in left in the result) makes :meth:`TorchZip.meta_load` return
-None, and the caller uses ``torch.load(..., weights_only=True)``, whose verdict then stands.
+that is no dict of str keys, a stand-in left in the result, a TorchScript archive) makes
+:meth:`TorchZip.meta_load` return None, and the caller uses ``torch.load(..., weights_only=True)``,
+whose verdict then stands. One difference in what it builds is kept: tensors that share a storage
+in the file share one meta storage here, where ``torch.load`` on the meta device gives each its own
+(every dtype, shape, stride, offset, storage size and record offset is the same).
 """
 
 from __future__ import annotations
@@ -161,11 +165,64 @@ class _HeadUnpickler(pickle.Unpickler):
         return self._storages[key]
 
 
+_ATOMS = frozenset({"NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE"})
+_EMPTY = {"EMPTY_DICT": "dict", "EMPTY_LIST": "list", "EMPTY_TUPLE": "tuple"}
+_GLOBALS = {"torch._utils _rebuild_tensor_v2": "rebuild", "collections OrderedDict": "ordered_dict"}
+
+
 def _plain(data: bytes) -> bool:
-    """Whether every opcode of the pickle is one of :data:`OPCODES` (and it parses)."""
+    """Whether the pickle is one ``torch.save`` writes: every opcode one of :data:`OPCODES`, and,
+    following the kind of each value on the stack (the memo's too), items set only on dicts and
+    appended only to lists (the C unpickler would set them on any object; the weights-only loader
+    refuses that)."""
+    stack: list[str] = []
+    marks: list[int] = []
+    memo: dict[Any, str] = {}
+
+    def to_mark() -> list[str]:
+        at = marks.pop()
+        items = stack[at:]
+        del stack[at:]
+        return items
+
     try:
-        return all(op.name in OPCODES for op, _, _ in pickletools.genops(data))
-    except Exception:  # noqa: BLE001 - a pickle pickletools cannot walk is not one this module reads
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name not in OPCODES:
+                return False
+            if name in _ATOMS:
+                stack.append("atom")
+            elif name in _EMPTY:
+                stack.append(_EMPTY[name])
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif name == "GLOBAL":
+                stack.append(_GLOBALS.get(str(arg), "global"))
+            elif name in ("BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name in ("BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif name == "TUPLE":
+                to_mark()
+                stack.append("tuple")
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                del stack[len(stack) - int(name[-1]):]
+                stack.append("tuple")
+            elif name == "BINPERSID":
+                stack[-1] = "storage"
+            elif name == "REDUCE":
+                stack.pop()
+                stack[-1] = {"rebuild": "tensor", "ordered_dict": "dict"}.get(stack[-1], "other")
+            elif name in ("SETITEM", "APPEND"):
+                del stack[-(2 if name == "SETITEM" else 1):]
+                if stack[-1] != ("dict" if name == "SETITEM" else "list"):
+                    return False
+            elif name in ("SETITEMS", "APPENDS"):
+                to_mark()
+                if stack[-1] != ("dict" if name == "SETITEMS" else "list"):
+                    return False
+        return len(stack) == 1 and not marks
+    except Exception:  # noqa: BLE001 - a pickle this walk cannot follow is not one this module reads
         return False
 
 
@@ -214,7 +271,8 @@ class TorchZip:
         weights_only=True)`` gives them (each storage's ``_checkpoint_offset`` its record's data);
         None for a file this module does not read (see the module's docstring)."""
         try:
-            if not self._reader.has_record("data.pkl") or self._reader.get_record_size("data.pkl") > MAX_PICKLE_BYTES:
+            if not self._reader.has_record("data.pkl") or self._reader.get_record_size("data.pkl") > MAX_PICKLE_BYTES \
+                    or self._reader.has_record("constants.pkl"):  # a TorchScript archive: torch.load refuses it
                 return None
             data = bytes(self._reader.get_record("data.pkl"))
             if not _plain(data):

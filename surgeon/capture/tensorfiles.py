@@ -12,8 +12,8 @@ The gate (torch-free, so a bad file is refused before torch is even imported):
   the file and safetensors' 100 MB limit, the header is a JSON object whose entries have a
   dtype, non-negative integer dims and data offsets that lie inside the file and match the shape
   (a truncated file is refused here, not halfway through a read); a ``torch.save`` file starts
-  with the zip magic (and holds a ``data.pkl``, its entries named in distinct ASCII, which every
-  zip reader resolves alike) or a pickle protocol 2-5 opcode.
+  with the zip magic (and holds a ``data.pkl``, its entries distinctly named, which every zip
+  reader resolves alike) or a pickle protocol 2-5 opcode.
 
 Everything else is :class:`BadInput` (exit 2), one line naming the file.
 """
@@ -164,19 +164,23 @@ def _zip(p: Path, f, size: int, bad) -> TensorFile:
 
 def _ambiguous(infos: list, bad) -> None:
     """Refuse entry names that readers resolve differently: torch's reader (miniz) takes the first
-    entry whose raw name matches ignoring case, Python's zipfile the last of a name, cut at a NUL
-    and decoded as cp437 unless flagged UTF-8. torch.save writes distinct ASCII names; a zip that
-    holds two versions of a record is one whose bytes depend on the tool that reads it."""
-    seen: dict[str, str] = {}
+    entry whose raw name matches with ASCII case folded, Python's zipfile the last of a name, cut at
+    a NUL, decoded as cp437 unless flagged UTF-8. Distinct names (ASCII case folded) without a NUL,
+    non-ASCII only where flagged UTF-8 (torch's writer flags every entry; an archive folder named
+    after a file, as torch <= 2.0 wrote it, may be non-ASCII), are read alike by both; a zip that
+    holds two versions of a record has bytes that depend on the tool that reads it."""
+    seen: dict[bytes, str] = {}
     for i in infos:
         name = i.orig_filename
-        if "\0" in name or not name.isascii():
-            raise bad(f"entry name {name!r} is not plain ASCII: zip readers disagree on it")
-        if name.lower() in seen:
-            other = seen[name.lower()]
+        if "\0" in name or not (name.isascii() or i.flag_bits & 0x800):
+            raise bad(f"entry name {name!r} holds a NUL or is neither ASCII nor flagged UTF-8: zip readers "
+                      "disagree on it")
+        key = name.encode("utf-8").lower()  # bytes.lower: ASCII only, as miniz folds
+        if key in seen:
+            other = seen[key]
             raise bad(f"two entries named {name!r}" + ("" if other == name else f" and {other!r}")
                       + ": zip readers disagree on which one is read")
-        seen[name.lower()] = name
+        seen[key] = name
 
 
 def _records(f, infos: list, size: int, bad) -> dict[str, tuple[int, int, int]]:

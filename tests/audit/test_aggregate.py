@@ -80,3 +80,16 @@ def test_the_index_takes_a_fraction_of_the_memory_of_a_dict_of_rows():
     ours, theirs = _peak(agg.stale_check, 20_000), _peak(by_dict, 20_000)
     assert len(agg._index) == len(index) == 320_000
     assert ours * 3 < theirs, (ours, theirs)
+
+
+def test_a_slot_past_int16_is_named_as_it_is_after_a_merge():
+    old, RowIndex.BUFFER = RowIndex.BUFFER, 1
+    try:
+        agg = Aggregate()
+        names = [{"name": f"s{i}"} for i in range(40_001)]
+        agg.stale_check({"path": "a", "slots": names, "hashes": [[40_000, 7, 1, 0]], "findings": []})
+        r = {"path": "b", "slots": names, "hashes": [[3, 7, 2, 0]], "findings": []}
+        agg.stale_check(r)
+    finally:
+        RowIndex.BUFFER = old
+    assert "(slot s40000)" in r["findings"][0]["detail"]

@@ -125,6 +125,8 @@ _RECORD = '{"path": "p", "size": 1, "mtime_ns": 1, "slots": [], "hashes": [], "f
     (["[1, 2]"], ":1:1:"), (['"x"'], ":1:1:"), (["null"], ":1:1:"),
     (["{header}", '{"a": 1}'], ":2:1:"), (["{header}", "[1]"], ":2:1:"),
     (["{header}", _RECORD % "[]", _RECORD % "[1]"], ":3:1:"),
+    # a row hash past int64 (a hand-edited state): the cross-file index would overflow mid-run
+    (["{header}", _RECORD.replace('"hashes": []', f'"hashes": [[0, {2**63}, 1, 0]]') % "[]"], ":2:1:"),
 ])
 def test_a_state_file_of_the_wrong_shape_is_bad_input_with_its_line(dump_set, tmp_path, lines, where):
     state = tmp_path / "s.jsonl"

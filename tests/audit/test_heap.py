@@ -57,3 +57,36 @@ def test_an_audit_in_the_callers_process_leaves_nothing_frozen(speculators_set, 
     rep = run_audit(Plan(speculators_set.root, str(speculators_set.spec), workers=1, exact_files=0,
                          state_path=tmp_path / "s.jsonl", structure_only=False))
     assert rep.files == 60 and gc.get_freeze_count() == 0
+
+
+def test_an_inline_run_leaves_a_freeze_the_caller_made_and_nested_runs_unfreeze_once():
+    code = ("import gc; from surgeon.audit.heap import settled; gc.freeze(); n = gc.get_freeze_count()\n"
+            "with settled(): pass\n"
+            "assert gc.get_freeze_count() > n - 100, 'the caller freeze was lifted'\n"
+            "gc.unfreeze()\n"
+            "with settled():\n"
+            "    k = gc.get_freeze_count()\n"
+            "    with settled(): pass\n"
+            "    assert gc.get_freeze_count() > k - 100 > 0, 'an inner run lifted the outer one'\n"
+            "assert gc.get_freeze_count() == 0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_a_run_that_fails_midway_hands_its_freeze_back_at_once(speculators_set, tmp_path):
+    """An error in the driver's loop (here the progress callback) closes the executor then, not when
+    the caller lets go of the traceback."""
+    import gc
+
+    import pytest
+
+    from surgeon.audit.pipeline import Plan, run_audit
+
+    def update(done: int, total: int) -> None:
+        if done == 3:
+            raise RuntimeError("the consumer failed")
+
+    with pytest.raises(RuntimeError) as caught:
+        run_audit(Plan(speculators_set.root, str(speculators_set.spec), workers=1, exact_files=0,
+                       state_path=tmp_path / "s.jsonl"), update)
+    assert caught.value is not None and gc.get_freeze_count() == 0

@@ -220,7 +220,36 @@ def _dict(**items: bytes) -> bytes:
     _dict(x=_tensor("0", 4, hooks=_global("collections", "OrderedDict") + _tup(b"]") + b"R")),
     # one storage key with two sizes (torch.load on the CPU refuses the record's size)
     _dict(x=_tensor("0", 4), y=_tensor("0", 2)),
-], ids=["control", "build_dtype", "ordered_dict_args", "one_key_two_sizes"])
+    # an item set on a list (the C unpickler sets it on any object; the weights-only loader refuses)
+    _dict(x=_tensor("0", 4), y=b"](" + _i(5) + b"e" + _i(0) + _i(1) + b"s"),
+], ids=["control", "build_dtype", "ordered_dict_args", "one_key_two_sizes", "setitem_on_a_list"])
 def test_what_torch_save_does_not_write_is_left_to_torch_load(tmp_path, payload):
     got = meta_load(_zip_with_pickle(tmp_path / "p.ckpt", payload))
     assert (got is not None) == (payload == _dict(x=_tensor("0", 4)))
+
+
+def test_a_torchscript_archive_is_left_to_torch_load(tmp_path):
+    path = tmp_path / "ts.ckpt"
+    torch.save({"x": torch.ones(2)}, path)
+    blobs = {i.filename: zipfile.ZipFile(path).read(i.filename) for i in zipfile.ZipFile(path).infolist()}
+    folder = next(n for n in blobs if n.endswith("/data.pkl"))[: -len("data.pkl")]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, raw in {**blobs, folder + "constants.pkl": pickle.dumps((), protocol=2)}.items():
+            z.writestr(name, raw)
+    assert meta_load(path) is None
+    with pytest.raises(BadInput, match="weights_only"):
+        read_structure(path)
+
+
+def test_an_archive_folder_named_in_utf8_is_read_as_torch_reads_it(tmp_path):
+    """torch <= 2.0 named the folder after the file; Python's zipfile, like torch's writer, flags
+    such names UTF-8: both readers resolve them alike."""
+    src = tmp_path / "src.ckpt"
+    torch.save({"input_ids": torch.arange(6)[None], "loss_mask": torch.ones(1, 6), "aux_hidden_state": torch.randn(1, 6, 12),
+                "hidden_state": torch.randn(1, 6, 4)}, src)
+    dst = tmp_path / "données_0.ckpt"
+    with zipfile.ZipFile(src) as zs, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zd:
+        for i in zs.infolist():
+            zd.writestr("données_0/" + i.filename.split("/", 1)[1], zs.read(i.filename))
+    st_ = read_structure(dst)
+    assert st_.layout == "specforge" and st_.findings == [] and st_.rows is not None
