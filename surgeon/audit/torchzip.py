@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import pickletools
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +47,8 @@ if TYPE_CHECKING:
 
 MAX_PICKLE_BYTES = 1 << 20  # a sample's data.pkl is a few hundred bytes; more is left to torch.load
 
-# what torch.save (pickle protocol 2) writes for a dict of tensors, numbers, strings and lists
+# what torch.save (pickle protocol 2) writes for a dict of tensors, numbers, strings and lists: the
+# names of :data:`_ARGS`' opcodes
 OPCODES = frozenset({"PROTO", "STOP", "MARK", "GLOBAL", "REDUCE", "BINPERSID", "EMPTY_DICT", "EMPTY_LIST",
                      "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
                      "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE",
@@ -165,9 +165,43 @@ class _HeadUnpickler(pickle.Unpickler):
         return self._storages[key]
 
 
-_ATOMS = frozenset({"NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE"})
-_EMPTY = {"EMPTY_DICT": "dict", "EMPTY_LIST": "list", "EMPTY_TUPLE": "tuple"}
-_GLOBALS = {"torch._utils _rebuild_tensor_v2": "rebuild", "collections OrderedDict": "ordered_dict"}
+# the opcodes of OPCODES by their byte, each with what follows it: a fixed number of bytes, or
+# ("len", n): an n-byte little-endian length and that many bytes; ("lines", 2): two lines (GLOBAL)
+_ARGS: dict[int, Any] = {
+    0x80: 1, 0x2E: 0, 0x28: 0, 0x63: ("lines", 2), 0x52: 0, 0x51: 0, 0x7D: 0, 0x5D: 0, 0x29: 0, 0x74: 0, 0x85: 0,
+    0x86: 0, 0x87: 0, 0x61: 0, 0x65: 0, 0x73: 0, 0x75: 0, 0x4E: 0, 0x88: 0, 0x89: 0, 0x4A: 4, 0x4B: 1, 0x4D: 2,
+    0x8A: ("len", 1), 0x47: 8, 0x58: ("len", 4), 0x68: 1, 0x6A: 4, 0x71: 1, 0x72: 4}
+_ATOMS = frozenset(b"N\x88\x89JKM\x8aGX")  # NONE NEWTRUE NEWFALSE BININT BININT1 BININT2 LONG1 BINFLOAT BINUNICODE
+_EMPTY = {0x7D: "dict", 0x5D: "list", 0x29: "tuple"}
+_GLOBALS = {b"torch._utils\n_rebuild_tensor_v2": "rebuild", b"collections\nOrderedDict": "ordered_dict"}
+_TARGETS = {0x73: ("dict", 2), 0x61: ("list", 1)}  # SETITEM, APPEND: the container under what they pop
+
+
+def _ops(data: bytes) -> Any:
+    """(opcode, argument bytes) of each opcode, those of :data:`OPCODES` only (ValueError on any
+    other, or on a pickle cut short); faster than :func:`pickletools.genops`, which this mirrors."""
+    at, n = 0, len(data)
+    while at < n:
+        op = data[at]
+        how = _ARGS.get(op)
+        if how is None:
+            raise ValueError(f"opcode {op:#x}")
+        at += 1
+        if type(how) is int:
+            arg, at = data[at:at + how], at + how
+        elif how[0] == "len":
+            size = int.from_bytes(data[at:at + how[1]], "little")
+            arg, at = data[at + how[1]:at + how[1] + size], at + how[1] + size
+        else:
+            first = data.index(b"\n", at)
+            end = data.index(b"\n", first + 1)
+            arg, at = data[at:end], end + 1
+        if at > n:
+            raise ValueError("cut short")
+        yield op, arg
+        if op == 0x2E:  # STOP
+            return
+    raise ValueError("no STOP")
 
 
 def _plain(data: bytes) -> bool:
@@ -177,52 +211,43 @@ def _plain(data: bytes) -> bool:
     refuses that)."""
     stack: list[str] = []
     marks: list[int] = []
-    memo: dict[Any, str] = {}
-
-    def to_mark() -> list[str]:
-        at = marks.pop()
-        items = stack[at:]
-        del stack[at:]
-        return items
-
+    memo: dict[bytes, str] = {}
     try:
-        for op, arg, _ in pickletools.genops(data):
-            name = op.name
-            if name not in OPCODES:
-                return False
-            if name in _ATOMS:
+        for op, arg in _ops(data):
+            if op in _ATOMS:
                 stack.append("atom")
-            elif name in _EMPTY:
-                stack.append(_EMPTY[name])
-            elif name == "MARK":
+            elif op in _EMPTY:
+                stack.append(_EMPTY[op])
+            elif op == 0x28:  # MARK
                 marks.append(len(stack))
-            elif name == "GLOBAL":
-                stack.append(_GLOBALS.get(str(arg), "global"))
-            elif name in ("BINGET", "LONG_BINGET"):
-                stack.append(memo[arg])
-            elif name in ("BINPUT", "LONG_BINPUT"):
-                memo[arg] = stack[-1]
-            elif name == "TUPLE":
-                to_mark()
+            elif op == 0x63:  # GLOBAL
+                stack.append(_GLOBALS.get(arg, "global"))
+            elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
+                stack.append(memo[arg.ljust(4, b"\0")])
+            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
+                memo[arg.ljust(4, b"\0")] = stack[-1]
+            elif op in (0x74, 0x85, 0x86, 0x87):  # TUPLE, TUPLE1-3
+                at = marks.pop() if op == 0x74 else len(stack) - (op - 0x84)
+                if at < 0:
+                    return False
+                del stack[at:]
                 stack.append("tuple")
-            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                del stack[len(stack) - int(name[-1]):]
-                stack.append("tuple")
-            elif name == "BINPERSID":
+            elif op == 0x51:  # BINPERSID
                 stack[-1] = "storage"
-            elif name == "REDUCE":
+            elif op == 0x52:  # REDUCE
                 stack.pop()
                 stack[-1] = {"rebuild": "tensor", "ordered_dict": "dict"}.get(stack[-1], "other")
-            elif name in ("SETITEM", "APPEND"):
-                del stack[-(2 if name == "SETITEM" else 1):]
-                if stack[-1] != ("dict" if name == "SETITEM" else "list"):
+            elif op in _TARGETS:  # SETITEM, APPEND
+                kind, k = _TARGETS[op]
+                del stack[len(stack) - k:]
+                if stack[-1] != kind:
                     return False
-            elif name in ("SETITEMS", "APPENDS"):
-                to_mark()
-                if stack[-1] != ("dict" if name == "SETITEMS" else "list"):
+            elif op in (0x75, 0x65):  # SETITEMS, APPENDS
+                del stack[marks.pop():]
+                if stack[-1] != ("dict" if op == 0x75 else "list"):
                     return False
         return len(stack) == 1 and not marks
-    except Exception:  # noqa: BLE001 - a pickle this walk cannot follow is not one this module reads
+    except (ValueError, IndexError, KeyError):  # cut short, an unknown opcode, an empty stack or memo slot
         return False
 
 

@@ -253,3 +253,30 @@ def test_an_archive_folder_named_in_utf8_is_read_as_torch_reads_it(tmp_path):
             zd.writestr("données_0/" + i.filename.split("/", 1)[1], zs.read(i.filename))
     st_ = read_structure(dst)
     assert st_.layout == "specforge" and st_.findings == [] and st_.rows is not None
+
+
+_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                                 st.text(max_size=5)),
+                       lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner, inner),
+                                               st.dictionaries(st.text(max_size=3), inner, max_size=3)), max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_values)
+def test_the_opcode_walk_reads_a_protocol_2_pickle_as_pickletools_does(value):
+    """Its opcodes and where each starts are pickletools' (what follows each opcode is read right),
+    and a pickle of plain values is one it takes."""
+    import pickletools
+
+    from surgeon.audit.torchzip import OPCODES, _ops, _plain
+
+    data = pickle.dumps(value, protocol=2)
+    if any(op.name not in OPCODES for op, _, _ in pickletools.genops(data)):
+        assert not _plain(data)  # e.g. BINBYTES, SHORT_BINSTRING: not what torch.save writes
+        return
+    extra = {0x58: 4, 0x8A: 1, 0x63: 1}  # BINUNICODE's and LONG1's length, GLOBAL's last newline
+    got, at = [], 0
+    for op, arg in _ops(data):
+        got.append((op, at))
+        at += 1 + len(arg) + extra.get(op, 0)
+    assert got == [(op.code.encode("latin-1")[0], pos) for op, _, pos in pickletools.genops(data)] and _plain(data)
