@@ -88,19 +88,21 @@ def settled() -> Iterator[None]:
     import gc
 
     keep_freed()
-    with _RUNS_LOCK:
-        if _RUNS[0] == 0:
-            _RUNS[1] = int(gc.get_freeze_count() == 0)
-            if _RUNS[1]:
-                gc.collect()
-                gc.freeze()
-        _RUNS[0] += 1
-    try:
+    counted = False
+    try:  # counted, and frozen, inside the try: an interrupt during the freeze still reaches the finally
+        with _RUNS_LOCK:
+            _RUNS[0] += 1
+            counted = True
+            if _RUNS[0] == 1:
+                _RUNS[1] = int(gc.get_freeze_count() == 0)
+                if _RUNS[1]:
+                    gc.collect()
+                    gc.freeze()
         yield
     finally:
         with _RUNS_LOCK:
-            _RUNS[0] -= 1
-            if _RUNS[0] == 0 and _RUNS[1]:
+            _RUNS[0] -= counted
+            if counted and _RUNS[0] == 0 and _RUNS[1]:
                 gc.unfreeze()
 
 

@@ -255,8 +255,10 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
             update(i + 1, len(paths))
         next(fresh, None)  # runs the executor to its end: the pool closed, the CPU times taken
     finally:
-        getattr(fresh, "close", lambda: None)()  # an error mid-run: the executor's own finally now (pool, freeze)
-        state.close()
+        try:
+            getattr(fresh, "close", lambda: None)()  # an error mid-run: the executor's own finally now (pool, freeze)
+        finally:
+            state.close()
     _notes(notes, agg, plan, profile, exact_model)
     return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,
                        workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu)

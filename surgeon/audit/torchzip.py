@@ -30,9 +30,13 @@ in case, or a NUL in a name, and the audit must read the bytes training will loa
 module does not take (a pickle over :data:`MAX_PICKLE_BYTES`, another opcode or global, a top level
 that is no dict of str keys, a stand-in left in the result, a TorchScript archive) makes
 :meth:`TorchZip.meta_load` return None, and the caller uses ``torch.load(..., weights_only=True)``,
-whose verdict then stands. One difference in what it builds is kept: tensors that share a storage
-in the file share one meta storage here, where ``torch.load`` on the meta device gives each its own
-(every dtype, shape, stride, offset, storage size and record offset is the same).
+whose verdict then stands; so does a zip that fails a check ``torch.load`` makes of its records
+before it unpickles (:meth:`TorchZip._checked`). Two differences from ``torch.load`` on the meta
+device are kept, both where its CPU load, what training runs, agrees with this module: tensors
+that share a storage in the file share one meta storage here (it gives each its own; every dtype,
+shape, stride, offset, storage size and record offset is the same), and a zip of torch's format
+1 whose first storage key is not ``0`` is read (its meta path asserts that key, its CPU path does
+not).
 """
 
 from __future__ import annotations
@@ -211,7 +215,7 @@ def _plain(data: bytes) -> bool:
     refuses that)."""
     stack: list[str] = []
     marks: list[int] = []
-    memo: dict[bytes, str] = {}
+    memo: dict[int, str] = {}
     try:
         for op, arg in _ops(data):
             if op in _ATOMS:
@@ -223,9 +227,12 @@ def _plain(data: bytes) -> bool:
             elif op == 0x63:  # GLOBAL
                 stack.append(_GLOBALS.get(arg, "global"))
             elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
-                stack.append(memo[arg.ljust(4, b"\0")])
-            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
-                memo[arg.ljust(4, b"\0")] = stack[-1]
+                stack.append(memo[int.from_bytes(arg, "little")])
+            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT: slots come in order (the C unpickler's memo is an
+                slot = int.from_bytes(arg, "little")  # array as long as the largest slot: 2**31 of them is 16 GB)
+                if slot > len(memo):
+                    return False
+                memo[slot] = stack[-1]
             elif op in (0x74, 0x85, 0x86, 0x87):  # TUPLE, TUPLE1-3
                 at = marks.pop() if op == 0x74 else len(stack) - (op - 0x84)
                 if at < 0:
@@ -291,13 +298,26 @@ class TorchZip:
         except Exception:  # noqa: BLE001 - an unreadable record: no byte order torch would take
             return b""
 
+    def _checked(self) -> bool:
+        """What ``torch.load`` checks of the zip before it unpickles (torch 2.13's ``_load`` and
+        ``_is_torchscript_zip``): every record inside one folder (``get_all_records`` raises
+        otherwise), no ``constants.pkl`` (a TorchScript archive), a ``data.pkl``, a byte order of
+        ``little`` or ``big`` and a storage alignment that is an integer, where they are recorded."""
+        records = self._reader.get_all_records()
+        if "constants.pkl" in records or "data.pkl" not in records:
+            return False
+        if self.byteorder() not in (None, b"little", b"big"):
+            return False
+        if ".storage_alignment" in records:
+            int(bytes(self._reader.get_record(".storage_alignment")))
+        return True
+
     def meta_load(self) -> dict[str, Any] | None:
         """The top-level dict, its tensors on the meta device as ``torch.load(map_location="meta",
         weights_only=True)`` gives them (each storage's ``_checkpoint_offset`` its record's data);
         None for a file this module does not read (see the module's docstring)."""
         try:
-            if not self._reader.has_record("data.pkl") or self._reader.get_record_size("data.pkl") > MAX_PICKLE_BYTES \
-                    or self._reader.has_record("constants.pkl"):  # a TorchScript archive: torch.load refuses it
+            if not self._checked() or self._reader.get_record_size("data.pkl") > MAX_PICKLE_BYTES:
                 return None
             data = bytes(self._reader.get_record("data.pkl"))
             if not _plain(data):

@@ -165,17 +165,20 @@ def _zip(p: Path, f, size: int, bad) -> TensorFile:
 def _ambiguous(infos: list, bad) -> None:
     """Refuse entry names that readers resolve differently: torch's reader (miniz) takes the first
     entry whose raw name matches with ASCII case folded, Python's zipfile the last of a name, cut at
-    a NUL, decoded as cp437 unless flagged UTF-8. Distinct names (ASCII case folded) without a NUL,
-    non-ASCII only where flagged UTF-8 (torch's writer flags every entry; an archive folder named
-    after a file, as torch <= 2.0 wrote it, may be non-ASCII), are read alike by both; a zip that
-    holds two versions of a record has bytes that depend on the tool that reads it."""
+    a NUL, decoded as cp437 unless flagged UTF-8 (an archive folder named after a file, as torch
+    <= 2.0 wrote it, may be non-ASCII). Names whose bytes are distinct with ASCII case folded, without
+    a NUL, in a zip that starts with its first entry, are read alike by both; a zip that holds two
+    versions of a record, or two zips joined (Python's zipfile reads the last, torch's the first),
+    has bytes that depend on the tool that reads it."""
+    if infos and min(i.header_offset for i in infos) != 0:
+        raise bad("bytes before its first entry (two zips joined?): zip readers disagree on which one is read")
     seen: dict[bytes, str] = {}
     for i in infos:
         name = i.orig_filename
-        if "\0" in name or not (name.isascii() or i.flag_bits & 0x800):
-            raise bad(f"entry name {name!r} holds a NUL or is neither ASCII nor flagged UTF-8: zip readers "
-                      "disagree on it")
-        key = name.encode("utf-8").lower()  # bytes.lower: ASCII only, as miniz folds
+        if "\0" in name:
+            raise bad(f"entry name {name!r} holds a NUL: zip readers disagree on it")
+        # the name's own bytes (zipfile decoded an unflagged name as cp437, one character a byte)
+        key = name.encode("utf-8" if i.flag_bits & 0x800 else "cp437").lower()  # bytes.lower: ASCII, as miniz folds
         if key in seen:
             other = seen[key]
             raise bad(f"two entries named {name!r}" + ("" if other == name else f" and {other!r}")

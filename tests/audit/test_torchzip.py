@@ -280,3 +280,63 @@ def test_the_opcode_walk_reads_a_protocol_2_pickle_as_pickletools_does(value):
         got.append((op, at))
         at += 1 + len(arg) + extra.get(op, 0)
     assert got == [(op.code.encode("latin-1")[0], pos) for op, _, pos in pickletools.genops(data)] and _plain(data)
+
+
+def test_a_memo_slot_out_of_order_is_refused_before_the_unpickler_sizes_its_memo_by_it():
+    """The C unpickler's memo is an array as long as the largest slot: 6 bytes would cost 1 GB."""
+    from surgeon.audit.torchzip import _plain
+
+    good = _dict(x=_tensor("0", 4))
+    assert _plain(good)
+    assert not _plain(good[:-2] + b"r" + (0x04000000).to_bytes(4, "little") + good[-2:])  # LONG_BINPUT of x's dict
+
+
+def _rezipped(src: Path, dst: Path, extra: dict[str, bytes], change=lambda name, raw: raw) -> Path:
+    with zipfile.ZipFile(src) as zs, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zd:
+        for i in zs.infolist():
+            zd.writestr(i.filename, change(i.filename, zs.read(i.filename)))
+        for name, raw in extra.items():
+            zd.writestr(name, raw)
+    return dst
+
+
+@pytest.mark.parametrize("case", ["alignment", "outside_the_folder"])
+def test_what_torch_load_checks_before_it_unpickles_is_checked(tmp_path, case):
+    """A storage alignment that is no integer, an entry outside the archive folder: torch.load
+    refuses both, on the CPU too; so the structure pass does (it read them clean before)."""
+    src = tmp_path / "src.ckpt"
+    torch.save({"x": torch.ones(2)}, src)
+    dst = _rezipped(src, tmp_path / "dst.ckpt", {"readme.txt": b"hi"} if case == "outside_the_folder" else {},
+                    lambda name, raw: b"x" if name.endswith("/.storage_alignment") else raw)
+    with pytest.raises(Exception):  # noqa: B017 - the verdict is torch's: whatever it raises
+        torch.load(dst, weights_only=True)
+    assert meta_load(dst) is None
+    with pytest.raises(BadInput, match="weights_only"):
+        read_structure(dst)
+
+
+def test_two_zips_joined_are_refused_by_the_gate(tmp_path):
+    """Python's zipfile reads the second (its directory is at the end), torch's reader the first."""
+    a, b = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
+    torch.save({"x": torch.full((4,), float("nan"))}, a)
+    torch.save({"x": torch.ones(4)}, b)
+    joined = tmp_path / "joined.ckpt"
+    joined.write_bytes(a.read_bytes() + b.read_bytes())
+    with pytest.raises(BadInput, match="two zips joined"):
+        open_tensor_file(joined)
+
+
+def test_an_unflagged_non_ascii_folder_name_is_read(tmp_path):
+    """Info-ZIP does not flag a name UTF-8; Python decodes it as cp437, one character a byte, so its
+    bytes are known and nothing is ambiguous."""
+    src = tmp_path / "src.ckpt"
+    torch.save({"input_ids": torch.arange(6)[None], "loss_mask": torch.ones(1, 6), "aux_hidden_state": torch.randn(1, 6, 12),
+                "hidden_state": torch.randn(1, 6, 4)}, src)
+    dst = tmp_path / "d.ckpt"
+    with zipfile.ZipFile(src) as zs, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zd:
+        for i in zs.infolist():
+            zd.writestr("donnXes_0/" + i.filename.split("/", 1)[1], zs.read(i.filename))
+    dst.write_bytes(dst.read_bytes().replace(b"donnXes_0/", b"donn\x82es_0/"))  # cp437 'é', no UTF-8 flag
+    assert all(not i.flag_bits & 0x800 and "é" in i.filename for i in zipfile.ZipFile(dst).infolist())
+    st_ = read_structure(dst)
+    assert st_.layout == "specforge" and st_.findings == [] and st_.rows is not None
