@@ -241,17 +241,22 @@ def test_a_torchscript_archive_is_left_to_torch_load(tmp_path):
         read_structure(path)
 
 
-def test_an_archive_folder_named_in_utf8_is_read_as_torch_reads_it(tmp_path):
-    """torch <= 2.0 named the folder after the file; Python's zipfile, like torch's writer, flags
-    such names UTF-8: both readers resolve them alike."""
+def _refoldered(tmp_path: Path, folder: str) -> Path:
+    """A SpecForge sample whose archive folder is renamed ``folder`` (Python's zipfile writes it)."""
     src = tmp_path / "src.ckpt"
     torch.save({"input_ids": torch.arange(6)[None], "loss_mask": torch.ones(1, 6), "aux_hidden_state": torch.randn(1, 6, 12),
                 "hidden_state": torch.randn(1, 6, 4)}, src)
-    dst = tmp_path / "données_0.ckpt"
+    dst = tmp_path / "dst.ckpt"
     with zipfile.ZipFile(src) as zs, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zd:
         for i in zs.infolist():
-            zd.writestr("données_0/" + i.filename.split("/", 1)[1], zs.read(i.filename))
-    st_ = read_structure(dst)
+            zd.writestr(f"{folder}/" + i.filename.split("/", 1)[1], zs.read(i.filename))
+    return dst
+
+
+def test_an_archive_folder_named_in_utf8_is_read_as_torch_reads_it(tmp_path):
+    """torch <= 2.0 named the folder after the file; Python's zipfile, like torch's writer, flags
+    such names UTF-8: both readers resolve them alike."""
+    st_ = read_structure(_refoldered(tmp_path, "données_0"))
     assert st_.layout == "specforge" and st_.findings == [] and st_.rows is not None
 
 
@@ -329,13 +334,7 @@ def test_two_zips_joined_are_refused_by_the_gate(tmp_path):
 def test_an_unflagged_non_ascii_folder_name_is_read(tmp_path):
     """Info-ZIP does not flag a name UTF-8; Python decodes it as cp437, one character a byte, so its
     bytes are known and nothing is ambiguous."""
-    src = tmp_path / "src.ckpt"
-    torch.save({"input_ids": torch.arange(6)[None], "loss_mask": torch.ones(1, 6), "aux_hidden_state": torch.randn(1, 6, 12),
-                "hidden_state": torch.randn(1, 6, 4)}, src)
-    dst = tmp_path / "d.ckpt"
-    with zipfile.ZipFile(src) as zs, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zd:
-        for i in zs.infolist():
-            zd.writestr("donnXes_0/" + i.filename.split("/", 1)[1], zs.read(i.filename))
+    dst = _refoldered(tmp_path, "donnXes_0")
     dst.write_bytes(dst.read_bytes().replace(b"donnXes_0/", b"donn\x82es_0/"))  # cp437 'é', no UTF-8 flag
     assert all(not i.flag_bits & 0x800 and "é" in i.filename for i in zipfile.ZipFile(dst).infolist())
     st_ = read_structure(dst)
