@@ -66,13 +66,8 @@ def _pass(p: subprocess.Popen) -> float:
     return float(p.stdout.readline())
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
 def run(args) -> dict:
-    from audit import _read_all, make_set
+    from audit import _median, _read_all, make_set
 
     tmp = Path(tempfile.mkdtemp(prefix="surgeon-audit-ab-"))
     setdir = Path(args.set) if args.set else tmp / "set"

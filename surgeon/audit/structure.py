@@ -145,8 +145,10 @@ def _pickle_structure(gated: TensorFile) -> Structure:
 
     if gated.format == ZIP:  # onto the meta device: the pickle is read, each storage's offset noted, no data read
         tz = TorchZip.open(gated)
-        native, mappable = _zip_mode(gated, tz)
-        data = ((tz and tz.meta_load()) or _load(gated, "meta")) if native else _load(gated, "cpu", mmap=mappable)
+        if tz is not None and _native(tz):
+            data = tz.meta_load() or _load(gated, "meta")
+        else:  # another byte order, or a zip torch's reader cannot open (its load on the CPU says why)
+            data = _load(gated, "cpu", mmap=_mappable(gated))
     else:
         data = _load(gated, "cpu")
     if not isinstance(data, dict) or not isinstance(data.get("aux_hidden_state"), torch.Tensor):
@@ -197,22 +199,20 @@ def _storage_records(gated: TensorFile) -> dict[str, tuple[int, int, int]]:
     return {n: v for n, v in gated.records.items() if n.startswith("data/") or "/data/" in n}
 
 
-def _zip_mode(gated: TensorFile, tz: TorchZip | None = None) -> tuple[bool, bool]:
-    """(native, mappable) of a ``torch.save`` zip: whether its storages are in this machine's byte
-    order (torch swaps them as it loads, which on the meta device crashes the process, torch 2.13),
-    as its ``byteorder`` record says to torch's own reader (``tz``; opened here where not given:
-    Python's zipfile may find another entry of that name than torch does), and whether they are
-    stored uncompressed (what a memory map of them needs)."""
+def _native(tz: TorchZip) -> bool:
+    """Whether a ``torch.save`` zip's storages are in this machine's byte order (torch swaps them as
+    it loads, which on the meta device crashes the process, torch 2.13), as its ``byteorder`` record
+    says to torch's own reader (Python's zipfile may find another entry of that name than torch does)."""
+    if tz.byteorder is None:  # written before torch recorded it: little-endian, as torch assumes
+        return sys.byteorder == "little"
+    return tz.byteorder == sys.byteorder.encode()
+
+
+def _mappable(gated: TensorFile) -> bool:
+    """Whether a ``torch.save`` zip's storages are stored uncompressed (what a memory map of them needs)."""
     import zipfile
 
-    mappable = all(c == zipfile.ZIP_STORED for _, _, c in _storage_records(gated).values())
-    tz = tz or TorchZip.open(gated)
-    if tz is None:  # torch cannot read it: its load, on the CPU, says why
-        return False, mappable
-    order = tz.byteorder()
-    if order is None:  # written before torch recorded it: little-endian, as torch assumes
-        return sys.byteorder == "little", mappable
-    return order == sys.byteorder.encode(), mappable
+    return all(c == zipfile.ZIP_STORED for _, _, c in _storage_records(gated).values())
 
 
 def specforge_data(st: Structure, path: str | Path) -> Any:
@@ -224,7 +224,7 @@ def specforge_data(st: Structure, path: str | Path) -> Any:
     if not any(isinstance(v, torch.Tensor) and v.is_meta for v in st.loaded.values()):
         return st.loaded
     gated = open_tensor_file(path)
-    return _load(gated, "cpu", mmap=_zip_mode(gated)[1])
+    return _load(gated, "cpu", mmap=_mappable(gated))
 
 
 def _file_offset(t: Any, records: dict[int, tuple[int, int]]) -> int | None:

@@ -41,8 +41,10 @@ not).
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
+import pickletools
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -51,12 +53,6 @@ if TYPE_CHECKING:
 
 MAX_PICKLE_BYTES = 1 << 20  # a sample's data.pkl is a few hundred bytes; more is left to torch.load
 
-# what torch.save (pickle protocol 2) writes for a dict of tensors, numbers, strings and lists: the
-# names of :data:`_ARGS`' opcodes
-OPCODES = frozenset({"PROTO", "STOP", "MARK", "GLOBAL", "REDUCE", "BINPERSID", "EMPTY_DICT", "EMPTY_LIST",
-                     "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
-                     "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE",
-                     "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
 MAX_WALK = 100_000  # values of the result looked through for a stand-in; more is left to torch.load
 
 # torch's typed storage classes (``torch.<Name>Storage``) and the dtype each holds
@@ -169,12 +165,14 @@ class _HeadUnpickler(pickle.Unpickler):
         return self._storages[key]
 
 
-# the opcodes of OPCODES by their byte, each with what follows it: a fixed number of bytes, or
-# ("len", n): an n-byte little-endian length and that many bytes; ("lines", 2): two lines (GLOBAL)
+# what torch.save (pickle protocol 2) writes for a dict of tensors, numbers, strings and lists, by
+# opcode byte, each with what follows it: a fixed number of bytes, or ("len", n): an n-byte
+# little-endian length and that many bytes; ("lines", 2): two lines (GLOBAL)
 _ARGS: dict[int, Any] = {
     0x80: 1, 0x2E: 0, 0x28: 0, 0x63: ("lines", 2), 0x52: 0, 0x51: 0, 0x7D: 0, 0x5D: 0, 0x29: 0, 0x74: 0, 0x85: 0,
     0x86: 0, 0x87: 0, 0x61: 0, 0x65: 0, 0x73: 0, 0x75: 0, 0x4E: 0, 0x88: 0, 0x89: 0, 0x4A: 4, 0x4B: 1, 0x4D: 2,
     0x8A: ("len", 1), 0x47: 8, 0x58: ("len", 4), 0x68: 1, 0x6A: 4, 0x71: 1, 0x72: 4}
+OPCODES = frozenset(op.name for op in pickletools.opcodes if ord(op.code) in _ARGS)  # their names
 _ATOMS = frozenset(b"N\x88\x89JKM\x8aGX")  # NONE NEWTRUE NEWFALSE BININT BININT1 BININT2 LONG1 BINFLOAT BINUNICODE
 _EMPTY = {0x7D: "dict", 0x5D: "list", 0x29: "tuple"}
 _GLOBALS = {b"torch._utils\n_rebuild_tensor_v2": "rebuild", b"collections\nOrderedDict": "ordered_dict"}
@@ -291,8 +289,9 @@ class TorchZip:
         except Exception:  # noqa: BLE001 - torch's reader refuses it: so will torch.load, whose error is the one said
             return None
 
+    @functools.cached_property
     def byteorder(self) -> bytes | None:
-        """The ``byteorder`` record (None: written before torch recorded it, little-endian)."""
+        """The ``byteorder`` record (None: written before torch recorded it, little-endian), read once."""
         try:
             return bytes(self._reader.get_record("byteorder")) if self._reader.has_record("byteorder") else None
         except Exception:  # noqa: BLE001 - an unreadable record: no byte order torch would take
@@ -306,7 +305,7 @@ class TorchZip:
         records = self._reader.get_all_records()
         if "constants.pkl" in records or "data.pkl" not in records:
             return False
-        if self.byteorder() not in (None, b"little", b"big"):
+        if self.byteorder not in (None, b"little", b"big"):
             return False
         if ".storage_alignment" in records:
             int(bytes(self._reader.get_record(".storage_alignment")))
