@@ -12,6 +12,20 @@ Statistics (of one slot of one file, or of one reference prompt at one point):
   point's by cosine: real models carry massive activations in a few channels that move from
   layer to layer, which a scalar norm does not see.
 
+These statistics move with a sample's length: its first positions (right after the BOS sink) weigh
+more in a short sample, and a long one reaches positions a short one never has. With
+:data:`MIN_PROMPTS` prompts or more the profile is a *ladder* of profiles, one per rung of sample
+lengths (``n`` to ``2n - 1`` rows, ``n`` a power of two), each measured exactly on the prompts'
+prefixes of those lengths: a causal model's first ``n`` states of a prompt are its states on the
+``n``-token prefix. A sample is judged against the rung of its length (:meth:`Profile.at`); one
+longer than the longest rung, against that rung (the reference prompts are the set's longest files,
+:mod:`surgeon.audit.reference`). Measured on 400 clean samples of 8 to 1024 tokens of a tiny Llama
+(hidden 256, 8 layers): one profile of whole prompts flagged 28 (7%; 9 of the 48 of 1024 tokens),
+the ladder none (``tests/audit/test_edges.py`` holds a smaller case). Its direction tolerances are
+measured out of sample (:func:`_vector_centre`). A profile of fewer prompts (a reference file: one)
+has no ladder: a sample shorter than its prompts is judged with its tolerance widened instead
+(:meth:`Profile.distances_of`).
+
 A point's profile holds each statistic's centre and its spread from sample to sample, measured
 on the reference prompts (files of the set itself when the reference is a model): scalars, the
 median of the prompts' values and their standard deviation, tolerance ``max(MIN_TOL, K *
@@ -55,6 +69,7 @@ MIN_VTOL = 0.02  # cosine distance
 # good sampled rows a slot needs for the per-channel statistics: fewer lean on the first positions of
 # a sample (states right after the BOS sink), whose direction is not the one of a long sample's rows
 MIN_VECTOR_ROWS = 32
+LADDER_FROM = 2  # the shortest rung of the ladder of sample lengths (rows)
 ANCHOR_TOL = 0.02  # cosine distance within which a first row is the point's (engines' numerics differ a little)
 SCALARS = ("log_norm_median", "log_norm_width")
 VECTORS = ("direction", "rms_profile")
@@ -169,11 +184,31 @@ class Profile:
     prompts: int
     tokens: int
     files: tuple[str, ...] = ()  # the set's files whose ids the target ran on (an hf: profile)
+    # (n, the points measured on the prompts' prefixes of n to 2n-1 rows), n ascending; () : one profile
+    ladder: tuple[tuple[int, tuple[PointProfile, ...]], ...] = ()
 
     def to_json(self) -> dict:
         return {"source": self.source, "prompts": self.prompts, "tokens": self.tokens,
+                "ladder": [n for n, _ in self.ladder],
                 "points": [{"point": p.point, "centre": p.centre, "spread": p.spread, "tol": p.tol}
                            for p in self.points]}
+
+    def at(self, tokens: int | None) -> Profile:
+        """The profile a sample of ``tokens`` rows is judged against: the longest rung of the ladder
+        at most that long (the shortest rung for a shorter sample), made once per rung; this one
+        where there is no ladder or the length is not known."""
+        if not self.ladder or tokens is None:
+            return self
+        n, points = self.ladder[0]
+        for m, pts in self.ladder:
+            if m <= tokens:
+                n, points = m, pts
+        rungs = self.__dict__.setdefault("_rungs", {})  # a cache, not a field (frozen: its dict is written)
+        if n not in rungs:
+            import dataclasses
+
+            rungs[n] = dataclasses.replace(self, points=points, ladder=())
+        return rungs[n]
 
     def describe(self) -> str:
         """Which statistics this profile compares (a reference of norms only has no others)."""
@@ -245,11 +280,12 @@ class Profile:
         import hashlib
 
         h = hashlib.sha256(repr(self.to_json()).encode())
-        for p in self.points:
-            h.update(repr((p.centres, p.spreads, p.vtols, p.k, p.first_token, p.tokens)).encode())
-            for v in (*p.vectors, p.first_row):
-                if v is not None:
-                    h.update(v.numpy().tobytes())
+        for points in (self.points, *(pts for _, pts in self.ladder)):
+            for p in points:
+                h.update(repr((p.centres, p.spreads, p.vtols, p.k, p.first_token, p.tokens)).encode())
+                for v in (*p.vectors, p.first_row):
+                    if v is not None:
+                        h.update(v.numpy().tobytes())
         return h.hexdigest()
 
 
@@ -268,16 +304,33 @@ def _state_stats(x, min_rows: int = MIN_VECTOR_ROWS) -> Stats:
     return stats_of(sv, sample, min_rows=min_rows, tokens=int(x.shape[0]))
 
 
-def _vector_centre(vs: list, pieces: list) -> tuple[Any, float]:
+def _vector_centre(vs: list, pieces: list, groups: list | None = None) -> tuple[Any, float]:
+    """A vector statistic's centre (the unit mean of ``vs``) and tolerance: :data:`VK` times the
+    largest cosine distance of a piece from it. ``groups``: the prompt of each piece; then each
+    prompt's pieces are measured out of sample, from the centre of the other prompts' (a centre made
+    with a piece lies nearer to it than to a new sample: a direction of no structure over ``n``
+    prompts lies ``1 - 1/sqrt(n)`` from its own mean, ~1 from a new one's)."""
     import torch
 
-    if not vs or len(pieces) < 2:
+    if not vs or len(pieces) < 2 or (groups is not None and len(set(groups)) < 2):
         return None, math.inf
     c = _unit(torch.stack(vs).mean(0))
-    return c, max(MIN_VTOL, VK * max(_cos_distance(v, c) for v in pieces))
+    if groups is None:
+        return c, max(MIN_VTOL, VK * max(_cos_distance(v, c) for v in pieces))
+    P = torch.stack(pieces)
+    total = P.sum(0)
+    far = 0.0
+    for g in set(groups):
+        own = [j for j, x in enumerate(groups) if x == g]
+        rest = _unit(total - P[own].sum(0))
+        far = max(far, *(_cos_distance(P[j], rest) for j in own))
+    return c, max(MIN_VTOL, VK * far)
 
 
-def _point(p: str, whole: list[Stats], pieces: list[Stats], k: float, anchor: tuple[int | None, Any]) -> PointProfile:
+def _point(p: str, whole: list[Stats], pieces: list[Stats], k: float, anchor: tuple[int | None, Any],
+           groups: list[int] | None = None) -> PointProfile:
+    """A point's profile: its statistics' centres over ``whole`` and their spreads over ``pieces``
+    (``groups``: each piece's prompt, for the vectors' out-of-sample tolerance)."""
     import torch
 
     centres, spreads = [], []
@@ -289,8 +342,12 @@ def _point(p: str, whole: list[Stats], pieces: list[Stats], k: float, anchor: tu
         sd = float(ps.std()) if ps.numel() > 1 else 0.0
         centres.append(float(xs.median()))
         spreads.append(sd if math.isfinite(sd) else 0.0)
-    vecs = [_vector_centre([s.vectors[i] for s in whole if s.vectors[i] is not None],
-                           [s.vectors[i] for s in pieces if s.vectors[i] is not None]) for i in range(len(VECTORS))]
+    vecs = []
+    for i in range(len(VECTORS)):
+        have = [j for j, s in enumerate(pieces) if s.vectors[i] is not None]
+        vecs.append(_vector_centre([s.vectors[i] for s in whole if s.vectors[i] is not None],
+                                   [pieces[j].vectors[i] for j in have],
+                                   None if groups is None else [groups[j] for j in have]))
     rows = sorted(s.tokens for s in pieces if s.tokens)
     return PointProfile(p, centres[0], spreads[0], k, tuple(centres), tuple(spreads), tuple(v for v, _ in vecs),
                         tuple(t for _, t in vecs), *anchor, tokens=float(rows[len(rows) // 2]) if rows else 0.0)
@@ -323,9 +380,42 @@ def _profile(prompts: list[dict[Point, Any]], num_layers: int, source: str, stat
         whole = [stats(x[p]) for x in prompts]
         # chunks measure the spread only, each of CHUNK rows or fewer: per-channel statistics of them all
         pieces = [stats(c, 2) for x in prompts for c in _chunks(x[p], x[p].shape[0])] if few else whole
-        out.append(_point(str(p), whole, pieces, K_CHUNKS if few else K, _anchor([x[p] for x in prompts], first_tokens)))
+        out.append(_point(str(p), whole, pieces, K_CHUNKS if few else K, _anchor([x[p] for x in prompts], first_tokens),
+                          None if few else list(range(len(prompts)))))
     tokens = sum(int(x[points[-1]].shape[0]) for x in prompts) if points else 0
-    return Profile(tuple(out), source, len(prompts), tokens)
+    ladder = () if few or not points else _ladder(prompts, points, stats, out)
+    return Profile(tuple(out), source, len(prompts), tokens, ladder=ladder)
+
+
+def _cuts(n: int, t: int) -> list[int]:
+    """The prefix lengths rung ``n`` is measured on in a prompt of ``t`` rows: the rung's shortest
+    and longest samples (``n``, ``2n - 1``) and, where the per-channel statistics start inside the
+    rung, its shortest sample that has them; none longer than the prompt."""
+    return sorted({min(t, m) for m in (n, max(n, MIN_VECTOR_ROWS + 1), 2 * n - 1) if m < 2 * n})
+
+
+def _ladder(prompts: list[dict[Point, Any]], points: list[Point], stats,
+            whole: list[PointProfile]) -> tuple[tuple[int, tuple[PointProfile, ...]], ...]:
+    """The profile of each rung ``n`` (samples of ``n`` to ``2n - 1`` rows; ``n`` from
+    :data:`LADDER_FROM`, doubling) up to the longest that :data:`MIN_PROMPTS` prompts reach, on the
+    prefixes :func:`_cuts` names of the prompts that long: the statistics' centres and spreads over
+    those lengths (a sample anywhere in the rung lies within them); the anchor as the whole's (the
+    state at position 0 does not depend on the length)."""
+    lengths = [int(x[points[0]].shape[0]) for x in prompts]
+    rungs = []
+    n = LADDER_FROM
+    while sum(t >= n for t in lengths) >= MIN_PROMPTS:
+        cuts = [(i, m) for i, t in enumerate(lengths) if t >= n for m in _cuts(n, t)]
+        try:
+            pts = []
+            for p, w in zip(points, whole):
+                pieces = [stats(prompts[i][p][:m]) for i, m in cuts]
+                pts.append(_point(str(p), pieces, pieces, K, (w.first_token, w.first_row), [i for i, _ in cuts]))
+            rungs.append((n, tuple(pts)))
+        except BadInput:  # a point with no good row in prefixes this short: its samples take the next rung
+            pass
+        n *= 2
+    return tuple(rungs)
 
 
 def profile_from_norms(prompts: list[dict[Point, object]], num_layers: int, source: str) -> Profile:

@@ -1,9 +1,11 @@
 """Where an audit's identity profile comes from (``--reference``):
 
 * ``hf:MODEL``: the target run here (:func:`surgeon.verify.reference.capture_reference`) on the
-  input ids of :data:`PROMPTS` files of the set, once, spread over it (a set sorted by length or
-  by source is sampled whole, not at its start, and its lengths in the proportion it has them: the
-  profile's spread covers them); a resumed audit takes the files its state names, so that its
+  input ids of :data:`PROMPTS` files of the set, once: the longest file of each of :data:`PROMPTS`
+  runs of files spread over the set (a set sorted by length or by source is sampled whole, not at
+  its start), at most :data:`PROFILE_TOKENS` of each (a causal model's states on a prefix are
+  exact): the profile's ladder of sample lengths is measured on their prefixes
+  (:mod:`surgeon.audit.profile`), so long prompts give every rung; a resumed audit takes the files its state names, so that its
   profile is the one recorded whatever was added to the set since; a file the target cannot run
   (a token out of its vocabulary) is left out, and said so, where a model the audit cannot use
   stops it at once; the model also serves the exact identification of a sample of files, each on
@@ -25,6 +27,7 @@ from surgeon.core.errors import BadInput
 
 PROMPTS = 12
 CANDIDATES = 8 * PROMPTS  # files whose headers are read to pick the prompts from
+PROFILE_TOKENS = 4096  # the target runs on at most this many tokens of a prompt (its memory: every point's states)
 
 
 def _spread(items: list, k: int) -> list:
@@ -33,9 +36,9 @@ def _spread(items: list, k: int) -> list:
     return items if n <= k else [items[(i * n) // k] for i in range(k)]
 
 
-def _with_ids(paths: list[str]) -> list[str]:
-    """Up to :data:`CANDIDATES` files spread over the set whose header says they carry input ids
-    for 2 tokens or more."""
+def _with_ids(paths: list[str]) -> list[tuple[str, int]]:
+    """(path, tokens) of up to :data:`CANDIDATES` files spread over the set whose header says they
+    carry input ids for 2 tokens or more, in the set's order."""
     from surgeon.audit.structure import read_structure
 
     out = []
@@ -45,22 +48,25 @@ def _with_ids(paths: list[str]) -> list[str]:
         except BadInput:
             continue
         if st.ids and st.tokens and st.tokens >= 2:
-            out.append(p)
+            out.append((p, int(st.tokens)))
     return out
 
 
 def prompt_files(paths: list[str], prefer: Sequence[str] = ()) -> Iterator[str]:
     """The files in the order the target is run on them until :data:`PROMPTS` ran: ``prefer`` alone
-    where given (a resumed audit's, from its state: the profile it recorded), else :data:`PROMPTS`
-    spread over the candidates, then the other candidates."""
+    where given (a resumed audit's, from its state: the profile it recorded), else the longest
+    candidate of each of :data:`PROMPTS` runs of consecutive candidates (the first of equals), then
+    the other candidates, longest first."""
     if prefer:
         yield from prefer
         return
     found = _with_ids(paths)
-    first = _spread(found, PROMPTS)
+    n, k = len(found), min(len(found), PROMPTS)
+    runs = [found[(i * n) // k:((i + 1) * n) // k] for i in range(k)]  # none empty: n >= k
+    first = [max(run, key=lambda f: f[1])[0] for run in runs]
     yield from first
     taken = set(first)
-    yield from (p for p in found if p not in taken)
+    yield from (p for p, _ in sorted(found, key=lambda f: -f[1]) if p not in taken)
 
 
 def _captured(model_dir: str | Path, paths: list[str], num_layers: int, notes: list[str],
@@ -85,7 +91,7 @@ def _captured(model_dir: str | Path, paths: list[str], num_layers: int, notes: l
         if ids is None or ids.numel() < 2:
             continue
         try:
-            refs.append(capture_reference(model_dir, ids))
+            refs.append(capture_reference(model_dir, ids.reshape(-1)[:PROFILE_TOKENS]))
         except OutOfVocabulary as e:  # the ids' fault; any other is the model's, the same for every file
             skipped.append(f"{p} ({e})")
             continue
@@ -113,7 +119,8 @@ def build_profile(reference: str | None, spec, paths: list[str], notes: list[str
         _check_layers(refs[0].num_layers, spec)
         n = [int(r.input_ids.numel()) for r in refs]
         notes.append(f"identity profile: {label} run on the input ids of {len(refs)} files spread over the set "
-                     f"({min(n)}-{max(n)} tokens)")
+                     f"({min(n)}-{max(n)} tokens" + (f", at most {PROFILE_TOKENS} of each" if max(n) == PROFILE_TOKENS else "")
+                     + ")")
         profile = profile_from_states([r.states for r in refs], spec.num_layers, label, [int(r.input_ids[0]) for r in refs])
         return dataclasses.replace(profile, files=tuple(used)), str(Path(model_dir).resolve())
     from surgeon.verify.fingerprint import Fingerprint

@@ -213,13 +213,14 @@ def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> 
     svs, hashes, samples = gathered_values(names, declared, g)
     stats: list = [None] * len(svs)
     dists: list = [None] * len(svs)
-    if ctx.profile is not None:
+    profile = None if ctx.profile is None else ctx.profile.at(int(g.norms.shape[1]))  # the rung of its length
+    if profile is not None:
         stats = file_stats(svs, samples, first, list(g.first.unbind(0)), tokens=int(g.norms.shape[1]))
-        dists = ctx.profile.distances_of(stats)
+        dists = profile.distances_of(stats)
     slots = []
     for sv, stat, dist in zip(svs, stats, dists):
         row = sv.to_json()
-        row["identity"] = match_slot(ctx.profile, sv.declared, stat, dist)
+        row["identity"] = match_slot(profile, sv.declared, stat, dist)
         slots.append(row)
         for f in sv.findings:
             kind, _, detail = f.partition(": ")

@@ -713,6 +713,9 @@ class AuditProfile(_Closed):
     source: str
     prompts: int
     tokens: int
+    ladder: list[int] = Field(description="the rungs of sample lengths judged each against its own profile: rung n "
+                                          "holds samples of n to 2n-1 rows (the last, longer ones too); [] : one "
+                                          "profile for every length")
     points: list[AuditPointProfile]
 
 

@@ -1,7 +1,7 @@
 """The audit at the edges of its input: a sample no writer should have made is a finding on that file
 and the audit goes on; values a float32 norm cannot tell apart are told apart; a buffer written at
 every position of a slot is found; the ``hf:`` profile is built from prompts spread over the set, and
-a short sample is judged with the wider tolerance its few rows call for."""
+a sample of any length is judged against the profile of its length (the ladder)."""
 
 from __future__ import annotations
 
@@ -174,6 +174,41 @@ def test_the_profile_is_built_across_the_set_and_judges_short_samples_by_their_r
                          state_path=tmp_path / "s.jsonl"))
     assert rep.ok, [(Path(o["path"]).name, o["findings"][:1]) for o in rep.to_json()["outliers"]]
     assert any("12 files spread over the set (8-128 tokens)" in n for n in rep.notes), rep.notes
+
+
+@pytest.mark.slow
+def test_samples_of_8_to_1024_tokens_are_each_judged_at_their_length(tiny_target, tmp_path):
+    """Clean samples of 8 to 1024 tokens, and seeded faults among them: judged against one profile of
+    whole prompts, 3 of the clean long ones were flagged (their statistics lie past the prompts' mix
+    of lengths); the ladder judges each against prefixes of its own length: none flagged, every
+    fault found, at every length."""
+    s = make_synthetic_set(tmp_path / "s", tiny_target, files=160, layout="speculators", count=2, seed=3,
+                           lengths=(8, 16, 32, 64, 128, 256, 512, 1024))
+    rep = run_audit(Plan(s.root, str(s.spec), reference=f"hf:{tiny_target}", exact_files=0,
+                         state_path=tmp_path / "s.jsonl"))
+    flagged = {Path(o["path"]).name: {f["kind"] for f in o["findings"]} for o in rep.to_json()["outliers"]}
+    kinds = {"shifted": "identity", "off_by_one": "identity", "nan": "nonfinite", "zero": "zero", "stale": "stale"}
+    assert {n: k for n, k in flagged.items() if n not in s.faults} == {}
+    assert all(kinds[f] in flagged.get(n, set()) for n, f in s.faults.items()), (s.faults, flagged)
+    assert rep.profile is not None and [n for n, _ in rep.profile.ladder][-1] >= 512
+
+
+def test_the_prompts_are_the_longest_file_of_each_run_of_the_set(tmp_path, monkeypatch):
+    """12 runs of the candidates in the set's order, the longest of each (the first of equals), then
+    the others longest first; a set of fewer files than prompts gives each of its files."""
+    from surgeon.audit import reference
+
+    lengths = [5, 9, 9, 2, 30, 7, 1, 8, 3, 3, 60, 4] * 3
+    files = [(f"f{i:02d}", t) for i, t in enumerate(lengths)]
+    monkeypatch.setattr(reference, "_with_ids", lambda paths: [f for f in files if f[0] in paths])
+    got = list(reference.prompt_files([f for f, _ in files]))
+    # runs of 3: (5, 9, 9) gives its first 9, (2, 30, 7) its 30, (1, 8, 3) its 8, (3, 60, 4) its 60
+    assert got[:12] == ["f01", "f04", "f07", "f10", "f13", "f16", "f19", "f22", "f25", "f28", "f31", "f34"]
+    assert sorted(got) == sorted(f for f, _ in files)  # every candidate, once
+    rest = got[12:]
+    assert [dict(files)[f] for f in rest] == sorted((dict(files)[f] for f in rest), reverse=True)
+    assert list(reference.prompt_files([f for f, _ in files[:5]])) == ["f00", "f01", "f02", "f03", "f04"]
+    assert list(reference.prompt_files([], prefer=["a", "b"])) == ["a", "b"]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ that point alone (or the first-row anchor picks it), "unresolved" when they fit 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -112,6 +113,54 @@ def test_the_direction_statistics_separate_what_the_norm_does_not():
     assert got["verdict"] == "ok", got
     norm_only = Stats(stats_of(sv, sample).scalars)  # the same slot with its norm statistics only
     assert match_slot(prof, str(pts[0]), norm_only)["verdict"] == "unresolved"
+
+
+def test_a_sample_is_judged_against_the_rung_of_its_length_measured_on_the_prompts_prefixes():
+    """A point whose norm grows with the position (what causal models' states do near the start):
+    the whole prompts' median is a long sample's; a short sample of the same point lies far from it.
+    The ladder measures each rung on the prompts' prefixes, so both lengths fit their own rung."""
+    g = torch.Generator().manual_seed(1)
+
+    def prompt(T=512):
+        x = torch.randn(T, 64, generator=g)
+        return x * torch.linspace(1.0, 8.0, T)[:, None]  # norm x8 from the first position to the last
+
+    pt = layer_out(0)
+    prof = profile_from_states([{pt: prompt()} for _ in range(12)], 4, "test")
+    assert [n for n, _ in prof.ladder] == [2, 4, 8, 16, 32, 64, 128, 256, 512]
+    from surgeon.audit.profile import stats_of
+    from surgeon.audit.values import slot_values
+
+    for T in (5, 40, 100, 300, 512):
+        sv, _, sample = slot_values("s", pt, prompt()[:T])
+        s = stats_of(sv, sample, tokens=T)
+        assert prof.at(T).distances(s)[str(pt)] <= 1.0, T  # its own rung: fits
+        assert prof.at(T) is prof.at(T)  # made once
+    sv, _, sample = slot_values("s", pt, prompt()[:40])
+    assert prof.distances(stats_of(sv, sample, tokens=40))[str(pt)] > 1.0  # the whole prompts' profile: "mismatch"
+    assert prof.at(1).points == prof.ladder[0][1] and prof.at(10**6).points == prof.ladder[-1][1]
+    assert prof.at(None) is prof and prof.at(40).at(40) is prof.at(40)  # a rung has no ladder of its own
+    assert "ladder" in prof.to_json() and prof.digest() != dataclasses.replace(prof, ladder=prof.ladder[:-1]).digest()
+    few = profile_from_states([{pt: prompt()} for _ in range(2)], 4, "test")  # too few prompts to measure rungs
+    assert few.ladder == () and few.at(40) is few
+
+
+def test_a_direction_of_no_structure_gets_a_tolerance_measured_out_of_sample():
+    """Unit mean directions of random rows: each prompt's lies ~1 - 1/sqrt(n) from the mean of all n
+    (itself among them), ~1 from a new sample's. The tolerance is measured out of sample, each
+    prompt against the others' mean: a new sample of the same point fits it."""
+    g = torch.Generator().manual_seed(2)
+    pt = layer_out(0)
+    prof = profile_from_states([{pt: torch.randn(128, 256, generator=g)} for _ in range(6)], 4, "test")
+    from surgeon.audit.profile import VK, stats_of
+    from surgeon.audit.values import slot_values
+
+    assert prof.points[0].vtols[0] > VK * 0.9  # ~VK x 1, where in-sample distances gave VK x (1 - 1/sqrt(6)) = 1.18
+    fits = 0
+    for _ in range(40):
+        sv, _, sample = slot_values("s", pt, torch.randn(128, 256, generator=g))
+        fits += prof.distances(stats_of(sv, sample, tokens=128))[str(pt)] <= 1.0
+    assert fits == 40
 
 
 def test_a_files_distances_at_once_are_each_slots_own_and_a_missing_statistic_decides_nothing():
