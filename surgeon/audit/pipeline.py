@@ -249,7 +249,8 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
                 if i in picks:
                     exact_identify(ctx, r)  # here, not in a worker: one copy of the target model
                 agg.stale_check(r)
-                if not any(f["kind"] == ERROR for f in r["findings"]):  # not done: --resume audits it again
+                # an error no check foresaw, or a read the system failed: not done, --resume audits it again
+                if not r.get("transient") and not any(f["kind"] == ERROR for f in r["findings"]):
                     state.record(r)
             agg.add(r)
             update(i + 1, len(paths))

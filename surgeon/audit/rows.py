@@ -118,18 +118,18 @@ def _buffer(nbytes: int):
 
 def _open(path: str):
     """``path`` opened unbuffered; a file gone or unreadable since its header was read is BadInput."""
-    from surgeon.core.errors import BadInput
+    from surgeon.core.errors import ReadFailure
 
     try:
         return open(path, "rb", buffering=0)
     except OSError as e:
-        raise BadInput(f"{path}: cannot be read ({e.strerror or e})") from None
+        raise ReadFailure(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 def _read_at(f, view: memoryview, offset: int, path: str) -> None:
     """Fill ``view`` from ``offset`` of the open (unbuffered) file ``f``; a short read, of a file cut
     short since its header was read, or a read error is BadInput."""
-    from surgeon.core.errors import BadInput
+    from surgeon.core.errors import BadInput, ReadFailure
 
     got = 0
     try:
@@ -140,7 +140,7 @@ def _read_at(f, view: memoryview, offset: int, path: str) -> None:
                 raise BadInput(f"{path}: ends at byte {offset + got}, its header says {offset + len(view)}: truncated?")
             got += n
     except OSError as e:
-        raise BadInput(f"{path}: cannot be read at byte {offset + got} ({e.strerror or e})") from None
+        raise ReadFailure(f"{path}: cannot be read at byte {offset + got} ({e.strerror or e})") from None
 
 
 def chunks(rp: RowPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[Region, int, Any]]:

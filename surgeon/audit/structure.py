@@ -48,21 +48,30 @@ class Structure:
     findings: list[str] = field(default_factory=list)
     loaded: Any = field(default=None, repr=False)  # a SpecForge dict as loaded (meta tensors from a zip)
     rows: RowPlan | None = field(default=None, repr=False)  # where the slots' rows lie, where the format says
+    points: list[str] | None = None  # a surgeon dump's declared point of each slot, and its target's layers
+    num_layers: int | None = None
 
 
 def discover(root: str | Path) -> Iterator[Path]:
     """Every tensor file under ``root`` (``.ckpt``, ``.safetensors``, ``.pt``), in sorted path
-    order, streamed directory by directory (a 100k-file tree is never listed whole at once)."""
+    order, streamed directory by directory (a 100k-file tree is never listed whole at once). A
+    link to a folder is followed (shards linked into one set) once: a folder already walked,
+    under another name or up a loop of links, is not walked again."""
     stack = [Path(root)]
+    seen: set[tuple[int, int]] = set()
     while stack:
         d = stack.pop()
         try:
+            st = os.stat(d)
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError as e:
             raise BadInput(f"{d}: cannot list: {e.strerror or e}") from None
+        if (st.st_dev, st.st_ino) in seen:
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirs = []
         for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
+            if entry.is_dir():  # a link to a folder too
                 dirs.append(Path(entry.path))
             elif entry.name.endswith(SUFFIXES) and not entry.name.startswith("."):
                 yield Path(entry.path)
@@ -82,9 +91,12 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
 
         head = read_dump_header(gated)
         names = [n for n, _, _ in head.captures]
-        return Structure("surgeon", head.tokens, head.hidden_size, names,
-                         [FLOATS.get(tensors[n]["dtype"], tensors[n]["dtype"]) for n in names], True,
-                         rows=_safetensors_plan(gated, [(n, (i,)) for i, n in enumerate(names)], "input_ids"))
+        st = Structure("surgeon", head.tokens, head.hidden_size, names,
+                       [FLOATS.get(tensors[n]["dtype"], tensors[n]["dtype"]) for n in names], True,
+                       rows=_safetensors_plan(gated, [(n, (i,)) for i, n in enumerate(names)], "input_ids"),
+                       points=[str(pt) for _, pt, _ in head.captures], num_layers=head.num_layers)
+        _integer_ids(st, "input_ids", tensors["input_ids"]["dtype"])
+        return st
     ids_key = next((k for k in IDS_KEYS if k in tensors), None)  # read_subject's order: the same ids either way
     ids_len = gated.shape(ids_key) if ids_key else None
     if "hidden_states" in tensors and len(gated.shape("hidden_states")) == 3:
@@ -99,11 +111,22 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
         T, H = next(iter(shapes)) if len(shapes) == 1 else (None, None)
         st = Structure("plain", T, H, [k for k, _ in floats], [FLOATS[v["dtype"]] for _, v in floats],
                        ids_key is not None)
-        if meta.get("surgeon.kind"):
-            st.findings.append(f"a surgeon {meta['surgeon.kind']} file, not a training sample")
+        st.findings.append(f"a surgeon {meta['surgeon.kind']} file, not a training sample" if meta.get("surgeon.kind")
+                           else "not a training sample of a layout the audit reads (a speculators sample has "
+                                "hidden_states [tokens, slots, hidden], a surgeon dump its header): its values are not checked")
     if ids_len is not None and (len(ids_len) != 1 or ids_len[0] != st.tokens):
         st.findings.append(f"{ids_key} has shape {ids_len} for {st.tokens} tokens")
+    if ids_key is not None:
+        _integer_ids(st, ids_key, tensors[ids_key]["dtype"])
     return st
+
+
+def _integer_ids(st: Structure, key: str, dtype: str) -> None:
+    """A finding where the token ids are not integers (safetensors' dtype name, I8..U64, or torch's,
+    int8..uint64)."""
+    name = {**FLOATS, **INTS}.get(dtype, _dt(dtype))  # safetensors' names said as torch's
+    if not name.startswith(("i", "u")):
+        st.findings.append(f"{key} are {name}, not integers: no token ids")
 
 
 def _safetensors_plan(gated: TensorFile, parts: list[tuple[str, tuple[int, ...]]], ids_key: str | None) -> RowPlan | None:
@@ -159,6 +182,8 @@ def _pickle_structure(gated: TensorFile) -> Structure:
     k = aux.shape[-1] // H if H and aux.dim() and aux.shape[-1] % H == 0 else None
     st = Structure("specforge", T, H, [f"aux_{i}" for i in range(k or 0)], [_dt(str(aux.dtype))] * (k or 0),
                    isinstance(data.get("input_ids"), torch.Tensor), loaded=data)
+    if st.ids:
+        _integer_ids(st, "input_ids", str(data["input_ids"].dtype))
     if k == 0 or T is None:
         st.findings.append(f"aux_hidden_state shape {list(aux.shape)}: no [tokens, k x hidden] slots in it")
     elif k is None and H:
@@ -280,6 +305,15 @@ def check_structure(st: Structure, spec) -> list[str]:
     """What in ``st`` disagrees with ``spec`` (its dump slots, hidden size and, for a dump, names)."""
     out = list(st.findings)
     want = spec.dump_slots
+    declared = spec.model.dumps.layout if spec.model.dumps is not None else None
+    if declared is not None and st.layout in ("specforge", "speculators", "surgeon") and st.layout != declared:
+        out.append(f"a {st.layout} sample, the spec's dumps.layout is {declared} (its slots mean other points)")
+    if st.num_layers is not None and st.num_layers != spec.num_layers:
+        out.append(f"a dump of a {st.num_layers}-layer target, the spec's has {spec.num_layers}")
+    if st.points is not None:
+        for name, point in zip(st.names, st.points):
+            if name in spec.captures and point != str(spec.captures[name]):
+                out.append(f"slot {name} is {point} in its header, the spec declares {spec.captures[name]}")
     if st.layout in ("specforge", "speculators", "surgeon") and len(st.names) != len(want):
         out.append(f"{len(st.names)} slots ({', '.join(st.names)}), the spec's dump slots are {len(want)} "
                    f"({', '.join(want)})")

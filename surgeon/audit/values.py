@@ -199,7 +199,9 @@ def _bad_rows(g: Gathered, N, finite) -> None:
         x = g.rows_of(s, bad)
         ok = torch.isfinite(x).all(1)
         finite[s, bad] = ok
-        N[s, bad[ok]] = torch.linalg.vector_norm(x[ok].double(), dim=1).float()
+        # a norm past float32's range (finite values near the dtype's limit) is held at its largest:
+        # the statistics stay numbers (an infinite mean, a NaN spread, in the state and the report)
+        N[s, bad[ok]] = torch.linalg.vector_norm(x[ok].double(), dim=1).clamp_max(torch.finfo(torch.float32).max).float()
 
 
 def _zero_rows(g: Gathered, N) -> None:

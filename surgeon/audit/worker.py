@@ -21,7 +21,7 @@ from surgeon.audit.heap import settle_owned
 from surgeon.audit.profile import Profile, match_slot
 from surgeon.audit.rows import FLOATS
 from surgeon.audit.structure import Structure, check_structure, read_structure
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, ReadFailure
 from surgeon.core.points import Point
 
 _SPECS: dict[str, Any] = {}
@@ -133,6 +133,8 @@ def audit_file(ctx: Context, path: str) -> dict[str, Any]:
                 _value_part(ctx, path, st, out)
     except BadInput as e:
         out["findings"].append(_finding("unreadable", None, str(e).splitlines()[0] if str(e) else type(e).__name__))
+        if isinstance(e, ReadFailure):  # the system's, not the file's: not done (--resume reads it again)
+            out["transient"] = True
     except Exception as e:  # noqa: BLE001 - no check foresaw it: said on that file, the audit goes on (exit 1)
         out["findings"].append(_finding(ERROR, None, f"not audited: {type(e).__name__}: "
                                                      f"{(str(e).splitlines() or [''])[0][:200]}"))

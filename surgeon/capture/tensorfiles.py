@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, ReadFailure
 
 if TYPE_CHECKING:
     import torch
@@ -76,13 +76,13 @@ def open_tensor_file(path: str | Path, *, formats: tuple[str, ...] = (SAFETENSOR
     except FileNotFoundError:
         raise BadInput(f"{p}: no such file") from None
     except OSError as e:
-        raise BadInput(f"{p}: cannot read: {e.strerror or e}") from None
+        raise ReadFailure(f"{p}: cannot read: {e.strerror or e}") from None
     if (what := _describe(mode)) is not None:
         raise BadInput(f"{p}: is {what}, not a tensor file")
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise BadInput(f"{p}: cannot read: {e.strerror or e}") from None
+        raise ReadFailure(f"{p}: cannot read: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if (what := _describe(st.st_mode)) is not None:  # swapped since the stat
@@ -128,7 +128,24 @@ def _safetensors(p: Path, f, size: int, n: int, bad) -> TensorFile:
     data_bytes = size - 8 - n
     for name, entry in header.items():
         _check_entry(name, entry, data_bytes, bad)
+    _check_tiling(header, data_bytes, bad)
     return TensorFile(p, SAFETENSORS, size, header, meta, 8 + n)
+
+
+def _check_tiling(header: dict, data_bytes: int, bad) -> None:
+    """The tensors, in the order of their offsets, tile the data section: from its first byte to the
+    file's last, no gap, no overlap (what the safetensors library checks before it loads anything;
+    bytes it would refuse are not read here as data: a tail left by a rewrite in place, overlapping
+    tensors)."""
+    at = 0
+    for name, entry in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        start, end = entry["data_offsets"]
+        if start != at:
+            raise bad(f"tensor {name!r} starts at data byte {start}, the tensors before it end at {at}: "
+                      + ("they overlap" if start < at else "a gap"))
+        at = end
+    if at != data_bytes:
+        raise bad(f"its tensors end at data byte {at}, the file holds {data_bytes}: {data_bytes - at} bytes after them")
 
 
 def _check_entry(name: str, entry: Any, data_bytes: int, bad) -> None:

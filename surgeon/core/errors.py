@@ -37,6 +37,11 @@ class BadInput(SurgeonError):
     exit_code = 2
 
 
+class ReadFailure(BadInput):
+    """A file that is there but could not be read: an error of the operating system (permissions,
+    I/O, a network file system), which may pass; not what the file holds."""
+
+
 class Unverified(BadInput):
     """An engine's answer rests on code the probe did not read (which class runs on a platform, a
     capture site outside the files followed): render refuses it (exit 2), lint warns, and

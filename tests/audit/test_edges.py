@@ -5,6 +5,8 @@ a sample of any length is judged against the profile of its length (the ladder).
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from surgeon.audit.pipeline import Plan, run_audit
 from surgeon.audit.synthetic import make_synthetic_set, spec_text
 from surgeon.audit.worker import Context, audit_file
+from surgeon.core.points import FINAL_NORM, layer_out
 
 H, T = 16, 6
 
@@ -241,3 +244,112 @@ def test_a_model_the_audit_cannot_use_stops_the_profile_at_its_first_file(specfo
         run_audit(Plan(specforge_set.root, str(specforge_set.spec), reference=f"hf:{specforge_set.model}", exact_files=0,
                        state_path=specforge_set.root.parent / "m.jsonl"))
     assert len(calls) == 1  # not once per candidate file
+
+
+def _dump(path: Path, points: list, num_layers: int = 8, seed: int = 0) -> Path:
+    from surgeon.capture.dumps import write_dump
+
+    write_dump(path, list(zip(["low", "mid", "high", "last"], points, _slots(seed=seed))), input_ids=torch.arange(T),
+               num_layers=num_layers)
+    return path
+
+
+def test_a_file_of_another_layout_than_the_specs_or_of_none_is_a_finding(tmp_path):
+    """A speculators sample in a set the spec says is SpecForge's (its last slot is another point),
+    and float tensors saved loose (no layout the audit reads: their values would go unchecked)."""
+    sf = _spec(tmp_path, "specforge")
+    out = audit_file(Context(sf), str(_speculators(tmp_path / "hs_0.safetensors", _slots())))
+    assert [f["detail"] for f in out["findings"]] == ["a speculators sample, the spec's dumps.layout is specforge "
+                                                      "(its slots mean other points)"]
+    x = _slots()
+    x[1][:] = float("nan")
+    save_file({"token_ids": torch.arange(T), **{f"hidden_states_{i}": s for i, s in enumerate(x)}},
+              str(tmp_path / "hs_1.safetensors"))
+    out = audit_file(Context(_spec(tmp_path, "speculators")), str(tmp_path / "hs_1.safetensors"))
+    assert out["layout"] == "plain" and [f["kind"] for f in out["findings"]] == ["structure"]
+    assert "its values are not checked" in out["findings"][0]["detail"]
+    assert audit_file(Context(sf), str(_specforge(tmp_path / "data_0.ckpt", _slots())))["findings"] == []
+
+
+def test_a_dumps_declared_points_and_layer_count_are_checked_against_the_spec(tmp_path):
+    spec = _spec(tmp_path, "surgeon")
+    good = [layer_out(0), layer_out(2), layer_out(4), FINAL_NORM]
+    assert audit_file(Context(spec), str(_dump(tmp_path / "dump_0.safetensors", good)))["findings"] == []
+    moved = audit_file(Context(spec), str(_dump(tmp_path / "dump_1.safetensors", [layer_out(1), *good[1:]])))
+    assert [f["detail"] for f in moved["findings"]] == ["slot low is layer_out[1] in its header, the spec declares "
+                                                        "layer_out[0]"]
+    other = audit_file(Context(spec), str(_dump(tmp_path / "dump_2.safetensors", good, num_layers=12)))
+    assert [f["detail"] for f in other["findings"]] == ["a dump of a 12-layer target, the spec's has 8"]
+
+
+def test_token_ids_of_no_integer_dtype_are_a_finding_in_every_layout(tmp_path):
+    from safetensors import safe_open
+
+    ids = torch.arange(T).float() + 0.5
+    out = audit_file(Context(_spec(tmp_path, "specforge")), str(_specforge(tmp_path / "data_0.ckpt", _slots(), ids)))
+    assert "input_ids are float32, not integers: no token ids" in [f["detail"] for f in out["findings"]]
+    d = _dump(tmp_path / "dump_0.safetensors", [layer_out(0), layer_out(2), layer_out(4), FINAL_NORM])
+    with safe_open(str(d), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["input_ids"] = ids
+    save_file(tensors, str(d), metadata=meta)
+    out = audit_file(Context(_spec(tmp_path, "surgeon")), str(d))
+    assert "input_ids are float32, not integers: no token ids" in [f["detail"] for f in out["findings"]]
+    for i, dt in enumerate((torch.int32, torch.uint8, torch.int64)):  # every integer dtype is ids
+        p = _speculators(tmp_path / f"hs_{i}.safetensors", _slots(), torch.arange(T).to(dt))
+        assert audit_file(Context(_spec(tmp_path, "speculators")), str(p))["findings"] == []
+
+
+def test_linked_folders_are_walked_once_and_a_loop_of_links_ends(tmp_path):
+    from surgeon.audit.structure import discover
+
+    root, shard = tmp_path / "set", tmp_path / "shard_b"
+    (root / "a").mkdir(parents=True)
+    shard.mkdir()
+    _speculators(root / "a" / "hs_0.safetensors", _slots())
+    bad = _slots(seed=1)
+    bad[2][:] = float("nan")
+    _speculators(shard / "hs_1.safetensors", bad)
+    (root / "b").symlink_to(shard, target_is_directory=True)
+    (root / "b2").symlink_to(shard, target_is_directory=True)  # the same folder twice
+    (shard / "up").symlink_to(root, target_is_directory=True)  # a loop
+    assert [p.relative_to(root).as_posix() for p in discover(root)] == ["a/hs_0.safetensors", "b/hs_1.safetensors"]
+    rep = run_audit(Plan(root, _spec(tmp_path, "speculators"), workers=1, state_path=tmp_path / "s.jsonl"))
+    assert [Path(o["path"]).name for o in rep.to_json()["outliers"]] == ["hs_1.safetensors"]
+
+
+def test_a_norm_past_float32s_range_is_held_at_its_largest_not_infinite(tmp_path):
+    x = _slots()
+    x[1][2] = 3.0e38  # finite in float32 (and near bfloat16's largest): its row's norm is not
+    out = audit_file(Context(_spec(tmp_path, "speculators")), str(_speculators(tmp_path / "hs_0.safetensors", x)))
+    mid = out["slots"][1]
+    assert mid["nonfinite_rows"] == 0 and mid["norm_max"] == torch.finfo(torch.float32).max
+    assert all(math.isfinite(mid[k]) for k in ("norm_mean", "norm_std", "norm_max"))
+    json.dumps(out, allow_nan=False)  # what the resume state writes: numbers, no Infinity or NaN
+
+
+def test_a_file_the_system_failed_to_read_is_not_recorded_as_done(tmp_path, monkeypatch):
+    """An I/O error (or permissions, a network file system) may pass: --resume reads the file again."""
+    import errno
+    import os
+
+    root = tmp_path / "set"
+    root.mkdir()
+    _speculators(root / "hs_0.safetensors", _slots())
+    x = _slots(seed=1)
+    x[1][:] = float("nan")
+    _speculators(root / "hs_1.safetensors", x)
+    real = os.open
+
+    def failing(path, *a, **k):
+        if str(path).endswith("hs_1.safetensors"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real(path, *a, **k)
+
+    plan = dict(workers=1, state_path=tmp_path / "s.jsonl")
+    monkeypatch.setattr(os, "open", failing)
+    first = run_audit(Plan(root, _spec(tmp_path, "speculators"), **plan))
+    assert first.to_json()["findings"] == {"unreadable": 1}
+    monkeypatch.setattr(os, "open", real)
+    again = run_audit(Plan(root, _spec(tmp_path, "speculators"), resume=True, **plan))
+    assert again.resumed == 1 and again.to_json()["findings"] == {"nonfinite": 1}

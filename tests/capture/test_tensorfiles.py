@@ -290,3 +290,32 @@ def test_check_draft_reads_the_fc_shape_through_the_gate(tmp_path):
     (d / "a.safetensors").unlink()
     (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-8])
     assert "truncated?" in cli("check-draft", spec, d, "--engine", "sglang")
+
+
+def test_safetensors_whose_tensors_do_not_tile_their_data_are_refused_as_the_library_refuses_them(tmp_path):
+    """A gap, an overlap, or bytes after the last tensor (a file rewritten in place, not truncated):
+    safetensors' loader refuses each; the gate too, so no reader takes those bytes for data."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    def write(name, entries, data):
+        raw = json.dumps(entries).encode()
+        raw += b" " * (-len(raw) % 8)
+        (tmp_path / name).write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+        return tmp_path / name
+
+    a = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    cases = {"gap.safetensors": ({"a": a, "b": {"dtype": "F32", "shape": [2], "data_offsets": [24, 32]}}, 32, "a gap"),
+             "overlap.safetensors": ({"a": a, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, 16,
+                                     "they overlap"),
+             "tail.safetensors": ({"a": a}, 20, "4 bytes after them")}
+    for name, (entries, size, needle) in cases.items():
+        p = write(name, entries, b"\0" * size)
+        with pytest.raises(SafetensorError):
+            load_file(str(p))
+        with pytest.raises(BadInput, match=needle):
+            open_tensor_file(p)
+    empty = {"dtype": "F32", "shape": [0], "data_offsets": [16, 16]}  # a 0-size tensor anywhere tiles
+    ok = write("ok.safetensors", {"b": empty, "a": a, "c": {"dtype": "F32", "shape": [1], "data_offsets": [16, 20]}},
+               b"\0" * 20)
+    assert set(load_file(str(ok))) == {"a", "b", "c"} and set(open_tensor_file(ok).tensors) == {"a", "b", "c"}
