@@ -20,6 +20,7 @@ disagreement is a finding (``structure``), never an exception: one bad file does
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -54,7 +55,9 @@ class Structure:
 
 def discover(root: str | Path) -> Iterator[Path]:
     """Every tensor file under ``root`` (``.ckpt``, ``.safetensors``, ``.pt``), in sorted path
-    order, streamed directory by directory (a 100k-file tree is never listed whole at once). A
+    order (numbers in names compared as numbers: ``hs_9`` before ``hs_10``, the order a writer of
+    unpadded names wrote them in, which the cross-file stale check takes for the order of the
+    set), streamed directory by directory (a 100k-file tree is never listed whole at once). A
     link to a folder is followed (shards linked into one set) once: a folder already walked,
     under another name or up a loop of links, is not walked again."""
     stack = [Path(root)]
@@ -63,7 +66,7 @@ def discover(root: str | Path) -> Iterator[Path]:
         d = stack.pop()
         try:
             st = os.stat(d)
-            entries = sorted(os.scandir(d), key=lambda e: e.name)
+            entries = sorted(os.scandir(d), key=lambda e: (_natural(e.name), e.name))
         except OSError as e:
             raise BadInput(f"{d}: cannot list: {e.strerror or e}") from None
         if (st.st_dev, st.st_ino) in seen:
@@ -76,6 +79,11 @@ def discover(root: str | Path) -> Iterator[Path]:
             elif entry.name.endswith(SUFFIXES) and not entry.name.startswith("."):
                 yield Path(entry.path)
         stack.extend(reversed(dirs))
+
+
+def _natural(name: str) -> list:
+    """``name`` as text and numbers alternating (text first, maybe empty): numbers compare as numbers."""
+    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
 
 
 def _dt(text: str) -> str:

@@ -353,3 +353,21 @@ def test_a_file_the_system_failed_to_read_is_not_recorded_as_done(tmp_path, monk
     monkeypatch.setattr(os, "open", real)
     again = run_audit(Plan(root, _spec(tmp_path, "speculators"), resume=True, **plan))
     assert again.resumed == 1 and again.to_json()["findings"] == {"nonfinite": 1}
+
+
+def test_files_are_audited_in_the_order_their_numbers_say(tmp_path):
+    """speculators writes hs_9 then hs_10, unpadded: a stale copy of hs_9's states in hs_10 is found
+    on hs_10 (the later file), not on the genuine hs_9."""
+    from surgeon.audit.structure import discover
+
+    root = tmp_path / "set"
+    root.mkdir()
+    for i in (1, 2, 9, 10, 11):
+        _speculators(root / f"hs_{i}.safetensors", _slots(seed=i), torch.arange(T) + i)
+    stale = _slots(seed=10)
+    stale[1] = _slots(seed=9)[1]  # hs_9's mid slot, on hs_10's tokens
+    _speculators(root / "hs_10.safetensors", stale, torch.arange(T) + 10)
+    assert [p.name for p in discover(root)] == [f"hs_{i}.safetensors" for i in (1, 2, 9, 10, 11)]
+    rep = run_audit(Plan(root, _spec(tmp_path, "speculators"), workers=1, state_path=tmp_path / "s.jsonl"))
+    assert [(Path(o["path"]).name, [f["kind"] for f in o["findings"]]) for o in rep.to_json()["outliers"]] \
+        == [("hs_10.safetensors", ["stale"])]
