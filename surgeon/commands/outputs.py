@@ -152,6 +152,16 @@ class DraftNorm(_Closed):
     detail: str
 
 
+class DraftRunner(_Closed):
+    runner: str = Field(description="vLLM's model runner (V1 or V2) whose setter call the probe read")
+    call: str = Field(description="file:line of its setter call")
+    chosen: str = Field(description="when vLLM runs it, with the file:line that decides")
+    key: str | None = Field(description="the draft-config key its ids came from (+N: added to each); null: none, the default")
+    read_at: str | None = Field(description="file:line of that read")
+    ids: list[int] | None = Field(description="what it passes to the setter; null: the model's default")
+    captured: list[Point | None] | None = Field(description="what those ids make the model capture, in fc order")
+
+
 class CheckDraftOutput(_Output):
     ok: bool = Field(description="no error finding: the engine feeds the fc the spec's points; exit 3 otherwise")
     spec: str
@@ -168,6 +178,8 @@ class CheckDraftOutput(_Output):
     findings: list[DraftFinding]
     norms: list[DraftNorm] = Field(default_factory=list, description="EAGLE-3 drafts, per norm flag: what the engine does "
                                    "with it (empty: not read for this engine)")
+    runners: list[DraftRunner] = Field(default_factory=list, description="vllm, speculators: what each model runner "
+                                       "the probe read serves for this config (ids_used/captured: V1's)")
 
 
 class ReviewCapture(_Closed):

