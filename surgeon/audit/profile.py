@@ -19,8 +19,9 @@ lengths (``n`` to ``2n - 1`` rows, ``n`` a power of two), each measured exactly 
 prefixes of those lengths: a causal model's first ``n`` states of a prompt are its states on the
 ``n``-token prefix. A sample is judged against the rung of its length (:meth:`Profile.at`); one
 longer than the longest rung, against that rung (the reference prompts are the set's longest files,
-:mod:`surgeon.audit.reference`). Measured on 400 clean samples of 8 to 1024 tokens of a tiny Llama
-(hidden 256, 8 layers): one profile of whole prompts flagged 28 (7%; 9 of the 48 of 1024 tokens),
+:mod:`surgeon.audit.reference`); each scalar's spread is at least the rung below's over sqrt(2)
+(:func:`_floored`). Measured on 400 clean samples of 8 to 1024 tokens of a tiny Llama (hidden 256,
+8 layers, ``benchmarks/audit_lengths.py``): the same prompts' profile of whole prompts flagged 9,
 the ladder none (``tests/audit/test_edges.py`` holds a smaller case). Its direction tolerances are
 measured out of sample (:func:`_vector_centre`). A profile of fewer prompts (a reference file: one)
 has no ladder: a sample shorter than its prompts is judged with its tolerance widened instead
@@ -402,20 +403,35 @@ def _ladder(prompts: list[dict[Point, Any]], points: list[Point], stats,
     those lengths (a sample anywhere in the rung lies within them); the anchor as the whole's (the
     state at position 0 does not depend on the length)."""
     lengths = [int(x[points[0]].shape[0]) for x in prompts]
-    rungs = []
+    rungs: list[tuple[int, tuple[PointProfile, ...]]] = []
     n = LADDER_FROM
     while sum(t >= n for t in lengths) >= MIN_PROMPTS:
         cuts = [(i, m) for i, t in enumerate(lengths) if t >= n for m in _cuts(n, t)]
         try:
             pts = []
-            for p, w in zip(points, whole):
+            for j, (p, w) in enumerate(zip(points, whole)):
                 pieces = [stats(prompts[i][p][:m]) for i, m in cuts]
-                pts.append(_point(str(p), pieces, pieces, K, (w.first_token, w.first_row), [i for i, _ in cuts]))
+                pt = _point(str(p), pieces, pieces, K, (w.first_token, w.first_row), [i for i, _ in cuts])
+                pts.append(_floored(pt, rungs[-1][1][j] if rungs else None))
             rungs.append((n, tuple(pts)))
         except BadInput:  # a point with no good row in prefixes this short: its samples take the next rung
             pass
         n *= 2
     return tuple(rungs)
+
+
+def _floored(pt: PointProfile, below: PointProfile | None) -> PointProfile:
+    """``pt`` with each scalar's spread at least the rung below's over sqrt(2): a statistic of twice
+    the rows varies at best half as much (the variance of a quantile of independent rows falls as
+    1/rows; correlated rows fall slower). The spread of a rung is measured over its prompts, a
+    dozen: where they happen to agree more closely than samples do (the longest rung, one prefix
+    of each prompt), the floor keeps a sample of the right point from lying outside them."""
+    import dataclasses
+
+    if below is None:
+        return pt
+    spreads = tuple(max(sp, lo / math.sqrt(2)) for sp, lo in zip(pt.spreads, below.spreads))
+    return dataclasses.replace(pt, spreads=spreads, spread=spreads[0])
 
 
 def profile_from_norms(prompts: list[dict[Point, object]], num_layers: int, source: str) -> Profile:

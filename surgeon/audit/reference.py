@@ -27,7 +27,7 @@ from surgeon.core.errors import BadInput
 
 PROMPTS = 12
 CANDIDATES = 8 * PROMPTS  # files whose headers are read to pick the prompts from
-PROFILE_TOKENS = 4096  # the target runs on at most this many tokens of a prompt (its memory: every point's states)
+PROFILE_TOKENS = 2048  # the target runs on at most this many tokens of a prompt (its memory: every point's states)
 
 
 def _spread(items: list, k: int) -> list:

@@ -61,7 +61,7 @@ def discover(root: str | Path) -> Iterator[Path]:
     link to a folder is followed (shards linked into one set) once: a folder already walked,
     under another name or up a loop of links, is not walked again."""
     stack = [Path(root)]
-    seen: set[tuple[int, int]] = set()
+    seen = _ancestors(Path(root))  # a link up to DIR or a folder above it would walk beyond DIR
     while stack:
         d = stack.pop()
         try:
@@ -74,11 +74,27 @@ def discover(root: str | Path) -> Iterator[Path]:
         seen.add((st.st_dev, st.st_ino))
         dirs = []
         for entry in entries:
-            if entry.is_dir():  # a link to a folder too
+            try:
+                is_dir = entry.is_dir()  # a link to a folder too
+            except OSError:  # a loop of links, a target that cannot be searched: not a folder to walk
+                is_dir = False
+            if is_dir:
                 dirs.append(Path(entry.path))
             elif entry.name.endswith(SUFFIXES) and not entry.name.startswith("."):
                 yield Path(entry.path)
         stack.extend(reversed(dirs))
+
+
+def _ancestors(root: Path) -> set[tuple[int, int]]:
+    """(device, inode) of every folder above ``root`` (``root`` itself is marked when walked)."""
+    out = set()
+    for d in Path(os.path.realpath(root)).parents:
+        try:
+            st = os.stat(d)
+        except OSError:
+            continue
+        out.add((st.st_dev, st.st_ino))
+    return out
 
 
 def _natural(name: str) -> list:
@@ -313,7 +329,8 @@ def check_structure(st: Structure, spec) -> list[str]:
     """What in ``st`` disagrees with ``spec`` (its dump slots, hidden size and, for a dump, names)."""
     out = list(st.findings)
     want = spec.dump_slots
-    declared = spec.model.dumps.layout if spec.model.dumps is not None else None
+    dumps = spec.model.dumps  # a layout the spec states (the field's default is no statement about the set)
+    declared = dumps.layout if dumps is not None and "layout" in dumps.model_fields_set else None
     if declared is not None and st.layout in ("specforge", "speculators", "surgeon") and st.layout != declared:
         out.append(f"a {st.layout} sample, the spec's dumps.layout is {declared} (its slots mean other points)")
     if st.num_layers is not None and st.num_layers != spec.num_layers:

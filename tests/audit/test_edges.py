@@ -269,6 +269,10 @@ def test_a_file_of_another_layout_than_the_specs_or_of_none_is_a_finding(tmp_pat
     assert out["layout"] == "plain" and [f["kind"] for f in out["findings"]] == ["structure"]
     assert "its values are not checked" in out["findings"][0]["detail"]
     assert audit_file(Context(sf), str(_specforge(tmp_path / "data_0.ckpt", _slots())))["findings"] == []
+    unstated = tmp_path / "unstated.yaml"  # dumps: without a layout: the default states nothing of the set
+    unstated.write_text(Path(sf).read_text().replace("layout: specforge, ", ""))
+    assert "layout" not in unstated.read_text()
+    assert audit_file(Context(str(unstated)), str(tmp_path / "hs_0.safetensors"))["findings"] == []
 
 
 def test_a_dumps_declared_points_and_layer_count_are_checked_against_the_spec(tmp_path):
@@ -313,6 +317,10 @@ def test_linked_folders_are_walked_once_and_a_loop_of_links_ends(tmp_path):
     (root / "b").symlink_to(shard, target_is_directory=True)
     (root / "b2").symlink_to(shard, target_is_directory=True)  # the same folder twice
     (shard / "up").symlink_to(root, target_is_directory=True)  # a loop
+    (root / "loop").symlink_to(root / "loop")  # a link to itself: not a folder, not a tensor file
+    (root / "up").symlink_to(tmp_path, target_is_directory=True)  # DIR's parent: beyond DIR
+    (tmp_path / "other").mkdir()
+    _speculators(tmp_path / "other" / "hs_9.safetensors", _slots())  # another set beside DIR
     assert [p.relative_to(root).as_posix() for p in discover(root)] == ["a/hs_0.safetensors", "b/hs_1.safetensors"]
     rep = run_audit(Plan(root, _spec(tmp_path, "speculators"), workers=1, state_path=tmp_path / "s.jsonl"))
     assert [Path(o["path"]).name for o in rep.to_json()["outliers"]] == ["hs_1.safetensors"]

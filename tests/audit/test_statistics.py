@@ -145,6 +145,29 @@ def test_a_sample_is_judged_against_the_rung_of_its_length_measured_on_the_promp
     assert few.ladder == () and few.at(40) is few
 
 
+def test_a_rungs_spread_is_at_least_the_rung_belows_over_sqrt2():
+    """Prompts that share one state from their 9th row on, their first 8 rows far larger and their
+    own: the median of a 32-row prefix is the shared state's in every prompt (a spread of 0, which
+    would flag any sample that differs at all), of a 16-row prefix a row of its own. The 32 rung's
+    spread is floored by the 16 rung's over sqrt(2)."""
+    g = torch.Generator().manual_seed(3)
+    pt = layer_out(0)
+    base = 0.1 * torch.randn(32, generator=g)
+
+    def prompt():
+        x = base.repeat(64, 1)
+        x[:8] += 3.0 * torch.randn(8, 32, generator=g)
+        return x
+
+    prof = profile_from_states([{pt: prompt()} for _ in range(8)], 4, "test")
+    rung = dict(prof.ladder)
+    assert rung[16][0].spreads[0] > 0.01
+    assert rung[32][0].spreads[0] == pytest.approx(rung[16][0].spreads[0] / math.sqrt(2))
+    assert rung[32][0].spread == rung[32][0].spreads[0]
+    for n in (4, 8, 16, 32, 64):
+        assert all(a >= b / math.sqrt(2) - 1e-12 for a, b in zip(rung[n][0].spreads, rung[n // 2][0].spreads))
+
+
 def test_a_direction_of_no_structure_gets_a_tolerance_measured_out_of_sample():
     """Unit mean directions of random rows: each prompt's lies ~1 - 1/sqrt(n) from the mean of all n
     (itself among them), ~1 from a new sample's. The tolerance is measured out of sample, each
