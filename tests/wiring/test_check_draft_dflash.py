@@ -1,0 +1,124 @@
+"""check-draft on a DFlash draft reads the config as each engine's DFlash path does: SGLang's
+``dflash_config.target_layer_ids`` (else top-level ``target_layer_ids``) through the target class's
+``set_dflash_layers_to_capture`` (never ``eagle_config``), SpecForge's the same ids through SGLang's
+setter, and vLLM's speculators translation of ``aux_hidden_state_layer_ids``; what is not modelled is a
+warning (not verified), never the EAGLE-3 reading."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from surgeon.core.spec import load_spec
+from surgeon.wiring.draft import check_draft
+
+SGLANG_DEFAULT = ("layer_out[1]", "layer_out[3]", "layer_out[4]")  # SGLang's EAGLE-3 default for 8 layers
+ZLAB_012 = ["layer_out[0]", "layer_out[1]", "layer_out[2]"]  # dflash ids [0, 1, 2]: output of layers 0, 1, 2
+
+
+def _spec(tmp_path, points=SGLANG_DEFAULT):
+    f = tmp_path / "s.yaml"
+    f.write_text(textwrap.dedent(f"""\
+        spec: 1
+        name: dfl
+        target: {{architecture: Qwen3ForCausalLM, num_layers: 8, hidden_size: 64}}
+        captures:
+          a: {points[0]}
+          b: {points[1]}
+          c: {points[2]}
+        draft: {{kind: dflash, fc_input: [a, b, c], fc_in_features: 192}}
+        """))
+    return load_spec(f)
+
+
+def _draft(tmp_path, config, name="draft"):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _zlab(ids=None, **more):
+    dflash = {"mask_token_id": 0} | ({} if ids is None else {"target_layer_ids": ids})
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 1,
+            "block_size": 4, "dflash_config": dflash} | more
+
+
+def _kinds(report, severity="error"):
+    return [f.kind for f in report.findings if f.severity == severity]
+
+
+def _detail(report, kind):
+    return " ".join(f.detail for f in report.findings if f.kind == kind)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "specforge"])
+def test_dflash_target_layer_ids_are_read_not_the_eagle3_default(tmp_path, engine):
+    r = check_draft(_spec(tmp_path), _draft(tmp_path, _zlab([0, 1, 2])), engine)
+    assert r.ids_used == [0, 1, 2] and r.captured == ZLAB_012
+    assert not r.ok and "slot" in _kinds(r) and "missing_ids" not in _kinds(r, "warning")
+    assert "DFlash" in r.config_rule
+    assert "set_dflash_layers_to_capture (sglang/srt/models/qwen3.py:" in _detail(r, "dflash_setter")
+    if engine == "sglang":
+        assert "srt/speculative/dflash_utils.py:" in _detail(r, "dflash_runner")
+    else:
+        assert "model_providers.py:238" in _detail(r, "dflash_trainer")
+
+
+@pytest.mark.parametrize("engine", ["sglang", "specforge"])
+def test_dflash_ids_that_match_the_spec_pass(tmp_path, engine):
+    r = check_draft(_spec(tmp_path, ("layer_out[0]", "layer_out[1]", "layer_out[2]")),
+                    _draft(tmp_path, _zlab([0, 1, 2])), engine)
+    assert r.ok and r.captured == ZLAB_012
+
+
+def test_sglang_dflash_never_reads_eagle_config(tmp_path):
+    spec = _spec(tmp_path, ("layer_out[1]", "layer_out[3]", "layer_out[5]"))
+    cfg = _zlab([0, 1, 2], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5]})
+    r = check_draft(spec, _draft(tmp_path, cfg), "sglang")
+    assert r.ids_used == [0, 1, 2] and r.captured == ZLAB_012 and not r.ok
+    assert "spec_aux_hidden_state.py:" in _detail(r, "ignored_ids")
+
+
+def test_sglang_dflash_reads_the_top_level_target_layer_ids_fallback(tmp_path):
+    cfg = _zlab(None, target_layer_ids=[0, 1, 2])
+    r = check_draft(_spec(tmp_path), _draft(tmp_path, cfg), "sglang")
+    assert r.ids_used == [0, 1, 2] and r.captured == ZLAB_012 and not r.ok
+
+
+def test_sglang_dflash_default_is_not_verified_not_the_eagle3_default(tmp_path):
+    r = check_draft(_spec(tmp_path), _draft(tmp_path, _zlab(None)), "sglang")
+    assert r.ids_used is None and r.captured == []
+    missing = _detail(r, "missing_ids")
+    assert "not verified" in missing and "dflash_utils.py:" in missing and "missing_ids" in _kinds(r, "warning")
+
+
+def test_specforge_dflash_without_ids_is_its_value_error(tmp_path):
+    r = check_draft(_spec(tmp_path), _draft(tmp_path, _zlab(None)), "specforge")
+    assert not r.ok and "ValueError" in _detail(r, "missing_ids")
+
+
+def test_sglang_dflash_range_check_refuses_negative_ids(tmp_path):
+    r = check_draft(_spec(tmp_path, ("embed", "layer_out[1]", "layer_out[2]")), _draft(tmp_path, _zlab([-1, 1, 2])),
+                    "sglang")
+    assert not r.ok and "raises when val < 0" in _detail(r, "runner")
+
+
+SPECULATORS_DFLASH = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+                      "mask_token_id": 0,
+                      "transformer_layer_config": {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 1},
+                      "speculators_config": {"algorithm": "dflash", "verifier": {"name_or_path": None},
+                                             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]}}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "speculators"])
+def test_vllm_translates_speculators_dflash_aux_ids(tmp_path, engine):
+    cfg = SPECULATORS_DFLASH | {"aux_hidden_state_layer_ids": [1, 2, 3]}  # vLLM aux ids: layer_out[0], [1], [2]
+    r = check_draft(_spec(tmp_path), _draft(tmp_path, cfg), engine)
+    assert r.ids_used == [1, 2, 3] and r.captured == ZLAB_012 and not r.ok
+    assert all(s.captured == ZLAB_012 for s in r.runners)
+    assert "algos.py:" in _detail(r, "speculators_config") and "minus 1" in _detail(r, "speculators_config")
+    ok = check_draft(_spec(tmp_path, ZLAB_012), r.draft, engine)
+    assert ok.ok
