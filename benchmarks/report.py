@@ -183,6 +183,15 @@ def rows_audit(r: dict) -> list[Row]:
     return out
 
 
+def rows_audit_lengths(r: dict) -> list[Row]:
+    lengths = ",".join(r["by_length"])
+    return [(f"audit identity, false alarms on {r['files']} clean samples of {lengths} tokens (hidden {r['hidden']}, "
+             f"8 layers; profile of {r['prompts']} prompts): the ladder of per-length profiles",
+             f"{r['ladder_flagged']} flagged", f"one profile of the same prompts, whole: {r['whole_prompts_flagged']} flagged",
+             f"{r['whole_prompts_flagged'] - r['ladder_flagged']} fewer" if r["whole_prompts_flagged"] >= r["ladder_flagged"]
+             else f"{r['ladder_flagged'] - r['whole_prompts_flagged']} more", "0")]
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
@@ -201,6 +210,7 @@ BENCHMARKS: dict[str, tuple[list[str], Callable[[dict], list[Row]]]] = {
     "accept": (["benchmarks/accept.py", "--json"], rows_accept),
     "infer_wiring": (["benchmarks/infer_wiring.py", "--json"], rows_infer),
     "audit": (["benchmarks/audit.py", "--json"], rows_audit),
+    "audit_lengths": (["benchmarks/audit_lengths.py", "--json"], rows_audit_lengths),
 }
 
 
