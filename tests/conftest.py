@@ -276,9 +276,9 @@ def vllm_models_copy(tmp_path: Path, *files: str, version: str = "0.33.0") -> tu
 
 def tiny_spec(tmp_path: Path, body: str = "", name: str = "s.yaml", fc: str = "[low, mid, high]",
               points: tuple[str, str, str] = ("layer_out[1]", "layer_out[3]", "layer_out[5]"),
-              kind: str = "eagle3") -> Path:
-    """``tmp_path/name``: a tiny 8-layer Llama spec (captures low, mid, high at ``points`` and last =
-    final_norm; a ``kind`` draft reading ``fc``, which may name ``last``), then ``body``."""
+              kind: str = "eagle3", architecture: str = "LlamaForCausalLM") -> Path:
+    """``tmp_path/name``: a tiny 8-layer spec of ``architecture`` (captures low, mid, high at ``points``
+    and last = final_norm; a ``kind`` draft reading ``fc``, which may name ``last``), then ``body``."""
     import textwrap
 
     f = tmp_path / name
@@ -286,7 +286,7 @@ def tiny_spec(tmp_path: Path, body: str = "", name: str = "s.yaml", fc: str = "[
     f.write_text(textwrap.dedent(f"""\
         spec: 1
         name: tiny
-        target: {{architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}}
+        target: {{architecture: {architecture}, num_layers: 8, hidden_size: 64}}
         captures:
           low: {points[0]}
           mid: {points[1]}

@@ -7,30 +7,19 @@ warning (not verified), never the EAGLE-3 reading."""
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 
 from surgeon.core.spec import load_spec
 from surgeon.wiring.draft import check_draft
+from tests.conftest import tiny_spec
 
 SGLANG_DEFAULT = ("layer_out[1]", "layer_out[3]", "layer_out[4]")  # SGLang's EAGLE-3 default for 8 layers
 ZLAB_012 = ["layer_out[0]", "layer_out[1]", "layer_out[2]"]  # dflash ids [0, 1, 2]: output of layers 0, 1, 2
 
 
 def _spec(tmp_path, points=SGLANG_DEFAULT):
-    f = tmp_path / "s.yaml"
-    f.write_text(textwrap.dedent(f"""\
-        spec: 1
-        name: dfl
-        target: {{architecture: Qwen3ForCausalLM, num_layers: 8, hidden_size: 64}}
-        captures:
-          a: {points[0]}
-          b: {points[1]}
-          c: {points[2]}
-        draft: {{kind: dflash, fc_input: [a, b, c], fc_in_features: 192}}
-        """))
-    return load_spec(f)
+    return load_spec(tiny_spec(tmp_path, points=points, kind="dflash", architecture="Qwen3ForCausalLM"))
 
 
 def _draft(tmp_path, config, name="draft"):
