@@ -86,9 +86,10 @@ def discover(root: str | Path) -> Iterator[Path]:
 
 
 def _ancestors(root: Path) -> set[tuple[int, int]]:
-    """(device, inode) of every folder above ``root`` (``root`` itself is marked when walked)."""
+    """(device, inode) of every folder above ``root``, as given and as resolved (``root`` itself is
+    marked when walked)."""
     out = set()
-    for d in Path(os.path.realpath(root)).parents:
+    for d in {*Path(os.path.abspath(root)).parents, *Path(os.path.realpath(root)).parents}:
         try:
             st = os.stat(d)
         except OSError:

