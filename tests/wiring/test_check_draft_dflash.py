@@ -138,3 +138,16 @@ def test_vllm_translates_speculators_dflash_aux_ids(tmp_path, engine):
     assert "algos.py:" in _detail(r, "speculators_config") and "minus 1" in _detail(r, "speculators_config")
     ok = check_draft(_spec(tmp_path, ZLAB_012), r.draft, engine)
     assert ok.ok
+
+
+def test_a_translation_modelled_in_part_still_applies_the_eagle_copy_the_runners_read_first(tmp_path):
+    """speculators' dspark: update_dspark copies aux_hidden_state_layer_ids to
+    eagle_aux_hidden_state_layer_ids (both runners read it first) and writes the ids - 1 elsewhere
+    than dflash_config: a warning for the step not modelled, not errors claiming vLLM's default."""
+    cfg = {**SPECULATORS_DFLASH, "speculators_model_type": "dspark", "architectures": ["Qwen3DSparkModel"],
+           "aux_hidden_state_layer_ids": [1, 2, 3],
+           "speculators_config": {**SPECULATORS_DFLASH["speculators_config"], "algorithm": "dspark"}}
+    r = check_draft(_spec(tmp_path, tuple(ZLAB_012)), _draft(tmp_path, cfg), "vllm")
+    assert r.ok, [f for f in r.findings if f.severity == "error"]
+    assert {s.runner: s.captured for s in r.runners} == {"model runner V1": ZLAB_012, "model runner V2": ZLAB_012}
+    assert "speculators_unmodelled" in _kinds(r, "warning")
