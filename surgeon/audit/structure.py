@@ -66,12 +66,12 @@ def discover(root: str | Path) -> Iterator[Path]:
         d = stack.pop()
         try:
             st = os.stat(d)
+            if (st.st_dev, st.st_ino) in seen:  # walked already: not listed again
+                continue
+            seen.add((st.st_dev, st.st_ino))
             entries = sorted(os.scandir(d), key=lambda e: (_natural(e.name), e.name))
         except OSError as e:
             raise BadInput(f"{d}: cannot list: {e.strerror or e}") from None
-        if (st.st_dev, st.st_ino) in seen:
-            continue
-        seen.add((st.st_dev, st.st_ino))
         dirs = []
         for entry in entries:
             try:

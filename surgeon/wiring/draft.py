@@ -131,19 +131,17 @@ def read_config(draft: Path) -> tuple[Path, dict]:
     return cfg, data
 
 
-_int_list = int_list
-
 
 def read_ids(cfg: Path, data: dict) -> dict[str, list[int] | None]:
     eagle_config = data.get("eagle_config")
     dflash_config = data.get("dflash_config")
     return {
-        "eagle_aux_hidden_state_layer_ids": _int_list(data.get("eagle_aux_hidden_state_layer_ids"),
+        "eagle_aux_hidden_state_layer_ids": int_list(data.get("eagle_aux_hidden_state_layer_ids"),
                                                       "eagle_aux_hidden_state_layer_ids", cfg),
-        "eagle_config.eagle_aux_hidden_state_layer_ids": _int_list(
+        "eagle_config.eagle_aux_hidden_state_layer_ids": int_list(
             eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None,
             "eagle_config.eagle_aux_hidden_state_layer_ids", cfg),
-        "dflash_config.target_layer_ids": _int_list(
+        "dflash_config.target_layer_ids": int_list(
             dflash_config.get("target_layer_ids") if isinstance(dflash_config, dict) else None,
             "dflash_config.target_layer_ids", cfg),
     }
@@ -278,11 +276,12 @@ def check_draft(spec: Spec, draft: str | Path, engine: str, *, engine_root=None,
         findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in served_lines(served, expected)]
         findings += _id_list_findings(engine, found, captured, expected)
     norm_found, norms = norm_report(spec, engine, data, engine_root)
+    names = tensor_names(draft, engine)  # every header the engine loads, read once
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
-                 norm_found + weight_lines(spec, data, tensor_names(draft, engine))]
+                 norm_found + weight_lines(spec, data, names)]
     fc = _check_widths(spec, draft, cfg, data, expected, findings, engine)
     findings += [Finding(cast(Severity, sev), kind, detail) for sev, kind, detail in
-                 fc_bias_lines(engine, data, fc, tensor_names(draft, engine), engine_root, spec.model.draft.kind)]
+                 fc_bias_lines(engine, data, fc, names, engine_root, spec.model.draft.kind)]
     return DraftReport(spec.name, str(draft), engine, cls, origin, rule,
                        {k: v for k, v in found.items() if v is not None}, ids, captured, expected, fc, findings, norms,
                        served)
@@ -432,7 +431,7 @@ def _dflash_ids(engine: str, cfg: Path, data: dict, found: dict,
     if runner is None or (isinstance(dflash, dict) and "target_layer_ids" in dflash):
         return found[key], key
     if runner.fallback_key is not None and data.get(runner.fallback_key) is not None:
-        return _int_list(data.get(runner.fallback_key), runner.fallback_key, cfg), runner.fallback_key
+        return int_list(data.get(runner.fallback_key), runner.fallback_key, cfg), runner.fallback_key
     return None, None
 
 
@@ -609,23 +608,6 @@ FC_BIAS = {
 }
 
 
-def _line_after(root: Path, package: str, rel: str, anchor: str | None, pattern: str) -> str | None:
-    """``package/rel:line`` of the first line matching ``pattern`` at or after the first matching
-    ``anchor`` (None: from the top), within 12 lines of it; None where there is none."""
-    import re
-
-    try:
-        lines = (root / rel).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return None
-    start = next((i for i, t in enumerate(lines) if re.search(anchor, t)), None) if anchor else 0
-    if start is None:
-        return None
-    stop = start + 12 if anchor else len(lines)
-    return next((f"{package}/{rel}:{i + 1}" for i in range(start, min(stop, len(lines))) if re.search(pattern, lines[i])),
-                None)
-
-
 def fc_bias_lines(engine: str, data: dict, fc: dict | None, names: list[tuple[str, str]],
                   engine_root, kind: str = "eagle3") -> list[tuple[str, str, str]]:
     """An error where the draft has a bias for its fc and the engine serves the fc without one
@@ -634,9 +616,9 @@ def fc_bias_lines(engine: str, data: dict, fc: dict | None, names: list[tuple[st
     release. ``kind``: the spec's draft kind (SpecForge trains through SGLang's draft models)."""
     weight = fc["tensor"] if fc is not None else "fc.weight"
     bias = weight[: -len("weight")] + "bias"
-    served = {"speculators": "vllm", "specforge": "sglang"}.get(engine, engine)
-    table = FC_BIAS.get((kind, served))
-    if table is None or engine == "specforge" or not any(name == bias for _, name in names):
+    served = "vllm" if engine == "speculators" else engine
+    table = FC_BIAS.get((kind, served))  # none for SpecForge: a trainer, not a loader of the draft
+    if table is None or not any(name == bias for _, name in names):
         return []
     if (kind, served) == ("eagle3", "sglang") and data.get("bias") is True:
         return [("info", "fc_bias", f"{bias}: config.json says bias: true, SGLang builds the fc with a bias")]
@@ -644,7 +626,7 @@ def fc_bias_lines(engine: str, data: dict, fc: dict | None, names: list[tuple[st
     if loc is None:
         return [("warning", "fc_bias", f"the draft has {bias}; {served} is not installed here: whether it serves the fc "
                                        "with it was not verified")]
-    cited = [(_line_after(loc.root, loc.layout.package, rel, anchor, pat), what) for rel, anchor, pat, what in table]
+    cited = [(source_line(loc.root, rel, pat, loc.layout.package, anchor), what) for rel, anchor, pat, what in table]
     if any(at is None for at, _ in cited):
         return [("warning", "fc_bias", f"the draft has {bias}; the lines where {served} builds the fc were not found in "
                                        "this release: whether it serves it was not verified")]

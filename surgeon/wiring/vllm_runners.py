@@ -332,16 +332,21 @@ def _apply_aux(aux: AuxTranslation, data: dict, view: dict) -> list[Line]:
              " (it is: what they read then is not verified)"))]
 
 
-def source_line(root: Path | None, rel: str, pattern: str, package: str) -> str | None:
-    """``package/rel:line`` of the first line of ``root/rel`` matching ``pattern``, or None."""
+def source_line(root: Path | None, rel: str, pattern: str, package: str, anchor: str | None = None) -> str | None:
+    """``package/rel:line`` of the first line of ``root/rel`` matching ``pattern``, or None; with
+    ``anchor``, the first at or after the first line matching ``anchor`` and within 12 lines of it."""
     if root is None:
         return None
     try:
         lines = (root / rel).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
         return None
+    start = next((i for i, t in enumerate(lines) if re.search(anchor, t)), None) if anchor else 0
+    if start is None:
+        return None
+    stop = min(start + 12, len(lines)) if anchor else len(lines)
     rx = re.compile(pattern)
-    return next((f"{package}/{rel}:{n}" for n, text in enumerate(lines, 1) if rx.search(text)), None)
+    return next((f"{package}/{rel}:{i + 1}" for i in range(start, stop) if rx.search(lines[i])), None)
 
 
 # Where each engine reads eagle_config.use_aux_hidden_state and tests its truthiness, as read in
