@@ -87,27 +87,24 @@ class Stats:
     tokens: int | None = None  # the rows behind the scalars (finite, nonzero); None: not known
 
 
-def file_stats(svs: list, samples=None, first_token: int | None = None, first_rows: list | None = None,
+def file_stats(svs: list, moments=None, first_token: int | None = None, first_rows: list | None = None,
                min_rows: int = MIN_VECTOR_ROWS, tokens: int | None = None) -> list[Stats]:
-    """The statistics of a file's slots from their :class:`~surgeon.audit.values.SlotValues`, their
-    :class:`~surgeon.audit.values.Samples` and their first rows (the state of position 0, which
-    depends on the first token only), every slot in the same few tensor ops; the per-channel ones
-    where a slot has ``min_rows`` good sampled rows. ``tokens``: the slots' row count."""
+    """The statistics of a file's slots from their :class:`~surgeon.audit.values.SlotValues`, the
+    :class:`~surgeon.audit.values.Moments` of their good sampled rows and their first rows (the
+    state of position 0, which depends on the first token only), every slot in the same few array
+    ops; the per-channel ones where a slot has ``min_rows`` good sampled rows. ``tokens``: the
+    slots' row count."""
     import numpy as np
     import torch
 
     S = len(svs)
     vecs: list[tuple[Any, ...]] = [(None, None)] * S
-    if samples is not None and len(samples):  # numpy: a file's few small arrays cost numpy's per-op time, not torch's
-        good = samples.good
-        rows = samples.rows.numpy()
-        if not good.all():
-            rows = np.where(good[..., None], rows, np.float32(0))
-        cnt = good.sum(1)
-        w = (good / np.maximum(cnt, 1)[:, None]).astype(np.float32)[:, None, :]  # [S, 1, n]
-        mean = (w @ rows)[:, 0]  # the masked means as matrix products: one BLAS call each
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rms = np.log(np.maximum(np.sqrt((w @ (rows * rows))[:, 0]), np.float32(1e-30)))
+    if moments is not None and len(moments):  # numpy: a file's few small arrays cost numpy's per-op time, not torch's
+        cnt = moments.count
+        per = np.maximum(cnt, 1).astype(np.float32)[:, None]
+        mean = moments.sum / per
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            rms = np.log(np.maximum(np.sqrt(moments.sumsq / per), np.float32(1e-30)))
             both = np.stack([mean, rms - rms.mean(1, keepdims=True)], 1)  # [S, 2, H]
             both = both / np.maximum(np.linalg.norm(both, axis=2, keepdims=True), np.float32(1e-30))
         usable = ((cnt >= max(2, min_rows)) & np.isfinite(both).all((1, 2))).tolist()
@@ -128,15 +125,11 @@ def file_stats(svs: list, samples=None, first_token: int | None = None, first_ro
     return out
 
 
-def stats_of(sv, sample=None, first_token: int | None = None, first_row=None, min_rows: int = MIN_VECTOR_ROWS,
+def stats_of(sv, moments=None, first_token: int | None = None, first_row=None, min_rows: int = MIN_VECTOR_ROWS,
              tokens: int | None = None) -> Stats:
-    """:func:`file_stats` of one slot, from its row sample ([n, H], every row good) and first row."""
-    import numpy as np
-
-    from surgeon.audit.values import Samples
-
-    samples = None if sample is None else Samples(sample.float()[None], np.ones((1, sample.shape[0]), dtype=bool))
-    return file_stats([sv], samples, first_token, None if first_row is None else [first_row], min_rows, tokens)[0]
+    """:func:`file_stats` of one slot, from the :class:`~surgeon.audit.values.Moments` of its good
+    sampled rows (:func:`~surgeon.audit.values.slot_values` gives them) and its first row."""
+    return file_stats([sv], moments, first_token, None if first_row is None else [first_row], min_rows, tokens)[0]
 
 
 def _unit(v):
@@ -301,8 +294,8 @@ def _norm_stats(norms, min_rows: int = MIN_VECTOR_ROWS) -> Stats:
 def _state_stats(x, min_rows: int = MIN_VECTOR_ROWS) -> Stats:
     from surgeon.audit.values import slot_values
 
-    sv, _, sample = slot_values("", None, x.float())
-    return stats_of(sv, sample, min_rows=min_rows, tokens=int(x.shape[0]))
+    sv, _, moments = slot_values("", None, x.float())
+    return stats_of(sv, moments, min_rows=min_rows, tokens=int(x.shape[0]))
 
 
 def _vector_centre(vs: list, pieces: list, groups: list | None = None) -> tuple[Any, float]:

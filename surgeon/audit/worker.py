@@ -212,12 +212,12 @@ def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> 
     names, declared = _declared(spec, st.layout, st.names if len(st.names) == count
                                 else [f"slot{i}" for i in range(count)])
     first = int(ids[0]) if ids is not None and ids.numel() else None
-    svs, hashes, samples = gathered_values(names, declared, g)
+    svs, hashes, moments = gathered_values(names, declared, g)
     stats: list = [None] * len(svs)
     dists: list = [None] * len(svs)
     profile = None if ctx.profile is None else ctx.profile.at(int(g.norms.shape[1]))  # the rung of its length
     if profile is not None:
-        stats = file_stats(svs, samples, first, list(g.first.unbind(0)), tokens=int(g.norms.shape[1]))
+        stats = file_stats(svs, moments, first, list(g.first.unbind(0)), tokens=int(g.norms.shape[1]))
         dists = profile.distances_of(stats)
     slots = []
     for sv, stat, dist in zip(svs, stats, dists):

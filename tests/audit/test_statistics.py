@@ -29,12 +29,17 @@ def test_bad_rows_of_every_kind_in_one_pass():
     xs[1][5] = 0
     xs[1][6] = 0.75
     xs[2][7, :] = xs[2][7, 0]  # constant, not zero
-    svs, hashes, samples = file_values(["a", "b", "c"], [None] * 3, xs)
+    svs, hashes, moments = file_values(["a", "b", "c"], [None] * 3, xs)
     assert [(s.nonfinite_rows, s.zero_rows, s.constant_rows) for s in svs] == [(2, 0, 0), (0, 1, 1), (0, 0, 1)]
     assert [f.split(":")[0] for f in svs[0].findings] == ["nonfinite"]
     assert sorted(f.split(":")[0] for f in svs[1].findings) == ["constant", "zero"]
     assert hashes.shape == (3, 40) and int((hashes == 0).sum()) == 2 + 2 + 1  # bad rows are not hashed
-    assert all(s.dtype == torch.float32 and s.shape[1] == 128 for s in samples)
+    # the sampled rows' moments (rows 1-39 sampled) leave the bad rows out, NaN included
+    assert moments.count.tolist() == [37, 37, 38] and moments.sum.shape == moments.sumsq.shape == (3, 128)
+    for s, bad in enumerate(({3, 4}, {5, 6}, {7})):
+        good = torch.stack([xs[s][t].float() for t in range(1, 40) if t not in bad])
+        assert torch.allclose(torch.from_numpy(moments.sum[s]), good.sum(0), rtol=1e-5, atol=1e-4)
+        assert torch.allclose(torch.from_numpy(moments.sumsq[s]), (good * good).sum(0), rtol=1e-5, atol=1e-4)
     assert svs[2].norm_min is not None and math.isfinite(svs[2].log_norm_median)
 
 
