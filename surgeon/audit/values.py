@@ -275,11 +275,12 @@ def sample_moments(samples, good) -> Moments:
     exactly), every slot in two matrix products (a sum over the middle axis: ~2x torch's ``sum``)."""
     import torch
 
-    x = samples.float()  # a copy where the slots' dtype is another: never written to
+    x = samples.to(torch.float32, copy=True)  # this function's own: written in place, one array a file
     if not good.all():
-        x = x.masked_fill(torch.from_numpy(~good)[..., None], 0)
+        x.masked_fill_(torch.from_numpy(~good)[..., None], 0)
     ones = torch.ones(x.shape[0], 1, x.shape[1])
-    return Moments(good.sum(1), torch.bmm(ones, x)[:, 0].numpy(), torch.bmm(ones, x * x)[:, 0].numpy())
+    total = torch.bmm(ones, x)[:, 0].numpy()
+    return Moments(good.sum(1), total, torch.bmm(ones, x.square_())[:, 0].numpy())
 
 
 @dataclass
