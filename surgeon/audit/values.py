@@ -256,7 +256,7 @@ def sample_index(T: int, n: int = SAMPLE_ROWS):
 class Moments:
     """What the identity pass takes of the rows :func:`sample_index` picks of each of a file's ``S``
     slots, their good rows only: ``count`` [S] int64, ``sum`` and ``sumsq`` [S, H] float32 (numpy),
-    their sum and the sum of their squares per channel. Indexing gives one slot's (``[1, H]``)."""
+    their sum and the sum of their squares per channel."""
 
     count: Any
     sum: Any
@@ -264,9 +264,6 @@ class Moments:
 
     def __len__(self) -> int:
         return len(self.count)
-
-    def __getitem__(self, s: int) -> Moments:
-        return Moments(self.count[s:s + 1], self.sum[s:s + 1], self.sumsq[s:s + 1])
 
 
 def sample_moments(samples, good) -> Moments:
