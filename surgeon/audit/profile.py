@@ -103,7 +103,7 @@ def file_stats(svs: list, moments=None, first_token: int | None = None, first_ro
         cnt = moments.count
         per = np.maximum(cnt, 1).astype(np.float32)[:, None]
         mean = moments.sum / per
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):
             rms = np.log(np.maximum(np.sqrt(moments.sumsq / per), np.float32(1e-30)))
             both = np.stack([mean, rms - rms.mean(1, keepdims=True)], 1)  # [S, 2, H]
             both = both / np.maximum(np.linalg.norm(both, axis=2, keepdims=True), np.float32(1e-30))

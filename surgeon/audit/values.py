@@ -269,7 +269,8 @@ class Moments:
 def sample_moments(samples, good) -> Moments:
     """:class:`Moments` of ``samples`` ([S, n, H] torch, any float dtype) over the rows ``good``
     ([S, n] numpy bool) holds (the others, NaN included, zeroed in a float32 copy: left out
-    exactly), every slot in two matrix products (a sum over the middle axis: ~2x torch's ``sum``)."""
+    exactly), every slot in two matrix products (with the copy, ~1.6x faster than torch's ``sum`` over the
+    middle axis)."""
     import torch
 
     x = samples.to(torch.float32, copy=True)  # this function's own: written in place, one array a file
@@ -332,7 +333,7 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
         at, n = slice(reg.slots[0], reg.slots[0] + len(reg.slots)), X.shape[0]
         norms[at, r0:r0 + n].t().copy_(torch.linalg.vector_norm(X, dim=2))  # every slot of the region in one pass
         blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, cols])
-        lo, hi = bisect.bisect_left(picks, r0), bisect.bisect_left(picks, r0 + n)  # a list's bisect: ~30x numpy's per call
+        lo, hi = bisect.bisect_left(picks, r0), bisect.bisect_left(picks, r0 + n)  # a list's bisect: ~17x numpy's per call
         if hi > lo:
             samples[at, lo:hi].transpose(0, 1).copy_(X.index_select(0, at_rows[lo:hi] - r0))
         if r0 == 0:
