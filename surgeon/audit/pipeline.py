@@ -210,6 +210,10 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         from surgeon.audit.ray_backend import check_address
 
         check_address(plan.ray_address)  # before any work, and before the state is opened (and emptied)
+    if not plan.structure_only:
+        from surgeon.audit.norms import warm
+
+        warm()  # the norm kernel compiled here, before any work (numba missing: exit 2 now); forked workers inherit it
     state_path = plan.state_path or plan.root / STATE_NAME
     notes: list[str] = []
     if plan.structure_only:

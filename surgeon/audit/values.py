@@ -3,7 +3,8 @@
 Per slot ``[T, H]`` (any float dtype; statistics in float32):
 
 * rows holding NaN or Inf, all-zero rows, constant rows (every element equal, not zero);
-* per-token L2 norms (one pass in the slot's own dtype, several slots of one tensor at once):
+* per-token L2 norms (:func:`surgeon.audit.norms.row_norms`: float32 sums of squares, several slots
+  of one tensor at once):
   mean, spread, min, max over the finite rows, and the 10%, 50% and 90% quantiles of their
   logarithm (identity statistics: quantiles are not moved by the few huge "attention sink"
   tokens real models have); the float32 sum and sum of squares per channel of a sample of
@@ -302,9 +303,9 @@ def gather_tensors(xs: list, norms: list | None = None) -> Gathered:
     slot its row norms where the caller computed several slots' in one pass (None: computed here)."""
     import torch
 
-    # the slot's own dtype: torch accumulates half types in float32 (converting first: ~10x slower)
-    N = torch.stack([(torch.linalg.vector_norm(x, dim=1) if n is None else n).float()
-                     for x, n in zip(xs, norms or [None] * len(xs))])
+    from surgeon.audit.norms import row_norms
+
+    N = torch.stack([(row_norms(x) if n is None else n) for x, n in zip(xs, norms or [None] * len(xs))])
     at = torch.from_numpy(sample_index(xs[0].shape[0]))
     samples = torch.stack([x.index_select(0, at) for x in xs])  # index_select: ~6x faster than x[at] on a strided view
     return Gathered(N, torch.stack([_block(x) for x in xs]), samples, torch.stack([x[0].float() for x in xs]),
@@ -319,6 +320,7 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     take a chunk's ``[n, m, ...]`` results as they come)."""
     import torch
 
+    from surgeon.audit.norms import row_norms
     from surgeon.audit.rows import CHUNK_BYTES, chunks, rows_of
 
     S, T, H = rp.slots, rp.tokens, rp.hidden
@@ -331,7 +333,7 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     first = torch.empty(S, H, dtype=torch.float32)
     for reg, r0, X in chunks(rp, chunk_bytes or CHUNK_BYTES):
         at, n = slice(reg.slots[0], reg.slots[0] + len(reg.slots)), X.shape[0]
-        norms[at, r0:r0 + n].t().copy_(torch.linalg.vector_norm(X, dim=2))  # every slot of the region in one pass
+        norms[at, r0:r0 + n].t().copy_(row_norms(X))  # every slot of the region in one pass
         blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, cols])
         lo, hi = bisect.bisect_left(picks, r0), bisect.bisect_left(picks, r0 + n)  # a list's bisect: ~17x numpy's per call
         if hi > lo:

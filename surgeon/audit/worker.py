@@ -164,6 +164,7 @@ def _specforge_slots(st: Structure, path: str) -> tuple[list, Any, list]:
     slots in one pass (``[T, k, H]`` viewed)."""
     import torch
 
+    from surgeon.audit.norms import row_norms
     from surgeon.audit.structure import specforge_data
 
     data, H = specforge_data(st, path), st.hidden
@@ -177,8 +178,7 @@ def _specforge_slots(st: Structure, path: str) -> tuple[list, Any, list]:
     k = width // H
     tensors = [aux[:, i * H:(i + 1) * H] for i in range(k)]
     tensors.append(hidden.reshape(-1, H))
-    norms = list(torch.linalg.vector_norm(aux.reshape(-1, k, H), dim=2).unbind(1)) if aux.is_contiguous() \
-        else [None] * k
+    norms = list(row_norms(aux.reshape(-1, k, H)).unbind(1)) if aux.is_contiguous() else [None] * k
     norms.append(None)
     ids = data.get("input_ids")  # ids that are no tensor, or not one per row, are a structure finding: not used here
     ok = isinstance(ids, torch.Tensor) and ids.numel() == st.tokens

@@ -21,6 +21,8 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "transformers": ("harness", "running HF reference models"),
     "huggingface_hub": ("harness", "finding hf:ORG/NAME models in the local Hugging Face cache"),
     "matplotlib": ("harness", "the --plot heatmap"),
+    "numba": ("harness", "the audit's per-row norm kernel"),
+    "llvmlite": ("harness", "the audit's per-row norm kernel (numba's code generator)"),
     "ray": ("ray", "running an audit on a Ray cluster (--ray)"),
 }
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from surgeon.audit.structure import STATE_NAME
 from surgeon.capture.dumps import write_dump
 from surgeon.core.points import EMBED, layer_out
 
@@ -81,6 +82,7 @@ def files(tmp_path_factory):
     ("transformers", ("reference", "{d}/model", "--input-ids", "1,2", "-o", "{d}/ref.safetensors")),
     ("transformers", ("match", "{d}/dump.safetensors", "--reference", "hf:{d}/model")),
     ("matplotlib", ("match", "{d}/dump.safetensors", "--reference", "{d}/dump.safetensors", "--plot", "{d}/h.png")),
+    ("numba", ("audit", "{d}", "--spec", "{d}/s.yaml", "--workers", "1")),
 ])
 def test_a_missing_extra_is_exit_2_naming_it(files, module, args):
     p = without(module, *(a.format(d=files) for a in args))
@@ -89,7 +91,7 @@ def test_a_missing_extra_is_exit_2_naming_it(files, module, args):
     assert p.stderr.startswith(f"surgeon: {module} is not installed; ")
     assert "pip install 'hidden-state-surgeon[harness]'" in p.stderr
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in p.stderr
-    assert not any((files / n).exists() for n in ("fp.safetensors", "ref.safetensors", "out", "h.png"))
+    assert not any((files / n).exists() for n in ("fp.safetensors", "ref.safetensors", "out", "h.png", STATE_NAME))
 
 
 def test_what_needs_no_torch_runs_without_it(files):
