@@ -1,4 +1,4 @@
-"""The L2 norm of every row of a slot: the value pass's one computation over every byte it reads.
+"""The value pass's one computation over every byte it reads: the L2 norm of every row of a slot.
 
 :func:`row_norms` returns float32 norms, each the square root of a float32 sum of the row's squares
 (exact products: a half-precision value squared fits float32). For ``bfloat16`` and ``float16`` rows
@@ -8,6 +8,11 @@ sums them in one chain and rounds the norm to the rows' dtype (about 0.4% apart 
 NaN and Inf propagate as in a plain sum (the kernel allows reassociation and contraction, not
 ``nnan``/``ninf``): a row holding one has a NaN or Inf norm, wherever it sits in the row. Wider
 dtypes go through torch (float64 norms rounded to float32).
+
+:func:`scan_chunk` is the same kernel over a chunk of a file as it is read: with each row's norm it
+copies the row's hashed columns and the sampled rows while the chunk is in the cache (one call a
+chunk, where torch took five ops). Both run one compiled function, so a row's norm is the same bits
+whichever reads it (a file in chunks, or its tensors).
 """
 
 from __future__ import annotations
@@ -40,15 +45,28 @@ def _kernels() -> dict[str, Any]:
 
     def make(widen):
         @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
-        def norms(u, stride, rows, width, out):
-            for r in range(rows):
-                row = u[r * stride:r * stride + width]  # a slice: indices from 0, no wraparound check to block vectorising
-                acc = np.float32(0.0)
-                for j in range(width):
-                    x = widen(row[j])
-                    acc += x * x
-                out[r] = np.sqrt(acc)
-        return norms
+        def scan(u, stride, n, H, r0, norms, blocks, c0, picks, lo, hi, samples):
+            """Rows ``r0 .. r0+n`` of ``S`` slots, row i's slot s at ``u[i*stride + s*H:][:H]``: each
+            one's norm to ``norms[s, r0+i]`` and its columns ``c0 ..`` to ``blocks[s, r0+i]``; the
+            rows ``picks[lo:hi]`` to ``samples[s, lo:hi]``."""
+            S, W = norms.shape[0], blocks.shape[2]
+            for i in range(n):
+                for s in range(S):
+                    a = i * stride + s * H
+                    row = u[a:a + H]  # a slice: indices from 0, no wraparound check to block vectorising
+                    acc = np.float32(0.0)
+                    for j in range(H):
+                        x = widen(row[j])
+                        acc += x * x
+                    norms[s, r0 + i] = np.sqrt(acc)
+                    for j in range(W):
+                        blocks[s, r0 + i, j] = row[c0 + j]
+            for p in range(lo, hi):
+                for s in range(S):
+                    a = (picks[p] - r0) * stride + s * H
+                    for j in range(H):
+                        samples[s, p, j] = u[a + j]
+        return scan
 
     return {"bfloat16": make(bf16), "float16": make(f16)}
 
@@ -72,20 +90,53 @@ def _flat_rows(x):
     return bits.numpy().view("uint16"), stride, R
 
 
+HALF = ("bfloat16", "float16")  # the dtypes the kernel reads
+_NONE: dict[str, Any] = {}  # empty blocks, picks and samples, for a scan of norms alone
+
+
+def _nothing():
+    import numpy as np
+
+    if not _NONE:
+        _NONE.update(blocks=np.empty((1, 0, 0), np.uint16), picks=np.empty(0, np.int64))
+    return _NONE
+
+
 def row_norms(x):
     """float32 [...] the L2 norm of each row of ``x`` [..., H] (torch, a float dtype), as the
     module says."""
     import torch
 
     name = str(x.dtype).replace("torch.", "")
-    if name in ("bfloat16", "float16") and x.numel():
+    if name in HALF and x.numel():
         flat = _flat_rows(x)
         if flat is None:
             flat = _flat_rows(x.contiguous())
         out = torch.empty(x.shape[:-1], dtype=torch.float32)
-        _kernels()[name](flat[0], flat[1], flat[2], x.shape[-1], out.view(-1).numpy())
+        z = _nothing()
+        _kernels()[name](flat[0], flat[1], flat[2], x.shape[-1], 0, out.view(1, -1).numpy(), z["blocks"], 0,
+                         z["picks"], 0, 0, z["blocks"])
         return out
     return torch.linalg.vector_norm(x, dim=-1).float()
+
+
+def scan_chunk(X, r0: int, norms, blocks, c0: int, picks, lo: int, hi: int, samples) -> bool:
+    """One pass over a chunk ``X`` (``[n, S, H]`` torch, contiguous, rows ``r0 ..`` of ``S`` slots):
+    its rows' norms into ``norms`` (``[S, T]`` float32), the columns from ``c0`` of each row into
+    ``blocks`` (``[S, T, W]``), and the rows ``picks[lo:hi]`` (int64 numpy, ascending, in the chunk)
+    into ``samples[:, lo:hi]`` (``[S, P, H]``); all torch, C-contiguous, of the chunk's dtype but
+    ``norms``. False, nothing done, where ``X`` is of no dtype the kernel reads (the caller does it)."""
+    import torch
+
+    name = str(X.dtype).replace("torch.", "")
+    if name not in HALF:
+        return False
+    n, S, H = X.shape
+    if n:
+        bits = X.reshape(-1).view(torch.int16).numpy().view("uint16")
+        _kernels()[name](bits, S * H, n, H, r0, norms.numpy(), blocks.view(torch.int16).numpy().view("uint16"), c0,
+                         picks, lo, hi, samples.view(torch.int16).numpy().view("uint16"))
+    return True
 
 
 def warm() -> None:
@@ -93,4 +144,4 @@ def warm() -> None:
     import torch
 
     for dt in (torch.bfloat16, torch.float16):
-        row_norms(torch.zeros(2, 3, dtype=dt))
+        row_norms(torch.zeros(2, 3, dtype=dt))  # the same specialisation scan_chunk calls

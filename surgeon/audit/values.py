@@ -320,7 +320,7 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     take a chunk's ``[n, m, ...]`` results as they come)."""
     import torch
 
-    from surgeon.audit.norms import row_norms
+    from surgeon.audit.norms import row_norms, scan_chunk
     from surgeon.audit.rows import CHUNK_BYTES, chunks, rows_of
 
     S, T, H = rp.slots, rp.tokens, rp.hidden
@@ -333,11 +333,12 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     first = torch.empty(S, H, dtype=torch.float32)
     for reg, r0, X in chunks(rp, chunk_bytes or CHUNK_BYTES):
         at, n = slice(reg.slots[0], reg.slots[0] + len(reg.slots)), X.shape[0]
-        norms[at, r0:r0 + n].t().copy_(row_norms(X))  # every slot of the region in one pass
-        blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, cols])
         lo, hi = bisect.bisect_left(picks, r0), bisect.bisect_left(picks, r0 + n)  # a list's bisect: ~17x numpy's per call
-        if hi > lo:
-            samples[at, lo:hi].transpose(0, 1).copy_(X.index_select(0, at_rows[lo:hi] - r0))
+        if not scan_chunk(X, r0, norms[at], blocks[at], cols.start, idx, lo, hi, samples[at]):  # half rows: one pass
+            norms[at, r0:r0 + n].t().copy_(row_norms(X))  # every slot of the region in one pass
+            blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, cols])
+            if hi > lo:
+                samples[at, lo:hi].transpose(0, 1).copy_(X.index_select(0, at_rows[lo:hi] - r0))
         if r0 == 0:
             first[at].copy_(X[0])
     return Gathered(norms, blocks, samples, first, lambda s, rows: rows_of(rp, s, rows.tolist()), rp.dtype)
