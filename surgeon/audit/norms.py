@@ -66,7 +66,21 @@ def _kernels() -> dict[str, Any]:
                     a = (picks[p] - r0) * stride + s * H
                     for j in range(H):
                         samples[s, p, j] = u[a + j]
-        return scan
+        @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
+        def moments(u, good, total, sumsq):
+            """Per slot s, the sum and the sum of squares of the rows ``u[s, p]`` that ``good[s, p]``
+            holds, per channel, added to ``total[s]`` and ``sumsq[s]``."""
+            S, P, H = u.shape
+            for s in range(S):
+                t, q = total[s], sumsq[s]
+                for p in range(P):
+                    if good[s, p]:
+                        row = u[s, p]
+                        for j in range(H):
+                            x = widen(row[j])
+                            t[j] += x
+                            q[j] += x * x
+        return scan, moments
 
     return {"bfloat16": make(bf16), "float16": make(f16)}
 
@@ -114,8 +128,8 @@ def row_norms(x):
             flat = _flat_rows(x.contiguous())
         out = torch.empty(x.shape[:-1], dtype=torch.float32)
         z = _nothing()
-        _kernels()[name](flat[0], flat[1], flat[2], x.shape[-1], 0, out.view(1, -1).numpy(), z["blocks"], 0,
-                         z["picks"], 0, 0, z["blocks"])
+        _kernels()[name][0](flat[0], flat[1], flat[2], x.shape[-1], 0, out.view(1, -1).numpy(), z["blocks"], 0,
+                            z["picks"], 0, 0, z["blocks"])
         return out
     return torch.linalg.vector_norm(x, dim=-1).float()
 
@@ -134,14 +148,32 @@ def scan_chunk(X, r0: int, norms, blocks, c0: int, picks, lo: int, hi: int, samp
     n, S, H = X.shape
     if n:
         bits = X.reshape(-1).view(torch.int16).numpy().view("uint16")
-        _kernels()[name](bits, S * H, n, H, r0, norms.numpy(), blocks.view(torch.int16).numpy().view("uint16"), c0,
-                         picks, lo, hi, samples.view(torch.int16).numpy().view("uint16"))
+        _kernels()[name][0](bits, S * H, n, H, r0, norms.numpy(), blocks.view(torch.int16).numpy().view("uint16"), c0,
+                            picks, lo, hi, samples.view(torch.int16).numpy().view("uint16"))
     return True
+
+
+def half_moments(samples, good):
+    """(sum, sum of squares) ``[S, H]`` float32 numpy over the rows ``good`` ([S, P] bool numpy)
+    holds of ``samples`` ([S, P, H] torch, half, contiguous), per channel; None for a sample of any
+    other dtype or layout (the caller sums it)."""
+    import numpy as np
+    import torch
+
+    name = str(samples.dtype).replace("torch.", "")
+    if name not in HALF or not samples.is_contiguous():
+        return None
+    S, _, H = samples.shape
+    total, sumsq = np.zeros((S, H), np.float32), np.zeros((S, H), np.float32)
+    _kernels()[name][1](samples.view(torch.int16).numpy().view("uint16"), np.ascontiguousarray(good), total, sumsq)
+    return total, sumsq
 
 
 def warm() -> None:
     """Compile the kernels now (the driver, before it forks its workers)."""
+    import numpy as np
     import torch
 
     for dt in (torch.bfloat16, torch.float16):
         row_norms(torch.zeros(2, 3, dtype=dt))  # the same specialisation scan_chunk calls
+        half_moments(torch.zeros(1, 2, 3, dtype=dt), np.ones((1, 2), bool))

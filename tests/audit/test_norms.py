@@ -82,3 +82,24 @@ def test_a_bf16_slots_norm_statistics_are_its_exact_norms():
     assert sv.norm_mean == pytest.approx(exact.mean().item(), rel=1e-6)
     assert sv.norm_max == pytest.approx(exact.max().item(), rel=1e-6)
     assert sv.norm_min == pytest.approx(exact.min().item(), rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(HALVES), st.integers(1, 4), st.integers(1, 70), st.integers(1, 130), st.integers(0, 2**31 - 1))
+def test_the_moments_of_half_samples_leave_the_bad_rows_out_exactly(dtype, S, P, H, seed):
+    """sample_moments over half rows (the kernel's pass) against float64 sums of the good rows: the
+    rows left out hold NaN and Inf, and nothing of them reaches the sums."""
+    import numpy as np
+
+    from surgeon.audit.values import sample_moments
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(S, P, H, generator=g) * 50).to(dtype)
+    good = torch.rand(S, P, generator=g) > 0.3
+    x[~good] = torch.where(torch.rand_like(x[~good].float()) > 0.5, math.nan, math.inf).to(dtype)
+    m = sample_moments(x, good.numpy())
+    ref = torch.where(good[..., None], x.double(), 0)
+    assert (m.count == good.sum(1).numpy()).all()
+    scale = ref.abs().sum(1).numpy() + 1e-30
+    assert np.all(np.abs(m.sum - ref.sum(1).numpy()) <= (P + 2) * 2.0**-24 * scale)
+    assert np.all(np.abs(m.sumsq - (ref**2).sum(1).numpy()) <= (P + 2) * 2.0**-24 * (ref**2).sum(1).numpy() + 1e-30)
