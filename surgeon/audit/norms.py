@@ -9,10 +9,10 @@ NaN and Inf propagate as in a plain sum (the kernel allows reassociation and con
 ``nnan``/``ninf``): a row holding one has a NaN or Inf norm, wherever it sits in the row. Wider
 dtypes go through torch (float64 norms rounded to float32).
 
-:func:`scan_chunk` is the same kernel over a chunk of a file as it is read: with each row's norm it
-copies the row's hashed columns and the sampled rows while the chunk is in the cache (one call a
-chunk, where torch took five ops). Both run one compiled function, so a row's norm is the same bits
-whichever reads it (a file in chunks, or its tensors).
+:func:`scan_chunk` runs the same kernel over a chunk of a file as it is read, and copies the rows'
+hashed columns and the sampled rows while the chunk is in the cache. Both call one compiled
+function, so a row's norm is the same bits whichever reads it (a file in chunks, or its tensors).
+:func:`half_moments` sums the sampled rows and their squares per channel in one pass.
 """
 
 from __future__ import annotations
@@ -45,13 +45,11 @@ def _kernels() -> dict[str, Any]:
 
     def make(widen):
         @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
-        def scan(u, stride, n, H, r0, norms, blocks, c0, picks, lo, hi, samples):
-            """Rows ``r0 .. r0+n`` of ``S`` slots, row i's slot s at ``u[i*stride + s*H:][:H]``: each
-            one's norm to ``norms[s, r0+i]`` and its columns ``c0 ..`` to ``blocks[s, r0+i]``; the
-            rows ``picks[lo:hi]`` to ``samples[s, lo:hi]``."""
-            S, W = norms.shape[0], blocks.shape[2]
+        def norms_of(u, stride, n, H, r0, norms):
+            """The norms of rows ``r0 .. r0+n`` of ``S`` slots, row i's slot s at ``u[i*stride + s*H:][:H]``,
+            to ``norms[s, r0+i]``."""
             for i in range(n):
-                for s in range(S):
+                for s in range(norms.shape[0]):
                     a = i * stride + s * H
                     row = u[a:a + H]  # a slice: indices from 0, no wraparound check to block vectorising
                     acc = np.float32(0.0)
@@ -59,13 +57,7 @@ def _kernels() -> dict[str, Any]:
                         x = widen(row[j])
                         acc += x * x
                     norms[s, r0 + i] = np.sqrt(acc)
-                    for j in range(W):
-                        blocks[s, r0 + i, j] = row[c0 + j]
-            for p in range(lo, hi):
-                for s in range(S):
-                    a = (picks[p] - r0) * stride + s * H
-                    for j in range(H):
-                        samples[s, p, j] = u[a + j]
+
         @njit(fastmath={"reassoc", "contract"}, boundscheck=False, nogil=True)
         def moments(u, good, total, sumsq):
             """Per slot s, the sum and the sum of squares of the rows ``u[s, p]`` that ``good[s, p]``
@@ -80,7 +72,7 @@ def _kernels() -> dict[str, Any]:
                             x = widen(row[j])
                             t[j] += x
                             q[j] += x * x
-        return scan, moments
+        return norms_of, moments
 
     return {"bfloat16": make(bf16), "float16": make(f16)}
 
@@ -105,15 +97,6 @@ def _flat_rows(x):
 
 
 HALF = ("bfloat16", "float16")  # the dtypes the kernel reads
-_NONE: dict[str, Any] = {}  # empty blocks, picks and samples, for a scan of norms alone
-
-
-def _nothing():
-    import numpy as np
-
-    if not _NONE:
-        _NONE.update(blocks=np.empty((1, 0, 0), np.uint16), picks=np.empty(0, np.int64))
-    return _NONE
 
 
 def row_norms(x):
@@ -127,19 +110,19 @@ def row_norms(x):
         if flat is None:
             flat = _flat_rows(x.contiguous())
         out = torch.empty(x.shape[:-1], dtype=torch.float32)
-        z = _nothing()
-        _kernels()[name][0](flat[0], flat[1], flat[2], x.shape[-1], 0, out.view(1, -1).numpy(), z["blocks"], 0,
-                            z["picks"], 0, 0, z["blocks"])
+        _kernels()[name][0](flat[0], flat[1], flat[2], x.shape[-1], 0, out.view(1, -1).numpy())
         return out
     return torch.linalg.vector_norm(x, dim=-1).float()
 
 
 def scan_chunk(X, r0: int, norms, blocks, c0: int, picks, lo: int, hi: int, samples) -> bool:
-    """One pass over a chunk ``X`` (``[n, S, H]`` torch, contiguous, rows ``r0 ..`` of ``S`` slots):
-    its rows' norms into ``norms`` (``[S, T]`` float32), the columns from ``c0`` of each row into
-    ``blocks`` (``[S, T, W]``), and the rows ``picks[lo:hi]`` (int64 numpy, ascending, in the chunk)
-    into ``samples[:, lo:hi]`` (``[S, P, H]``); all torch, C-contiguous, of the chunk's dtype but
-    ``norms``. False, nothing done, where ``X`` is of no dtype the kernel reads (the caller does it)."""
+    """One pass over a chunk ``X`` (``[n, S, H]`` torch, contiguous, rows ``r0 ..`` of ``S`` slots)
+    while it is in the cache: its rows' norms into ``norms`` (``[S, T]`` float32, the kernel's), the
+    ``W`` columns from ``c0`` of each row into ``blocks`` (``[S, T, W]``), and the rows ``picks[lo:hi]``
+    (int64 numpy, ascending, in the chunk) into ``samples[:, lo:hi]`` (``[S, P, H]``); all torch,
+    C-contiguous, of the chunk's dtype but ``norms`` (the copies in numpy: ~3x torch's ops on these
+    transposed views, ~5x the kernel's element-by-element copies). False, nothing done, where ``X``
+    is of no dtype the kernel reads (the caller does it)."""
     import torch
 
     name = str(X.dtype).replace("torch.", "")
@@ -147,9 +130,12 @@ def scan_chunk(X, r0: int, norms, blocks, c0: int, picks, lo: int, hi: int, samp
         return False
     n, S, H = X.shape
     if n:
-        bits = X.reshape(-1).view(torch.int16).numpy().view("uint16")
-        _kernels()[name][0](bits, S * H, n, H, r0, norms.numpy(), blocks.view(torch.int16).numpy().view("uint16"), c0,
-                            picks, lo, hi, samples.view(torch.int16).numpy().view("uint16"))
+        bits = X.view(torch.int16).numpy().view("uint16")  # [n, S, H]
+        _kernels()[name][0](bits.reshape(-1), S * H, n, H, r0, norms.numpy())
+        b = blocks.view(torch.int16).numpy().view("uint16")
+        b[:, r0:r0 + n] = bits[:, :, c0:c0 + b.shape[2]].transpose(1, 0, 2)
+        if hi > lo:
+            samples.view(torch.int16).numpy().view("uint16")[:, lo:hi] = bits[picks[lo:hi] - r0].transpose(1, 0, 2)
     return True
 
 
