@@ -120,29 +120,35 @@ def row_norms(x):
     return torch.linalg.vector_norm(x, dim=-1).float()
 
 
-def scan_chunk(X, r0: int, norms, blocks, c0: int, picks, lo: int, hi: int, samples) -> bool:
-    """One pass over a chunk ``X`` (``[n, S, H]`` torch, contiguous, rows ``r0 ..`` of ``S`` slots)
-    while it is in the cache: its rows' norms into ``norms`` (``[S, T]`` float32, the kernel's), the
-    ``W`` columns from ``c0`` of each row into ``blocks`` (``[S, T, W]``), and the rows ``picks[lo:hi]``
-    (int64 numpy, ascending, in the chunk) into ``samples[:, lo:hi]`` (``[S, P, H]``); all torch,
-    C-contiguous, of the chunk's dtype but ``norms``. The copies are numpy's: ~25 and ~20 us a
-    [341, 3, 2048] bf16 chunk, where torch's ops on these transposed views took ~35 and ~60 and
-    the kernel's element-by-element copies ~58 and ~50. False, nothing done, where ``X`` is of no
-    dtype the kernel reads (the caller does it)."""
+def _numpy(t):
+    """A numpy view of torch ``t``: its bits as uint16 for a half dtype (numpy has no bfloat16)."""
     import torch
 
-    name = str(X.dtype).replace("torch.", "")
-    if name not in HALF:
-        return False
+    return t.view(torch.int16).numpy().view("uint16") if str(t.dtype).replace("torch.", "") in HALF else t.numpy()
+
+
+def scan_chunk(X, r0: int, norms, blocks, c0: int, picks, lo: int, hi: int, samples) -> None:
+    """One pass over a chunk ``X`` (``[n, S, H]`` torch, contiguous, rows ``r0 ..`` of ``S`` slots)
+    while it is in the cache: its rows' norms into ``norms`` (``[S, T]`` float32: the kernel's for
+    half rows, :func:`row_norms`' otherwise), the ``W`` columns from ``c0`` of each row into
+    ``blocks`` (``[S, T, W]``), and the rows ``picks[lo:hi]`` (int64 numpy, ascending, in the chunk)
+    into ``samples[:, lo:hi]`` (``[S, P, H]``); all torch, C-contiguous, of the chunk's dtype but
+    ``norms``. The copies are numpy's: ~25 and ~20 us a [341, 3, 2048] bf16 chunk, where torch's
+    ops on these transposed views took ~35 and ~60 and the kernel's element-by-element copies ~58
+    and ~50."""
     n, S, H = X.shape
-    if n:
-        bits = X.view(torch.int16).numpy().view("uint16")  # [n, S, H]
+    if not n:
+        return
+    bits = _numpy(X)  # [n, S, H]
+    name = str(X.dtype).replace("torch.", "")
+    if name in HALF:
         _kernels()[name][0](bits.reshape(-1), S * H, n, H, r0, norms.numpy())
-        b = blocks.view(torch.int16).numpy().view("uint16")
-        b[:, r0:r0 + n] = bits[:, :, c0:c0 + b.shape[2]].transpose(1, 0, 2)
-        if hi > lo:
-            samples.view(torch.int16).numpy().view("uint16")[:, lo:hi] = bits[picks[lo:hi] - r0].transpose(1, 0, 2)
-    return True
+    else:
+        norms.numpy()[:, r0:r0 + n] = row_norms(X).numpy().T
+    b = _numpy(blocks)
+    b[:, r0:r0 + n] = bits[:, :, c0:c0 + b.shape[2]].transpose(1, 0, 2)
+    if hi > lo:
+        _numpy(samples)[:, lo:hi] = bits[picks[lo:hi] - r0].transpose(1, 0, 2)
 
 
 def half_moments(samples, good):
@@ -150,14 +156,13 @@ def half_moments(samples, good):
     holds of ``samples`` ([S, P, H] torch, half, contiguous), per channel; None for a sample of any
     other dtype or layout (the caller sums it)."""
     import numpy as np
-    import torch
 
     name = str(samples.dtype).replace("torch.", "")
     if name not in HALF or not samples.is_contiguous():
         return None
     S, _, H = samples.shape
     total, sumsq = np.zeros((S, H), np.float32), np.zeros((S, H), np.float32)
-    _kernels()[name][1](samples.view(torch.int16).numpy().view("uint16"), np.ascontiguousarray(good), total, sumsq)
+    _kernels()[name][1](_numpy(samples), np.ascontiguousarray(good), total, sumsq)
     return total, sumsq
 
 

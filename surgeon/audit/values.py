@@ -290,7 +290,7 @@ def sample_moments(samples, good) -> Moments:
 @dataclass
 class Gathered:
     """What the value pass takes from every row of a file's ``S`` slots of ``T`` rows, in one read:
-    ``norms`` [S, T] float32 (computed in the slots' dtype), ``blocks`` [S, T, <=64] (the hashed
+    ``norms`` [S, T] float32 (:func:`surgeon.audit.norms.row_norms`), ``blocks`` [S, T, <=64] (the hashed
     columns, :func:`_block`), ``samples`` [S, n, H] in the slots' dtype (the rows :func:`sample_index`
     picks) and ``first`` [S, H] float32 (row 0); ``rows_of(slot, rows)`` reads rows again (ascending int64
     torch indices) for the few a check looks at whole."""
@@ -320,18 +320,19 @@ def gather_tensors(xs: list, norms: list | None = None) -> Gathered:
 def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     """:class:`Gathered` of the slots a :class:`~surgeon.audit.rows.RowPlan` locates, read in chunks
     (:func:`surgeon.audit.rows.chunks`): each chunk's norms, hashed columns and sampled rows copied
-    into the file's slot-major arrays while it is in the cache, a few tensor ops a chunk whatever
-    its slot count (each region's slots are consecutive: views of the arrays, in row-major order,
-    take a chunk's ``[n, m, ...]`` results as they come)."""
+    into the file's slot-major arrays while it is in the cache, one
+    :func:`~surgeon.audit.norms.scan_chunk` a chunk whatever its slot count (each region's slots are
+    consecutive: views of the arrays, in row-major order, take a chunk's ``[n, m, ...]`` results as
+    they come)."""
     import torch
 
-    from surgeon.audit.norms import row_norms, scan_chunk
+    from surgeon.audit.norms import scan_chunk
     from surgeon.audit.rows import CHUNK_BYTES, chunks, rows_of
 
     S, T, H = rp.slots, rp.tokens, rp.hidden
     cols = _hashed(H)
     idx = sample_index(T)
-    picks, at_rows = idx.tolist(), torch.from_numpy(idx)
+    picks = idx.tolist()
     norms = torch.empty(S, T, dtype=torch.float32)
     blocks = torch.empty(S, T, cols.stop - cols.start, dtype=getattr(torch, rp.dtype))
     samples = torch.empty(S, idx.size, H, dtype=blocks.dtype)  # as read: no conversion a chunk
@@ -339,11 +340,7 @@ def gather_file(rp: RowPlan, chunk_bytes: int | None = None) -> Gathered:
     for reg, r0, X in chunks(rp, chunk_bytes or CHUNK_BYTES):
         at, n = slice(reg.slots[0], reg.slots[0] + len(reg.slots)), X.shape[0]
         lo, hi = bisect.bisect_left(picks, r0), bisect.bisect_left(picks, r0 + n)  # a list's bisect: ~17x numpy's per call
-        if not scan_chunk(X, r0, norms[at], blocks[at], cols.start, idx, lo, hi, samples[at]):  # half rows: one pass
-            norms[at, r0:r0 + n].t().copy_(row_norms(X))  # every slot of the region in one pass
-            blocks[at, r0:r0 + n].transpose(0, 1).copy_(X[:, :, cols])
-            if hi > lo:
-                samples[at, lo:hi].transpose(0, 1).copy_(X.index_select(0, at_rows[lo:hi] - r0))
+        scan_chunk(X, r0, norms[at], blocks[at], cols.start, idx, lo, hi, samples[at])  # every slot of the region at once
         if r0 == 0:
             first[at].copy_(X[0])
     return Gathered(norms, blocks, samples, first, lambda s, rows: rows_of(rp, s, rows.tolist()), rp.dtype)

@@ -74,12 +74,12 @@ def _speculators(path, T, H, n, seed, dtype=torch.bfloat16):
 
 @settings(max_examples=40, deadline=None)
 @given(T=st.integers(1, 70), H=st.integers(1, 150), n=st.integers(1, 4), seed=st.integers(0, 9),
-       chunk=st.integers(1, 40_000), half=st.booleans())
-def test_any_chunk_size_any_shape_gives_the_tensors_answer(tmp_path_factory, T, H, n, seed, chunk, half):
+       chunk=st.integers(1, 40_000), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_any_chunk_size_any_shape_gives_the_tensors_answer(tmp_path_factory, T, H, n, seed, chunk, dtype):
     path = tmp_path_factory.mktemp("hs") / "hs_0.safetensors"
-    hs = _speculators(path, T, H, n, seed, torch.float16 if half else torch.bfloat16)
+    hs = _speculators(path, T, H, n, seed, dtype)
     s = read_structure(path)
-    assert s.rows is not None and s.rows.regions[0].row_bytes == n * H * 2
+    assert s.rows is not None and s.rows.regions[0].row_bytes == n * H * hs.element_size()
     a = gather_file(s.rows, chunk)
     from surgeon.audit.values import gather_tensors
 
