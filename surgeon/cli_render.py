@@ -284,10 +284,14 @@ def print_match(result: Any) -> None:
     table = Table()
     for h in ("slot", "declared", "matched", "rel err", "margin", "verdict"):
         table.add_column(h)
-    style = {"ok": "green", "mismatch": "red", "no_match": "red", "unlabelled": "yellow"}
+    style = {"ok": "green", "mismatch": "red", "no_match": "red", "unlabelled": "yellow", "undecided": "yellow"}
     for s in result.report.slots:
         table.add_row(s.name, str(s.declared or "-"), str(s.matched or "none"), f"{s.rel_err:.4f}",
                       s.margin_text, f"[{style.get(s.verdict, 'white')}]{s.verdict}[/]")
+    head = result.headline()
+    word, _, rest = head.partition(":")
+    colour = {"ok": "green", "identified": "green", "undecided": "yellow"}.get(word, "red")
+    out.print(f"[{colour}]{word}[/]:{escape(rest)}")
     out.print(f"{escape(result.subject.source)} ({result.subject.layout}) vs {escape(str(result.reference_source))}; "
               f"tokens: {escape(result.alignment)}")
     out.print(table)

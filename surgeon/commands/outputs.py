@@ -273,7 +273,8 @@ class MatchedSlot(_Closed):
     rel_err: float | None = Field(description="relative error of the best candidate; null: not finite (NaN/Inf)")
     margin: float | None = Field(description="runner-up error / best error; null when exact")
     exact: bool = Field(description="the slot equals its best candidate bit for bit")
-    verdict: Literal["ok", "mismatch", "no_match", "unlabelled"]
+    verdict: Literal["ok", "mismatch", "no_match", "unlabelled", "undecided"] = Field(
+        description="undecided: the slot fits several points about equally, its declared point among them")
 
 
 class Diagnosis(_Closed):
@@ -289,7 +290,11 @@ class Suggested(_Closed):
 class MatchResult(_Closed):
     """A match or verify result (the demo nests two, without a format of their own)."""
 
-    ok: bool = Field(description="every slot is its declared point (verify exits 3 otherwise)")
+    ok: bool = Field(description="every slot is its declared point (verify exits 3 otherwise, 4 when undecided)")
+    verdict: Literal["ok", "mismatch", "undecided", "identified"] = Field(
+        description="mismatch: a slot is not its declared point or matches none; undecided: else, a slot the "
+                    "reference cannot tell apart (exit 4); identified: every slot matched, some declared none")
+    headline: str = Field(description="the report's first line: the verdict and the slots it rests on")
     slots: list[MatchedSlot]
     diagnosis: list[Diagnosis] = Field(description="what went wrong, the explanation covering the most slots first")
     suggested: Suggested

@@ -14,11 +14,17 @@ the library (a spec, a point, a probe, a patch, an engine run) is never mistaken
   own check, a revert that is not byte-identical).
 
 Anything else that escapes is an unexpected internal error: exit 1, one line.
+
+A report whose evidence does not decide (an identity the statistics cannot tell, a behaviour
+search whose leader is within its noise) exits :data:`UNDECIDED` (4): neither "fine" (0) nor
+"the wiring differs" (3), so a script never reads "could not judge" as "passed".
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
+
+UNDECIDED = 4  # the exit status of a report whose evidence does not decide (see the module's docstring)
 
 
 class SurgeonError(Exception):

@@ -20,9 +20,11 @@ import torch
 
 from surgeon.capture.tensorfiles import open_tensor_file
 from surgeon.core.conventions import EAGLE, NotExpressible
+from surgeon.core.errors import UNDECIDED as UNDECIDED_EXIT
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
+from surgeon.verify.identify import UNDECIDED
 from surgeon.verify.subjects import Subject, align, read_subject
 
 
@@ -94,6 +96,46 @@ class HarnessResult:
     def ok(self) -> bool:
         return all(s.verdict == "ok" for s in self.report.slots)
 
+    @property
+    def verdict(self) -> str:
+        """``mismatch`` (a slot is not its declared point, or matches none), ``undecided`` (else, a
+        slot the reference cannot tell apart from another point), ``ok`` (every slot is its declared
+        point) or ``identified`` (every slot matched, some declared nothing)."""
+        kinds = {s.verdict for s in self.report.slots}
+        if kinds & {"mismatch", "no_match"}:
+            return "mismatch"
+        if UNDECIDED in kinds:
+            return "undecided"
+        return "ok" if self.ok else "identified"
+
+    @property
+    def exit_code(self) -> int:
+        """``match``'s status: 4 where the evidence does not decide, else 0 (``verify`` judges more)."""
+        return UNDECIDED_EXIT if self.verdict == "undecided" else 0
+
+    def headline(self) -> str:
+        """The first line of the report: the verdict, and which slots it rests on."""
+        slots = self.report.slots
+        n = len(slots)
+
+        def names(*verdicts: str) -> list[str]:
+            return [s.name for s in slots if s.verdict in verdicts]
+
+        bad, open_, ok = names("mismatch", "no_match"), names(UNDECIDED), names("ok")
+        parts = []
+        if bad:
+            parts.append(f"{len(bad)} of {n} slot{'s' if n > 1 else ''} not what {'was' if len(bad) == 1 else 'were'} "
+                         f"declared or matching no point ({', '.join(bad)})")
+        if open_:
+            parts.append(f"{len(open_)} of {n} undecided: the reference cannot tell the points they fit apart "
+                         f"({', '.join(open_)})")
+        if ok and (bad or open_):
+            parts.append(f"{len(ok)} ok")
+        if not parts:
+            parts.append(f"all {n} slots are their declared points" if self.ok
+                         else f"each of the {n} slots matched one point ({len(names('unlabelled'))} declared none)")
+        return f"{self.verdict}: " + "; ".join(parts)
+
     def to_json(self) -> dict:
         """The contract of `match --json` / `verify --json`."""
         def pt(p: Point | None) -> str | None:
@@ -103,7 +145,7 @@ class HarnessResult:
             return float(x) if math.isfinite(x) else None
 
         return {
-            "ok": self.ok,
+            "ok": self.ok, "verdict": self.verdict, "headline": self.headline(),
             "slots": [{"name": s.name, "declared": pt(s.declared), "matched": pt(s.matched),
                        "rel_err": number(s.rel_err), "margin": number(s.margin), "exact": s.exact,
                        "verdict": s.verdict}
@@ -117,16 +159,21 @@ class HarnessResult:
 
 
 def _declare_from_spec(subject: Subject, spec: Spec, explicit_slots: bool) -> list[str]:
-    notes = []
-    names = subject.names
-    if not explicit_slots:
+    """Label the subject's slots with the spec's points: by name where the file names its tensors
+    (whatever order it stores them in), by the spec's dump slots in order where the layout has one."""
+    notes: list[str] = []
+    if explicit_slots:
+        names = subject.names
+    elif subject.keyed:
+        names, keyed_notes = _keyed_names(subject, spec)
+        notes += keyed_notes
+    else:
         order = spec.dump_slots
-        if len(order) == len(names):
-            names = order
-            notes.append(f"slots named from the spec's dump slots: {', '.join(order)}")
-        else:
-            raise BadInput(f"{subject.source} holds {len(names)} slots, the spec's dump slots are {len(order)} "
+        if len(order) != len(subject.names):
+            raise BadInput(f"{subject.source} holds {len(subject.names)} slots, the spec's dump slots are {len(order)} "
                            f"({', '.join(order)}): pass --slots")
+        names = order
+        notes.append(f"slots named from the spec's dump slots, in the {subject.layout} layout's order: {', '.join(order)}")
     slots = []
     differ = []
     for (old, declared, t), name in zip(subject.slots, names):
@@ -139,6 +186,30 @@ def _declare_from_spec(subject: Subject, spec: Spec, explicit_slots: bool) -> li
     if differ:  # a self-describing dump labelled otherwise by this spec: say so, the spec is what is checked
         notes.append("the spec's labels replace the subject's own: " + "; ".join(differ))
     return notes
+
+
+def _keyed_names(subject: Subject, spec: Spec) -> tuple[list[str], list[str]]:
+    """A file that names its tensors, labelled by the spec: the keys that are the spec's dump slots,
+    each by its name; other keys left out (said); a dump slot the file lacks refused."""
+    order = spec.dump_slots
+    keys = subject.names
+    present = [n for n in order if n in keys]
+    if not present:
+        if all(d is not None for _, d, _ in subject.slots) and subject.layout == "surgeon-reference":
+            return keys, ["no tensor is named as a capture of the spec: the reference's own points are checked"]
+        raise BadInput(f"{subject.source}: its tensors are named {', '.join(keys)}, none of them a dump slot of spec "
+                       f"{spec.name} ({', '.join(order)}): name them with --slots NAME=KEY")
+    missing = [n for n in order if n not in keys]
+    if missing:
+        raise BadInput(f"{subject.source}: no tensor named {', '.join(repr(m) for m in missing)} (the spec's dump slots: "
+                       f"{', '.join(order)}; the file's: {', '.join(keys)}): pass --slots to choose the keys to check")
+    index = {k: i for i, k in enumerate(keys)}
+    subject.slots = [subject.slots[index[n]] for n in order]
+    notes = [f"slots read by name ({', '.join(order)}), not by their order in the file"]
+    extra = [k for k in keys if k not in order]
+    if extra:
+        notes.append(f"tensors not among the spec's dump slots, left out: {', '.join(extra)}")
+    return list(order), notes
 
 
 def suggested_engine_ids(spec: Spec, captures: dict[str, Point]) -> dict[str, Any]:

@@ -67,6 +67,11 @@ MIN_TOKEN_FRACTION = 0.9
 SCREEN_TOKENS = 128
 CONFIRM_TOP = 2  # best and runner-up, exactly (plus the declared point)
 SHIFTS = 4  # token shifts tried when diagnosing a buffer that matches nothing
+# A slot whose best candidates fit it about equally (within MIN_MARGIN of the best, each close in
+# absolute terms) with its declared point among them, or with none declared: the reference cannot
+# tell those points apart on these tokens, so the slot is neither "ok" nor "mismatch". A declared
+# point outside that tie is a decided fault ("no_match": it is not what was declared).
+UNDECIDED = "undecided"
 _CHUNK_BYTES = 8 << 20
 
 
@@ -77,7 +82,7 @@ class SlotResult:
     matched: Point | None  # None: nothing fits
     rel_err: float  # of the best candidate
     margin: float  # runner-up rel_err / best rel_err (>= 1; larger = surer; inf for an exact match)
-    verdict: str  # "ok" | "mismatch" | "no_match" | "unlabelled"
+    verdict: str  # "ok" | "mismatch" | "no_match" | "unlabelled" | "undecided" (see UNDECIDED)
     ranking: list[tuple[Point, float]]  # all candidates, best first
     token_fraction: float = 0.0  # share of tokens whose own error vs the best candidate is small
 
@@ -109,6 +114,11 @@ class MatchReport:
     @property
     def ok(self) -> bool:
         return all(s.verdict == "ok" for s in self.slots)
+
+    @property
+    def undecided(self) -> list[SlotResult]:
+        """The slots the evidence does not decide (:data:`UNDECIDED`)."""
+        return [s for s in self.slots if s.verdict == "undecided"]
 
 
 # -- subjects -------------------------------------------------------------------------------------
@@ -350,7 +360,12 @@ def identify(slots: Sequence[tuple[str, Point | None, torch.Tensor]], reference,
         fits = (s.nonfinite == 0 and best_err <= MAX_REL_ERR and margin >= MIN_MARGIN
                 and frac >= MIN_TOKEN_FRACTION)
         matched = cands[best] if fits else None
-        if matched is None:
+        tied = {cands[j] for j in order if float(e[j]) <= best_err * MIN_MARGIN}
+        if matched is None and s.nonfinite == 0 and best_err <= MAX_REL_ERR and margin < MIN_MARGIN \
+                and (s.declared is None or s.declared in tied) \
+                and not _between(best_err, runner, _gap(reference, is_fp, cands[best], cands[order[1]])):
+            verdict = UNDECIDED
+        elif matched is None:
             verdict = "no_match"
         elif s.declared is None:
             verdict = "unlabelled"
@@ -364,6 +379,22 @@ def identify(slots: Sequence[tuple[str, Point | None, torch.Tensor]], reference,
     diagnosis = _diagnose(results, subjects, errs, scale, cands, reference, is_fp, L)
     suggested = {r.name: r.matched for r in results if r.matched is not None}
     return MatchReport(results, diagnosis, cands, errs.to(torch.float32), suggested)
+
+
+def _gap(reference, is_fp: bool, a: Point, b: Point) -> float:
+    """The reference's own relative distance between points ``a`` and ``b`` (over ``b``'s norm;
+    estimated in the projected space against a fingerprint)."""
+    store = reference.proj if is_fp else reference.states
+    x, y = store[a].double(), store[b].double()
+    den = float(reference.norms[b].double().square().sum().sqrt()) if is_fp else float(y.norm())
+    return float((x - y).norm()) / den if den > 0 else math.inf
+
+
+def _between(err_a: float, err_b: float, gap: float) -> bool:
+    """The slot lies between two points it fits about equally (inside the sphere on their segment:
+    ``err_a^2 + err_b^2 < gap^2``), as a mix of the two would: a decided "neither", not noise that
+    hides which one it is (noise adds to both errors: ``err_b^2 ~ err_a^2 + gap^2``)."""
+    return err_a * err_a + err_b * err_b < gap * gap
 
 
 # -- diagnosis -----------------------------------------------------------------------------------
@@ -494,7 +525,18 @@ def _diagnose(results: list[SlotResult], subjects: list[_Subject], errs, scale, 
             label = f" (declared {r.declared})" if r.declared is not None else ""
             why = _no_match_reason(r, subjects[i], scale, cands, reference, is_fp, L)
             out.append(Diagnosis("no_match", f"slot {r.name!r}{label} matches no point: {why}."))
+        elif r.verdict == UNDECIDED:
+            out.append(Diagnosis(UNDECIDED, _undecided_reason(r)))
     return out
+
+
+def _undecided_reason(r: SlotResult) -> str:
+    best = r.rel_err
+    tied = [f"{p} ({e:.3g})" for p, e in r.ranking if e <= best * MIN_MARGIN]
+    label = f", declared {r.declared}," if r.declared is not None else ""
+    return (f"slot {r.name!r}{label} fits {', '.join(tied)} about equally (margin {r.margin:.2f} < {MIN_MARGIN}): "
+            "the reference cannot tell these points apart on these tokens, so the slot is not judged; use more or "
+            "longer prompts, or a reference whose points separate")
 
 
 Option = tuple[Diagnosis, set[int]]  # a diagnosis and the mismatched slots it explains

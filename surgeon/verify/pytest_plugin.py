@@ -39,7 +39,8 @@ class WiringError(AssertionError):
 
 
 def _format(result) -> str:
-    lines = [f"wiring of {result.subject.source} differs from the spec:"]
+    differs = "cannot be judged against" if result.verdict == "undecided" else "differs from"
+    lines = [f"wiring of {result.subject.source} {differs} the spec: {result.headline()}"]
     for s in result.report.slots:
         if s.verdict != "ok":
             lines.append(f"  {s.name}: declared {s.declared}, is {s.matched or 'nothing known'} "
