@@ -48,8 +48,8 @@ from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point
 from surgeon.engines.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER, Cite
 
-PRODUCERS = ("trtllm", "modelopt-hf", "modelopt-vllm", "modelopt-trtllm")
-_DIRECTIVE = re.compile(r"\s*(?P<producer>trtllm|modelopt-hf|modelopt-vllm|modelopt-trtllm)\s*:\s*(?P<ids>.*)", re.S)
+PRODUCERS = ("trtllm", "modelopt-hf", "modelopt-vllm", "modelopt-trtllm", "vllm")
+_DIRECTIVE = re.compile(r"\s*(?P<producer>trtllm|modelopt-hf|modelopt-vllm|modelopt-trtllm|vllm)\s*:\s*(?P<ids>.*)", re.S)
 TRT_AUX_KEYS = ("aux_hidden_states", "hidden_state_features")
 TRT_RECORD_KEYS = frozenset({"id", "input_ids", "hidden_state", *TRT_AUX_KEYS})
 MODELOPT_KEYS = frozenset({"input_ids", "hidden_states", "loss_mask", "conversation_id", *TRT_AUX_KEYS})
@@ -81,6 +81,7 @@ class FileSlots:
     notes: list[str] = field(default_factory=list)
     record: str | None = None  # which sequence of the file: "id 1", "conversation 7"
     loss_mask: torch.Tensor | None = None  # Model Optimizer's, as the file holds it
+    keyed: bool = False  # each slot is a tensor the file names (a dict, named safetensors): read by name, never by position
 
 
 def split_producer(entries: Sequence[str]) -> tuple[Producer | None, list[str]]:
@@ -215,7 +216,7 @@ def _trtllm_ids(producer: Producer, L: int) -> list[int]:
 
 def _decode(conv_name: str, ids: list[int], L: int) -> list[Point]:
     try:
-        if conv_name == "modelopt-vllm":
+        if conv_name in ("modelopt-vllm", "vllm"):
             vllm = EngineConvention(builtin_convention("vllm", None), "built-in")
             points = vllm.decode(ids, L)
         else:
@@ -467,3 +468,25 @@ def export_reader(slots: Sequence[str], num_layers: int):
         return _as_dumps(fd, num_layers)
 
     return read
+
+
+VLLM_STACK_NOTE = ("hidden_states [T, n, H] with token_ids [T]: vLLM's hidden-state connector "
+                   "(extract_hidden_states, ExampleHiddenStatesConnector) writes these keys, and speculators' "
+                   "hs_*.safetensors are that connector's files; neither records the ids it captured")
+
+
+def label_vllm_stack(p: str, n_slots: int, producer: Producer, num_layers: int | None, notes: list[str]) -> list[Point]:
+    """The points of a connector stack's slots from the ids vLLM was given (``--slots vllm:IDS``):
+    the stack holds them in ascending id order, id j read by surgeon's built-in vLLM table."""
+    L = _need_layers(producer, num_layers)
+    ids = sorted(set(_int_list(producer)))
+    bad = [i for i in ids if not 0 <= i <= L]
+    if bad:
+        raise BadInput(f"--slots vllm: ids {bad} are outside [0, {L}] for a {L}-layer target")
+    if len(ids) != n_slots:
+        raise BadInput(f"{p}: {n_slots} slots, but --slots vllm:{producer.ids_text} names {len(ids)} distinct ids: "
+                       "the ids do not fit this file")
+    points = _decode("vllm", ids, L)
+    notes.append(f"labelled as vLLM aux ids {ids} in ascending order (id j = layer_out[j-1], 0 = embed; "
+                 f"{builtin_convention('vllm', None).reason}; not probed for the model's class)")
+    return points

@@ -4,8 +4,10 @@ Formats (by content, not by file name):
 
 * SpecForge offline ``.ckpt`` dicts: ``aux_hidden_state`` [1, T, nH] split into n slots in capture
   order, ``hidden_state`` [1, T, H] (after the final norm in SpecForge's semantics), ``input_ids``;
-* speculators ``hs_{i}.safetensors``: ``hidden_states`` [T, n, H] and ``token_ids`` [T] (the last
-  slot is layer_out[L-1] before the final norm in speculators' semantics);
+* ``hidden_states`` [T, n, H] and ``token_ids`` [T]: vLLM's hidden-state connector
+  (``extract_hidden_states``) and speculators' ``hs_{i}.safetensors`` (that connector's files). The
+  stack is ordered by ascending vLLM id, but neither writer records the ids: no slot is declared
+  unless ``--slots vllm:IDS`` names the ids vLLM was given (or a spec labels them);
 * TensorRT-LLM ``SaveHiddenStatesDecodingConfig`` ``.pt`` lists and NVIDIA Model Optimizer
   ``collect_hidden_states`` ``.pt`` dicts (hf, vllm, trtllm backends), labelled per the tool's cited
   convention when ``--slots PRODUCER:IDS`` names the ids it was given (:mod:`surgeon.verify.fielddumps`);
@@ -14,11 +16,18 @@ Formats (by content, not by file name):
 * plain ``.pt`` / ``.safetensors`` holding a list, a dict or a stacked tensor, named with ``--slots``.
 
 Pickles are read with ``torch.load(..., weights_only=True)`` only. Nothing declares a slot's
-point except what the caller says (``--slots name=point``, a spec) or a layout's own semantics.
+point except what the caller says (``--slots name=point``, a spec) or what the file records.
+
+Names over positions: a file whose tensors carry names (a dict, a safetensors file of several
+tensors, a surgeon dump or reference) is read by those names (``FileSlots.keyed``): ``--slots``
+picks its keys (``KEY``, ``NAME=KEY``, ``KEY=POINT``) and a spec labels the keys that are its
+capture names, whatever order the file stores them in (safetensors sorts its keys). Order is used
+only where the layout defines one: a stacked tensor, a list, SpecForge's ``aux_hidden_state``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +36,7 @@ import torch
 
 from surgeon.capture.tensorfiles import SAFETENSORS, TensorFile, open_tensor_file, read_safetensors
 from surgeon.core.errors import BadInput
-from surgeon.core.points import Point, PointError, layer_out, parse_point
+from surgeon.core.points import Point, PointError, parse_point
 from surgeon.verify import fielddumps
 from surgeon.verify.fielddumps import FileSlots
 
@@ -41,31 +50,82 @@ class Subject:
     source: str
     layout: str
     notes: list[str] = field(default_factory=list)
+    keyed: bool = False  # the slots are tensors the file names: read by those names, never by position
 
     @property
     def names(self) -> list[str]:
         return [n for n, _, _ in self.slots]
 
 
-def parse_slot_names(entries: Sequence[str], num_layers: int | None) -> list[tuple[str, Point | None]]:
-    """``--slots`` entries: ``name``, ``point`` (``layer_out[3]``), or ``name=point``."""
-    out: list[tuple[str, Point | None]] = []
+def slot_entries(entries: Sequence[str]) -> list[tuple[str, str | None]]:
+    """``--slots`` entries as written: ``(left, right)`` for ``left=right``, ``(entry, None)`` alone."""
+    out: list[tuple[str, str | None]] = []
     for raw in entries:
         for entry in (e.strip() for e in raw.split(",")):
-            if not entry:
-                continue
-            name, _, point = entry.partition("=")
-            try:
-                if point:
-                    out.append((name.strip(), parse_point(point, num_layers)))
-                else:
-                    try:
-                        out.append((entry, parse_point(entry, num_layers)))
-                    except PointError:
-                        out.append((entry, None))
-            except PointError as e:
-                raise BadInput(f"--slots {entry!r}: {e.message}") from None
+            if entry:
+                name, eq, rhs = entry.partition("=")
+                out.append((name.strip(), rhs.strip() if eq else None))
     return out
+
+
+def parse_slot_names(entries: Sequence[str], num_layers: int | None) -> list[tuple[str, Point | None]]:
+    """``--slots`` entries for a file whose slots have an order: ``name``, ``point`` (``layer_out[3]``),
+    or ``name=point``, one per slot in that order."""
+    out: list[tuple[str, Point | None]] = []
+    for name, rhs in slot_entries(entries):
+        entry = name if rhs is None else f"{name}={rhs}"
+        try:
+            if rhs is not None:
+                out.append((name, parse_point(rhs, num_layers)))
+            else:
+                try:
+                    out.append((name, parse_point(name, num_layers)))
+                except PointError:
+                    out.append((name, None))
+        except PointError as e:
+            raise BadInput(f"--slots {entry!r}: {e.message}") from None
+    return out
+
+
+def _point_or_none(text: str, num_layers: int | None) -> Point | None:
+    try:
+        return parse_point(text, num_layers)
+    except PointError:
+        return None
+
+
+def select_by_key(p: Path, entries: Sequence[str], read: FileSlots,
+                  num_layers: int | None) -> tuple[list[str], list[Point | None], list[torch.Tensor]]:
+    """``--slots`` on a file whose tensors carry names: each entry picks a key (``KEY``,
+    ``NAME=KEY``, or ``KEY=POINT`` declaring it); a bare name or point that is no key is refused,
+    never taken as a position."""
+    index = {k: i for i, k in enumerate(read.names)}
+    keys = ", ".join(read.names)
+    names: list[str] = []
+    declared: list[Point | None] = []
+    tensors: list[torch.Tensor] = []
+    taken: dict[str, str] = {}
+    for name, rhs in slot_entries(entries):
+        entry = name if rhs is None else f"{name}={rhs}"
+        if rhs is not None and rhs in index:  # NAME=KEY
+            key, point = rhs, read.declared[index[rhs]]
+        elif name in index:  # KEY or KEY=POINT
+            key = name
+            point = read.declared[index[name]]
+            if rhs is not None:
+                point = _point_or_none(rhs, num_layers)
+                if point is None:
+                    raise BadInput(f"{p}: --slots {entry!r}: {rhs!r} is neither a key of the file ({keys}) nor a point")
+        else:
+            raise BadInput(f"{p}: --slots {entry!r}: the file's tensors carry names ({keys}) and are read by them, "
+                           f"not by position: name a slot by its key (NAME=KEY, or KEY=POINT)")
+        if key in taken:
+            raise BadInput(f"{p}: --slots {entry!r}: key {key!r} is already taken by {taken[key]!r}")
+        taken[key] = entry
+        names.append(name)
+        declared.append(point)
+        tensors.append(read.tensors[index[key]])
+    return names, declared, tensors
 
 
 def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
@@ -92,26 +152,82 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
     gated = open_tensor_file(path)  # the one sniff: a regular file, its format and header
     p = gated.path
     producer, slots = fielddumps.split_producer(slots)
-    named = parse_slot_names(slots, num_layers)
-    n = len(named) or None
+    n = len(slot_entries(slots)) or None
     if gated.format != SAFETENSORS:
         read = _read_pickled(p, n, producer, num_layers)
     elif gated.kind == "dump":
         read = _read_dump(gated)
     else:
         read = _read_safetensors_slots(gated, n, num_layers)
-    if producer is not None and read.layout not in ("trtllm", "modelopt"):
-        raise BadInput(f"{p}: --slots {producer.name}:... names a {producer.name} dump, but this is a {read.layout} file")
+    if producer is not None:
+        _label_by_producer(p, read, producer, num_layers)
+    elif read.layout in ("vllm-connector", "specforge"):
+        _label_by_export_record(p, read, num_layers)
     if not read.tensors:
         raise BadInput(f"{p}: holds no hidden-state tensors")
-    names, declared = _apply_slot_names(p, named, read)
-    _check_shapes(p, read.tensors, read.ids)
-    return Subject(list(zip(names, declared, read.tensors)), read.ids, str(p), read.layout, read.notes)
+    if read.keyed and slots:
+        names, declared, tensors = select_by_key(p, slots, read, num_layers)
+    else:
+        names, declared = _apply_slot_names(p, parse_slot_names(slots, num_layers), read)
+        tensors = read.tensors
+    _check_shapes(p, tensors, read.ids)
+    return Subject(list(zip(names, declared, tensors)), read.ids, str(p), read.layout, read.notes, keyed=read.keyed)
+
+
+def _label_by_producer(p: Path, read: FileSlots, producer: fielddumps.Producer, num_layers: int | None) -> None:
+    """``--slots PRODUCER:IDS``: the field dumps label themselves as they are read; a connector stack here."""
+    if read.layout in ("trtllm", "modelopt"):
+        return
+    if producer.name == "vllm" and read.layout == "vllm-connector":
+        read.declared = list(fielddumps.label_vllm_stack(str(p), len(read.tensors), producer, num_layers, read.notes))
+        return
+    what = "vLLM hidden-state connector (or speculators)" if producer.name == "vllm" else producer.name
+    raise BadInput(f"{p}: --slots {producer.name}:... names a {what} dump, but this is a {read.layout} file")
+
+
+_SPECFORGE_AUX = re.compile(r"aux_hidden_state\[(\d+)\]")
+
+
+def _label_by_export_record(p: Path, read: FileSlots, num_layers: int | None) -> None:
+    """A file ``surgeon export`` wrote carries its record beside it (``surgeon-export.json``: each
+    written slot's point): its slots are declared from it, the one record a training file has."""
+    import json
+
+    from surgeon.capture.exporters import MANIFEST
+
+    manifest = p.parent / MANIFEST
+    if not manifest.is_file():
+        return
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{manifest}:{e.lineno}:{e.colno}: {e.msg} (the record of the export {p.name} came from)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{manifest}: cannot be read ({e})") from None
+    files = data.get("files") if isinstance(data, dict) and data.get("surgeon.kind") == "export" else None
+    entry = next((f for f in files or () if isinstance(f, dict) and f.get("file") == p.name), None)
+    if entry is None:
+        return
+    by_key = {}
+    for cap in entry.get("captures") or ():
+        key = str(cap.get("name", ""))
+        if (m := _SPECFORGE_AUX.fullmatch(key)) is not None:  # SpecForge's aux_hidden_state[i] is this reader's aux_i
+            key = f"aux_{m.group(1)}"
+        try:
+            by_key[key] = parse_point(str(cap.get("point")), num_layers)
+        except PointError as e:
+            raise BadInput(f"{manifest}: {p.name}: slot {key!r}: {e.message}") from None
+    if set(by_key) != set(read.names):
+        raise BadInput(f"{manifest}: records slots {sorted(by_key)} for {p.name}, which holds {read.names}: "
+                       "the record does not describe this file")
+    read.declared = [by_key[n] for n in read.names]
+    read.notes.append(f"slots declared by {manifest.name}, the record surgeon export wrote beside the file")
 
 
 def _apply_slot_names(p: Path, named: list[tuple[str, Point | None]],
                       read: FileSlots) -> tuple[list[str], list[Point | None]]:
-    """Slot names and declared points: ``--slots`` overrides the layout's (and must count the same)."""
+    """Slot names and declared points of a file whose slots have an order: ``--slots`` overrides
+    the layout's, one entry per slot in that order."""
     if not named:
         return read.names, read.declared
     if len(named) != len(read.tensors):
@@ -154,7 +270,7 @@ def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None =
             default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
         else:
             tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
-            default_names = [str(k) for k, _ in items]
+            return FileSlots("plain", [str(k) for k, _ in items], tensors, [None] * len(tensors), ids, keyed=True)
         return FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
     if isinstance(data, (list, tuple)):
         tensors = [fielddumps.float_2d(v, f"{p}: item {i}") for i, v in enumerate(data)]
@@ -204,7 +320,7 @@ def _read_dump(gated: TensorFile) -> FileSlots:
             f"{dump.meta.get('engine.version', '')}: slots declared by the dump itself")
     return FileSlots("surgeon", [n for n, _, _ in dump.captures],
                       [fielddumps.float_2d(t, f"{p}: {n}") for n, _, t in dump.captures],
-                      [pt for _, pt, _ in dump.captures], dump.input_ids, [note])
+                      [pt for _, pt, _ in dump.captures], dump.input_ids, [note], keyed=True)
 
 
 def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | None) -> FileSlots:
@@ -216,7 +332,7 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
     ids = fielddumps.int_1d(data.pop(ids_key), f"{p}: {ids_key}") if ids_key else None
     if kind == "reference":
         L = int(meta.get("num_layers", "0") or 0) or None
-        read = FileSlots("surgeon-reference", [], [], [], ids)
+        read = FileSlots("surgeon-reference", [], [], [], ids, keyed=True)
         for k, v in data.items():
             read.names.append(k)
             read.tensors.append(fielddumps.float_2d(v, f"{p}: {k}"))
@@ -225,20 +341,18 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
     if "hidden_states" in data and data["hidden_states"].dim() == 3:
         hs = data["hidden_states"]
         tensors = [hs[:, i] for i in range(hs.shape[1])]
-        read = FileSlots("speculators", [f"hidden_states[:, {i}]" for i in range(len(tensors))], tensors,
+        read = FileSlots("vllm-connector", [f"hidden_states[:, {i}]" for i in range(len(tensors))], tensors,
                           [None] * len(tensors), ids)
-        if num_layers is not None and tensors:  # no slot ([T, 0, H]): read_subject says so, one line
-            read.declared[-1] = layer_out(num_layers - 1)
-            read.notes.append(f"speculators' last slot is layer_out[{num_layers - 1}] before the final norm: declared so")
+        read.notes.append(f"{fielddumps.VLLM_STACK_NOTE}: which point each slot holds is not recorded, so each is "
+                          "identified, not assumed (--slots vllm:IDS or a spec labels them)")
         return read
     items = [(k, v) for k, v in data.items() if v.is_floating_point()]
     if len(items) == 1 and items[0][1].dim() == 3:
         tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
         default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
-    else:
-        tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
-        default_names = [k for k, _ in items]
-    return FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
+        return FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
+    tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
+    return FileSlots("plain", [k for k, _ in items], tensors, [None] * len(tensors), ids, keyed=True)
 
 
 def align(subject_ids: torch.Tensor | None, reference_ids: torch.Tensor, n_tokens: int) -> tuple[slice, slice, str]:

@@ -90,6 +90,7 @@ def test_round_trip_writer_dumps_and_both_exporters(tmp_path, dtype):
         assert torch.equal(data["hidden_state"], by["post"][None])  # post-norm, not layer_out[L-1]
         sub = read_subject(path)
         assert sub.layout == "specforge" and sub.names == ["aux_0", "aux_1", "aux_2", "hidden_state"]
+        assert [d for _, d, _ in sub.slots] == [spec.captures[n] for n in ("a", "b", "c")] + [FINAL_NORM]
         for (_, _, got), want in zip(sub.slots, [by["a"], by["b"], by["c"], by["post"]]):
             assert torch.equal(got, want)
         assert torch.equal(sub.input_ids.reshape(-1), ids)
@@ -103,8 +104,9 @@ def test_round_trip_writer_dumps_and_both_exporters(tmp_path, dtype):
         assert torch.equal(data["token_ids"], ids)
         assert data["hidden_states"].shape == (ids.numel(), 4, H) and data["hidden_states"].dtype == dtype
         assert torch.equal(data["hidden_states"], torch.stack([by["a"], by["b"], by["c"], by["pre"]], 1))  # pre-norm last
-        sub = read_subject(path, num_layers=L)
-        assert sub.layout == "speculators" and sub.slots[-1][1] == layer_out(L - 1)
+        sub = read_subject(path, num_layers=L)  # declared by the export's record beside it, not assumed
+        assert sub.layout == "vllm-connector" and sub.slots[-1][1] == layer_out(L - 1)
+        assert [d for _, d, _ in sub.slots] == [spec.captures[n] for n in ("a", "b", "c")] + [layer_out(L - 1)]
         assert torch.equal(sub.slots[-1][2], by["pre"])
 
 

@@ -91,15 +91,31 @@ def test_fingerprint_reference_and_heatmap(tmp_path, kimi):
 
 
 # -- readers -------------------------------------------------------------------------------------------
-def test_speculators_layout_declares_its_pre_norm_last_slot(tmp_path, kimi):
+def test_a_connector_stack_declares_nothing_it_does_not_record(tmp_path, kimi):
+    """hidden_states [T, n, H] + token_ids: vLLM's hidden-state connector and speculators' files.
+    Neither records the ids, so no slot is declared (the last is whatever the last id named);
+    --slots vllm:IDS labels them by vLLM's ids, ascending, as the connector stacks them."""
     _, ref, ref_file = kimi
-    hs = torch.stack([ref.states[p] for p in (layer_out(1), layer_out(29), layer_out(57), layer_out(60))], dim=1)
+    points = (layer_out(1), layer_out(29), layer_out(57), layer_out(60))
+    hs = torch.stack([ref.states[p] for p in points], dim=1)
     f = tmp_path / "hs_0.safetensors"
     save_file({"token_ids": ref.input_ids, "hidden_states": hs.contiguous()}, str(f))
     s = read_subject(f, num_layers=61)
-    assert s.layout == "speculators" and s.slots[-1][1] == layer_out(60)
+    assert s.layout == "vllm-connector" and [d for _, d, _ in s.slots] == [None] * 4
     r = json.loads(run("match", f, "--reference", ref_file, "--json").stdout)
-    assert r["slots"][-1]["matched"] == "layer_out[60]"  # pre-norm, as speculators says
+    assert [x["matched"] for x in r["slots"]] == [str(p) for p in points] and r["verdict"] == "identified"
+    spec = kimi_spec(tmp_path, ["layer_out[0]", "layer_out[29]", "layer_out[57]", "layer_out[60]"])
+    r = json.loads(run("verify", spec, "--subject", f, "--reference", ref_file, "--json", code=3).stdout)
+    assert [x["verdict"] for x in r["slots"]] == ["mismatch", "ok", "ok", "ok"]  # the spec, in the stack's order
+    r = json.loads(run("verify", spec, "--subject", f, "--reference", ref_file, "--slots", "vllm:2,30,58,61",
+                       "--json").stdout)  # the ids vLLM was given label the slots: id j = layer_out[j-1]
+    assert [x["declared"] for x in r["slots"]] == [str(p) for p in points]
+    r = json.loads(run("match", f, "--reference", ref_file, "--spec", spec, "--slots", "vllm:61,2,30,58",
+                       "--json").stdout)
+    assert [x["verdict"] for x in r["slots"]] == ["ok"] * 4  # the connector stacks ascending ids
+    run("match", f, "--reference", ref_file, "--spec", spec, "--slots", "vllm:2,30,58", code=2)
+    run("match", f, "--reference", ref_file, "--spec", spec, "--slots", "vllm:2,30,58,62", code=2)
+    run("match", f, "--reference", ref_file, "--slots", "trtllm:1,2,3", code=2)
 
 
 def test_plain_files_with_slots(tmp_path, kimi):
