@@ -343,8 +343,9 @@ def check_structure(st: Structure, spec) -> list[str]:
     if st.layout in ("specforge", "speculators", "surgeon") and len(st.names) != len(want):
         out.append(f"{len(st.names)} slots ({', '.join(st.names)}), the spec's dump slots are {len(want)} "
                    f"({', '.join(want)})")
-    if st.layout == "surgeon" and len(st.names) == len(want) and st.names != want:
-        out.append(f"slots named/ordered {st.names}, the spec's dump slots are {want}")
+    if st.layout == "surgeon" and len(st.names) == len(want) and sorted(st.names) != sorted(want):
+        # a dump's slots are read by their names (worker._declared): the order it stores them in is no fault
+        out.append(f"slots named {st.names}, the spec's dump slots are {want}")
     if st.hidden is not None and st.hidden != spec.hidden_size:
         out.append(f"hidden size {st.hidden}, the spec's target has {spec.hidden_size}")
     if len(set(st.dtypes)) > 1:
