@@ -9,6 +9,11 @@ the report says from which file on the stale check stopped), 24 bytes an entry i
 arrays (:class:`RowIndex`) and a list of the files' paths: the 1.6M rows of a 100k-sample set of
 4 slots peak at 59 MB, where a dict of tuples took 274 MB (tracemalloc, ``tests/audit/test_aggregate.py``'s
 rows; 44 us a file against 15 us, beside an audit's milliseconds a file).
+
+Per slot, the identity counts: the statistics' verdicts, exact identification's, and the files
+neither decided (``undecided``: most of a slot's files so is an undecided audit, exit 4). A file
+identified exactly after the statistics pass (:mod:`surgeon.audit.exact`) is folded in again with
+:meth:`Aggregate.add_exact`: the slots it decided, and its new findings in file order.
 """
 
 from __future__ import annotations
@@ -18,8 +23,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from surgeon.audit.exact import open_slots
+
 MAX_INDEX = 2_000_000
 MAX_LISTED = 1000
+VERDICTS = ("ok", "mismatch", "no_match", "unresolved", "not_run")  # the statistics' (surgeon.audit.profile)
+EXACT_VERDICTS = ("ok", "mismatch", "no_match", "undecided", "unlabelled")  # exact identification's
+OPEN_EXACT = ("undecided",)  # exact verdicts that leave a slot undecided
 
 
 @dataclass
@@ -36,10 +46,22 @@ class SlotAggregate:
     stat_m2: float = 0.0
     identity: Counter = field(default_factory=Counter)  # nearest point (or verdict) -> files
     verdicts: Counter = field(default_factory=Counter)
-    exact: Counter = field(default_factory=Counter)
+    exact: Counter = field(default_factory=Counter)  # matched point (or verdict) -> files identified exactly
+    exact_verdicts: Counter = field(default_factory=Counter)
+    open: int = 0  # files whose identity neither the statistics nor exact identification decided
 
-    def add(self, s: dict[str, Any]) -> None:
+    @property
+    def undecided(self) -> bool:
+        """Whether the identity of most of the slot's files is undecided."""
+        return self.open > 0 and 2 * self.open > self.files
+
+    def add(self, s: dict[str, Any], exact: dict[str, Any] | None = None, is_open: bool = False) -> None:
+        """Fold one file's slot: its values, its identity by the statistics, its exact
+        identification if it had one (``exact``), and whether the statistics left it undecided
+        (``is_open``: :func:`surgeon.audit.exact.open_slots`)."""
         self.files += 1
+        if is_open and (exact is None or exact["verdict"] in OPEN_EXACT):
+            self.open += 1
         if s.get("norm_mean") is not None:
             self.norm_n += 1
             self.norm_mean_sum += s["norm_mean"]
@@ -67,7 +89,8 @@ class SlotAggregate:
                 "log_norm_median_mean": self.stat_mean if n else None,
                 "log_norm_median_std": math.sqrt(self.stat_m2 / (n - 1)) if n > 1 else None,
                 "identity": dict(sorted(self.identity.items(), key=lambda kv: -kv[1])),
-                "verdicts": dict(self.verdicts), "exact": dict(self.exact)}
+                "verdicts": {**dict.fromkeys(VERDICTS, 0), **self.verdicts}, "exact": dict(self.exact),
+                "exact_verdicts": {**dict.fromkeys(EXACT_VERDICTS, 0), **self.exact_verdicts}, "undecided": self.open}
 
 
 class RowIndex:
@@ -135,6 +158,8 @@ class Aggregate:
         self.slots: dict[str, SlotAggregate] = {}
         self.layouts: Counter = Counter()
         self.exact_files = 0
+        self.exact_found = 0  # files identified exactly with a slot not its declared point
+        self._listed_at: list[int] = []  # the file number of each listed file
         self._index = RowIndex()
         self._paths: list[str] = []  # by file number: the files the index names
         self.index_full_at: str | None = None
@@ -171,18 +196,54 @@ class Aggregate:
         self.files += 1
         self.bytes += r.get("size", 0)
         self.layouts[r.get("layout") or "unreadable"] += 1
+        exact = {s["name"]: s for s in r.get("exact") or ()}
+        is_open = set(open_slots(r))
         for s in r["slots"]:
             key = s["name"]
             if key not in self.slots:
                 self.slots[key] = SlotAggregate(key, s.get("declared"))
-            self.slots[key].add(s)
+            self.slots[key].add(s, exact.get(key), key in is_open)
         if r.get("exact") is not None:
-            self.exact_files += 1
-            for s in r["exact"]:
-                if s["name"] in self.slots:
-                    self.slots[s["name"]].exact[s["matched"] or s["verdict"]] += 1
+            self._fold_exact(r)
         if r["findings"]:
             self.flagged += 1
             self.kinds.update({f["kind"] for f in r["findings"]})
             if len(self.listed) < MAX_LISTED:
                 self.listed.append({"path": r["path"], "findings": r["findings"]})
+                self._listed_at.append(self.files - 1)
+
+    def _fold_exact(self, r: dict[str, Any]) -> None:
+        self.exact_files += 1
+        for s in r["exact"]:
+            if s["name"] in self.slots:
+                self.slots[s["name"]].exact[s["matched"] or s["verdict"]] += 1
+                self.slots[s["name"]].exact_verdicts[s["verdict"]] += 1
+        if any(f["kind"] == "exact" for f in r["findings"]):
+            self.exact_found += 1
+
+    def add_exact(self, number: int, r: dict[str, Any], before: int) -> None:
+        """Fold the exact identification of file ``number`` (its result ``r``, added before, now
+        with ``r["exact"]`` and the findings past the first ``before`` that it added): the slots it
+        decided, and the file flagged, listed in file order, where it found something."""
+        import bisect
+
+        old, new = r["findings"][:before], r["findings"][before:]
+        if r.get("exact") is not None:
+            decided = {s["name"] for s in r["exact"] if s["verdict"] not in OPEN_EXACT}
+            for name in set(open_slots({**r, "findings": old})) & decided:
+                if name in self.slots:
+                    self.slots[name].open -= 1
+            self._fold_exact(r)
+        if not new:
+            return
+        self.kinds.update({f["kind"] for f in new} - {f["kind"] for f in old})
+        at = bisect.bisect_left(self._listed_at, number)
+        if at < len(self._listed_at) and self._listed_at[at] == number:
+            self.listed[at] = {"path": r["path"], "findings": r["findings"]}
+            return
+        if not old:
+            self.flagged += 1
+        if at < MAX_LISTED:
+            self.listed.insert(at, {"path": r["path"], "findings": r["findings"]})
+            self._listed_at.insert(at, number)
+            del self.listed[MAX_LISTED:], self._listed_at[MAX_LISTED:]

@@ -4,7 +4,11 @@ base64) and the outliers by file.
 * norm profile: the target's per-point identity statistic (median log per-token norm, with its
   tolerance band) in forward-pass order, and each slot's mean over the set (with its spread
   over files) drawn at its declared point: a slot off the curve at its point is visible at once;
-* identity histogram: per slot, how many files' slots sit nearest to each point.
+* identity histogram: per slot, how many files' slots sit nearest to each point (the :data:`BARS`
+  largest, "+N more" where there are more);
+
+and, before them, the verdict (undecided included: :mod:`surgeon.audit.summary`) and each slot's
+identity counts: the statistics' verdicts, exact identification's, the files neither decided.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import io
 from pathlib import Path
 from typing import Any
 
+from surgeon.audit.summary import counts, histogram
 from surgeon.core.errors import BadInput
+
+BARS = 8  # the identity histogram's bars per slot (the rest: "+N more")
 
 
 def _png(fig) -> str:
@@ -62,16 +69,34 @@ def _histogram_figure(j: dict[str, Any]):
     slots = j["slots"]
     fig, axes = plt.subplots(1, max(1, len(slots)), figsize=(3 * max(1, len(slots)), 3), squeeze=False)
     for ax, s in zip(axes[0], slots):
-        items = sorted(s["identity"].items(), key=lambda kv: -kv[1])[:8]
+        items, more = histogram(s, BARS)
         ax.bar(range(len(items)), [v for _, v in items],
                color=["tab:green" if k == s["declared"] else "tab:red" for k, _ in items])
         ax.set_xticks(range(len(items)))
         ax.set_xticklabels([k for k, _ in items], rotation=60, fontsize=7)
         ax.set_yscale("log")
-        ax.set_title(f"{s['name']} (declared {s['declared']})", fontsize=8)
+        ax.set_title(f"{s['name']} (declared {s['declared']})" + (f", +{more} more" if more else ""), fontsize=8)
     fig.suptitle("identity histogram: files per nearest point (green: the declared one)", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _slot_table(j: dict[str, Any]) -> str:
+    """Per slot: the identity verdicts of the statistics, exact identification's, the files neither
+    decided, and the histogram's points (all of them: the plot shows :data:`BARS`)."""
+    e = html.escape
+    head = "".join(f"<th>{h}</th>" for h in ("slot", "declared", "files", "ok", "mismatch", "no_match", "unresolved",
+                                             "not_run", "exact", "undecided", "identity (nearest point: files)"))
+    rows = []
+    for s in j["slots"]:
+        bars, more = histogram(s, BARS)
+        ident = ", ".join(f"{k}: {v}" for k, v in bars) + (f", +{more} more" if more else "")
+        exact = ", ".join(f"{k} {v}" for k, v in s["exact_verdicts"].items() if v) or "-"
+        cells = [s["name"], s["declared"] or "-", s["files"], *(s["verdicts"].get(v, 0) for v in
+                 ("ok", "mismatch", "no_match", "unresolved", "not_run")), exact, s["undecided"], ident]
+        style = ' style="background:#fff3c4"' if s["name"] in j["undecided"] else ""
+        rows.append(f"<tr{style} title=\"{e(counts(s))}\">" + "".join(f"<td>{e(str(c))}</td>" for c in cells) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def write_report(report: Any, path: str | Path) -> Path:
@@ -86,9 +111,14 @@ def write_report(report: Any, path: str | Path) -> Path:
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>surgeon audit {e(j['root'])}</title>
 <style>body{{font-family:sans-serif;margin:2em}}td{{vertical-align:top;padding:2px 8px;border-bottom:1px solid #ddd}}</style>
 </head><body><h1>surgeon audit: {e(j['root'])}</h1>
-<p><b>{'OK' if j['ok'] else 'FLAGGED'}</b>: {j['flagged']} of {j['files']} files flagged
+<p><b>{e(j['verdict'].upper())}</b>: {e(j['headline'].partition(': ')[2])}</p>
+<p>{j['flagged']} of {j['files']} files flagged
 ({e(', '.join(f'{k} {v}' for k, v in j['findings'].items())) or 'nothing'}); spec {e(j['spec'])};
 {j['files_per_s'] or '-'} files/s, {j['mb_per_s'] or '-'} MB/s.</p>
+<h2>Identity per slot</h2>{_slot_table(j)}
+<p>exact identification: {j['exact']['files']} files ({j['exact']['escalated']} of the {j['exact']['undecided_files']}
+the statistics left undecided, {j['exact']['spot_checked']} spot checks; {e(j['exact']['rule'])}), {j['exact']['found']}
+with a slot not its declared point.</p>
 <h2>Norm profile</h2><img alt="norm profile" src="data:image/png;base64,{_png(_profile_figure(j))}">
 <h2>Identity histogram</h2><img alt="identity histogram" src="data:image/png;base64,{_png(_histogram_figure(j))}">
 <h2>Outliers by file</h2><table>{rows or '<tr><td>none</td></tr>'}</table>

@@ -1,5 +1,8 @@
 """An audit of a whole training set: discover, audit each file (in this process, in local worker
-processes, or as Ray tasks), fold the results in file order, resume where a run stopped.
+processes, or as Ray tasks), fold the results in file order, resume where a run stopped; then
+identify exactly the files the statistics left undecided, within the budget
+(:mod:`surgeon.audit.exact`), and give the verdict: clean, flagged, or undecided
+(:mod:`surgeon.audit.summary`).
 
 Memory is bounded by the number of files in flight (``4 x workers`` batches), not the number of
 files: each worker holds one file's tensors at a time, the driver holds aggregates
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from surgeon.audit.aggregate import Aggregate
+from surgeon.audit.exact import PARAM_TOKENS, ExactRun, identify_exactly, open_slots, select
 from surgeon.audit.heap import settled, trim
 from surgeon.audit.profile import Profile
 from surgeon.audit.state import State
@@ -30,13 +34,12 @@ from surgeon.audit.worker import (
     ERROR,
     Context,
     batches,
-    exact_identify,
     file_key,
     init_worker,
     run_batch,
     run_batch_here,
 )
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import UNDECIDED, BadInput
 
 FAILING = ("identity", "exact")  # finding kinds that say a slot is not what the spec declares
 
@@ -58,32 +61,48 @@ class AuditReport:
     notes: list[str] = field(default_factory=list)
     report_path: str | None = None
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process (local runs), not in the JSON
+    exact: ExactRun | None = None
+
+    @property
+    def undecided(self) -> list[str]:
+        """The slots whose identity is undecided for most of their files (a structure pass judges
+        no identity: none)."""
+        return [] if self.structure_only else [s.name for s in self.agg.slots.values() if s.undecided]
 
     @property
     def ok(self) -> bool:
-        return self.agg.flagged == 0
+        """No finding, and every slot's identity decided for most of its files."""
+        return self.agg.flagged == 0 and not self.undecided
 
     @property
     def exit_code(self) -> int:
-        """0 clean, 3 findings, 1 where a file hit an error no check foresaw (an internal error:
-        the rest of the set audited and reported all the same)."""
-        return 1 if self.agg.kinds.get(ERROR) else 0 if self.ok else 3
+        """0 clean, 3 findings, 4 (:data:`~surgeon.core.errors.UNDECIDED`) no finding but a slot
+        whose identity is undecided for most files, 1 where a file hit an error no check foresaw
+        (an internal error: the rest of the set audited and reported all the same)."""
+        return 1 if self.agg.kinds.get(ERROR) else 3 if self.agg.flagged else UNDECIDED if self.undecided else 0
 
     def to_json(self) -> dict[str, Any]:
+        from surgeon.audit import summary
+
         a = self.agg
         rate = (self.files - self.resumed) / self.seconds if self.seconds > 0 else None
-        return {
-            "ok": self.ok, "root": self.root, "spec": self.spec, "files": self.files, "resumed": self.resumed,
+        exact = self.exact or ExactRun(self.exact_model, None)
+        j = {
+            "ok": self.ok, "verdict": "", "headline": "", "undecided": self.undecided,
+            "cannot_see": list(summary.CANNOT_SEE) if self.undecided else [],
+            "root": self.root, "spec": self.spec, "files": self.files, "resumed": self.resumed,
             "flagged": a.flagged, "findings": dict(sorted(a.kinds.items())), "layouts": dict(a.layouts),
             "seconds": round(self.seconds, 3), "bytes": self.bytes,
             "files_per_s": round(rate, 1) if rate is not None and math.isfinite(rate) else None,
             "mb_per_s": round(self.bytes / self.seconds / 1e6, 1) if self.seconds > 0 else None,
             "workers": self.workers, "backend": self.backend, "structure_only": self.structure_only,
             "slots": [s.to_json() for s in a.slots.values()],
-            "exact": {"model": self.exact_model, "files": a.exact_files},
+            "exact": exact.to_json(a.exact_files, a.exact_found),
             "profile": self.profile.to_json() if self.profile else None,
             "outliers": a.listed, "outliers_listed": len(a.listed), "notes": self.notes, "report": self.report_path,
         }
+        j["verdict"], j["headline"] = summary.verdict(j), summary.headline(j)
+        return j
 
 
 LOCAL_BATCH = 4  # files per task in a local pool: each task costs the driver ~1 ms (measured); fine grains balance the end
@@ -147,15 +166,6 @@ def _stop_workers(pool) -> None:
         proc.terminate()
 
 
-def _exact_picks(n: int, k: int) -> set[int]:
-    """``k`` evenly spaced file indices of ``n`` (the sample that gets exact identification; all of
-    them where there are no more)."""
-    m = min(k, n)
-    if m <= 0:
-        return set()
-    return {min(n - 1, (i * n) // m + (n // m) // 2) for i in range(m)}
-
-
 @dataclass
 class Plan:
     root: Path
@@ -167,7 +177,7 @@ class Plan:
     ray_address: str | None = None
     resume: bool = False
     structure_only: bool = False
-    exact_files: int = 4
+    exact_files: int | None = None  # the exact identification budget in files; None: automatic (surgeon.audit.exact)
     state_path: Path | None = None
     # (profile, exact model folder) as :func:`surgeon.audit.reference.build_profile` gave them for this
     # set and spec: not built again (a benchmark builds it once, before it empties the page cache)
@@ -225,14 +235,37 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         gc.collect()  # here, before the fork: no worker inherits the driver's garbage, or walks (and so copies) it
         trim()  # the profile's build left freed heap: forking workers would copy its page tables
     ctx = Context(str(Path(plan.spec_path).resolve()), profile, exact_model, plan.structure_only)
-    picks = _exact_picks(len(paths), plan.exact_files if exact_model else 0)
+    exact = ExactRun(exact_model, plan.exact_files if exact_model else 0)
     state = State(state_path, {"spec_sha256": spec.sha256, "profile": profile.digest() if profile else None,
                                "prompt_files": [os.path.relpath(f, root) for f in profile.files] if profile else [],
-                               "exact_model": exact_model,
-                               "exact_files": len(picks), "structure_only": plan.structure_only}, plan.resume)
+                               "exact_model": exact_model, "exact_files": "auto" if exact.budget is None else exact.budget,
+                               "exact_budget": PARAM_TOKENS if exact.budget is None else None,
+                               "structure_only": plan.structure_only}, plan.resume)
     cpu: dict[str, float] = {}
     run, backend = _executor(plan, ctx, workers, cpu)
-    agg, resumed, started = Aggregate(), 0, time.perf_counter()
+    agg, started = Aggregate(), time.perf_counter()
+    try:
+        resumed, undecided = _stream(plan, ctx, state, run, paths, agg, notes, update)
+        # exact identification: the driver alone (one copy of the target), after the statistics told
+        # which files they leave undecided
+        select(exact, len(paths), undecided)
+        n = len(paths)  # the bar goes on past the set's files, one step per file identified exactly
+        identify_exactly(exact, ctx, state, agg, paths, lambda k, total: update(n + k, n + total))
+    finally:
+        state.close()
+    _notes(notes, agg, plan, profile, exact)
+    return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,
+                       workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu, exact=exact)
+
+
+def _stream(plan: Plan, ctx: Context, state: State, run: Callable[[list[str]], Iterator[dict[str, Any]]],
+            paths: list[str], agg: Aggregate, notes: list[str],
+            update: Callable[[int, int], None]) -> tuple[int, list[tuple[int, int]]]:
+    """Every file's result folded into ``agg`` in file order, from the state where it is recorded
+    and unchanged (``--resume``), else from ``run``; each fresh one recorded. Returns how many came
+    from the state, and the (index, tokens) of the files whose identity the statistics left
+    undecided (:func:`surgeon.audit.exact.open_slots`), where exact identification can run."""
+    resumed, undecided = 0, []
     fresh: Any = None
     try:
         done = [plan.resume and _recorded(state, p, read=False) is not None for p in paths]
@@ -245,28 +278,26 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
             if r is not None:
                 resumed += 1
                 # the stale check is the driver's, in this run's file order: redone from the recorded row
-                # hashes (an earlier file may have changed or gone since), no file read
-                r["findings"] = [f for f in r["findings"] if f["kind"] != "stale"]
+                # hashes (an earlier file may have changed or gone since), no file read; exact
+                # identification's findings after it, as in a fresh run
+                last = [f for f in r["findings"] if f["kind"] == "exact"]
+                r["findings"] = [f for f in r["findings"] if f["kind"] not in ("stale", "exact")]
                 agg.stale_check(r)
+                r["findings"] += last
             else:  # a file done at the start but changed since is audited here, in its turn
                 r = next(fresh) if not done[i] else run_batch(ctx, [p])[0]
-                if i in picks:
-                    exact_identify(ctx, r)  # here, not in a worker: one copy of the target model
                 agg.stale_check(r)
                 # an error no check foresaw, or a read the system failed: not done, --resume audits it again
                 if not r.get("transient") and not any(f["kind"] == ERROR for f in r["findings"]):
                     state.record(r)
             agg.add(r)
+            if ctx.exact_model and open_slots(r):
+                undecided.append((i, int(r.get("tokens") or 0)))
             update(i + 1, len(paths))
         next(fresh, None)  # runs the executor to its end: the pool closed, the CPU times taken
     finally:
-        try:
-            getattr(fresh, "close", lambda: None)()  # an error mid-run: the executor's own finally now (pool, freeze)
-        finally:
-            state.close()
-    _notes(notes, agg, plan, profile, exact_model)
-    return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,
-                       workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu)
+        getattr(fresh, "close", lambda: None)()  # an error mid-run: the executor's own finally now (pool, freeze)
+    return resumed, undecided
 
 
 def _recorded_prompts(state_path: Path, root: Path, paths: list[str]) -> list[str]:
@@ -293,7 +324,7 @@ def _recorded(state: State, path: str, read: bool = True) -> dict[str, Any] | No
     return state.done(key, read=read)
 
 
-def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model) -> None:
+def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact: ExactRun) -> None:
     if agg.kinds.get(ERROR):
         notes.append(f"{agg.kinds[ERROR]} file(s) not audited: an error no check foresaw (a surgeon bug: please report "
                      "it); they are not recorded as done, so --resume audits them again")
@@ -303,12 +334,8 @@ def _notes(notes: list[str], agg: Aggregate, plan: Plan, profile, exact_model) -
         notes.append("identity not checked: no --reference to build the target's per-point profile from")
     else:
         notes.append(profile.describe())
-    if not plan.structure_only and exact_model is None:
-        notes.append("exact identification not run: it needs --reference hf:MODEL to run the target on each "
-                     "sampled file's own tokens")
-    elif exact_model is not None:
-        notes.append(f"exact identification on {agg.exact_files} evenly spaced files, each against {exact_model} run "
-                     "on its own tokens")
+    if not plan.structure_only:
+        notes.append(exact.describe(agg.exact_files, agg.exact_found))
     if agg.index_full_at:
         notes.append(f"the cross-file stale check indexed rows up to {agg.index_full_at}; later files were checked "
                      "against those only")

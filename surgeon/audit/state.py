@@ -3,9 +3,11 @@
 file finishes, so a run killed at any point leaves every finished file recorded.
 
 A file is *done* when its path, size and mtime (ns) equal the recorded ones; a file changed since
-is audited again. The header records what the results depend on (the spec's sha256, the profile,
-the mode): a state written under anything else is refused (exit 2), not silently mixed in. Only
-each file's key and byte offset are held in memory; a result is read back when its turn comes.
+is audited again. A file recorded twice (its exact identification, run after the statistics pass
+of the whole set, :mod:`surgeon.audit.exact`) is what its later record says. The header records
+what the results depend on (the spec's sha256, the profile, the mode, the exact identification
+budget): a state written under anything else is refused (exit 2), not silently mixed in. Only each
+file's key and byte offset are held in memory; a result is read back when its turn comes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import IO, Any
 
 from surgeon.core.errors import BadInput
 
-VERSION = 3  # 2: row hashes of a 64-column block, identity on several statistics; 3: the profile's files
+# 2: row hashes of a 64-column block, identity on several statistics; 3: the profile's files; 4: the exact
+# identification budget (a file's later record, with its exact identification, supersedes the first)
+VERSION = 4
 
 
 def _is_record(r: Any) -> bool:
@@ -122,7 +126,13 @@ class State:
         return len(self._done)
 
     def record(self, result: dict[str, Any]) -> None:
+        """Append a file's result (a file recorded again: the later record is the one :meth:`done` reads)."""
+        import os
+
+        self._out.flush()
+        offset = os.fstat(self._out.fileno()).st_size  # appended: the record starts at the file's end
         self._write(result)
+        self._done[result["path"]] = (result["size"], result["mtime_ns"], offset)
 
     def _write(self, obj: dict[str, Any]) -> None:
         self._out.write(json.dumps(obj, separators=(",", ":")) + "\n")

@@ -83,13 +83,14 @@ def _points(layout: str, fault: str | None, L: int) -> list[Point]:
     return [*aux, last]
 
 
-def _assign_faults(n: int, lengths: list[int], count: int, rng: random.Random) -> tuple[dict[int, str], dict[int, int]]:
+def _assign_faults(n: int, lengths: list[int], count: int, rng: random.Random,
+                   kinds: tuple[str, ...] = FAULTS) -> tuple[dict[int, str], dict[int, int]]:
     """file index -> fault, and for each stale file the index of its (earlier, same-length) source."""
     faulty: dict[int, str] = {}
     sources: dict[int, int] = {}
     pool = list(range(n // 4, n))
     rng.shuffle(pool)
-    for kind in FAULTS:
+    for kind in kinds:
         for _ in range(count):
             while pool:
                 i = pool.pop()
@@ -133,11 +134,15 @@ def _load(model_dir: Path):
 
 def make_synthetic_set(out_dir: str | Path, model_dir: str | Path, *, files: int = 1000, layout: str = "specforge",
                        count: int = 2, seed: int = 0, dtype: str = "bfloat16",
-                       lengths: tuple[int, ...] = LENGTHS) -> SyntheticSet:
+                       lengths: tuple[int, ...] = LENGTHS, kinds: tuple[str, ...] = FAULTS) -> SyntheticSet:
     """Write ``files`` samples of ``model_dir``'s hidden states under ``out_dir/set`` and their spec
-    as ``out_dir/spec.yaml``; ``count`` files of each of :data:`FAULTS`. Streamed: a batch of
-    samples is written before the next is run (only the sources of stale copies are kept)."""
+    as ``out_dir/spec.yaml``; ``count`` files of each of ``kinds`` (of :data:`FAULTS`). Streamed: a
+    batch of samples is written before the next is run (only the sources of stale copies are kept)."""
     import torch
+
+    unknown = sorted(set(kinds) - set(FAULTS))
+    if unknown:
+        raise ValueError(f"unknown fault kinds {unknown}: one of {', '.join(FAULTS)}")
 
     out = Path(out_dir)
     root = out / "set"
@@ -149,7 +154,7 @@ def make_synthetic_set(out_dir: str | Path, model_dir: str | Path, *, files: int
     rng = random.Random(seed)
     choices = lengths
     sizes = [rng.choice(choices) for _ in range(files)]
-    faulty, sources = _assign_faults(files, sizes, count, rng)
+    faulty, sources = _assign_faults(files, sizes, count, rng, kinds)
     g = torch.Generator().manual_seed(seed)
     ids = [torch.cat([torch.tensor([BOS]), torch.randint(2, model.config.vocab_size, (t - 1,), generator=g)])
            for t in sizes]

@@ -5,8 +5,9 @@ JSON-serialisable dict (what the resume state stores and what crosses a process 
 boundary): the file's identity (path, size, mtime), its structure, each slot's values and
 identity, its findings, and the sampled row hashes the driver's cross-file stale check needs.
 A file the gate or a reader refuses becomes a finding (``unreadable``), not an exception.
-:func:`exact_identify` adds exact identification to a sampled file's result; the driver runs it,
-so the target model is loaded by one process, never by every worker at once.
+:func:`exact_identify` adds exact identification to a file's result (the files
+:mod:`surgeon.audit.exact` selects); the driver runs it, so the target model is loaded by one
+process, never by every worker at once.
 """
 
 from __future__ import annotations
@@ -263,7 +264,9 @@ def _exact_part(ctx: Context, path: str, out: dict[str, Any]) -> None:
     out["exact"] = [{"name": s.name, "declared": None if s.declared is None else str(s.declared),
                      "matched": None if s.matched is None else str(s.matched), "verdict": s.verdict}
                     for s in res.report.slots]
-    wrong = [s for s in out["exact"] if s["verdict"] != "ok"]
+    # "undecided": the slot fits several points about equally on its own tokens, its declared one
+    # among them: no finding (the slot stays undecided)
+    wrong = [s for s in out["exact"] if s["verdict"] not in ("ok", "undecided")]
     for s in wrong:
         out["findings"].append(_finding("exact", s["name"], f"declared {s['declared']}, identified on its own "
                                                             f"tokens as {s['matched'] or 'no point'} ({s['verdict']})"))

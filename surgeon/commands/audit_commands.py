@@ -20,12 +20,14 @@ def _writable_folder(path: str) -> None:
 
 
 def audit(*, root: str, spec: str, ref: str | None = None, workers: int | None = None, ray: str | None = None,
-          resume: bool = False, report: str | None = None, structure_only: bool = False, exact: int = 4,
+          resume: bool = False, report: str | None = None, structure_only: bool = False, exact: int | None = None,
           state: str | None = None, progress: Progress = QUIET) -> Any:
     """Check every file under ``root`` against ``spec``: structure, values and the identity of each
     slot (an AuditReport; exit 3 when any file holds a slot that is not what the spec declares or
-    holds bad values). ``ref``: ``hf:MODEL``, a reference file, a sweep dump or a fingerprint, for
-    the identity profile (``hf:`` also runs exact identification on ``exact`` sampled files)."""
+    holds bad values, 4 when none does but the identity of most files of a slot is undecided).
+    ``ref``: ``hf:MODEL``, a reference file, a sweep dump or a fingerprint, for the identity profile
+    (``hf:`` also runs exact identification: on at most ``exact`` files, the ones the statistics
+    leave undecided first; None: the automatic budget of :mod:`surgeon.audit.exact`)."""
     from surgeon.core.optional import require
 
     if report:

@@ -46,3 +46,22 @@ def speculators_set(tmp_path_factory, tiny_target):
 def dump_set(tmp_path_factory, tiny_target):
     return make_synthetic_set(tmp_path_factory.mktemp("dumps"), tiny_target, files=60, layout="surgeon",
                               count=1, seed=3)
+
+
+@pytest.fixture(scope="session")
+def flat_target(tmp_path_factory):
+    """The same Llama with residual branches scaled to a ~2% adjacent-layer gap (GAP_SCALES): its
+    points' norm statistics do not separate, so the identity statistics leave every aux slot
+    "unresolved" and only exact identification can tell its layers apart."""
+    from surgeon.run.tinymodels import GAP_SCALES
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("flat"), num_layers=8, hidden_size=128, seed=0,
+                           residual_scale=GAP_SCALES["llama"])
+
+
+@pytest.fixture(scope="session")
+def flat_set(tmp_path_factory, flat_target):
+    """40 speculators samples of the flat target, 2 with labels shifted by a slot and 2 off by one layer
+    (faults only the identity pass can see)."""
+    return make_synthetic_set(tmp_path_factory.mktemp("flat-set"), flat_target, files=40, layout="speculators",
+                              count=2, seed=4, kinds=("shifted", "off_by_one"))

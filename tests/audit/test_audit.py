@@ -36,7 +36,8 @@ def assert_faults_exactly(report, synthetic) -> None:
     assert not report.ok and report.exit_code == 3
     if report.profile is not None:  # every slot of every file resolved to one point: none "unresolved"
         verdicts = {s["name"]: s["verdicts"] for s in report.to_json()["slots"]}
-        assert not any("unresolved" in v for v in verdicts.values()), verdicts
+        assert not any(v["unresolved"] for v in verdicts.values()), verdicts
+        assert not report.undecided  # and so no slot is undecided
 
 
 def stable(report) -> dict:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from surgeon.audit.pipeline import Plan, _exact_picks, run_audit
+from surgeon.audit.exact import exact_picks as _exact_picks
+from surgeon.audit.pipeline import Plan, run_audit
 from surgeon.cli import main
 from surgeon.core.errors import BadInput
 
