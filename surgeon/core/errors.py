@@ -49,9 +49,11 @@ class ReadFailure(BadInput):
 
 
 class Unverified(BadInput):
-    """An engine's answer rests on code the probe did not read (which class runs on a platform, a
-    capture site outside the files followed): render refuses it (exit 2), lint warns, and
-    ``lint --strict`` makes it an error."""
+    """An engine's answer rests on code the probe did not read where it decides the answer (which
+    class runs on a platform, the runner's path to a DFlash setter): render refuses it (exit 2), and
+    so does lint (an error for that engine, exit 2). An answer render still gives, marked
+    ``verified: false`` (a capture site outside the files followed), is a warning in lint and an
+    error under ``lint --strict``."""
 
 
 class Mismatch(SurgeonError):

@@ -209,7 +209,10 @@ def _modelopt_trt_to_id(point: Point, num_layers: int) -> int:
     if point.kind == "final_norm":
         raise NotExpressible("modelopt-trtllm", "--aux-layers takes 0 <= i < L; the post-norm state is the "
                              "dump's hidden_states (TRT-LLM's -1, added by SaveHiddenStatesDecodingConfig)", point)
-    return _trtllm_to_id(point, num_layers)
+    try:
+        return _trtllm_to_id(point, num_layers)
+    except NotExpressible as e:  # the same rule, named as the convention the user reads
+        raise NotExpressible("modelopt-trtllm", e.reason, point) from None
 
 
 MODELOPT_TRTLLM = PointwiseConvention(

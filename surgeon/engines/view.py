@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from surgeon.core.conventions import EngineConvention, builtin_convention
+from surgeon.core.conventions import BUILTIN, BUILTIN_READ_FROM, ENGINE_INSTALL, EngineConvention, builtin_class
 from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.idrules import ClassConvention, EngineProbe
 from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine  # light: no libcst until a probe runs
@@ -61,7 +61,7 @@ class EngineView:
     @property
     def origin(self) -> str:
         if self.probe is None:
-            return f"{self.engine} not installed: built-in table ({builtin_convention(self.engine, None).reason})"
+            return f"{self.engine} not installed: built-in table read from {BUILTIN_READ_FROM[self.engine]}"
         where = f"probe of {self.engine} {self.probe.version} at {self.probe.root}, platform {self.probe.platform}"
         return where + self._cpu_hint()
 
@@ -83,9 +83,10 @@ class EngineView:
 
     def class_convention(self, model_class: str | None) -> ClassConvention:
         """The probed convention of ``model_class`` (BadInput when the installed engine has no such
-        class, or cannot say what its ids mean). Without a probe: the built-in table."""
+        class, or cannot say what its ids mean). Without a probe: the built-in table's row of that
+        class, and BadInput for a class the table has no row of (never another class's row)."""
         if self.probe is None:
-            return builtin_convention(self.engine, model_class)
+            return self._builtin_class(model_class)
         if model_class is None:
             raise BadInput(
                 f"{self.engine}: name the model class "
@@ -120,10 +121,31 @@ class EngineView:
             raise BadInput(f"{self.engine} {self.probe.version} {model_class} ({cc.path}:{cc.line}): {what}: {cc.reason}")
         return cc
 
+    def _builtin_class(self, model_class: str | None) -> ClassConvention:
+        """The built-in row of ``model_class``; BadInput saying how to read the engine's source where
+        the table has none (advice that works from a wheel: the engine's own PyPI package)."""
+        found = builtin_class(self.engine, model_class) if model_class else None
+        if found is not None:
+            return found
+        known = sorted(c for e, c in BUILTIN if e == self.engine)
+        what = f"no row for {model_class}" if model_class else "no row for an unnamed model class"
+        hint = difflib.get_close_matches(model_class or "", known, n=1)
+        raise BadInput(
+            f"{self.engine} is not installed here, and surgeon's built-in table (read from "
+            f"{BUILTIN_READ_FROM[self.engine]}) has {what}"
+            + (f" (did you mean {hint[0]}?)" if hint else f" (it has {', '.join(known)})")
+            + f": install the engine's source for surgeon to read, never import ({ENGINE_INSTALL[self.engine]}), "
+            f"or pass --engine-root DIR"
+        )
+
     def convention(self, model_class: str | None) -> EngineConvention:
         note = self.dispatch_note(model_class)
         origin = f"{self.origin}; {note}" if note else self.origin
-        return EngineConvention(self.class_convention(model_class), origin)
+        cc = self.class_convention(model_class)
+        if self.probe is None:  # name the row actually used, at its file:line in the release it was read from
+            origin = f"{self.engine} not installed: built-in table, {cc.path}:{cc.line} {cc.class_name} " \
+                     f"as read in {BUILTIN_READ_FROM[self.engine]}"
+        return EngineConvention(cc, origin)
 
 
 def _signature(location: EngineLocation) -> tuple:

@@ -86,7 +86,8 @@ def _wrong_spec_text(text: str) -> str:
     before = "  low: layer_out[1]\n  mid: layer_out[3]\n  high: layer_out[5]\n"
     after = "  low: embed\n  mid: layer_out[1]\n  high: layer_out[3]\n"
     if before not in text:
-        raise BadInput(f"{DEMO_SPEC_NAME}: the demo spec's captures changed; update surgeon/demo.py with them")
+        raise BadInput(f"{DEMO_SPEC_NAME}: the demo spec's captures changed; update _wrong_spec_text in "
+                       "surgeon/run/demo.py with them")
     return (text.replace(before, after).replace("name: demo-tiny-llama-eagle3", "name: demo-tiny-llama-eagle3-miswired")
             .replace("dumps: {layout: specforge, ", "dumps: {").split("engines:")[0])
 

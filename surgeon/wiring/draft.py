@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
-from surgeon.core.conventions import EAGLE, EngineConvention, InvalidId
+from surgeon.core.conventions import EAGLE, ENGINE_INSTALL, EngineConvention, InvalidId
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS, Spec, read_regular_file
 from surgeon.engines.dflash_trainers import SPECFORGE as SPECFORGE_DFLASH
@@ -396,17 +396,19 @@ def _dflash_captures(spec: Spec, engine: str, cfg: Path, data: dict, found: dict
     ids, key = _dflash_ids(engine, cfg, data, found, runner)
     findings += _dflash_ignored(engine, found, loc)
     who = "SGLang" if engine == "sglang" else f"SpecForge (through SGLang's {DFLASH_SETTER})"
+    stated = f"{key} = {ids}" if key is not None and ids is not None else "this config (no ids)" if ids is None \
+        else f"this config's ids {ids}"
     if loc is None:
         findings.append(Finding("warning", "unverified", f"SGLang is not installed here: what {who} captures for "
-                                f"{key or 'this config'} = {ids} was not verified (its DFlash ids are read from SGLang's "
-                                "source only; install it or pass --engine-root)"))
+                                f"{stated} was not verified (its DFlash ids are read from SGLang's source only: "
+                                f"{ENGINE_INSTALL['sglang']}, or pass --engine-root)"))
         return ids, key, [], "SGLang not installed: not read", cls
     cc = classify_dflash(loc.root, cls)
     if cc is None or cc.status != "classified":
         why = (f"has no class {cls!r} with {DFLASH_SETTER}" if cc is None else
                f"{cc.class_name} (sglang/{cc.path}:{cc.line}): the probe cannot tell what its DFlash ids mean: {cc.reason}")
         findings.append(Finding("warning", "unverified", f"sglang {view.version} {why}: what {who} captures for "
-                                f"{key or 'this config'} = {ids} was not verified"))
+                                f"{stated} was not verified"))
         return ids, key, [], view.origin, cls
     conv = EngineConvention(cc, f"{view.origin}; {DFLASH_SETTER}")
     stop = (_specforge_dflash_lines(ids, findings, spec.num_layers) if runner is None

@@ -1,5 +1,12 @@
 """`surgeon lint`: a spec is well formed, and each engine it targets can feed the draft's fc
-exactly what it declares (expressible, in an order the engine keeps), per the installed source."""
+exactly what it declares (expressible, in an order the engine keeps), per the installed source.
+
+Lint is at least as strict as ``render``: whatever render refuses for an engine (a class the engine,
+or without it the built-in table, does not have; an answer :class:`~surgeon.core.errors.Unverified`
+where it decides which class runs; a point it cannot capture; a runner that ignores the ids; a
+declared norm flag it would serve the draft without) is an error for that engine, whether or not the
+engine was asked for. ``strict`` adds the answers render gives but marks unverified (a capture site
+not read to the end, a runner's device graphs, a pipeline not checked) and MTP answers not decided."""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from surgeon.core.conventions import NotExpressible
-from surgeon.core.errors import BadInput, Unverified
+from surgeon.core.errors import BadInput
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
 from surgeon.engines.modelopt import open_modelopt
@@ -41,7 +48,7 @@ class LintResult:
 
 def engines_to_check(spec: Spec, requested: Sequence[str]) -> tuple[list[str], bool]:
     """(engines, explicit): what the user asked for, else what the spec pins, else every serving
-    engine (then a class the engine lacks is a warning, not an error)."""
+    engine (then an engine without an MTP head for the target is a warning, not an error)."""
     if requested:
         return list(requested), True
     declared = [e for e in SERVING_ENGINES if spec.pin(e) is not None]
@@ -52,8 +59,9 @@ def engines_to_check(spec: Spec, requested: Sequence[str]) -> tuple[list[str], b
 
 def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str | None] | None = None,
               strict: bool = False, pp: int | None = None, tp: int = 1) -> LintResult:
-    """``strict``: an unverified engine answer (one resting on code the probe did not read) is an
-    error, not a warning (so ``surgeon lint --strict`` exits 2 on it). ``pp``: also check which
+    """``strict``: an engine answer render gives but marks unverified (one resting on code the probe
+    did not read) is an error, not a warning (so ``surgeon lint --strict`` exits 2 on it); what render
+    refuses is an error either way. ``pp``: also check which
     pipeline stage captures each fc point and whether it reaches the draft
     (:mod:`surgeon.wiring.pipeline`)."""
     roots = roots or {}
@@ -71,7 +79,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         return result
     for engine in targets:
         if kind == "dflash" and engine == "sglang":
-            _lint_sglang_dflash(spec, roots.get(engine), result, strict=strict, explicit=explicit, pp=pp)
+            _lint_sglang_dflash(spec, roots.get(engine), result, strict=strict, pp=pp)
             continue
         view = open_engine(engine, roots.get(engine))
         pin_issues, pin_checked = check_pins(spec, engine, view)
@@ -80,9 +88,10 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         cls = model_class_for(spec, engine)
         try:
             conv = view.convention(cls)
-        except BadInput as e:  # unverified (which class runs was not read to the end): like every unverified answer
-            severe = strict if isinstance(e, Unverified) else explicit
-            result.issues.append(spec.issue(("target", "architecture"), str(e), severity="error" if severe else "warning"))
+        except BadInput as e:  # render refuses this engine (no such class, unverified dispatch): so does lint
+            scope = "" if explicit else (" (every serving engine is checked unless the spec pins some under "
+                                         "engines: or --engine names them)")
+            result.issues.append(spec.issue(("target", "architecture"), f"{e}{scope}"))
             continue
         result.checked.append(f"{engine}: {conv.name} via {conv.origin}")
         positions = [p.position for p in spec.fc_points if p.position is not None]
@@ -110,6 +119,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
         elif pp is not None:
             _lint_pipeline(spec, engine, view, conv.cc, result, pp=pp, tp=tp, strict=strict)
         _lint_runner(spec, engine, view, conv.cc, ids, result, strict=strict)
+        _lint_norms(spec, engine, roots.get(engine), result)
         for b in conv.cc.bypasses:
             result.issues.append(spec.issue(
                 fc_path,
@@ -135,6 +145,22 @@ def _lint_runner(spec: Spec, engine: str, view: EngineView, cc: ClassConvention,
         result.issues.append(spec.issue(fc_path, f"{engine}: {hazard}", severity="error" if strict else "warning"))
 
 
+def _lint_norms(spec: Spec, engine: str, root: str | None, result: LintResult) -> None:
+    """The draft's declared norm flags as ``render`` reads them for ``engine``
+    (:func:`surgeon.wiring.norms.render_lines`): a flag the engine would build the draft without,
+    which render refuses, is an error here too; the other lines are what was checked."""
+    draft = spec.model.draft
+    if draft is None or draft.norms is None:
+        return
+    from surgeon.wiring.norms import render_lines  # reads the engine's draft model (libcst): only for declared flags
+
+    for line in render_lines(spec, engine, root):
+        if "NOT SERVED" in line or "NOT TRAINED" in line:
+            result.issues.append(spec.issue(("draft", "norms"), line))
+        else:
+            result.checked.append(line if line.startswith(f"{engine}:") else f"{engine}: {line}")
+
+
 def _lint_pipeline(spec: Spec, engine: str, view: EngineView, cc: ClassConvention, result: LintResult, *,
                    pp: int, tp: int, strict: bool) -> None:
     from surgeon.wiring.pipeline import lint_pipeline
@@ -150,14 +176,13 @@ def _lint_pipeline(spec: Spec, engine: str, view: EngineView, cc: ClassConventio
         result.pipeline.append(answer)
 
 
-def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, strict: bool, explicit: bool,
-                        pp: int | None) -> None:
+def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, strict: bool, pp: int | None) -> None:
     """SGLang DFlash: the class's ``set_dflash_layers_to_capture`` and the runner's path to it, read
     from the installed source (:func:`surgeon.wiring.render.sglang_dflash`), graded like the EAGLE-3
-    path: what SGLang cannot serve is an error; an unverified runner or capture site is a warning (an
-    error under ``strict``); a class or engine that is missing is an error when the engine was asked
-    for, else a warning. The spec's ``engines.sglang`` pins are checked as for EAGLE-3."""
-    from surgeon.wiring.render import DFlashRefused, sglang_dflash
+    path: whatever render refuses (SGLang or the class missing, a runner not read to the end, what
+    SGLang cannot serve) is an error; a capture site render marks unverified is a warning (an error
+    under ``strict``). The spec's ``engines.sglang`` pins are checked as for EAGLE-3."""
+    from surgeon.wiring.render import sglang_dflash
 
     fc_path = ("draft", "fc_input")
     view = open_engine("sglang", root)
@@ -168,10 +193,8 @@ def _lint_sglang_dflash(spec: Spec, root: str | None, result: LintResult, *, str
         result.checked.append(f"sglang: pp {pp}: not checked for a dflash draft (only eagle3 captures are read)")
     try:
         ans = sglang_dflash(spec, root)
-    except BadInput as e:
-        severe = True if isinstance(e, DFlashRefused) else strict if isinstance(e, Unverified) else explicit
-        result.issues.append(spec.issue(fc_path, f"sglang: DFlash: {str(e).removeprefix(spec.file + ': ')}",
-                                        severity="error" if severe else "warning"))
+    except BadInput as e:  # whatever render refuses (SGLang or the class missing, an unverified runner) is an error
+        result.issues.append(spec.issue(fc_path, f"sglang: DFlash: {str(e).removeprefix(spec.file + ': ')}"))
         return
     if ans.unverified is not None:
         result.issues.append(spec.issue(fc_path, f"sglang: DFlash unverified: {ans.unverified}",

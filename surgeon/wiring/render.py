@@ -8,10 +8,20 @@ captures exactly the spec's points, in fc order, or rendering refuses with the r
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
-from surgeon.core.conventions import DUMP_LAYOUTS, EAGLE, HF, EngineConvention, NotExpressible
+from surgeon.core.conventions import (
+    DUMP_LAYOUTS,
+    EAGLE,
+    ENGINE_INSTALL,
+    HF,
+    POINTWISE,
+    EngineConvention,
+    NotExpressible,
+    PointwiseConvention,
+)
 from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
@@ -23,23 +33,30 @@ from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import explain_field
 from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.norms import render_lines
-from surgeon.wiring.render_field import FIELD_TARGETS, TableAnswer, render_field, specforge_dflash, speculators_dflash
+from surgeon.wiring.render_field import (
+    FIELD_TARGETS,
+    Refused,
+    TableAnswer,
+    check_speculators_dflash,
+    render_field,
+    specforge_dflash,
+    speculators_dflash,
+)
 from surgeon.wiring.runnercheck import runner_notes, runner_refusal
-
-RENDER_TARGETS = ("sglang", "vllm", "specforge", "speculators", *FIELD_TARGETS)
-# The serving engine whose source decides a target's ids (None: a cited table or convention).
-ENGINE_FOR = {"sglang": "sglang", "vllm": "vllm", "speculators": "vllm", "modelopt-vllm": "vllm"}
 
 
 @dataclass
 class IdList:
-    """One convention's ids for the fc list, or why there are none."""
+    """One convention's ids for the fc list, or why there are none (``error``, the reason alone,
+    and ``kind``: ``not_expressible`` where the convention cannot name the points, ``refused`` where
+    the target cannot serve them or cannot be read here)."""
 
     convention: str
     origin: str
     ids: list[int] | None
     error: str | None = None
     captures: list[str] = field(default_factory=list)  # what the ids capture, replayed
+    kind: Literal["not_expressible", "refused"] | None = None
 
     @property
     def ok(self) -> bool:
@@ -50,37 +67,119 @@ def _engine_ids(conv: EngineConvention, points: Sequence[Point], num_layers: int
     try:
         ids = conv.encode(points, num_layers)
     except NotExpressible as e:
-        return IdList(conv.name, conv.origin, None, str(e))
+        return IdList(conv.name, conv.origin, None, str(e), kind="not_expressible")
     replay = conv.decode(ids, num_layers)
     return IdList(conv.name, conv.origin, ids, None, [str(p) for p in replay])
+
+
+def pointwise_ids(conv: PointwiseConvention, points: Sequence[Point], num_layers: int) -> IdList:
+    """A point-wise convention's ids for ``points`` (HF, EAGLE), or why none."""
+    try:
+        ids = conv.encode(points, num_layers)
+    except NotExpressible as e:
+        return IdList(conv.name, conv.source, None, str(e), kind="not_expressible")
+    return IdList(conv.name, conv.source, ids, None, [str(p) for p in conv.decode(ids, num_layers)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The render targets: one entry each in TARGETS (at the end of this module, after their functions)
+# ---------------------------------------------------------------------------------------------
+# (spec, target, engine_root, model_class, view) -> the ids; BadInput where the target gives none
+# for a reason other than a point its convention cannot name (that is an IdList with an error).
+IdsFn = Callable[[Spec, str, Any, "str | None", "EngineView | None"], IdList]
+RenderFn = Callable[[Spec, str, Any, "str | None"], "Rendering"]
+
+
+@dataclass(frozen=True)
+class RenderTarget:
+    """One target of ``surgeon render --engine``: the serving engine whose source decides its ids
+    (None: a convention or a cited table), its fc-ids function and its renderer."""
+
+    name: str
+    engine: str | None
+    ids: IdsFn
+    render: RenderFn
+
+
+def _dflash_on_sglang(spec: Spec, target: str) -> bool:
+    """SGLang's DFlash path decides the ids (SpecForge captures through SGLang's DFlash setter)."""
+    return _kind(spec) == "dflash" and target in ("sglang", "specforge")
+
+
+def _served_ids(spec: Spec, target: str, engine_root, model_class: str | None, view: EngineView | None) -> IdList:
+    """sglang, vllm, speculators (vLLM's aux capture), specforge: the probed class's setter, SGLang's
+    DFlash setter, or the EAGLE config convention."""
+    if _dflash_on_sglang(spec, target):
+        ans = sglang_dflash(spec, engine_root, model_class, target)
+        return IdList(ans.conv.name, ans.conv.origin, ans.ids, None, ans.captures)
+    engine = ENGINE_FOR.get(target)
+    if engine is None:  # specforge: its EAGLE config ids
+        return pointwise_ids(EAGLE, spec.fc_points, spec.num_layers)
+    view = view or open_engine(engine, engine_root)
+    conv = view.convention(model_class_for(spec, engine, model_class))
+    lst = _engine_ids(conv, spec.fc_points, spec.num_layers)
+    if lst.ids is None:
+        return lst
+    # what the engine cannot serve although its rule names the points: a capture site that cannot be
+    # evaluated, an index no site reaches, a model runner that ignores the ids
+    positions = [p.position for p in spec.fc_points if p.position is not None]
+    why = refusal(conv.cc, positions, spec.num_layers) or runner_refusal(view.probe, conv.cc, lst.ids, spec.num_layers)
+    if why:
+        raise Refused(spec.file, target, why)
+    if target == "speculators" and _kind(spec) == "dflash":
+        check_speculators_dflash(spec, lst.ids)  # its data generation appends id L itself
+    return lst
+
+
+def _table_ids(spec: Spec, target: str, engine_root, model_class: str | None, view: EngineView | None) -> IdList:
+    """A cited-table target: the ids its rendering carries (BadInput, a :class:`Refused`, where none)."""
+    ans = render_field(spec, target, engine_root, model_class)
+    return IdList(ans.convention, ans.origin, ans.ids, None, list(ans.captured))
+
+
+def render_target(target: str) -> RenderTarget:
+    """The entry of ``target`` (BadInput naming the listed targets for any other)."""
+    found = TARGETS.get(target)
+    if found is None:
+        raise BadInput(f"unknown render target {target!r}; expected one of {', '.join(RENDER_TARGETS)}")
+    return found
+
+
+def _reason(spec: Spec, target: str, e: BadInput) -> str:
+    """Why ``target`` gives no ids, once: the structured reason where there is one, else the
+    message without the file and target that each report adds itself."""
+    text = getattr(e, "reason", None) or str(e)
+    for prefix in (f"{spec.file}: ", f"cannot render for {target}: "):
+        text = text.removeprefix(prefix)
+    return text
 
 
 def fc_ids(
     spec: Spec, target: str, *, engine_root=None, model_class: str | None = None, view: EngineView | None = None
 ) -> IdList:
-    """The ids ``target`` needs so that the draft's fc receives the spec's ``fc_input`` points."""
-    points, L = spec.fc_points, spec.num_layers
-    if target in ("sglang", "vllm"):
-        view = view or open_engine(target, engine_root)
-        conv = view.convention(model_class_for(spec, target, model_class))
-        return _engine_ids(conv, points, L)
-    if target == "speculators":  # speculators configures vLLM's aux capture
-        view = view or open_engine("vllm", engine_root)
-        conv = view.convention(model_class_for(spec, "vllm", model_class))
-        return _engine_ids(conv, points, L)
-    if target in ("specforge", "eagle"):
-        try:
-            ids = EAGLE.encode(points, L)
-        except NotExpressible as e:
-            return IdList("eagle", EAGLE.source, None, str(e))
-        return IdList("eagle", EAGLE.source, ids, None, [str(p) for p in EAGLE.decode(ids, L)])
-    if target == "hf":
-        try:
-            ids = HF.encode(points, L)
-        except NotExpressible as e:
-            return IdList("hf", HF.source, None, str(e))
-        return IdList("hf", HF.source, ids, None, [str(p) for p in HF.decode(ids, L)])
-    raise BadInput(f"unknown render target {target!r}; expected one of {', '.join(RENDER_TARGETS)}")
+    """The ids ``target`` (one of :data:`RENDER_TARGETS`, or a point-wise convention: ``hf``,
+    ``eagle``) needs so that the draft's fc receives the spec's ``fc_input`` points, from its entry
+    in :data:`TARGETS`: an IdList whose ``error`` says why where its convention cannot name them;
+    BadInput where the target refuses them or cannot be read here (a :class:`Refused` carries the
+    reason alone), and for a name that is neither. :func:`target_ids` never raises for a listed one."""
+    if target in POINTWISE:
+        return pointwise_ids(POINTWISE[target], spec.fc_points, spec.num_layers)
+    return render_target(target).ids(spec, target, engine_root, model_class, view)
+
+
+def target_ids(
+    spec: Spec, target: str, *, engine_root=None, model_class: str | None = None, view: EngineView | None = None
+) -> IdList:
+    """:func:`fc_ids`, with a refusal as an IdList too (``kind`` "refused", ``error`` the reason
+    alone): every listed target gives ids or a structured reason (infer-wiring, explain)."""
+    try:
+        return fc_ids(spec, target, engine_root=engine_root, model_class=model_class, view=view)
+    except Refused as e:
+        return IdList(target, "", None, e.reason, kind="not_expressible" if e.kind == "not_expressible" else "refused")
+    except BadInput as e:
+        if target not in TARGETS and target not in POINTWISE:
+            raise
+        return IdList(target, "", None, _reason(spec, target, e), kind="refused")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +247,8 @@ def explain(
     fc_lists: dict[str, IdList] = {}
     per_fc: dict[str, dict[str, int | str]] = {}
     for engine, conv in engines.items():
-        lst = dflash.get(engine) or (_engine_ids(conv, spec.fc_points, L) if fc_names else None)
+        lst = dflash.get(engine) or (target_ids(spec, engine, engine_root=roots.get(engine), view=views[engine],
+                                                model_class=model_classes.get(engine)) if fc_names else None)
         if lst is None:
             continue
         fc_lists[engine] = lst
@@ -157,11 +257,12 @@ def explain(
                 per_fc.setdefault(name, {})[engine] = _id_for(conv, lst.ids, p, L)
             if engine not in dflash:  # the DFlash path read its own runner
                 notes.extend(_runner_lines(engine, views[engine], conv, lst.ids, L, _kind(spec)))
-        else:
-            notes.append(f"{engine}: fc_input cannot be rendered: {lst.error}")
-    for target in ("eagle", "hf"):
+        else:  # a refusal (what the engine cannot serve) or a point its rule cannot name
+            label = "cannot serve this wiring" if lst.kind == "refused" else "fc_input cannot be rendered"
+            notes.append(f"{engine}: {label}: {lst.error}")
+    for pointwise in (EAGLE, HF):
         if fc_names:
-            fc_lists[target] = fc_ids(spec, target)
+            fc_lists[pointwise.name] = pointwise_ids(pointwise, spec.fc_points, L)
 
     dump_labels: dict[str, str] = {}
     if spec.model.dumps is not None:
@@ -199,9 +300,6 @@ def _explain_engine(engine: str, conv: EngineConvention, points: Sequence[Point]
     positions = [p.position for p in points if p.position is not None]
     for b in conv.cc.bypasses:
         notes.append(f"{conv.name}: {b.path or conv.cc.path}:{b.line}: {b.description} (when: {b.layers})")
-    refused = refusal(conv.cc, positions, num_layers)
-    if refused is not None:
-        notes.append(f"{engine}: cannot serve this wiring: {refused}")
     notes.extend(f"{engine}: {n}" if not n.startswith(f"{engine}:") else n
                  for n in engine_notes(conv.cc, positions, num_layers))
     notes.extend(f"{engine}: evidence: {e}" for e in evidence_lines(conv.cc, positions, num_layers))
@@ -281,53 +379,49 @@ class Rendering:
         return data
 
 
-def _engine_answer(spec: Spec, target: str, view: EngineView, cc: ClassConvention, ids: list[int],
-                   notes: list[str]) -> tuple[str | None, list[str]]:
-    """Refuse what the engine cannot serve (a capture site that cannot be evaluated, an index no
-    site reaches, a runner that ignores the ids), add the notes read from that release to
-    ``notes``; returns (why the answer is unverified or None, the evidence lines)."""
+def _engine_answer(spec: Spec, view: EngineView, cc: ClassConvention, notes: list[str]) -> tuple[str | None, list[str]]:
+    """Add the notes read from that release to ``notes`` (what the engine cannot serve was refused by
+    the target's fc-ids function, :func:`_served_ids`); returns (why the answer is unverified or None,
+    the evidence lines)."""
     engine = view.engine
     positions = [p.position for p in spec.fc_points if p.position is not None]
-    refused = refusal(cc, positions, spec.num_layers)
-    if refused is not None:
-        raise BadInput(f"{spec.file}: cannot render for {target}: {refused}")
-    ignored = runner_refusal(view.probe, cc, ids, spec.num_layers)
-    if ignored:
-        raise BadInput(f"{spec.file}: cannot render for {target}: {ignored}")
     notes.extend(engine_notes(cc, positions, spec.num_layers))
     notes.extend(runner_notes(view.probe, _kind(spec)))
     for b in cc.bypasses:
         notes.append(f"{b.path or cc.path}:{b.line}: {b.description} (when: {b.layers})")
     if view.probe is None:
-        notes.append(f"{engine} is not installed here: ids follow the built-in table; "
-                     "install it or pass --engine-root to render against its source")
+        notes.append(f"{engine} is not installed here: ids follow the built-in table ({cc.path}:{cc.line} "
+                     f"{cc.class_name}); to render against its source: {ENGINE_INSTALL[engine]}, or pass --engine-root")
     return cc.unverified_for(positions, spec.num_layers), evidence_lines(cc, positions, spec.num_layers)
 
 
 def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None = None) -> Rendering:
     """The draft-config fragment and launch flags that make ``target`` feed the draft's fc with
-    the spec's points. BadInput when the spec has no draft or the target cannot express it."""
-    if target not in RENDER_TARGETS:
-        raise BadInput(f"unknown render target {target!r}; expected one of {', '.join(RENDER_TARGETS)}")
+    the spec's points (its renderer in :data:`TARGETS`). BadInput when the spec has no draft or the
+    target cannot express it."""
+    entry = render_target(target)
     if spec.model.draft is None:
         raise BadInput(f"{spec.file}: the spec has no draft section, so there is no fc input to render")
-    kind = spec.model.draft.kind
-    if kind == "mtp":
+    if spec.model.draft.kind == "mtp":
         checked = [d for _, _, d in mtp_lines(spec, target, engine_root)]
         raise BadInput(
             f"{spec.file}: an MTP draft reads the target's returned hidden state, not aux ids: there are no ids to render"
             + (f" ({checked[0]})" if checked else "")
         )
-    if target in FIELD_TARGETS:
-        return _table_rendering(spec, target, render_field(spec, target, engine_root, model_class))
-    if kind == "dflash" and target in ("sglang", "specforge"):  # SpecForge captures through SGLang's DFlash setter
+    return entry.render(spec, target, engine_root, model_class)
+
+
+def _render_served(spec: Spec, target: str, engine_root, model_class: str | None) -> Rendering:
+    """sglang, vllm, specforge, speculators: ids from the target's fc-ids function, verified against
+    the probed class (refusals, runner, notes, evidence), then the target's fragment."""
+    if _dflash_on_sglang(spec, target):
         return _render_sglang_dflash(spec, engine_root, model_class, target)
     if target == "specforge" and engine_root is not None:
         raise BadInput("--engine-root does not apply to specforge (its ids follow the EAGLE config convention)")
     engine = ENGINE_FOR.get(target)
     view = open_engine(engine, engine_root) if engine else None
     cls = model_class_for(spec, engine, model_class) if engine else None
-    lst = fc_ids(spec, target, engine_root=engine_root, model_class=model_class, view=view)
+    lst = TARGETS[target].ids(spec, target, engine_root, model_class, view)
     ids = lst.ids
     if ids is None:
         raise BadInput(f"{spec.file}: cannot render for {target}: {lst.error}")
@@ -336,7 +430,7 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
     evidence: list[str] = []
     if view is not None:
         cc = view.class_convention(cls)
-        unverified_reason, evidence = _engine_answer(spec, target, view, cc, ids, notes)
+        unverified_reason, evidence = _engine_answer(spec, view, cc, notes)
     verified = unverified_reason is None
     captures = [
         {"fc_slot": i, "name": n, "point": str(p), "captured": lst.captures[i]}
@@ -349,9 +443,8 @@ def render(spec: Spec, target: str, *, engine_root=None, model_class: str | None
             c["verified"] = p.position is not None and cc.unverified_for([p.position], spec.num_layers) is None
     draft_config, flags, dump = _fragment(spec, target, ids, captures, notes, evidence)
     _norm_flags(spec, target, engine_root, draft_config, notes)
-    conv_name = lst.convention
     platform = view.probe.platform if view is not None and view.probe is not None else None
-    return Rendering(spec.name, target, cls, conv_name, lst.origin, ids, captures, draft_config, flags, dump, notes,
+    return Rendering(spec.name, target, cls, lst.convention, lst.origin, ids, captures, draft_config, flags, dump, notes,
                      verified, unverified_reason, evidence, platform)
 
 
@@ -392,6 +485,11 @@ def _fragment(spec: Spec, target: str, ids: list[int], captures: list[dict], not
     return draft_config, flags, dump
 
 
+def _render_table(spec: Spec, target: str, engine_root, model_class: str | None) -> Rendering:
+    """A cited-table target (:data:`FIELD_TARGETS`): its answer from :mod:`surgeon.wiring.render_field`."""
+    return _table_rendering(spec, target, render_field(spec, target, engine_root, model_class))
+
+
 def _table_rendering(spec: Spec, target: str, ans: TableAnswer) -> Rendering:
     """A Rendering from a cited-table target's answer (:mod:`surgeon.wiring.render_field`)."""
     captures = [{"fc_slot": i, "name": n, "point": str(p), "captured": ans.captured[i]}
@@ -419,11 +517,13 @@ def _norm_flags(spec: Spec, target: str, engine_root, draft_config: dict, notes:
 # ---------------------------------------------------------------------------------------------
 # SGLang DFlash
 # ---------------------------------------------------------------------------------------------
-class DFlashRefused(BadInput):
+class DFlashRefused(Refused):
     """SGLang cannot serve the spec's DFlash wiring, per its source (the runner's refusal, ids the
-    rule cannot express, ids the runner range-checks out, a target the runner rewrites): an error
-    wherever it is reported, unlike a class the engine lacks (a warning when the engine was not
-    asked for) or an unverified runner (:class:`Unverified`: an error under ``lint --strict``)."""
+    rule cannot express, ids the runner range-checks out, a target the runner rewrites)."""
+
+
+class DFlashUnverified(Refused, Unverified):
+    """SGLang's DFlash runner was not read to the end: render refuses the answer (and so does lint)."""
 
 
 @dataclass
@@ -446,42 +546,43 @@ def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None, 
     class is missing or the setter was not read to the end; Unverified where the runner was not;
     DFlashRefused where SGLang cannot serve the points. ``target``: what the user asked to render
     for, named in every refusal (SpecForge's ids go through SGLang's convention)."""
-    cannot = "cannot render for sglang" if target == "sglang" else (
-        f"cannot render for {target} (its DFlash ids go through SGLang's convention: it captures through SGLang's "
-        f"{DFLASH_SETTER})")
+    via = "" if target == "sglang" else (
+        f"its DFlash ids go through SGLang's convention (it captures through SGLang's {DFLASH_SETTER}): ")
+
+    def no(why: str, cls: type[Refused] = Refused, kind: str = "refused") -> Refused:
+        return cls(spec.file, target, via + why, kind)
+
     view = open_engine("sglang", engine_root)
     cls = model_class_for(spec, "sglang", model_class)
     if view.location is None:
-        raise BadInput(f"{spec.file}: {'' if target == 'sglang' else cannot + ': '}SGLang is not installed here: its "
-                       "DFlash ids are read from its source only "
-                       "(install it or pass --engine-root)")
+        raise no("SGLang is not installed here: its DFlash ids are read from its source only "
+                 f"({ENGINE_INSTALL['sglang']}, or pass --engine-root)")
     where = f"sglang {view.version}"
     cc = classify_dflash(view.location.root, cls)
     if cc is None:
-        raise BadInput(f"{spec.file}: {cannot}: {where} has no class {cls!r} with {DFLASH_SETTER}")
+        raise no(f"{where} has no class {cls!r} with {DFLASH_SETTER}")
     if cc.status != "classified":
-        raise BadInput(f"{spec.file}: {cannot}: {where} {cc.class_name} ({cc.path}:{cc.line}): the probe "
-                       f"cannot tell what its DFlash ids mean: {cc.reason}")
+        raise no(f"{where} {cc.class_name} ({cc.path}:{cc.line}): the probe cannot tell what its DFlash ids mean: "
+                 f"{cc.reason}")
     runner = read_dflash_runner(view.location.root)
     if not runner.verified:
-        raise Unverified(f"{spec.file}: {cannot}: {where} runner unverified for DFlash: {runner.reason}")
+        raise no(f"{where} runner unverified for DFlash: {runner.reason}", DFlashUnverified)
     hit = sorted(runner.conditional_literals & {spec.model.target.model_type or "", cc.path.rsplit("/", 1)[-1][:-3]})
     if hit:
-        raise DFlashRefused(f"{spec.file}: {cannot}: {where} rewrites DFlash ids for {hit[0]} targets "
-                       f"depending on the draft's architecture: {'; '.join(runner.conditional)}")
+        raise no(f"{where} rewrites DFlash ids for {hit[0]} targets depending on the draft's architecture: "
+                 f"{'; '.join(runner.conditional)}", DFlashRefused)
     L = spec.num_layers
     positions = [p.position for p in spec.fc_points if p.position is not None]
     refused = refusal(cc, positions, L)
     if refused is not None:
-        raise DFlashRefused(f"{spec.file}: {cannot}: {refused}")
+        raise no(refused, DFlashRefused)
     conv = EngineConvention(cc, f"{view.origin}; {DFLASH_SETTER}")
     lst = _engine_ids(conv, spec.fc_points, L)
     if lst.ids is None:
-        raise DFlashRefused(f"{spec.file}: {cannot}: {lst.error}")
+        raise no(lst.error or "no ids", DFlashRefused, "not_expressible")
     bad = [i for i in lst.ids if i < 0 or i >= L]
     if bad and runner.range_check:
-        raise DFlashRefused(f"{spec.file}: {cannot}: DFlash ids {bad} are refused by the runner "
-                       f"({runner.range_check})")
+        raise no(f"DFlash ids {bad} are refused by the runner ({runner.range_check})", DFlashRefused)
     notes = [n if n.startswith("sglang:") else f"sglang: {n}" for n in engine_notes(cc, positions, L)]
     notes.append(f"sglang: the runner passes the draft's dflash_config.target_layer_ids unchanged to {DFLASH_SETTER}")
     notes.extend(f"sglang: not for this target: {c}" for c in runner.conditional)
@@ -503,3 +604,18 @@ def _render_sglang_dflash(spec: Spec, engine_root, model_class: str | None, targ
         notes, evidence = more + notes, cited + evidence
     return Rendering(spec.name, target, ans.model_class, ans.conv.name, ans.conv.origin, ans.ids, captures,
                      draft_config, flags, None, notes, ans.unverified is None, ans.unverified, evidence, "all")
+
+
+# ---------------------------------------------------------------------------------------------
+# The render targets' table: the one dispatch of render, explain, infer-wiring, review and pins
+# ---------------------------------------------------------------------------------------------
+TARGETS: dict[str, RenderTarget] = {t.name: t for t in (
+    RenderTarget("sglang", "sglang", _served_ids, _render_served),
+    RenderTarget("vllm", "vllm", _served_ids, _render_served),
+    RenderTarget("specforge", None, _served_ids, _render_served),  # EAGLE config ids; DFlash: SGLang's setter
+    RenderTarget("speculators", "vllm", _served_ids, _render_served),  # speculators configures vLLM's aux capture
+    *(RenderTarget(name, "vllm" if name == "modelopt-vllm" else None, _table_ids, _render_table) for name in FIELD_TARGETS),
+)}
+RENDER_TARGETS = tuple(TARGETS)
+# The serving engine whose source decides a target's ids (absent: a cited table or convention).
+ENGINE_FOR = {name: t.engine for name, t in TARGETS.items() if t.engine is not None}

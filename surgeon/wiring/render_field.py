@@ -42,8 +42,18 @@ class TableAnswer:
     model_class: str | None = None
 
 
-def _refuse(spec: Spec, target: str, why: str) -> BadInput:
-    return BadInput(f"{spec.file}: cannot render for {target}: {why}")
+class Refused(BadInput):
+    """A target that gives no ids for the spec, structured: ``target``, ``reason`` alone and ``kind``
+    (``not_expressible``: its convention cannot name the spec's points; ``refused``: it cannot serve
+    them); the message adds the file and the target once."""
+
+    def __init__(self, file: str, target: str, reason: str, kind: str = "refused") -> None:
+        self.target, self.reason, self.kind = target, reason, kind
+        super().__init__(f"{file}: cannot render for {target}: {reason}")
+
+
+def _refuse(spec: Spec, target: str, why: str, kind: str = "refused") -> Refused:
+    return Refused(spec.file, target, why, kind)
 
 
 def _kind(spec: Spec) -> str:
@@ -76,7 +86,8 @@ def render_trtllm(spec: Spec) -> TableAnswer:
     try:
         ids = TRTLLM_CONV.encode(points, L)
     except NotExpressible as e:
-        raise _refuse(spec, "trtllm", f"{e} (TensorRT-LLM takes a set and sorts it: {TRTLLM['sorted']})") from None
+        raise _refuse(spec, "trtllm", f"{e} (TensorRT-LLM takes a set and sorts it: {TRTLLM['sorted']})",
+                      "not_expressible") from None
     config = {"decoding_type": "Eagle", "max_draft_len": 3, "speculative_model_dir": "<DRAFT>",
               "eagle3_one_model": True, "eagle3_layers_to_capture": ids}
     default = (", ".join(str(p) for p in TRTLLM_CONV.decode(None, L)) if L > 5
@@ -101,7 +112,7 @@ def render_modelopt(spec: Spec, backend: str, engine_root=None, model_class: str
         vllm = open_engine("vllm", engine_root).convention(cls)
     lst = fc_list(target, spec, vllm)
     if lst.ids is None:
-        raise _refuse(spec, target, lst.error or "no ids")
+        raise _refuse(spec, target, lst.error or "no ids", "not_expressible")
     L = spec.num_layers
     script = f"{COLLECT}/compute_hidden_states_{backend}.py"
     last, cite = MODELOPT_LAST[backend]
@@ -126,7 +137,7 @@ def render_zlab(spec: Spec) -> TableAnswer:
     try:
         ids = ZLAB_CONV.encode(spec.fc_points, L)
     except NotExpressible as e:
-        raise _refuse(spec, "zlab", str(e)) from None
+        raise _refuse(spec, "zlab", str(e), "not_expressible") from None
     notes = [f"zlab: {TABLE}",
              f"zlab: the draft's config.json is the only place it reads them ({ZLAB['key'].path}:{ZLAB['key'].line}); "
              "no launch flag names them"]
@@ -146,13 +157,19 @@ def specforge_dflash(ids: list[int]) -> tuple[dict, list[str], list[str], list[s
     return ({"dflash_config": {"target_layer_ids": ids}}, flags, notes, [str(c) for c in SPECFORGE.values()])
 
 
-def speculators_dflash(spec: Spec, ids: list[int]) -> tuple[dict, list[str], list[str], list[str]]:
-    """speculators' DFlash fragment for vLLM aux ids ``ids``: (draft config, flags, notes, evidence);
-    BadInput for id L, which its data generation appends and training splits off."""
+def check_speculators_dflash(spec: Spec, ids: list[int]) -> None:
+    """Refused (BadInput) where speculators' DFlash data generation cannot take vLLM aux ids ``ids``:
+    id L, which it appends itself and training splits off."""
     L = spec.num_layers
     if L in ids:
         raise _refuse(spec, "speculators", f"vLLM id {L} (layer_out[{L - 1}]) is the verifier's last state, not an "
                       f"aux id: {SPECULATORS['last']}; {SPECULATORS['flag']}")
+
+
+def speculators_dflash(spec: Spec, ids: list[int]) -> tuple[dict, list[str], list[str], list[str]]:
+    """speculators' DFlash fragment for vLLM aux ids ``ids``: (draft config, flags, notes, evidence);
+    BadInput for id L, which its data generation appends and training splits off."""
+    check_speculators_dflash(spec, ids)
     notes = [f"speculators: DFlash ids are vLLM aux ids ({SPECULATORS['datagen'].path}:{SPECULATORS['datagen'].line}); "
              f"how speculators passes them is {TABLE}",
              "speculators: pass the same --target-layer-ids to scripts/launch_vllm.py and to training "

@@ -66,3 +66,46 @@ def test_hook_entry_lints_the_specs_among_all_yaml(repo, tmp_path, hook_id):
     broken.write_text("spec: 1\nname: broken\ntarget: {architecture: LlamaForCausalLM, num_layers: 4}\n")
     r = _run_entry(hook_id, [*repo.values(), broken], tmp_path)
     assert r.returncode == 2 and "broken.yml:" in r.stdout + r.stderr
+
+
+def _site_without_engines(dest: Path) -> Path:
+    """This environment's site-packages as surgeon-lint's own hook environment has it: every
+    distribution but the engines (symlinks; no .pth file, so surgeon comes from the checkout)."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    dest.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith(("sglang", "vllm")) and entry.suffix != ".pth":
+            (dest / entry.name).symlink_to(entry)
+    return dest
+
+
+def test_the_hook_without_engines_refuses_an_architecture_its_table_does_not_know(repo, tmp_path):
+    """surgeon-lint's environment has no engine (the built-in table answers): an architecture the
+    table has no row for is an error located at target.architecture (exit 2), never the Llama row;
+    one it has passes, with the same two-batch-overlap warning as with the engines."""
+    site = _site_without_engines(tmp_path / "site")
+    (hook,) = [h for h in HOOKS if h["id"] == "surgeon-lint"]
+    argv = shlex.split(hook["entry"])
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    text = (REPO / "specs" / "llama-3.1-8b-eagle3.yaml").read_text().split("engines:")[0]
+    spec = tmp_path / "deploy" / "qwen4.yaml"
+    spec.write_text(text.replace("LlamaForCausalLM", "Qwen4ForCausalLM"))
+
+    def run(*files: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-S", "-m", "surgeon", *argv[1:], "--strict", *map(str, files)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+    r = run(spec, *repo.values())
+    line = next(n for n, t in enumerate(text.splitlines(), 1) if "architecture:" in t)
+    col = text.splitlines()[line - 1].index("LlamaForCausalLM") + 1
+    errors = [x for x in r.stderr.splitlines() if x.startswith(f"{spec}:{line}:{col}: target.architecture: ")]
+    assert r.returncode == 2 and len(errors) == 2, r.stdout + r.stderr
+    assert all("not installed here" in x and "no row for Qwen4ForCausalLM" in x and "pip install --no-deps" in x
+               for x in errors), errors
+    assert "Traceback" not in r.stderr and "scripts/" not in r.stdout + r.stderr
+    ok = run(*repo.values())  # the kimi spec: DeepseekV3ForCausalLM has a row in both tables
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "built-in table, srt/models/deepseek_v2.py:3518 DeepseekV3ForCausalLM" in ok.stdout
+    assert "model_forward_stages" in ok.stdout + ok.stderr and "llama.py" not in ok.stdout

@@ -284,3 +284,29 @@ def test_log_probabilities_over_the_budget_are_not_kept(synthetic_target, seed_d
     data = infer.infer_wiring(str(seed_draft), str(synthetic_target), prompts=induction_prompts[:4]).to_json()
     assert data["behaviour"] is None and not data["decided"]
     assert any(n.startswith("behaviour not measured: the target's log-probabilities") for n in data["notes"])
+
+
+@pytest.mark.slow
+def test_the_text_report_gives_every_target_ids_or_a_reason_and_no_none(synthetic_target, seed_draft, induction_prompts,
+                                                                        tmp_path):
+    """infer-wiring's text for the seed draft (layer_out[1..3] of a 4-layer target, config ids
+    [1, 2, 3]): each render target from the one dispatch gives ids or a reason (SGLang cannot capture
+    the last layer's output, z-lab runs DFlash drafts only), never "unknown render target"; a stated
+    id that captures nothing says "nothing", an engine whose check did not run says "not checked",
+    never Python's None."""
+    from surgeon.wiring.render import RENDER_TARGETS
+    from tests.wiring.test_render_targets import bad_patterns
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(" ".join(map(str, p.tolist())) + "\n" for p in induction_prompts[:4]))
+    res = CliRunner().invoke(main, ["infer-wiring", str(seed_draft), "--target", f"hf:{synthetic_target}",
+                                    "--prompts", str(prompts)])
+    assert res.exit_code in (0, 3) and "Traceback" not in res.output, res.output
+    lines = res.stdout.splitlines()
+    rows = {t: next(x for x in lines if x.startswith(f"  {t}: ")) for t in RENDER_TARGETS}
+    assert rows["vllm"] == "  vllm: [2, 3, 4]" and rows["trtllm"] == "  trtllm: [1, 2, 3]"
+    assert rows["sglang"].startswith("  sglang: not expressible: sglang:LlamaForCausalLM has no id for layer_out[3]: ")
+    assert rows["zlab"].startswith("  zlab: refused: z-lab/dflash runs DFlash drafts only")
+    assert "  stated ids, sglang: reads [1, 2, 3] -> layer_out[1], layer_out[2], nothing: disagrees" in lines
+    assert "  stated ids, specforge: not checked" in lines
+    assert not bad_patterns(res.stdout), bad_patterns(res.stdout)

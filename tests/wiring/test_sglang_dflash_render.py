@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.spec import load_spec
 from surgeon.wiring.lint import lint_spec
 from surgeon.wiring.render import explain, render
@@ -79,19 +79,20 @@ def test_lint_errs_on_a_dflash_wiring_sglang_cannot_serve_whatever_was_asked(tmp
     # layer_out[7] at L=8: the capture at the entry of layer 8 never happens
     res = lint_spec(_spec(tmp_path, points=("layer_out[1]", "layer_out[3]", "layer_out[7]")), engines=engines)
     errors = [i for i in res.issues if i.severity == "error" and i.message.startswith("sglang: DFlash")]
-    assert not res.ok and errors and "layer_out[7] is not expressible" in errors[0].message
+    assert not res.ok and errors and "has no id for layer_out[7]" in errors[0].message
     muse = lint_spec(_spec(tmp_path, extra=", model_type: muse_glimmer"), engines=engines)
     assert any(i.severity == "error" and "muse_glimmer" in i.message for i in muse.issues)
 
 
-def test_lint_grades_an_unverified_dflash_runner_by_strict(engine_copy, tmp_path):
+def test_lint_errs_on_an_unverified_dflash_runner_as_render_refuses_it(engine_copy, tmp_path):
     root = engine_copy("sglang", tmp_path / "site")  # model files only: the runner is not read
     spec = _spec(tmp_path)
-    lax = lint_spec(spec, engines=["sglang"], roots={"sglang": str(root)})
-    runner = [i for i in lax.issues if "runner unverified for DFlash" in i.message]
-    assert lax.ok and runner and runner[0].severity == "warning"
-    strict = lint_spec(spec, engines=["sglang"], roots={"sglang": str(root)}, strict=True)
-    assert not strict.ok and any(i.severity == "error" and "runner unverified" in i.message for i in strict.issues)
+    with pytest.raises(Unverified, match="runner unverified for DFlash"):
+        render(spec, "sglang", engine_root=str(root))
+    for strict in (False, True):  # render refuses it, so lint errs with or without --strict
+        res = lint_spec(spec, engines=["sglang"], roots={"sglang": str(root)}, strict=strict)
+        runner = [i for i in res.issues if "runner unverified for DFlash" in i.message]
+        assert not res.ok and runner and runner[0].severity == "error"
 
 
 def test_lint_checks_sglang_pins_and_says_pp_is_not_checked_for_dflash(tmp_path):
@@ -170,7 +171,7 @@ def test_a_specforge_dflash_refusal_names_specforge(tmp_path):
     with pytest.raises(BadInput) as e:
         render(spec, "specforge")
     msg = str(e.value)
-    assert "cannot render for specforge (its DFlash ids go through SGLang's convention" in msg
+    assert "cannot render for specforge: its DFlash ids go through SGLang's convention" in msg
     assert "cannot render for sglang" not in msg and "val < 0" in msg and "\n" not in msg
     res = cli_run("render", spec.file, "--engine", "specforge", code=2)
     assert "cannot render for specforge" in res.output and "SGLang's convention" in res.output
