@@ -51,6 +51,8 @@ def dump_info(*, dump: str, slots: Sequence[str] = (), spec: str | None = None) 
         return _field_dump_info(dump, slots, spec)
     from surgeon.capture.dumps import read_dump_header
 
+    if gated.kind != "dump" and "hidden_states" in gated.tensors:
+        return _training_file_info(dump, slots, spec)
     if slots:
         raise BadInput(f"{dump}: a safetensors file (a surgeon dump declares its own slots' points); --slots "
                        "is for TensorRT-LLM and Model Optimizer .pt dumps")
@@ -62,6 +64,26 @@ def dump_info(*, dump: str, slots: Sequence[str] = (), spec: str | None = None) 
                     records=[{"index": 0, "id": None, "tokens": d.tokens, "input_ids": True, "loss_mask": None}])
 
 
+def _training_file_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpInfo:
+    """A SpecForge ``.ckpt`` or a ``hidden_states`` stack (vLLM's connector, speculators): each slot's
+    point as the file, the export record beside it or ``--slots`` says it, None where nothing does."""
+    from surgeon.core.spec import load_spec
+    from surgeon.verify.subjects import read_subject
+
+    loaded = load_spec(spec) if spec else None
+    num_layers = loaded.num_layers if loaded else None
+    sub = read_subject(dump, slots=slots, spec=loaded)
+    T, H = sub.slots[0][2].shape
+    dtypes = ",".join(sorted({str(t.dtype).removeprefix("torch.") for _, _, t in sub.slots}))
+    engine = "SpecForge" if sub.layout == "specforge" else "vLLM hidden-state connector or speculators"
+    meta = {"engine": engine, "num_layers": str(num_layers) if num_layers else "", "hidden_size": str(H),
+            "tokens": str(T), "dtype": dtypes}
+    captures = [{"name": n, "point": str(p) if p is not None else None, "shape": list(t.shape),
+                 "dtype": str(t.dtype).removeprefix("torch.")} for n, p, t in sub.slots]
+    records = [{"index": 0, "id": None, "tokens": int(T), "input_ids": sub.input_ids is not None, "loss_mask": None}]
+    return DumpInfo(dump, meta, captures, sub.layout, None, records, list(sub.notes))
+
+
 def _field_dump_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpInfo:
     from surgeon.core.spec import load_spec
     from surgeon.verify.fielddumps import read_field_dump
@@ -69,6 +91,11 @@ def _field_dump_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpI
     num_layers = load_spec(spec).num_layers if spec else None
     fd = read_field_dump(dump, slots, num_layers)
     if fd is None:
+        from surgeon.verify.fielddumps import load_pickle
+
+        data = load_pickle(dump)
+        if isinstance(data, dict) and "aux_hidden_state" in data:
+            return _training_file_info(dump, slots, spec)
         raise BadInput(f"{dump}: neither a surgeon dump nor a TensorRT-LLM or Model Optimizer dump")
     first = fd.records[0]  # the top-level fields describe it, as a surgeon dump's its one sequence
     T, H = first.tensors[-1].shape

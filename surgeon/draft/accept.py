@@ -26,6 +26,7 @@ for every wiring; only the draft runs once per wiring.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,6 +269,9 @@ def _chain_hits(draft: Eagle3Draft, pr: PromptStates, slots: list[torch.Tensor],
 # -- a whole run ----------------------------------------------------------------------------
 
 
+SEPARATION = 2.0  # standard errors of the difference of two position-1 acceptance rates
+
+
 @dataclass
 class AcceptReport:
     spec: str
@@ -296,8 +300,54 @@ class AcceptReport:
     def exit_code(self) -> int:
         return 0 if self.ok else 3
 
+    def rivals(self) -> tuple[list[WiringResult], list[WiringResult]]:
+        """(alternatives whose position-1 acceptance the spec's does not beat by ``SEPARATION``
+        standard errors of the two proportions, those of them that beat the spec's by as much):
+        the wirings these prompts cannot tell from the spec's, or that serve the draft better."""
+        me = self.spec_row
+        if me.per_position is None or not me.chains:
+            return [], []
+        p, n = me.per_position[0], me.chains
+        close, better = [], []
+        for r in self.rows[1:]:
+            if r.per_position is None or not r.chains or r.wiring.points == me.wiring.points:
+                continue
+            q, m = r.per_position[0], r.chains
+            se = math.sqrt(max(p * (1 - p) / n + q * (1 - q) / m, 1e-12))
+            if q - p > SEPARATION * se:
+                better.append(r)
+            elif p - q <= SEPARATION * se:
+                close.append(r)
+        return close, better
+
+    @property
+    def verdict(self) -> str:
+        """``better``: another wiring accepts more than the spec's; ``undecided``: one accepts as
+        much within the noise of these prompts; ``separated``: the spec's beats every other;
+        ``not_run``: the spec's wiring cannot be served."""
+        if self.spec_row.per_position is None:
+            return "not_run"
+        close, better = self.rivals()
+        return "better" if better else "undecided" if close else "separated"
+
+    def headline(self) -> str:
+        me = self.spec_row
+        if me.per_position is None:
+            return f"not run: the spec's wiring cannot be served ({me.not_servable})"
+        close, better = self.rivals()
+        head = f"the spec's wiring accepts {me.per_position[0]:.1%} at position 1"
+        if better:
+            return (f"better: {', '.join(r.wiring.name for r in better)} accept{'s' if len(better) == 1 else ''} more "
+                    f"than the spec's wiring (beyond {SEPARATION:g} standard errors): {head}")
+        if close:
+            return (f"undecided: {', '.join(r.wiring.name for r in close)} accept{'s' if len(close) == 1 else ''} as "
+                    f"much within {SEPARATION:g} standard errors of {me.chains} chains, so these prompts do not tell "
+                    f"{'it' if len(close) == 1 else 'them'} from the spec's wiring: {head}")
+        return f"separated: {head}, more than every other wiring by {SEPARATION:g} standard errors"
+
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "spec": self.spec, "draft": self.draft, "target": self.target, "steps": self.steps,
+        return {"ok": self.ok, "verdict": self.verdict, "headline": self.headline(),
+                "spec": self.spec, "draft": self.draft, "target": self.target, "steps": self.steps,
                 "prompts": self.prompts, "n_prompts": self.n_prompts, "length": self.length, "min": self.min_rate,
                 "draft_info": self.info, "sampling": SAMPLING_NOTE, "wirings": [r.to_json() for r in self.rows],
                 "notes": self.notes, "timings_s": self.timings_s}

@@ -41,7 +41,7 @@ import yaml
 from safetensors import safe_open
 
 from surgeon.core.conventions import EAGLE, HF, Convention
-from surgeon.core.errors import BadInput, SurgeonError
+from surgeon.core.errors import UNDECIDED, BadInput, SurgeonError
 from surgeon.core.points import Point, all_points
 from surgeon.core.spec import load_spec
 from surgeon.draft.behaviour import LOGPROB_BYTES, DraftBehaviour, Evaluation, target_logprobs
@@ -50,7 +50,7 @@ from surgeon.draft.weightspace import SlotScore, alignment_table, contributions,
 from surgeon.engines.view import open_engine
 from surgeon.verify.reference import capture_reference, resolve_model
 from surgeon.wiring.draft import CHECK_TARGETS, check_draft, fc_weight_shape, read_config, read_ids
-from surgeon.wiring.render import RENDER_TARGETS, fc_ids
+from surgeon.wiring.render import RENDER_TARGETS, target_ids
 
 Wiring = tuple[int, ...]  # one index into the candidate points per fc slot
 
@@ -460,15 +460,12 @@ def spec_text(name: str, states: TargetStates, wiring: Sequence[Point], draft: s
 
 
 def engine_ids(spec) -> dict[str, dict]:
-    """Each render target's ids for the spec's fc_input (surgeon.wiring.render.fc_ids), or why none."""
+    """Each render target's ids for the spec's fc_input, from its entry in the render targets' table
+    (:func:`surgeon.wiring.render.target_ids`), or why none (``kind``: not_expressible or refused)."""
     out: dict[str, dict] = {}
     for target in RENDER_TARGETS:
-        try:
-            lst = fc_ids(spec, target)
-        except (SurgeonError, ValueError) as e:
-            out[target] = {"ids": None, "error": str(e), "origin": None}
-            continue
-        out[target] = {"ids": lst.ids, "error": lst.error, "origin": lst.origin}
+        lst = target_ids(spec, target)
+        out[target] = {"ids": lst.ids, "error": lst.error, "origin": lst.origin or None, "kind": lst.kind}
     return out
 
 
@@ -545,9 +542,36 @@ class InferReport:
 
     @property
     def exit_code(self) -> int:
+        """3 when the draft config states no ids (an engine then serves its default, whatever the
+        wiring) or ids that disagree with a decided wiring; 4 when the evidence does not decide."""
         if not self.stated_ids:
             return 3
-        return 3 if self.decided and self.stated_agree is False else 0
+        if not self.decided:
+            return UNDECIDED
+        return 3 if self.stated_agree is False else 0
+
+    def headline(self) -> str:
+        """The first line: whether the evidence decides the wiring, and what the stated ids say."""
+        s = self.search
+        wiring = ", ".join(self.wiring)
+        if self.decided:
+            z = "" if s.behaviour_z is None else f" by {s.behaviour_z:.1f} standard errors"
+            head = f"decided: the fc input is {wiring} (its behaviour leads every other wiring{z})"
+        elif not s.behaviour_evaluations:
+            head = (f"undecided: weight-space evidence alone, which does not decide (it leans to {wiring}); the "
+                    "behaviour signal was not measured (see the notes)")
+        else:
+            runner = "-" if s.behaviour_runner_up is None else ", ".join(describe(s.points, s.behaviour_runner_up))
+            z = "-" if s.behaviour_z is None else f"{s.behaviour_z:.1f}"
+            head = (f"undecided: the behaviour of {wiring} does not lead the runner-up ({runner}) by the margin that "
+                    f"decides ({z} standard errors): more or longer prompts")
+        if not self.stated_ids:
+            return head + "; the draft config states no ids, so each engine serves its default"
+        if self.decided and self.stated_agree is False:
+            return head + "; the ids the draft config states disagree with it"
+        if self.decided and self.stated_agree:
+            return head + "; the ids the draft config states agree"
+        return head
 
     def to_json(self) -> dict:
         s = self.search
@@ -571,7 +595,7 @@ class InferReport:
         return {
             "draft": self.draft, "fc_tensor": self.fc_tensor, "target": self.target, "num_layers": self.num_layers,
             "hidden_size": self.hidden_size, "n_slots": len(s.slots), "tokens": self.tokens,
-            "wiring": self.wiring, "decided": self.decided,
+            "wiring": self.wiring, "decided": self.decided, "headline": self.headline(),
             "weight_space": {"wiring": describe(s.points, s.weight_wiring), "margin": s.weight_margin,
                              "decides": s.weight_decides and not against, "slots": slots},
             "behaviour": behaviour,
@@ -645,7 +669,7 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
     except SurgeonError as e:  # e.g. final_norm in a slot: no engine captures it as an fc input
         notes.append(f"the inferred wiring is not a servable spec ({str(e).splitlines()[0]}): no engine ids, "
                      "stated ids not checked")
-        ids = {t: {"ids": None, "error": str(e).splitlines()[0], "origin": None} for t in RENDER_TARGETS}
+        ids = {t: {"ids": None, "error": str(e).splitlines()[0], "origin": None, "kind": "refused"} for t in RENDER_TARGETS}
         stated = []
     if not stated_ids:
         notes.append("the draft config states no ids (eagle_aux_hidden_state_layer_ids, eagle_config's, "

@@ -3,7 +3,7 @@
 Why our own: ``speculators`` (vllm-project, PyPI) is the vLLM project's draft runtime, but its
 0.9.0 wheel requires ``transformers<=5.19.0`` and pulls ``torchvision``/``torchaudio`` (its
 METADATA ``Requires-Dist``), while surgeon pins transformers 5.24 (and those two break
-``import transformers`` on this machine, see REFERENCE.md). So the forward below is written from
+``import transformers`` where PyPI's torchvision does not match the CPU torch build). So the forward below is written from
 SpecForge's source (sgl-project/SpecForge ``specforge/modeling/draft/llama3_eagle.py``, cited by
 line) and checked in ``tests/draft/test_model.py`` against transformers' own Llama attention, MLP
 and RMSNorm with the same weights.

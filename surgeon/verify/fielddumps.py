@@ -186,7 +186,8 @@ def _modelopt_ids(producer: Producer, L: int, notes: list[str]) -> list[int]:
         source = open_modelopt()
         if source is None:
             raise BadInput(f"--slots {producer.name}:{preset}: the preset needs the Model Optimizer source "
-                           "(scripts/fetch-engines); pass the ids instead")
+                           "(pip install --no-deps nvidia-modelopt==0.47.0; from a checkout, scripts/fetch-engines); "
+                           "pass the ids instead")
         ids = source.eagle_default(L) if preset == "eagle" else source.dflash_preset(L)
         notes.append(f"--aux-layers {preset} = {ids}, evaluated from {source.origin}")
         return sorted(set(ids)) if producer.name == "modelopt-trtllm" else ids  # TRT-LLM sorts its set
@@ -475,18 +476,33 @@ VLLM_STACK_NOTE = ("hidden_states [T, n, H] with token_ids [T]: vLLM's hidden-st
                    "hs_*.safetensors are that connector's files; neither records the ids it captured")
 
 
-def label_vllm_stack(p: str, n_slots: int, producer: Producer, num_layers: int | None, notes: list[str]) -> list[Point]:
-    """The points of a connector stack's slots from the ids vLLM was given (``--slots vllm:IDS``):
-    the stack holds them in ascending id order, id j read by surgeon's built-in vLLM table."""
+def label_vllm_stack(p: str, n_slots: int, producer: Producer, num_layers: int | None, notes: list[str],
+                     convention: EngineConvention | None = None) -> list[Point]:
+    """The points of a connector stack's slots from the ids vLLM was given (``--slots vllm:IDS``),
+    in the order vLLM's runner emits them (the stack's order): decoded by ``convention`` (the
+    installed vLLM's probe of the target's class) where given, else by the built-in vLLM table."""
     L = _need_layers(producer, num_layers)
-    ids = sorted(set(_int_list(producer)))
+    ids = _int_list(producer)
+    if len(set(ids)) != len(ids):
+        raise BadInput(f"--slots vllm:{producer.ids_text}: an id is repeated")
     bad = [i for i in ids if not 0 <= i <= L]
     if bad:
         raise BadInput(f"--slots vllm: ids {bad} are outside [0, {L}] for a {L}-layer target")
     if len(ids) != n_slots:
-        raise BadInput(f"{p}: {n_slots} slots, but --slots vllm:{producer.ids_text} names {len(ids)} distinct ids: "
+        raise BadInput(f"{p}: {n_slots} slots, but --slots vllm:{producer.ids_text} names {len(ids)} ids: "
                        "the ids do not fit this file")
-    points = _decode("vllm", ids, L)
-    notes.append(f"labelled as vLLM aux ids {ids} in ascending order (id j = layer_out[j-1], 0 = embed; "
-                 f"{builtin_convention('vllm', None).reason}; not probed for the model's class)")
-    return points
+    if convention is None:
+        points = _decode("vllm", sorted(ids), L)
+        notes.append(f"labelled as vLLM aux ids {sorted(ids)} in ascending order (id j = layer_out[j-1], 0 = embed; "
+                     f"{builtin_convention('vllm', None).reason}; not probed for the model's class)")
+        return points
+    try:
+        decoded = convention.decode(ids, L)
+    except (InvalidId, ValueError) as e:
+        raise BadInput(f"--slots vllm:{producer.ids_text}: {e}") from None
+    if any(pt is None for pt in decoded) or len(decoded) != n_slots:
+        raise BadInput(f"--slots vllm:{producer.ids_text}: {convention.name} does not capture one state per id "
+                       f"({[str(x) for x in decoded]}): the ids do not fit this file")
+    notes.append(f"labelled as vLLM aux ids {ids} read by {convention.name} ({convention.origin}), in the order its "
+                 "runner emits them")
+    return [pt for pt in decoded if pt is not None]

@@ -195,6 +195,11 @@ def _keyed_names(subject: Subject, spec: Spec) -> tuple[list[str], list[str]]:
     keys = subject.names
     present = [n for n in order if n in keys]
     if not present:
+        by_point = {d: i for i, (_, d, _) in enumerate(subject.slots) if d is not None}
+        if all(spec.captures[n] in by_point for n in order):  # keys that name the spec's points
+            picked = [by_point[spec.captures[n]] for n in order]
+            subject.slots = [subject.slots[i] for i in picked]
+            return list(order), [f"slots found by the points their keys name ({', '.join(keys[i] for i in picked)})"]
         if all(d is not None for _, d, _ in subject.slots) and subject.layout == "surgeon-reference":
             return keys, ["no tensor is named as a capture of the spec: the reference's own points are checked"]
         raise BadInput(f"{subject.source}: its tensors are named {', '.join(keys)}, none of them a dump slot of spec "
@@ -224,12 +229,14 @@ def suggested_engine_ids(spec: Spec, captures: dict[str, Point]) -> dict[str, An
         try:
             conv = open_engine(engine).convention(model_class_for(spec, engine))
             out[engine] = conv.encode(points, spec.num_layers)
-        except (BadInput, NotExpressible) as e:
-            out[engine] = f"not expressible: {e}"
+        except NotExpressible as e:  # its message names the convention, the point and why
+            out[engine] = str(e)
+        except BadInput as e:
+            out[engine] = f"refused: {e}"
     try:
         out["eagle"] = EAGLE.encode(points, spec.num_layers)
     except NotExpressible as e:
-        out["eagle"] = f"not expressible: {e}"
+        out["eagle"] = str(e)
     return out
 
 
@@ -238,7 +245,7 @@ def match(subject_path: str | Path, reference: str, *, spec: Spec | None = None,
     from surgeon.verify.identify import identify
 
     L = spec.num_layers if spec else None
-    subject = read_subject(subject_path, slots=slots, num_layers=L)
+    subject = read_subject(subject_path, slots=slots, num_layers=L, spec=spec)
     notes = list(subject.notes)
     if spec is not None:
         notes += _declare_from_spec(subject, spec, bool(slots))

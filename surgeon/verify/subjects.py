@@ -145,10 +145,13 @@ def _stacked(t: torch.Tensor, n: int | None, what: str) -> list[torch.Tensor]:
     raise BadInput(f"{what}: shape {tuple(t.shape)} has no axis of {n} slots")
 
 
-def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int | None = None) -> Subject:
-    """Read ``path`` as named slots. ``slots`` (``--slots``) names them in order and may declare
-    points; ``num_layers`` lets layouts with fixed semantics declare theirs (speculators' last
-    slot)."""
+def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int | None = None,
+                 spec=None) -> Subject:
+    """Read ``path`` as named slots. ``slots`` (``--slots``) picks or names them and may declare
+    points; ``num_layers`` (or ``spec``, whose target also names the class whose ids ``--slots
+    vllm:IDS`` are read by) lets ids label them."""
+    if spec is not None:
+        num_layers = spec.num_layers
     gated = open_tensor_file(path)  # the one sniff: a regular file, its format and header
     p = gated.path
     producer, slots = fielddumps.split_producer(slots)
@@ -160,7 +163,7 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
     else:
         read = _read_safetensors_slots(gated, n, num_layers)
     if producer is not None:
-        _label_by_producer(p, read, producer, num_layers)
+        _label_by_producer(p, read, producer, num_layers, spec)
     elif read.layout in ("vllm-connector", "specforge"):
         _label_by_export_record(p, read, num_layers)
     if not read.tensors:
@@ -174,12 +177,20 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
     return Subject(list(zip(names, declared, tensors)), read.ids, str(p), read.layout, read.notes, keyed=read.keyed)
 
 
-def _label_by_producer(p: Path, read: FileSlots, producer: fielddumps.Producer, num_layers: int | None) -> None:
-    """``--slots PRODUCER:IDS``: the field dumps label themselves as they are read; a connector stack here."""
+def _label_by_producer(p: Path, read: FileSlots, producer: fielddumps.Producer, num_layers: int | None,
+                       spec=None) -> None:
+    """``--slots PRODUCER:IDS``: the field dumps label themselves as they are read; a connector stack
+    here, by the installed vLLM's convention for the spec's target class where there is a spec."""
     if read.layout in ("trtllm", "modelopt"):
         return
     if producer.name == "vllm" and read.layout == "vllm-connector":
-        read.declared = list(fielddumps.label_vllm_stack(str(p), len(read.tensors), producer, num_layers, read.notes))
+        conv = None
+        if spec is not None:
+            from surgeon.engines.view import model_class_for, open_engine
+
+            conv = open_engine("vllm").convention(model_class_for(spec, "vllm"))
+        read.declared = list(fielddumps.label_vllm_stack(str(p), len(read.tensors), producer, num_layers, read.notes,
+                                                         conv))
         return
     what = "vLLM hidden-state connector (or speculators)" if producer.name == "vllm" else producer.name
     raise BadInput(f"{p}: --slots {producer.name}:... names a {what} dump, but this is a {read.layout} file")
@@ -270,7 +281,7 @@ def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None =
             default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
         else:
             tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
-            return FileSlots("plain", [str(k) for k, _ in items], tensors, [None] * len(tensors), ids, keyed=True)
+            return _keyed_plain(p, [str(k) for k, _ in items], tensors, ids, num_layers)
         return FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
     if isinstance(data, (list, tuple)):
         tensors = [fielddumps.float_2d(v, f"{p}: item {i}") for i, v in enumerate(data)]
@@ -352,7 +363,18 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
         default_names = [f"{items[0][0]}[{i}]" for i in range(len(tensors))]
         return FileSlots("plain", default_names, tensors, [None] * len(tensors), ids)
     tensors = [fielddumps.float_2d(v, f"{p}: {k}") for k, v in items]
-    return FileSlots("plain", [k for k, _ in items], tensors, [None] * len(tensors), ids, keyed=True)
+    return _keyed_plain(p, [k for k, _ in items], tensors, ids, num_layers)
+
+
+def _keyed_plain(p: Path, keys: list[str], tensors: list[torch.Tensor], ids: torch.Tensor | None,
+                 num_layers: int | None) -> FileSlots:
+    """Tensors under names: a name that is a point (``layer_out[3]``, ``final_norm``) declares it."""
+    declared = [_point_or_none(k, num_layers) for k in keys]
+    read = FileSlots("plain", keys, tensors, declared, ids, keyed=True)
+    if any(d is not None for d in declared):
+        read.notes.append("tensors named as points declare those points: " + ", ".join(
+            k for k, d in zip(keys, declared) if d is not None))
+    return read
 
 
 def align(subject_ids: torch.Tensor | None, reference_ids: torch.Tensor, n_tokens: int) -> tuple[slice, slice, str]:

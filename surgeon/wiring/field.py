@@ -171,7 +171,8 @@ def explain_field(spec: Spec, vllm: EngineConvention | None, *, modelopt_root=No
         TRTLLM_ONE_LAYER if L == 1 else "none: Eagle3SpecMetadata raises for 2 to 5 layers")
     notes.append(f"trtllm: default when no ids are given: {default} ({TRTLLM['default']})")
     if source is None:
-        notes.append("modelopt: its source is not on this machine (run scripts/fetch-engines): presets not evaluated")
+        notes.append("modelopt: its source is not on this machine (pip install --no-deps nvidia-modelopt==0.47.0; from a checkout, "
+                     "scripts/fetch-engines): presets not evaluated")
     else:
         notes.append(f"modelopt: presets probed from {source.origin}")
         notes.extend(f"modelopt: evidence: {r}" for r in source.reads.values())

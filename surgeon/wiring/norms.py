@@ -75,7 +75,7 @@ def trained_defaults(root=None) -> Defaults:
     for flag in NORM_FLAGS:
         if src is None:
             out[flag] = (False, f"{UNSET} (speculators' default, taken as False: its source is not on this machine, "
-                                "run ./scripts/setup)")
+                                "pip install --no-deps speculators==0.9.0; from a checkout, scripts/fetch-engines)")
             continue
         if problem is not None or model is None or flag not in read:
             why = problem or f"{SPECULATORS_CONFIG} gives no literal True/False default for it"
@@ -173,7 +173,8 @@ def specforge_report(data: dict, want: dict[str, tuple[bool, str]], root=None) -
     src = open_trainer("specforge", root)
     if src is None:
         return [("warning", "norm_unchecked", "SpecForge's source is not on this machine: its reading of the norm "
-                 "flags is read from its source only (run ./scripts/setup or pass --engine-root)")], []
+                 "flags is read from its source only (pip install --no-deps specforge==0.2.0; from a checkout, "
+                 "scripts/fetch-engines; or pass --engine-root)")], []
     reading = read_specforge(src, data)
     if reading.model_file is None:
         return [("warning", "norm_unchecked", f"specforge {src.version} registers no draft class "

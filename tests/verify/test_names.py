@@ -182,3 +182,38 @@ def test_points_that_do_not_separate_are_undecided_never_ok(tmp_path, flat_targe
     text = run("verify", spec_file, "--subject", f, "--reference", ref_file, code=UNDECIDED).stdout
     assert text.splitlines()[0].startswith("undecided:")
     assert run("match", f, "--reference", ref_file, code=UNDECIDED).stdout.startswith("undecided:")
+
+
+def test_dump_info_says_not_recorded_for_a_connector_stack(tmp_path, field_target):
+    from surgeon.commands.outputs import DumpInfoOutput
+
+    ref, ref_file, spec_file = field_target
+    spec = load_spec(spec_file)
+    stack = tmp_path / "req-0.safetensors"
+    save_file({"token_ids": ref.input_ids,
+               "hidden_states": torch.stack([ref.states[p] for p in _points(spec)[:3]], dim=1).contiguous()}, str(stack))
+    res = run("dump-info", stack)
+    assert "not recorded" in res.stdout and "hidden_states stack" in res.stdout
+    info = json.loads(run("dump-info", stack, "--json").stdout)
+    DumpInfoOutput.model_validate(info)
+    assert info["layout"] == "vllm-connector" and not info["labelled"]
+    assert [c["point"] for c in info["captures"]] == [None] * 3
+    info = json.loads(run("dump-info", stack, "--slots", "vllm:2,4,6", "--spec", spec_file, "--json").stdout)
+    assert [c["point"] for c in info["captures"]] == ["layer_out[1]", "layer_out[3]", "layer_out[5]"] and info["labelled"]
+    run("dump-info", stack, "--slots", "vllm:2,4,6", code=2)  # labelling by ids needs the layer count
+
+
+def test_keys_that_name_points_declare_them(tmp_path, field_target):
+    """A dict keyed by point names records its points: the spec's captures are found by point, and
+    a key naming the wrong point is a mismatch named as such."""
+    ref, ref_file, spec_file = field_target
+    spec = load_spec(spec_file)
+    stored = {str(p): ref.states[p] for p in _points(spec)}
+    f = _write(tmp_path, "pt", stored, ref.input_ids, "points")
+    r = match(f, str(ref_file), spec=spec)
+    assert [(s.name, s.verdict) for s in r.report.slots] == [(n, "ok") for n in NAMES]
+    stored["layer_out[3]"] = ref.states[_points(spec)[2]].clone()  # holds layer_out[5]
+    f = _write(tmp_path, "safetensors", stored, ref.input_ids, "points-wrong")
+    r = match(f, str(ref_file))
+    wrong = {s.name: (s.declared, s.matched, s.verdict) for s in r.report.slots}["layer_out[3]"]
+    assert (str(wrong[0]), str(wrong[1]), wrong[2]) == ("layer_out[3]", "layer_out[5]", "mismatch")
