@@ -4,7 +4,8 @@ for text, ``to_json()`` for ``--json``).
 
 Exit codes, mapped in one place (:class:`_Group`): 0 fine; 2 bad input (a one-line message per
 problem, located where there is a file; nothing written); 3 the checked wiring differs from the
-spec; 1 internal error; 130 interrupted. A command's error carries its code
+spec; 4 the evidence does not decide (``surgeon.core.errors.UNDECIDED``: match, verify, audit,
+infer-wiring); 1 internal error; 130 interrupted. A command's error carries its code
 (``surgeon.core.errors.SurgeonError.exit_code``); a returned report carries its verdict
 (``exit_code``), applied after it is rendered.
 """
@@ -20,6 +21,8 @@ from rich.markup import escape
 
 from surgeon import __version__, commands
 from surgeon import cli_render as show
+from surgeon.audit.exact import PARAM_TOKENS as EXACT_PARAM_TOKENS
+from surgeon.audit.exact import SPOT as EXACT_SPOT
 from surgeon.cli_render import RichProgress, emit_json
 from surgeon.core.errors import SurgeonError
 from surgeon.core.optional import missing_dependency
@@ -314,7 +317,11 @@ def fingerprint(ref: str, output: str, input_ids: str | None, dim: int, seed: in
 
 def _harness_options(f):
     f = click.option("--slots", multiple=True,
-                     help="Name the subject's slots in order: name, point, or name=point (comma-separated or repeated).")(f)
+                     help="Which slots to read and what they are. A file that names its tensors (a dict, named "
+                          "safetensors, a surgeon dump) is read by name: KEY, NAME=KEY or KEY=POINT. A stack, list "
+                          "or SpecForge aux is named in its order: name, point or name=point. PRODUCER:IDS labels a "
+                          "dump by the ids its writer was given (vllm, trtllm, modelopt-hf|vllm|trtllm). "
+                          "Comma-separated or repeated.")(f)
     f = click.option("--input-ids", help="Token ids of the subject, when the file carries none.")(f)
     f = click.option("--json", "as_json", is_flag=True)(f)
     f = click.option("--plot", type=click.Path(dir_okay=False), help="Write the slots x points heatmap to this PNG.")(f)
@@ -325,11 +332,13 @@ def _harness_options(f):
 @click.argument("subject", type=click.Path(dir_okay=False))
 @click.option("--reference", "ref", required=True,
               help="hf:DIR, hf:ORG/NAME (local Hugging Face cache), a reference file, or a fingerprint file.")
-@click.option("--spec", type=click.Path(dir_okay=False), help="Spec declaring the slots (its dump slots, in order).")
+@click.option("--spec", type=click.Path(dir_okay=False),
+              help="Spec declaring the slots: by name where the file names its tensors, else its dump slots in order.")
 @_harness_options
 def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
           plot: str | None) -> Any:
-    """Which physical point each slot of SUBJECT really is, how sure, and what is wrong."""
+    """Which physical point each slot of SUBJECT really is, how sure, and what is wrong (exit 4 when
+    the reference cannot tell a slot's points apart: undecided)."""
     result = commands.match(subject=subject, ref=ref, spec=spec, slots=slots, input_ids=input_ids, plot=plot,
                             progress=RichProgress(as_json))
     _show(result, as_json, show.print_match)
@@ -346,13 +355,34 @@ def match(subject: str, ref: str, spec: str | None, slots: tuple[str, ...], inpu
 @_harness_options
 def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids: str | None, as_json: bool,
            plot: str | None) -> Any:
-    """Exit 0 when every slot of SUBJECT is what SPEC declares, 3 when not, 2 on bad input."""
+    """Exit 0 when every slot of SUBJECT is what SPEC declares, 3 when not, 4 when the reference
+    cannot decide (a slot fits its declared point and another about equally), 2 on bad input."""
     v = commands.verify(spec=spec, subject=subject, ref=ref, slots=slots, input_ids=input_ids, plot=plot,
                         progress=RichProgress(as_json))
     _show(v, as_json, lambda v: show.print_match(v.result))
     if not as_json:
-        show.out.print("[green]wiring verified[/]" if v.ok else "[red]wiring differs from the spec[/]")
+        show.out.print("[green]wiring verified[/]" if v.ok else "[yellow]wiring not judged: undecided[/]"
+                       if v.result.verdict == "undecided" else "[red]wiring differs from the spec[/]")
     return v
+
+
+class _ExactBudget(click.ParamType):
+    """``auto`` (None) or a count of files, 0 or more."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | None:
+        if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            return None
+        if text.isdigit():
+            return int(text)
+        self.fail(f"{value!r} is neither auto nor a count of files (0 or more)", param, ctx)
+
+
+_EXACT_BUDGET = _ExactBudget()
 
 
 @main.command()
@@ -368,12 +398,19 @@ def verify(spec: str, subject: str, ref: str, slots: tuple[str, ...], input_ids:
 @click.option("--structure-only", is_flag=True, help="Headers only: no values, no identity.")
 @click.option("--state", type=click.Path(dir_okay=False),
               help="The resume state file (default: DIR/.surgeon-audit-state.jsonl).")
-@click.option("--exact", type=click.IntRange(min=0), default=4, show_default=True,
-              help="Files identified exactly, each on its own tokens (with --reference hf:MODEL).")
+@click.option("--exact", type=_EXACT_BUDGET, default="auto", show_default=True,
+              help="Exact identification (with --reference hf:MODEL): the target run on each file's own tokens, as "
+                   "verify does. N: at most N files, first those whose identity the statistics leave undecided "
+                   "(evenly spaced over them), then evenly spaced others; 0: none. auto: every undecided file when "
+                   f"the target is small (its parameter count x those files' tokens <= {EXACT_PARAM_TOKENS:.0e}), "
+                   f"else as many evenly spaced ones as fit that product, and {EXACT_SPOT} evenly spaced others as a "
+                   "spot check.")
 def audit(root: str, spec: str, ref: str | None, as_json: bool, report: str | None, workers: int | None,
-          ray_address: str | None, resume: bool, structure_only: bool, state: str | None, exact: int) -> Any:
+          ray_address: str | None, resume: bool, structure_only: bool, state: str | None, exact: int | None) -> Any:
     """Check every file of the training set under DIR: structure, values, and the identity of each
-    slot. Exit 0 when clean, 3 when any slot is not what SPEC declares or holds bad values, 2 on bad input."""
+    slot. Exit 0 when clean, 3 when any slot is not what SPEC declares or holds bad values, 4 when
+    nothing was found but the identity of most files of a slot is undecided (the run cannot see
+    shifted or off-by-one labels), 2 on bad input."""
     result = commands.audit(root=root, spec=spec, ref=ref, workers=workers, ray=ray_address, resume=resume,
                             report=report, structure_only=structure_only, exact=exact, state=state,
                             progress=RichProgress(as_json))
@@ -381,8 +418,9 @@ def audit(root: str, spec: str, ref: str | None, as_json: bool, report: str | No
 
 
 # --------------------------------------------------------------------------------------------- capture code and dumps
-_FIELD_SLOTS = ("PRODUCER:IDS for a TensorRT-LLM or Model Optimizer .pt dump, which does not record its layers: "
-                "trtllm, modelopt-hf, modelopt-vllm or modelopt-trtllm, and the ids it was given (e.g. modelopt-vllm:1,3,5).")
+_FIELD_SLOTS = ("PRODUCER:IDS for a dump that does not record its layers: trtllm, modelopt-hf, modelopt-vllm or "
+                "modelopt-trtllm for a TensorRT-LLM or Model Optimizer .pt dump, vllm for a hidden_states stack "
+                "(vLLM's hidden-state connector, speculators), and the ids it was given (e.g. modelopt-vllm:1,3,5).")
 
 
 @main.command("dump-info")

@@ -152,6 +152,8 @@ def print_draft_check(r: Any) -> None:
 
 def print_inferred_wiring(r: Any) -> None:
     data = r.to_json()
+    word, _, rest = data["headline"].partition(":")
+    out.print(f"[{'green' if data['decided'] else 'yellow'}]{word}[/]:{escape(rest)}")
     out.print(f"[bold]{escape(data['draft'])}[/] ({escape(data['fc_tensor'])}) against {escape(data['target'])}: "
               f"{data['n_slots']} fc slots, {data['num_layers']} layers, {data['tokens']} tokens")
     table = Table(title="weight space: each fc slot's alignment with each point's states (relative to its slot)")
@@ -177,13 +179,19 @@ def print_inferred_wiring(r: Any) -> None:
     verdict = "" if data["decided"] else " [yellow](the evidence does not decide: see margins)[/]"
     out.print(f"inferred fc input: [bold]{', '.join(data['wiring'])}[/]{verdict}")
     for target, ids in data["ids"].items():
-        out.print(f"  {target}: " + (str(ids["ids"]) if ids["ids"] is not None else f"[dim]{escape(ids['error'] or '')}[/]"))
+        none = f"{'refused' if ids.get('kind') == 'refused' else 'not expressible'}: {ids['error'] or 'no reason given'}"
+        out.print(f"  {target}: " + (str(ids["ids"]) if ids["ids"] is not None else f"[dim]{escape(none)}[/]"))
     stated = data["stated"]
     if not stated["ids"]:
         out.print("[red]the draft config states no ids[/]: every engine silently uses its default")
     for e in stated["engines"]:
         mark = {True: "[green]agrees[/]", False: "[red]disagrees[/]", None: "[dim]not checked[/]"}[e["agrees"]]
-        out.print(f"  stated ids, {e['engine']}: reads {e['reads']} -> {', '.join(str(c) for c in e['captures'])}: {mark}")
+        if e["reads"] is None and not e["captures"]:  # not read (see the problems), or nothing stated
+            out.print(f"  stated ids, {e['engine']}: {mark}")
+        else:
+            reads = "no ids (the model's default)" if e["reads"] is None else str(e["reads"])
+            got = ", ".join("nothing" if c is None else str(c) for c in e["captures"]) or "nothing"
+            out.print(f"  stated ids, {e['engine']}: reads {reads} -> {got}: {mark}")
         for p in e["problems"]:
             out.print(f"    {escape(p)}")
     for note in data["notes"]:
@@ -206,6 +214,8 @@ def print_inferred_wiring(r: Any) -> None:
 
 
 def print_accept(r: Any) -> None:
+    word, _, rest = r.headline().partition(":")
+    out.print(f"[{ {'separated': 'green', 'undecided': 'yellow'}.get(word, 'red') }]{word}[/]:{escape(rest)}")
     out.print(f"[bold]{escape(r.draft)}[/] on {escape(r.target)} against {escape(r.spec)}: {r.steps} draft steps, "
               f"greedy, {r.n_prompts} prompts continued to {r.length} tokens")
     out.print(f"  prompts: {escape(r.prompts)}")
@@ -306,18 +316,27 @@ def print_match(result: Any) -> None:
 
 
 def print_audit(report: Any) -> None:
+    from surgeon.audit.summary import counts, histogram
+
     j = report.to_json()
+    word, _, rest = j["headline"].partition(":")
+    out.print(f"[{ {'ok': 'green', 'undecided': 'yellow'}.get(word, 'red') }]{word}[/]:{escape(rest)}")
     out.print(f"{escape(j['root'])}: {j['files']} files ({', '.join(f'{v} {k}' for k, v in j['layouts'].items())}), "
               f"{j['resumed']} from the resume state; {j['files_per_s'] or '-'} files/s, {j['mb_per_s'] or '-'} MB/s "
               f"({j['backend']}, {j['workers']} worker{'s' if j['workers'] != 1 else ''})")
     table = Table()
-    for h in ("slot", "declared", "files", "norm mean", "identity (nearest point: files)", "exact sample"):
+    for h in ("slot", "declared", "files", "norm mean", "ok", "mismatch", "no_match", "unresolved", "not_run",
+              "exact", "undecided", "identity (nearest point: files)"):
         table.add_column(h)
     for s in j["slots"]:
-        ident = ", ".join(f"{k}: {v}" for k, v in list(s["identity"].items())[:4])
-        exact = ", ".join(f"{k}: {v}" for k, v in s["exact"].items())
+        bars, more = histogram(s, 4)
+        ident = ", ".join(f"{k}: {v}" for k, v in bars) + (f", +{more} more" if more else "")
+        exact = ", ".join(f"{k} {v}" for k, v in s["exact_verdicts"].items() if v)
+        open_ = f"[yellow]{s['undecided']}[/]" if 2 * s["undecided"] > s["files"] else str(s["undecided"])
         table.add_row(s["name"], s["declared"] or "-", str(s["files"]),
-                      "-" if s["norm_mean"] is None else f"{s['norm_mean']:.4g}", escape(ident), escape(exact) or "-")
+                      "-" if s["norm_mean"] is None else f"{s['norm_mean']:.4g}",
+                      *(str(s["verdicts"].get(v, 0)) for v in ("ok", "mismatch", "no_match", "unresolved", "not_run")),
+                      escape(exact) or "-", open_, escape(ident))
     out.print(table)
     for o in j["outliers"][:20]:
         out.print(f"[red]{escape(o['path'])}[/]")
@@ -329,9 +348,17 @@ def print_audit(report: Any) -> None:
         out.print(f"[dim]note: {escape(n)}[/]")
     if j["report"]:
         out.print(f"report: {escape(j['report'])}")
-    out.print("[green]every file is what the spec declares[/]" if j["ok"] else
-              f"[red]{j['flagged']} of {j['files']} files flagged: " + ", ".join(f"{k} {v}" for k, v in j["findings"].items())
-              + "[/]")
+    if j["undecided"]:
+        out.print(f"[yellow]identity undecided for most files of {escape(', '.join(j['undecided']))}: this run cannot "
+                  f"see {escape(', '.join(j['cannot_see']))}[/]")
+    if j["flagged"]:
+        out.print(f"[red]{j['flagged']} of {j['files']} files flagged: "
+                  + escape(", ".join(f"{k} {v}" for k, v in j["findings"].items())) + "[/]")
+    else:
+        out.print("[green]every file is what the spec declares[/]" if j["ok"] else
+                  "[yellow]no finding, but the identity is undecided: not a pass (exit 4)[/]")
+    for s in j["slots"]:
+        out.print(f"  {escape(s['name'])} identity: {escape(counts(s))}")
 
 
 def print_dump_info(info: Any) -> None:
@@ -348,13 +375,15 @@ def print_dump_info(info: Any) -> None:
 
 
 def _print_field_dump_info(info: Any) -> None:
-    """A TensorRT-LLM or Model Optimizer dump: what it is, who could have written it, each slot's point."""
+    """A field or training dump: what it is, who could have written it, each slot's point."""
     m, p = info.meta, info.producer
-    what = "TensorRT-LLM SaveHiddenStates dump" if info.layout == "trtllm" else "Model Optimizer collect_hidden_states dump"
+    what = {"trtllm": "TensorRT-LLM SaveHiddenStates dump", "modelopt": "Model Optimizer collect_hidden_states dump",
+            "specforge": "SpecForge training file"}.get(info.layout, f"hidden_states stack ({m.get('engine')})")
     out.print(f"[bold]{escape(info.file)}[/]: {what}, {len(info.records)} record(s); the first: {m.get('tokens')} tokens, "
               f"hidden {m.get('hidden_size')}, {m.get('dtype')}")
-    out.print(f"  written by: {escape(' or '.join(p['detected']))} ({escape(p['why'])})")
-    out.print(f"  labelled by: {escape('--slots ' + p['given']) if p['given'] else '[yellow]nothing (no --slots)[/]'}")
+    if p is not None:
+        out.print(f"  written by: {escape(' or '.join(p['detected']))} ({escape(p['why'])})")
+        out.print(f"  labelled by: {escape('--slots ' + p['given']) if p['given'] else '[yellow]nothing (no --slots)[/]'}")
     for c in info.captures:
         point = c["point"] if c["point"] is not None else "[yellow]not recorded[/]"
         out.print(f"  {escape(c['name'])}: {point} {c['shape']} {c['dtype']}")

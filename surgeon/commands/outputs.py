@@ -78,6 +78,9 @@ class IdList(_Closed):
     ids: list[int] | None = Field(description="null: not expressible (see error)")
     error: str | None
     captures: list[Point] = Field(description="what the ids capture, replayed through the engine's setter")
+    kind: Literal["not_expressible", "refused"] | None = Field(
+        default=None, description="null: ids given; not_expressible: the convention cannot name the points; "
+                                  "refused: the target cannot serve them or cannot be read here")
 
 
 class ExplainRow(_Closed):
@@ -357,9 +360,10 @@ class DumpInfoOutput(_Output):
     dtype: str | None = Field(description="the captures' dtypes, comma-separated (a file of several records: the first's)")
     captures: list[DumpCapture] = Field(description="the slots of the dump's one sequence, or of its first record")
     other_metadata: dict[str, str] = Field(description="metadata keys this surgeon does not interpret")
-    layout: Literal["surgeon", "trtllm", "modelopt"] = Field(
+    layout: Literal["surgeon", "trtllm", "modelopt", "specforge", "vllm-connector"] = Field(
         default="surgeon",
-        description="surgeon dump, TensorRT-LLM SaveHiddenStates list, or Model Optimizer collect_hidden_states dict")
+        description="surgeon dump, TensorRT-LLM SaveHiddenStates list, Model Optimizer collect_hidden_states dict, "
+                    "SpecForge .ckpt, or vLLM hidden-state connector / speculators hidden_states stack")
     labelled: bool = Field(default=True, description="every capture's point is known")
     producer: DumpProducer | None = Field(default=None,
                                           description="a TensorRT-LLM or Model Optimizer dump's; null for a surgeon dump")
@@ -620,8 +624,11 @@ class InferCandidate(_Closed):
 
 class InferIds(_Closed):
     ids: list[int] | None
-    error: str | None
+    error: str | None = Field(description="why there are no ids, the reason alone (null: ids given)")
     origin: str | None
+    kind: Literal["not_expressible", "refused"] | None = Field(
+        default=None, description="null: ids given; not_expressible: the target's convention cannot name the "
+                                  "wiring; refused: the target cannot serve it or cannot be read here")
 
 
 class InferStatedEngine(_Closed):
@@ -639,7 +646,9 @@ class InferStated(_Closed):
 
 
 class InferWiringOutput(_Output):
-    ok: bool = Field(description="false (exit 3) when the draft config states no ids, or ids that disagree with a decided wiring")
+    ok: bool = Field(description="false when the draft config states no ids, or ids that disagree with a decided wiring "
+                                 "(exit 3), or when the evidence does not decide the wiring (exit 4)")
+    headline: str = Field(description="the report's first line: decided or undecided, and what the stated ids say")
     draft: str
     fc_tensor: str
     target: str
@@ -676,6 +685,10 @@ class AcceptWiring(_Closed):
 
 class AcceptOutput(_Output):
     ok: bool = Field(description="the spec's position-1 acceptance is at least --min (exit 3 otherwise)")
+    verdict: Literal["separated", "undecided", "better", "not_run"] = Field(
+        description="separated: the spec's wiring accepts more than every other at position 1 by 2 standard errors; "
+                    "undecided: one accepts as much within them; better: one accepts more by them")
+    headline: str = Field(description="the report's first line: the verdict and the wirings it rests on")
     spec: str
     draft: str
     target: str
@@ -715,8 +728,13 @@ class AuditSlot(_Closed):
                                                            "its mean over files")
     log_norm_median_std: float | None
     identity: dict[str, int] = Field(description="nearest point of the profile (or the verdict) -> files")
-    verdicts: dict[str, int] = Field(description="ok, mismatch, no_match, unresolved, not_run -> files")
-    exact: dict[str, int] = Field(description="on the exactly identified sample: matched point (or verdict) -> files")
+    verdicts: dict[str, int] = Field(description="the statistics' identity verdicts: ok, mismatch, no_match, "
+                                                 "unresolved, not_run -> files (every key, 0 included)")
+    exact: dict[str, int] = Field(description="on the files identified exactly: matched point (or verdict) -> files")
+    exact_verdicts: dict[str, int] = Field(description="exact identification's verdicts: ok, mismatch, no_match, "
+                                                       "undecided, unlabelled -> files (every key, 0 included)")
+    undecided: int = Field(description="files whose identity neither the statistics (unresolved, or not_run without "
+                                       "a finding of the slot's own) nor exact identification decided")
 
 
 class AuditPointProfile(_Closed):
@@ -737,12 +755,28 @@ class AuditProfile(_Closed):
 
 
 class AuditExact(_Closed):
-    model: str | None
-    files: int
+    model: str | None = Field(description="the HF model folder run on each file's own tokens; null: no --reference hf:")
+    files: int = Field(description="files identified exactly (this run's and the resume state's)")
+    budget: int | None = Field(description="--exact N; null: auto (see rule)")
+    rule: str = Field(description="the budget's rule in words")
+    params: int | None = Field(description="the target's parameter count (its safetensors headers); null: not read")
+    undecided_files: int = Field(description="files the statistics left undecided: the escalation's candidates")
+    escalated: int = Field(description="of those, the files selected for exact identification")
+    spot_checked: int = Field(description="other files selected, evenly spaced, as a spot check")
+    found: int = Field(description="files identified exactly with a slot not its declared point")
+    seconds: float = Field(description="wall time of this run's exact identification")
 
 
 class AuditOutput(_Output):
-    ok: bool = Field(description="no file has a finding (exit 3 otherwise; 1 where a file's audit hit an error)")
+    ok: bool = Field(description="no file has a finding and every slot's identity is decided for most of its files "
+                                 "(exit 3 on a finding, else 4 when undecided; 1 where a file's audit hit an error)")
+    verdict: Literal["ok", "flagged", "undecided", "error"] = Field(
+        description="flagged: a file has a finding (exit 3); undecided: none has, but the identity of most files of a "
+                    "slot is undecided (exit 4); error: a file's audit hit an error no check foresaw (exit 1)")
+    headline: str = Field(description="the report's first line: the verdict and, where undecided, what the run cannot see")
+    undecided: list[str] = Field(description="the slots whose identity is undecided for most of their files")
+    cannot_see: list[str] = Field(description="where a slot is undecided: the faults only the identity pass finds, "
+                                              "which this run cannot see; else []")
     root: str
     spec: str
     files: int

@@ -29,7 +29,7 @@ FORMATS: dict[str, int] = {
     "apply": 1, "revert": 1, "status": 1, "diff": 1, "coverage": 1, "demo": 1, "doctor": 1,
     "infer-wiring": 1,
     "accept": 1,
-    "audit": 1,
+    "audit": 2,  # 2: ok is false where identity is undecided (exit 4), not only on a finding
 }
 
 

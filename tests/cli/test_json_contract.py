@@ -160,6 +160,24 @@ def test_coverage_output():
     assert data["engines"][0]["decoder"]["total"] > 0
 
 
+def test_audit_output_ok_agrees_with_the_exit_code(harness, tmp_path):
+    """Format 2: ``ok`` is false, and the exit 4, where the identity of most files of a slot is
+    undecided (here: not run, no --reference), not only on a finding; a structure pass judges none."""
+    import shutil
+
+    root = tmp_path / "set"
+    root.mkdir()
+    shutil.copy(harness / "dump.safetensors", root / "dump_0.safetensors")
+    spec = tmp_path / "spec.yaml"  # the demo spec, its dumps written as surgeon dumps (the harness's)
+    spec.write_text(DEMO.read_text().replace("layout: specforge", "layout: surgeon"))
+    data = valid("audit", root, "--spec", spec, "--workers", "1", "--state", tmp_path / "a.jsonl", code=4)
+    assert data["ok"] is False and data["verdict"] == "undecided" and data["flagged"] == 0
+    assert data["headline"].startswith("undecided:") and data["undecided"] and data["cannot_see"]
+    assert all(s["verdicts"]["not_run"] == s["undecided"] == 1 for s in data["slots"])
+    data = valid("audit", root, "--spec", spec, "--structure-only", "--state", tmp_path / "b.jsonl")
+    assert data["ok"] is True and data["verdict"] == "ok" and data["undecided"] == [] == data["cannot_see"]
+
+
 def test_demo_output(harness, monkeypatch):
     """The demo runs vLLM from the shared environment, so this test does not run it: the demo's
     own result object is built from real match results and printed by the real `surgeon demo`."""
