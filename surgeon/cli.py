@@ -125,7 +125,9 @@ def schema(output: str) -> Any:
 @click.option("--engine", "engines", multiple=True, type=ENGINE_CHOICE,
               help="Check this engine (repeatable; default: the spec's engines section, else all).")
 @click.option("--engine-root", type=click.Path(), help="Engine package directory to probe (with a single --engine).")
-@click.option("--strict", is_flag=True, help="An unverified engine answer (resting on code not read) is an error.")
+@click.option("--strict", is_flag=True,
+              help="Also an error: an answer render gives but marks unverified (a capture site or runner not read "
+                   "to the end, a pipeline not checked, an MTP input not decided). What render refuses is always one.")
 @click.option("--pp", type=click.IntRange(min=1), default=None,
               help="Pipeline stages: which stage captures each fc point, and whether it reaches the draft.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size (with --pp).")
@@ -137,8 +139,8 @@ def lint(specs: tuple[str, ...], engines: tuple[str, ...], engine_root: str | No
          tp: int, as_json: bool, platform: str | None, skip_non_specs: bool) -> Any:
     """Validate specs, and check each engine can feed the draft exactly what they declare.
 
-    Exit 0 when every spec is clean (warnings allowed), 2 when any has an error; with --strict an
-    unverified engine answer is an error too (exit 2).
+    Exit 0 when every spec is clean (warnings allowed), 2 when any has an error: whatever render
+    refuses for an engine is one; with --strict an answer render marks unverified is one too.
     """
     report = commands.lint(specs=specs, engines=engines, engine_root=engine_root, strict=strict, platform=platform,
                            progress=RichProgress(), skip_non_specs=skip_non_specs, pp=pp, tp=tp)
