@@ -236,7 +236,8 @@ def print_accept(r: Any) -> None:
         out.print(f"  [dim]note[/] {escape(note)}")
     out.print(f"  [dim]{escape(r.to_json()['sampling'])}[/]")
     if r.min_rate is not None:
-        out.print("[green]ok[/]" if r.ok else f"[red]the spec's position-1 acceptance is below {r.min_rate:.1%}[/]")
+        out.print(f"[green]at least {r.min_rate:.1%}[/]" if r.above_min
+                  else f"[red]the spec's position-1 acceptance is below {r.min_rate:.1%}[/]")
 
 
 def _convention_groups(probe: Any) -> dict[tuple, list]:

@@ -55,7 +55,7 @@ def dump_info(*, dump: str, slots: Sequence[str] = (), spec: str | None = None) 
         return _training_file_info(dump, slots, spec)
     if slots:
         raise BadInput(f"{dump}: a safetensors file (a surgeon dump declares its own slots' points); --slots "
-                       "is for TensorRT-LLM and Model Optimizer .pt dumps")
+                       "is for TensorRT-LLM and Model Optimizer .pt dumps and hidden_states stacks (vllm:IDS)")
     d = read_dump_header(gated)
     return DumpInfo(dump, {k: v for k, v in d.meta.items() if k != "captures"},
                     [{"name": n, "point": str(p), "shape": shape,

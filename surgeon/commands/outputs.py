@@ -293,13 +293,16 @@ class Suggested(_Closed):
 class MatchResult(_Closed):
     """A match or verify result (the demo nests two, without a format of their own)."""
 
-    ok: bool = Field(description="every slot is its declared point (verify exits 3 otherwise, 4 when undecided)")
+    ok: bool = Field(description="nothing wrong and nothing undecided: every declared slot is its declared point, "
+                                 "the others matched one point (exit 0; 3 on a mismatch, 4 when undecided)")
     verdict: Literal["ok", "mismatch", "undecided", "identified"] = Field(
         description="mismatch: a slot is not its declared point or matches none; undecided: else, a slot the "
-                    "reference cannot tell apart (exit 4); identified: every slot matched, some declared none")
+                    "reference cannot tell apart (exit 4); identified: every slot matched one point, none declared")
     headline: str = Field(description="the report's first line: the verdict and the slots it rests on")
     slots: list[MatchedSlot]
     diagnosis: list[Diagnosis] = Field(description="what went wrong, the explanation covering the most slots first")
+    missing: list[str] = Field(default_factory=list, description="the spec's dump slots ('name: point') at points "
+                                                                "no slot's record gives (a mismatch)")
     suggested: Suggested
     subject: str
     layout: str
@@ -684,7 +687,8 @@ class AcceptWiring(_Closed):
 
 
 class AcceptOutput(_Output):
-    ok: bool = Field(description="the spec's position-1 acceptance is at least --min (exit 3 otherwise)")
+    ok: bool = Field(description="exit 0: the spec's position-1 acceptance is at least --min and ahead of every other "
+                                 "wiring (exit 3 below --min, not servable or behind one; 4 when one is within noise)")
     verdict: Literal["separated", "undecided", "better", "not_run"] = Field(
         description="separated: the spec's wiring accepts more than every other at position 1 by 2 standard errors; "
                     "undecided: one accepts as much within them; better: one accepts more by them")

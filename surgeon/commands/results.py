@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surgeon.core.errors import UNDECIDED, BadInput
+from surgeon.core.errors import BadInput
 
 
 def exit_code_of(result: object) -> int:
@@ -165,10 +165,9 @@ class Verification:
 
     @property
     def exit_code(self) -> int:
-        """0 every slot as declared, 4 undecided (no slot wrong, one the reference cannot tell), else 3."""
-        if self.ok:
-            return 0
-        return UNDECIDED if self.result.verdict == "undecided" else 3
+        """0 every declared slot as declared, 3 one is not, 4 undecided (none wrong, one the reference
+        cannot tell apart)."""
+        return int(self.result.exit_code)
 
     def to_json(self) -> dict:
         return self.result.to_json()

@@ -352,6 +352,22 @@ class Spec:
             return list(self.model.dumps.slots)
         return list(self.captures)
 
+    def slot_order(self, layout: str) -> tuple[list[str], str]:
+        """The spec's capture names in the order a ``layout`` file holds its slots, and how that
+        order was found: the spec's ``dumps.slots`` where stated; SpecForge's own order (its
+        ``aux_hidden_state`` in fc order, then ``hidden_state``, the final norm's output); a
+        ``hidden_states`` stack's ascending depth (vLLM ids, ascending); else the captures' order."""
+        if self.model.dumps and self.model.dumps.slots is not None:
+            return list(self.model.dumps.slots), "the order the spec's dumps.slots states"
+        L = self.num_layers
+        if layout == "specforge" and self.fc_names:
+            final = [n for n, p in self.captures.items() if p.kind == "final_norm" and n not in self.fc_names]
+            return self.fc_names + final[:1], "SpecForge's own: aux_hidden_state in fc order, then hidden_state (final_norm)"
+        if layout in ("vllm-connector", "speculators"):
+            order = sorted(self.captures, key=lambda n: self.captures[n].depth(L))
+            return order, "a hidden_states stack's: ascending depth, as vLLM's ascending ids stack them"
+        return list(self.captures), "the order of the spec's captures"
+
     def pin(self, engine: str):
         return getattr(self.model.engines, engine) if self.model.engines else None
 

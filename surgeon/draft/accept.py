@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import UNDECIDED, BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
 from surgeon.core.spec import Spec
 from surgeon.draft.behaviour import LOGPROB_BYTES, kl_to_draft
@@ -292,13 +292,22 @@ class AcceptReport:
         return self.rows[0]
 
     @property
-    def ok(self) -> bool:
+    def above_min(self) -> bool:
         per = self.spec_row.per_position
         return self.min_rate is None or (per is not None and per[0] >= self.min_rate)
 
     @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 3
+        """3 when the spec's position-1 acceptance is below ``--min``, its wiring cannot be served,
+        or another wiring accepts more; 4 when another accepts as much (these prompts do not decide)."""
+        verdict = self.verdict
+        if not self.above_min or verdict in ("better", "not_run"):
+            return 3
+        return UNDECIDED if verdict == "undecided" else 0
 
     def rivals(self) -> tuple[list[WiringResult], list[WiringResult]]:
         """(alternatives whose position-1 acceptance the spec's does not beat by ``SEPARATION``

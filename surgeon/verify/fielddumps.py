@@ -476,26 +476,21 @@ VLLM_STACK_NOTE = ("hidden_states [T, n, H] with token_ids [T]: vLLM's hidden-st
                    "hs_*.safetensors are that connector's files; neither records the ids it captured")
 
 
-def label_vllm_stack(p: str, n_slots: int, producer: Producer, num_layers: int | None, notes: list[str],
-                     convention: EngineConvention | None = None) -> list[Point]:
+def label_vllm_stack(p: str, n_slots: int, producer: Producer, num_layers: int, notes: list[str],
+                     convention: EngineConvention) -> list[Point]:
     """The points of a connector stack's slots from the ids vLLM was given (``--slots vllm:IDS``),
-    in the order vLLM's runner emits them (the stack's order): decoded by ``convention`` (the
-    installed vLLM's probe of the target's class) where given, else by the built-in vLLM table."""
-    L = _need_layers(producer, num_layers)
+    in the order vLLM's runner emits them (the stack's order), decoded by ``convention``: the
+    installed vLLM's probe of the target's class."""
+    L = num_layers
     ids = _int_list(producer)
     if len(set(ids)) != len(ids):
         raise BadInput(f"--slots vllm:{producer.ids_text}: an id is repeated")
     bad = [i for i in ids if not 0 <= i <= L]
     if bad:
-        raise BadInput(f"--slots vllm: ids {bad} are outside [0, {L}] for a {L}-layer target")
+        raise BadInput(f"--slots vllm: ids {bad} are outside [0, {L}] for a target of {L} layers")
     if len(ids) != n_slots:
         raise BadInput(f"{p}: {n_slots} slots, but --slots vllm:{producer.ids_text} names {len(ids)} ids: "
                        "the ids do not fit this file")
-    if convention is None:
-        points = _decode("vllm", sorted(ids), L)
-        notes.append(f"labelled as vLLM aux ids {sorted(ids)} in ascending order (id j = layer_out[j-1], 0 = embed; "
-                     f"{builtin_convention('vllm', None).reason}; not probed for the model's class)")
-        return points
     try:
         decoded = convention.decode(ids, L)
     except (InvalidId, ValueError) as e:

@@ -24,6 +24,7 @@ from surgeon.core.errors import UNDECIDED as UNDECIDED_EXIT
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
+from surgeon.verify.fielddumps import split_producer
 from surgeon.verify.identify import UNDECIDED
 from surgeon.verify.subjects import Subject, align, read_subject
 
@@ -94,24 +95,25 @@ class HarnessResult:
 
     @property
     def ok(self) -> bool:
-        return all(s.verdict == "ok" for s in self.report.slots)
+        """Nothing wrong and nothing undecided: the exit status is 0."""
+        return self.verdict in ("ok", "identified")
 
     @property
     def verdict(self) -> str:
-        """``mismatch`` (a slot is not its declared point, or matches none), ``undecided`` (else, a
-        slot the reference cannot tell apart from another point), ``ok`` (every slot is its declared
-        point) or ``identified`` (every slot matched, some declared nothing)."""
+        """``mismatch`` (a slot is not its declared point, or matches no point), ``undecided`` (else,
+        a slot the reference cannot tell apart from another point), ``identified`` (every slot
+        matched one point, none declared), or ``ok`` (every declared slot is its declared point)."""
         kinds = {s.verdict for s in self.report.slots}
-        if kinds & {"mismatch", "no_match"}:
+        if kinds & {"mismatch", "no_match"} or self.subject.missing:
             return "mismatch"
         if UNDECIDED in kinds:
             return "undecided"
-        return "ok" if self.ok else "identified"
+        return "identified" if kinds <= {"unlabelled"} else "ok"
 
     @property
     def exit_code(self) -> int:
-        """``match``'s status: 4 where the evidence does not decide, else 0 (``verify`` judges more)."""
-        return UNDECIDED_EXIT if self.verdict == "undecided" else 0
+        """3 mismatch, 4 undecided, else 0 (match and verify alike)."""
+        return {"mismatch": 3, "undecided": UNDECIDED_EXIT}.get(self.verdict, 0)
 
     def headline(self) -> str:
         """The first line of the report: the verdict, and which slots it rests on."""
@@ -121,19 +123,21 @@ class HarnessResult:
         def names(*verdicts: str) -> list[str]:
             return [s.name for s in slots if s.verdict in verdicts]
 
-        bad, open_, ok = names("mismatch", "no_match"), names(UNDECIDED), names("ok")
+        bad, open_, ok, free = names("mismatch", "no_match"), names(UNDECIDED), names("ok"), names("unlabelled")
         parts = []
+        if self.subject.missing:
+            parts.append(f"the spec's {'; '.join(self.subject.missing)} in no slot the file records")
         if bad:
             parts.append(f"{len(bad)} of {n} slot{'s' if n > 1 else ''} not what {'was' if len(bad) == 1 else 'were'} "
                          f"declared or matching no point ({', '.join(bad)})")
         if open_:
             parts.append(f"{len(open_)} of {n} undecided: the reference cannot tell the points they fit apart "
                          f"({', '.join(open_)})")
-        if ok and (bad or open_):
-            parts.append(f"{len(ok)} ok")
-        if not parts:
-            parts.append(f"all {n} slots are their declared points" if self.ok
-                         else f"each of the {n} slots matched one point ({len(names('unlabelled'))} declared none)")
+        if ok:
+            parts.append(f"{len(ok)} of {n} {'is its' if len(ok) == 1 else 'are their'} declared point"
+                         + ("" if len(ok) == 1 else "s"))
+        if free:
+            parts.append(f"{len(free)} of {n} declared nothing and matched one point ({', '.join(free)})")
         return f"{self.verdict}: " + "; ".join(parts)
 
     def to_json(self) -> dict:
@@ -153,39 +157,60 @@ class HarnessResult:
             "diagnosis": [{"kind": d.kind, "detail": d.detail} for d in self.report.diagnosis],
             "suggested": {"captures": {k: str(v) for k, v in self.report.suggested_captures.items()},
                           "engine_ids": self.engine_ids},
+            "missing": list(self.subject.missing),
             "subject": self.subject.source, "layout": self.subject.layout, "reference": self.reference_source,
             "alignment": self.alignment, "notes": self.notes,
         }
 
 
-def _declare_from_spec(subject: Subject, spec: Spec, explicit_slots: bool) -> list[str]:
+def _declare_from_spec(subject: Subject, spec: Spec, slots_given: bool, by_producer: bool) -> list[str]:
     """Label the subject's slots with the spec's points: by name where the file names its tensors
-    (whatever order it stores them in), by the spec's dump slots in order where the layout has one."""
-    notes: list[str] = []
-    if explicit_slots:
-        names = subject.names
-    elif subject.keyed:
-        names, keyed_notes = _keyed_names(subject, spec)
-        notes += keyed_notes
+    (whatever order it stores them in); by point where every slot's point is recorded (the file, the
+    record beside it, or ``--slots PRODUCER:IDS``); by the layout's own order otherwise
+    (:meth:`Spec.slot_order`); by the names ``--slots`` gave."""
+    if subject.keyed and not slots_given:
+        names, notes = _keyed_names(subject, spec)
+    elif (by_producer or not slots_given) and subject.slots and all(d is not None for _, d, _ in subject.slots):
+        names, notes = _by_recorded_point(subject, spec)
+    elif slots_given:
+        names, notes = subject.names, []
     else:
-        order = spec.dump_slots
+        order, how = spec.slot_order(subject.layout)
         if len(order) != len(subject.names):
             raise BadInput(f"{subject.source} holds {len(subject.names)} slots, the spec's dump slots are {len(order)} "
                            f"({', '.join(order)}): pass --slots")
-        names = order
-        notes.append(f"slots named from the spec's dump slots, in the {subject.layout} layout's order: {', '.join(order)}")
-    slots = []
-    differ = []
+        names, notes = order, [f"slots named from the spec in {how} order: {', '.join(order)}"]
+    slots, differ = [], []
     for (old, declared, t), name in zip(subject.slots, names):
-        if name in spec.captures:
-            if declared is not None and declared != spec.captures[name]:
-                differ.append(f"{old}: {declared} -> {name}: {spec.captures[name]}")
-            declared = spec.captures[name]
-        slots.append((name, declared, t))
+        if name in spec.captures and declared is not None and declared != spec.captures[name]:
+            differ.append(f"{old}: {declared} -> {name}: {spec.captures[name]}")
+        slots.append((name, spec.captures.get(name, declared), t))
     subject.slots = slots
-    if differ:  # a self-describing dump labelled otherwise by this spec: say so, the spec is what is checked
+    if differ:  # labelled otherwise by the file or --slots: say so; the spec is what is checked
         notes.append("the spec's labels replace the subject's own: " + "; ".join(differ))
+    if not subject.missing and not any(n in spec.captures for n in names):
+        raise BadInput(f"{subject.source}: no slot is named for a capture of spec {spec.name} "
+                       f"({', '.join(spec.dump_slots)}): name them with --slots NAME=KEY or NAME=POINT")
     return notes
+
+
+def _by_recorded_point(subject: Subject, spec: Spec) -> tuple[list[str], list[str]]:
+    """Every slot's point is recorded: the spec's dump slots are the slots recorded at their
+    points; a dump slot whose point no slot records is a mismatch the record itself shows."""
+    by_point = {d: i for i, (_, d, _) in enumerate(subject.slots)}
+    order = spec.dump_slots
+    missing = [f"{n}: {spec.captures[n]}" for n in order if spec.captures[n] not in by_point]
+    if missing:  # each slot is still identified against what its record says; the spec's absence is the mismatch
+        subject.missing = missing
+        return subject.names, [f"the file records its slots as {', '.join(str(d) for _, d, _ in subject.slots)}: "
+                               f"none holds the spec's {'; '.join(missing)}"]
+    picked = [by_point[spec.captures[n]] for n in order]
+    extra = [name for i, name in enumerate(subject.names) if i not in picked]
+    subject.slots = [subject.slots[i] for i in picked]
+    notes = [f"the spec's dump slots found at the points the file's record gives ({', '.join(order)})"]
+    if extra:
+        notes.append(f"slots not among the spec's dump slots, left out: {', '.join(extra)}")
+    return list(order), notes
 
 
 def _keyed_names(subject: Subject, spec: Spec) -> tuple[list[str], list[str]]:
@@ -248,7 +273,8 @@ def match(subject_path: str | Path, reference: str, *, spec: Spec | None = None,
     subject = read_subject(subject_path, slots=slots, num_layers=L, spec=spec)
     notes = list(subject.notes)
     if spec is not None:
-        notes += _declare_from_spec(subject, spec, bool(slots))
+        producer, _ = split_producer(slots)
+        notes += _declare_from_spec(subject, spec, bool(slots), producer is not None)
     ids = parse_input_ids(input_ids)
     if ids is not None:
         n_tokens = subject.slots[0][2].shape[0]

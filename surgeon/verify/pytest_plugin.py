@@ -42,8 +42,8 @@ def _format(result) -> str:
     differs = "cannot be judged against" if result.verdict == "undecided" else "differs from"
     lines = [f"wiring of {result.subject.source} {differs} the spec: {result.headline()}"]
     for s in result.report.slots:
-        if s.verdict != "ok":
-            lines.append(f"  {s.name}: declared {s.declared}, is {s.matched or 'nothing known'} "
+        if s.verdict not in ("ok", "unlabelled"):
+            lines.append(f"  {s.name}: declared {s.declared}, is {s.matched or 'no one point'} "
                          f"(rel err {s.rel_err:.4f}, margin {s.margin_text}, {s.verdict})")
     lines += [f"  {d.kind}: {d.detail}" for d in result.report.diagnosis]
     if result.engine_ids:

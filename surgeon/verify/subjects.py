@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -51,6 +52,7 @@ class Subject:
     layout: str
     notes: list[str] = field(default_factory=list)
     keyed: bool = False  # the slots are tensors the file names: read by those names, never by position
+    missing: list[str] = field(default_factory=list)  # a spec's dump slots at points no slot's record gives
 
     @property
     def names(self) -> list[str]:
@@ -121,6 +123,8 @@ def select_by_key(p: Path, entries: Sequence[str], read: FileSlots,
                            f"not by position: name a slot by its key (NAME=KEY, or KEY=POINT)")
         if key in taken:
             raise BadInput(f"{p}: --slots {entry!r}: key {key!r} is already taken by {taken[key]!r}")
+        if name in names:
+            raise BadInput(f"{p}: --slots {entry!r}: slot name {name!r} is given twice")
         taken[key] = entry
         names.append(name)
         declared.append(point)
@@ -166,6 +170,9 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
         _label_by_producer(p, read, producer, num_layers, spec)
     elif read.layout in ("vllm-connector", "specforge"):
         _label_by_export_record(p, read, num_layers)
+    if read.layout == "vllm-connector" and all(d is None for d in read.declared):
+        read.notes.append("which point each slot holds is not recorded, so each is identified, not assumed "
+                          "(--slots vllm:IDS or a spec labels them)")
     if not read.tensors:
         raise BadInput(f"{p}: holds no hidden-state tensors")
     if read.keyed and slots:
@@ -184,13 +191,14 @@ def _label_by_producer(p: Path, read: FileSlots, producer: fielddumps.Producer, 
     if read.layout in ("trtllm", "modelopt"):
         return
     if producer.name == "vllm" and read.layout == "vllm-connector":
-        conv = None
-        if spec is not None:
-            from surgeon.engines.view import model_class_for, open_engine
+        if spec is None:
+            raise BadInput(f"--slots vllm:{producer.ids_text}: labelling by vLLM ids needs the target: pass --spec "
+                           "(its class's ids are read from the installed vLLM)")
+        from surgeon.engines.view import model_class_for, open_engine
 
-            conv = open_engine("vllm").convention(model_class_for(spec, "vllm"))
-        read.declared = list(fielddumps.label_vllm_stack(str(p), len(read.tensors), producer, num_layers, read.notes,
-                                                         conv))
+        conv = open_engine("vllm").convention(model_class_for(spec, "vllm"))
+        read.declared = list(fielddumps.label_vllm_stack(str(p), len(read.tensors), producer, spec.num_layers,
+                                                         read.notes, conv))
         return
     what = "vLLM hidden-state connector (or speculators)" if producer.name == "vllm" else producer.name
     raise BadInput(f"{p}: --slots {producer.name}:... names a {what} dump, but this is a {read.layout} file")
@@ -202,30 +210,20 @@ _SPECFORGE_AUX = re.compile(r"aux_hidden_state\[(\d+)\]")
 def _label_by_export_record(p: Path, read: FileSlots, num_layers: int | None) -> None:
     """A file ``surgeon export`` wrote carries its record beside it (``surgeon-export.json``: each
     written slot's point): its slots are declared from it, the one record a training file has."""
-    import json
-
     from surgeon.capture.exporters import MANIFEST
 
     manifest = p.parent / MANIFEST
-    if not manifest.is_file():
-        return
     try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{manifest}:{e.lineno}:{e.colno}: {e.msg} (the record of the export {p.name} came from)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"{manifest}: cannot be read ({e})") from None
-    files = data.get("files") if isinstance(data, dict) and data.get("surgeon.kind") == "export" else None
-    entry = next((f for f in files or () if isinstance(f, dict) and f.get("file") == p.name), None)
+        st = manifest.stat()
+    except OSError:
+        return
+    entry = _export_records(str(manifest), st.st_mtime_ns, st.st_size).get(p.name)
     if entry is None:
         return
     by_key = {}
-    for cap in entry.get("captures") or ():
-        key = str(cap.get("name", ""))
-        if (m := _SPECFORGE_AUX.fullmatch(key)) is not None:  # SpecForge's aux_hidden_state[i] is this reader's aux_i
-            key = f"aux_{m.group(1)}"
+    for key, text in entry:
         try:
-            by_key[key] = parse_point(str(cap.get("point")), num_layers)
+            by_key[key] = parse_point(text, num_layers)
         except PointError as e:
             raise BadInput(f"{manifest}: {p.name}: slot {key!r}: {e.message}") from None
     if set(by_key) != set(read.names):
@@ -233,6 +231,35 @@ def _label_by_export_record(p: Path, read: FileSlots, num_layers: int | None) ->
                        "the record does not describe this file")
     read.declared = [by_key[n] for n in read.names]
     read.notes.append(f"slots declared by {manifest.name}, the record surgeon export wrote beside the file")
+
+
+@lru_cache(maxsize=8)
+def _export_records(manifest: str, mtime_ns: int, size: int) -> dict[str, list[tuple[str, str]]]:
+    """file name -> [(slot key as the readers name it, point text)] of an export's record, parsed
+    once per version of the file (an audit reads it for every file of the set)."""
+    import json
+
+    where = f"{manifest}: the record of a surgeon export"
+    try:
+        data = json.loads(Path(manifest).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{manifest}:{e.lineno}:{e.colno}: {e.msg} (the record of a surgeon export)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{where} cannot be read ({e})") from None
+    if not isinstance(data, dict) or data.get("surgeon.kind") != "export":
+        return {}
+    files = data.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("file"), str) for f in files):
+        raise BadInput(f"{where}: 'files' is not a list of {{file, captures}} entries")
+    out: dict[str, list[tuple[str, str]]] = {}
+    for f in files:
+        caps = f.get("captures")
+        if not isinstance(caps, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("point"), str) for c in caps):
+            raise BadInput(f"{where}: {f['file']}: 'captures' is not a list of {{name, point}} entries")
+        out[f["file"]] = [(f"aux_{m.group(1)}" if (m := _SPECFORGE_AUX.fullmatch(c["name"])) else c["name"], c["point"])
+                          for c in caps]  # SpecForge's aux_hidden_state[i] is this reader's aux_i
+    return out
 
 
 def _apply_slot_names(p: Path, named: list[tuple[str, Point | None]],
@@ -354,8 +381,7 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
         tensors = [hs[:, i] for i in range(hs.shape[1])]
         read = FileSlots("vllm-connector", [f"hidden_states[:, {i}]" for i in range(len(tensors))], tensors,
                           [None] * len(tensors), ids)
-        read.notes.append(f"{fielddumps.VLLM_STACK_NOTE}: which point each slot holds is not recorded, so each is "
-                          "identified, not assumed (--slots vllm:IDS or a spec labels them)")
+        read.notes.append(fielddumps.VLLM_STACK_NOTE)
         return read
     items = [(k, v) for k, v in data.items() if v.is_floating_point()]
     if len(items) == 1 and items[0][1].dim() == 3:

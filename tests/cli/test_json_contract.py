@@ -121,7 +121,8 @@ def test_match_and_verify_outputs_have_ok_and_numbers(harness, tmp_path):
     assert bad["ok"] is False and [s["verdict"] for s in bad["slots"]][2] == "mismatch"
     noise = tmp_path / "noise.pt"
     torch.save([torch.randn(len(IDS), 128)], noise)
-    unmatched = valid("match", noise, "--reference", ref, "--slots", "x=layer_out[2]", "--input-ids", ",".join(map(str, IDS)))
+    unmatched = valid("match", noise, "--reference", ref, "--slots", "x=layer_out[2]", "--input-ids", ",".join(map(str, IDS)),
+                      code=3)  # a buffer that matches no point: a decided fault, exit 3 as ok says
     assert unmatched["ok"] is False and unmatched["slots"][0]["matched"] is None  # null, not the string "none"
 
 

@@ -49,18 +49,18 @@ def test_trtllm_dump_slots_are_named_by_its_layers_to_capture(tmp_path, tiny):
     assert s.layout == "trtllm" and s.names[-1] == "hidden_state"
     assert [d for _, d, _ in s.slots] == [None, None, None, FINAL_NORM]
     assert any("trtllm:IDS" in n for n in s.notes) and torch.equal(s.input_ids, ref.input_ids)
-    r, got = verify_json(tiny, f, "trtllm:5,1,3")
-    assert got == [("aux_hidden_states[0]", "layer_out[1]", "layer_out[1]", "ok"),
-                   ("aux_hidden_states[1]", "layer_out[3]", "layer_out[3]", "ok"),
-                   ("aux_hidden_states[2]", "layer_out[5]", "layer_out[5]", "ok"),
-                   ("hidden_state", "final_norm", "final_norm", "ok")]
+    r, got = verify_json(tiny, f, "trtllm:5,1,3")  # the spec's slots found at the points the ids give
+    assert got == [("low", "layer_out[1]", "layer_out[1]", "ok"), ("mid", "layer_out[3]", "layer_out[3]", "ok"),
+                   ("high", "layer_out[5]", "layer_out[5]", "ok"), ("last", "final_norm", "final_norm", "ok")]
     assert any("save_hidden_state.py:41-49" in n for n in r["notes"])
     assert any("not verified against a source on this machine" in n for n in r["notes"])
 
 
 def test_trtllm_with_minus_one_listed_keeps_the_post_norm_column_in_aux(tmp_path, tiny):
     f = write_trtllm(tmp_path / "d.pt", tiny[0], {-1, 2, 6}, last_hidden_in_save=True, aux_key="hidden_state_features")
-    _, got = verify_json(tiny, f, "trtllm:-1,2,6")
+    r, got = verify_json(tiny, f, "trtllm:-1,2,6", code=3)  # true labels, but not the spec's layers 1, 3, 5
+    assert r["missing"] == ["low: layer_out[1]", "mid: layer_out[3]", "high: layer_out[5]"]
+    assert r["verdict"] == "mismatch" and r["headline"].startswith("mismatch: the spec's low: layer_out[1]")
     assert [(n, d, v) for n, d, _, v in got] == [
         ("hidden_state_features[0]", "layer_out[2]", "ok"), ("hidden_state_features[1]", "layer_out[6]", "ok"),
         ("hidden_state_features[2]", "final_norm", "ok"), ("hidden_state", "final_norm", "ok")]
@@ -74,13 +74,13 @@ def test_modelopt_hf_backend(tmp_path, tiny):
     f = write_modelopt_hf(tmp_path / "7.pt", tiny[0], [1, 3, 5])
     r, got = verify_json(tiny, f, "modelopt-hf:5,3,1")  # common.py sorts and de-duplicates
     assert [(n, d, v) for n, d, _, v in got] == [
-        ("aux_hidden_states[0]", "layer_out[1]", "ok"), ("aux_hidden_states[1]", "layer_out[3]", "ok"),
-        ("aux_hidden_states[2]", "layer_out[5]", "ok"), ("hidden_states", "final_norm", "ok")]
+        ("low", "layer_out[1]", "ok"), ("mid", "layer_out[3]", "ok"), ("high", "layer_out[5]", "ok"),
+        ("last", "final_norm", "ok")]
     assert any("compute_hidden_states_hf.py:187" in n for n in r["notes"])
     assert any(f"loss_mask: {len(IDS)} of {len(IDS)}" in n for n in r["notes"])
     # id L-1 reads hidden_states[L], the final norm's output (the hf backend cannot give layer_out[L-1])
     f2 = write_modelopt_hf(tmp_path / "8.pt", tiny[0], [2, L - 1])
-    _, got = verify_json(tiny, f2, f"modelopt-hf:2,{L - 1}")
+    _, got = verify_json(tiny, f2, f"modelopt-hf:2,{L - 1}", code=3)  # not the spec's layers: a mismatch
     assert [d for _, d, _, _ in got] == ["layer_out[2]", "final_norm", "final_norm"]
 
 
@@ -91,7 +91,8 @@ def test_modelopt_vllm_backend_labels_the_same_list_one_layer_earlier_than_hf(tm
     assert [d for _, d, _ in vllm.slots] == [layer_out(0), layer_out(2), layer_out(4), layer_out(L - 1)]
     assert [d for _, d, _ in hf.slots] == [layer_out(1), layer_out(3), layer_out(5), FINAL_NORM]
     assert any("one layer earlier than hf" in n for n in vllm.notes)
-    _, got = verify_json(tiny, f, "modelopt-vllm:1,3,5")  # what the vllm backend really dumped: all ok
+    r, got = verify_json(tiny, f, "modelopt-vllm:1,3,5", code=3)  # what the vllm backend really dumped: all ok,
+    assert len(r["missing"]) == 4  # and none of it the spec's points: the wiring differs
     assert [(d, m, v) for _, d, m, v in got] == [("layer_out[0]", "layer_out[0]", "ok"),
                                                  ("layer_out[2]", "layer_out[2]", "ok"),
                                                  ("layer_out[4]", "layer_out[4]", "ok"),

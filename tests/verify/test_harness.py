@@ -108,10 +108,11 @@ def test_a_connector_stack_declares_nothing_it_does_not_record(tmp_path, kimi):
     r = json.loads(run("verify", spec, "--subject", f, "--reference", ref_file, "--json", code=3).stdout)
     assert [x["verdict"] for x in r["slots"]] == ["mismatch", "ok", "ok", "ok"]  # the spec, in the stack's order
     r = json.loads(run("verify", spec, "--subject", f, "--reference", ref_file, "--slots", "vllm:2,30,58,61",
-                       "--json").stdout)  # the ids vLLM was given label the slots: id j = layer_out[j-1]
+                       "--json", code=3).stdout)  # the ids vLLM was given label the slots: id j = layer_out[j-1]
     assert [x["declared"] for x in r["slots"]] == [str(p) for p in points]
+    assert [x["verdict"] for x in r["slots"]] == ["ok"] * 4 and r["missing"] == ["a: layer_out[0]"]
     r = json.loads(run("match", f, "--reference", ref_file, "--spec", spec, "--slots", "vllm:61,2,30,58",
-                       "--json").stdout)
+                       "--json", code=3).stdout)
     assert [x["verdict"] for x in r["slots"]] == ["ok"] * 4  # the connector stacks ascending ids
     run("match", f, "--reference", ref_file, "--spec", spec, "--slots", "vllm:2,30,58", code=2)
     run("match", f, "--reference", ref_file, "--spec", spec, "--slots", "vllm:2,30,58,62", code=2)
@@ -123,7 +124,7 @@ def test_plain_files_with_slots(tmp_path, kimi):
     lst = tmp_path / "list.pt"
     torch.save([ref.states[EMBED], ref.states[layer_out(4)]], lst)
     r = json.loads(run("match", lst, "--reference", ref_file, "--slots", "x=embed,y=layer_out[5]",
-                       "--input-ids", ",".join(map(str, IDS)), "--json").stdout)
+                       "--input-ids", ",".join(map(str, IDS)), "--json", code=3).stdout)
     assert [(s["name"], s["verdict"]) for s in r["slots"]] == [("x", "ok"), ("y", "mismatch")]
     stacked = tmp_path / "stack.safetensors"
     save_file({"h": torch.stack([ref.states[layer_out(7)], ref.states[FINAL_NORM]]), "input_ids": ref.input_ids}, str(stacked))

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from surgeon.core.errors import UNDECIDED, BadInput
+from surgeon.core.points import layer_out
 from surgeon.core.spec import load_spec
 from surgeon.verify.harness import match
 from tests.conftest import cli_run as run
@@ -217,3 +218,62 @@ def test_keys_that_name_points_declare_them(tmp_path, field_target):
     r = match(f, str(ref_file))
     wrong = {s.name: (s.declared, s.matched, s.verdict) for s in r.report.slots}["layer_out[3]"]
     assert (str(wrong[0]), str(wrong[1]), wrong[2]) == ("layer_out[3]", "layer_out[5]", "mismatch")
+
+
+def test_a_specforge_file_is_labelled_by_its_own_semantics_not_the_specs_capture_order(tmp_path, field_target):
+    """SpecForge's aux_hidden_state is the fc input in fc order and hidden_state the final norm's
+    output, whatever order the spec lists its captures in."""
+    ref, ref_file, _ = field_target
+    spec_file = tmp_path / "rev.yaml"
+    spec_file.write_text(textwrap.dedent("""\
+        spec: 1
+        name: rev
+        target: {architecture: LlamaForCausalLM, num_layers: 8, hidden_size: 64}
+        captures: {last: final_norm, high: 'layer_out[5]', low: 'layer_out[1]', mid: 'layer_out[3]'}
+        draft: {kind: eagle3, fc_input: [low, mid, high], fc_in_features: 192}
+        """))
+    spec = load_spec(spec_file)
+    ckpt = tmp_path / "data_0.ckpt"
+    torch.save({"input_ids": ref.input_ids[None], "loss_mask": torch.ones(1, ref.input_ids.numel()),
+                "aux_hidden_state": torch.cat([ref.states[spec.captures[n]] for n in spec.fc_names], -1)[None],
+                "hidden_state": ref.states[spec.captures["last"]][None]}, ckpt)
+    r = match(ckpt, str(ref_file), spec=spec)
+    assert [(s.name, s.verdict) for s in r.report.slots] == [("low", "ok"), ("mid", "ok"), ("high", "ok"), ("last", "ok")]
+    assert any("SpecForge's own" in n for n in r.notes)
+
+
+def test_ids_that_label_a_stack_are_checked_against_the_spec(tmp_path, field_target):
+    """--slots vllm:IDS says what the stack holds; verify still checks the spec: a stack whose ids
+    name other layers than the spec's is a mismatch naming the spec's slots it lacks."""
+    ref, ref_file, spec_file = field_target
+    pts = [layer_out(2), layer_out(4), layer_out(6), layer_out(7)]
+    stack = tmp_path / "hs_0.safetensors"
+    save_file({"token_ids": ref.input_ids,
+               "hidden_states": torch.stack([ref.states[p] for p in pts], dim=1).contiguous()}, str(stack))
+    r = json.loads(run("verify", spec_file, "--subject", stack, "--reference", ref_file, "--slots", "vllm:3,5,7,8",
+                       "--json", code=3).stdout)
+    assert [s["verdict"] for s in r["slots"]] == ["ok"] * 4  # the labels are true ...
+    assert r["missing"] == ["low: layer_out[1]", "mid: layer_out[3]", "high: layer_out[5]", "last: final_norm"]
+    run("verify", spec_file, "--subject", stack, "--reference", ref_file, "--slots", "vllm:3,5,7", code=2)
+
+
+@pytest.mark.parametrize("record", ['{"surgeon.kind": "export", "files": [{"file": "hs_0.safetensors", "captures": [1, 2]}]}',
+                                    '{"surgeon.kind": "export", "files": {"hs_0.safetensors": 1}}',
+                                    '{"surgeon.kind": "export", "files": [{"file": "hs_0.safetensors", "captures": '
+                                    '[{"name": "hidden_states[:, 0]", "point": "layer_out[99]"}]}]}',
+                                    '{"surgeon.kind": "export", "files": [oops]}'])
+def test_a_bad_export_record_is_one_line(tmp_path, field_target, record):
+    ref, ref_file, spec_file = field_target
+    stack = tmp_path / "hs_0.safetensors"
+    save_file({"token_ids": ref.input_ids, "hidden_states": torch.stack([ref.states[layer_out(1)]] * 2, 1)}, str(stack))
+    (tmp_path / "surgeon-export.json").write_text(record)
+    for args in (("match", stack, "--reference", ref_file), ("dump-info", stack)):
+        err = run(*args, code=2).stderr
+        assert "surgeon-export.json" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_slots_refuse_a_name_given_twice(tmp_path, field_target):
+    ref, ref_file, _ = field_target
+    f = _write(tmp_path, "safetensors", {"a": ref.states[layer_out(1)], "b": ref.states[layer_out(3)]},
+               ref.input_ids, "twice")
+    assert "given twice" in run("match", f, "--reference", ref_file, "--slots", "low=a,low=b", code=2).stderr
