@@ -97,9 +97,11 @@ def file_key(path: str | Path) -> dict[str, Any]:
 
 def _declared(spec, layout: str, names: list[str]) -> tuple[list[str], list[Point | None]]:
     """Slot names and the points the spec declares for them: a surgeon dump's slots by their own
-    names, any other layout's by position in the spec's dump slots."""
+    names, any other layout's in that layout's own order (:meth:`surgeon.core.spec.Spec.slot_order`:
+    SpecForge's aux in fc order then its final-norm hidden_state, a stack by ascending depth)."""
     if layout != "surgeon":
-        names = spec.dump_slots[: len(names)] + names[len(spec.dump_slots):]
+        order, _ = spec.slot_order(layout)
+        names = order[: len(names)] + names[len(order):]
     return names, [spec.captures.get(n) for n in names]
 
 

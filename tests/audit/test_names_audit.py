@@ -37,3 +37,23 @@ def test_a_dump_in_another_order_is_read_by_name(tmp_path):
     assert check_structure(read_structure(_dump(tmp_path, spec, ["last", "low", "mid"], "reordered")), spec) == []
     found = check_structure(read_structure(_dump(tmp_path, spec, ["low", "mid", "other"], "renamed")), spec)
     assert len(found) == 1 and "slots named ['low', 'mid', 'other']" in found[0]
+
+
+def test_a_specforge_sample_is_labelled_by_specforges_order_not_the_specs_listing(tmp_path):
+    """The audit's slots of a SpecForge sample: aux in fc order, then the final norm's hidden_state,
+    whatever order the spec lists its captures in (listing final_norm first made every slot wrong)."""
+    from surgeon.audit.worker import _declared
+
+    f = tmp_path / "rev.yaml"
+    f.write_text(textwrap.dedent("""\
+        spec: 1
+        name: rev
+        target: {architecture: LlamaForCausalLM, num_layers: 4, hidden_size: 8}
+        captures: {last: final_norm, mid: 'layer_out[1]', low: 'layer_out[0]'}
+        draft: {kind: eagle3, fc_input: [low, mid], fc_in_features: 16}
+        """))
+    spec = load_spec(f)
+    names, points = _declared(spec, "specforge", ["aux_0", "aux_1", "hidden_state"])
+    assert names == ["low", "mid", "last"] and points == [layer_out(0), layer_out(1), FINAL_NORM]
+    names, points = _declared(spec, "speculators", ["s0", "s1", "s2"])
+    assert names == ["low", "mid", "last"]  # a stack: ascending depth
