@@ -25,7 +25,7 @@ import libcst
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
-from surgeon.engines.locate import copy_engine_sources
+from surgeon.engines.source.locate import copy_engine_sources
 from surgeon.patch.apply import apply_spec, revert_patch
 
 REPO = Path(__file__).resolve().parent.parent

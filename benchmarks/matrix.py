@@ -23,7 +23,7 @@ from pathlib import Path
 
 import libcst
 
-from surgeon.engines.locate import locate_engine
+from surgeon.engines.source.locate import locate_engine
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "surgeon"

@@ -14,7 +14,7 @@ import time
 
 import libcst
 
-from surgeon.engines.locate import layout_of, locate_engine
+from surgeon.engines.source.locate import layout_of, locate_engine
 from surgeon.patch.coverage import coverage
 from surgeon.patch.rewriter import PatchApplicationError, find_recipe, load_recipes, rewrite
 

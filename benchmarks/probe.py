@@ -15,8 +15,8 @@ import time
 
 import libcst
 
-from surgeon.engines.locate import layout_of
-from surgeon.engines.probe import locate_engine, probe_engine
+from surgeon.engines.probes.probe import locate_engine, probe_engine
+from surgeon.engines.source.locate import layout_of
 
 
 def _baseline(engine: str) -> tuple[float, int, int]:

@@ -1,7 +1,7 @@
 """Suite-wide fixtures: real engine copies, the gpu skip, and the slow marker's meaning.
 
 Engines come from one place. Tests that edit an engine work on a copy of the *installed* engine
-(found with :mod:`surgeon.engines.locate`, never a hard-coded site-packages path), made by the
+(found with :mod:`surgeon.engines.source.locate`, never a hard-coded site-packages path), made by the
 ``engine_copy`` fixture below; a missing engine is a setup error that fails loudly, never a skip.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
+from surgeon.engines.source.locate import EngineLocation, ProbeError, locate_engine
 
 pytest_plugins = ["pytester"]
 
@@ -78,7 +78,7 @@ def engine_copy(tmp_path: Path) -> Callable[..., Path]:
     the installed engine's model files under ``dest`` (default ``tmp_path/site-<engine>``); returns
     the copied package directory. ``metadata=False`` leaves out the ``*.dist-info`` (a copy whose
     version is unknown). Copies of both engines may share one ``dest``."""
-    from surgeon.engines.locate import copy_engine_sources
+    from surgeon.engines.source.locate import copy_engine_sources
 
     def make(engine: str, dest: str | Path | None = None, *, metadata: bool = True) -> Path:
         site = Path(dest) if dest is not None else tmp_path / f"site-{engine}"

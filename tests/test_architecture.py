@@ -39,7 +39,7 @@ import surgeon.core.conventions, surgeon.core.idrules, surgeon.core.points
 from surgeon.core.spec import load_spec
 after_core = [m for m in HEAVY if m in sys.modules]
 
-import surgeon.engines.locate as locate
+import surgeon.engines.source.locate as locate
 def _not_installed(layout):
     raise locate.ProbeError(f"{layout.package} hidden by the light-core test")
 locate._find_installed = _not_installed

@@ -50,7 +50,7 @@ def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str 
     ``render`` refuses for an engine is an error (exit 2). ``strict``: an answer render gives but
     marks unverified is an error too; ``skip_non_specs``: leave out files without a
     top-level ``spec:`` key (other YAML); ``pp``/``tp``: also place each capture on its pipeline
-    stage and check it reaches the draft (:mod:`surgeon.wiring.pipeline`)."""
+    stage and check it reaches the draft (:mod:`surgeon.engines.probes.pipeline`)."""
     from surgeon.core.spec import is_spec_file
     from surgeon.wiring.lint import lint_files
 

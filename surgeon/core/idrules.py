@@ -64,7 +64,7 @@ class SiteRecord:
 @dataclass(frozen=True)
 class Evidence:
     """A source line an answer rests on: the setter, the default, the loop, a capture site, the
-    model runner's call (filled by :mod:`surgeon.engines.runner` where it reads one)."""
+    model runner's call (filled by :mod:`surgeon.engines.probes.runner` where it reads one)."""
 
     role: EvidenceRole
     path: str
@@ -381,7 +381,7 @@ class EngineProbe:
     # Architecture name (config.json ``architectures``) -> key of ``classes``, from the engine's
     # registry (SGLang ``EntryClass``, vLLM ``registry.py``), for registered classes probed here.
     architectures: dict[str, str] = field(default_factory=dict)
-    # What the engine's model runner hands the setter (surgeon.engines.runner); None: not read.
+    # What the engine's model runner hands the setter (surgeon.engines.probes.runner); None: not read.
     runner: RunnerModel | None = None
     # The platform the answers hold for ("cuda", "rocm", "cpu"; "all" where the engine does not
     # dispatch per platform), and the registered architectures whose class depends on it.

@@ -4,7 +4,7 @@ which key, with which offset), or only the model's own default.
 The model class's setter (:mod:`surgeon.core.idrules`) says what ids *mean*; the runner says which
 ids *arrive*. vLLM 0.11's runner, for one, calls ``set_aux_hidden_state_layers`` with the model's
 default whatever the draft config says, so a draft trained on other layers cannot be served there.
-Filled by :mod:`surgeon.engines.runner` from the engine's runner source, each call with its file:line.
+Filled by :mod:`surgeon.engines.probes.runner` from the engine's runner source, each call with its file:line.
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
-"""Engines: locate an installed engine, read its source (probes, the decoder-loop anatomy), and
-view its per-class conventions."""
+"""Engines: an installed engine read from its source, never imported, in four wings (``source``,
+``interp``, ``probes``, ``facts``); :mod:`surgeon.engines.view` is the front door (which convention
+applies, per engine)."""

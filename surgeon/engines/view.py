@@ -19,7 +19,7 @@ from pathlib import Path
 from surgeon.core.conventions import BUILTIN, BUILTIN_READ_FROM, ENGINE_INSTALL, EngineConvention, builtin_class
 from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.idrules import ClassConvention, EngineProbe
-from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine  # light: no libcst until a probe runs
+from surgeon.engines.source.locate import EngineLocation, ProbeError, locate_engine  # light: no libcst until a probe runs
 
 SERVING_ENGINES = ("sglang", "vllm")
 PLATFORM_CHOICES = ("cuda", "rocm", "cpu")
@@ -167,7 +167,7 @@ def _signature(location: EngineLocation) -> tuple:
 
 @lru_cache(maxsize=16)
 def _probe_view(engine: str, location: EngineLocation, signature: tuple, platform: str | None = None) -> EngineView:
-    from surgeon.engines.probe import probe_engine  # libcst: only when an engine is really probed
+    from surgeon.engines.probes.probe import probe_engine  # libcst: only when an engine is really probed
 
     try:
         probe = probe_engine(engine, location.root, progress=_progress_hook.get(engine), platform=platform)

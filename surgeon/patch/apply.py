@@ -28,7 +28,7 @@ from typing import Literal
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec, load_spec
-from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
+from surgeon.engines.source.locate import EngineLocation, ProbeError, locate_engine
 from surgeon.patch.manifest import ApplyResult, FileChange, PatchError, PatchManager, PatchStatus, RevertResult
 from surgeon.patch.markers import Marker, hooks_relpath
 

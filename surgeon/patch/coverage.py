@@ -1,7 +1,7 @@
 """Patch coverage of an installed engine: which decoder-layer loops the rewriter can patch.
 
 :func:`coverage` visits every model file of an engine (located with
-:mod:`surgeon.engines.locate`, never imported). A class *owns a decoder-layer loop* when its
+:mod:`surgeon.engines.source.locate`, never imported). A class *owns a decoder-layer loop* when its
 recipe's method (``forward``) holds a ``for`` loop over ``self.<layers_attr>`` (``self.layers``)
 or a ``range`` loop that indexes it; for each such class it reports whether the rewriter can
 insert the layer captures (``layer_out[k]``), the embedding capture and the final-norm capture,
@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from surgeon.core.errors import BadInput
-from surgeon.engines.anatomy import ast_span, loops_over_ast
-from surgeon.engines.locate import ProbeError, layout_of, locate_engine
+from surgeon.engines.source.anatomy import ast_span, loops_over_ast
+from surgeon.engines.source.locate import ProbeError, layout_of, locate_engine
 from surgeon.patch.planner import Checker
 from surgeon.patch.recipes import (
     PatchApplicationError,
@@ -283,7 +283,7 @@ def _native(engine: str, root: Path, platform: str | None = None) -> tuple[dict[
     """(loop-owner path, class) -> the probe's classified classes capturing through that loop
     (on ``platform``)."""
     try:
-        from surgeon.engines.probe import probe_engine
+        from surgeon.engines.probes.probe import probe_engine
 
         probe = probe_engine(engine, root, platform=platform)
     except Exception as exc:  # the coverage still stands without the native column
@@ -336,8 +336,8 @@ def _why(exc: Exception) -> str:
 def _trees(engine: str, loc, tasks: list, nfiles: int) -> list[dict]:
     """Counts per models directory: model files, files and classes with a layer loop, and (vLLM)
     the registered architectures whose registry module lives there."""
-    from surgeon.engines import probe_vllm
-    from surgeon.engines.source import SourceIndex
+    from surgeon.engines.probes import vllm as probe_vllm
+    from surgeon.engines.source.index import SourceIndex
 
     routed: dict[str, int] = {}
     if engine == "vllm":

@@ -1,6 +1,6 @@
 """The capture planner: which hook calls go where in a decoder model's forward.
 
-:class:`CapturePlanner` reads the class's decoder-loop anatomy (:mod:`surgeon.engines.anatomy`)
+:class:`CapturePlanner` reads the class's decoder-loop anatomy (:mod:`surgeon.engines.source.anatomy`)
 under a recipe and decides, for a set of stream positions, the statements to insert before and
 after which nodes, or refuses (:class:`~surgeon.patch.recipes.PatchApplicationError`). It writes
 no code: :mod:`surgeon.patch.rewriter` inserts the planned statements, and :class:`Checker`
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from surgeon.engines.anatomy import (
+from surgeon.engines.source.anatomy import (
     COUNTER,
     AnatomyRefusal,
     ClassAnatomy,

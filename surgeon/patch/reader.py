@@ -248,7 +248,7 @@ class PatchReader:
 
 def default_scan_dirs(root: Path) -> list[str]:
     """The engines' model directories under ``root`` (an engine package, or a site-packages holding them)."""
-    from surgeon.engines.locate import LAYOUTS
+    from surgeon.engines.source.locate import LAYOUTS
 
     out = []
     for layout in LAYOUTS.values():

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from surgeon.core.data import data_dir
 from surgeon.core.errors import BadInput, InternalError
-from surgeon.engines.anatomy import ast_span, loops_over_ast
+from surgeon.engines.source.anatomy import ast_span, loops_over_ast
 
 __all__ = [
     "GENERIC",

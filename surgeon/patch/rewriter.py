@@ -36,7 +36,7 @@ non-negative integers, sums or ``len(...)``; the check is on host ints (graph sa
 Recipes (``patches/*.yaml``) are data: per engine and model file/class they override what the
 generic recognizer would pick. Without a recipe the generic one (:data:`GENERIC`) applies.
 
-Layers: the loop is read by :mod:`surgeon.engines.anatomy`, the insertions are decided by
+Layers: the loop is read by :mod:`surgeon.engines.source.anatomy`, the insertions are decided by
 :mod:`surgeon.patch.planner` (which refuses), recipes and the source reducer live in
 :mod:`surgeon.patch.recipes`; this module only inserts the planned statements and splices the
 result into the original bytes. The names other modules import from here are re-exported.
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from surgeon.engines.anatomy import COUNTER
+from surgeon.engines.source.anatomy import COUNTER
 from surgeon.patch.markers import Marker
 from surgeon.patch.planner import AUX_NAME, CapturePlanner, Checker, check, hooks_expr
 from surgeon.patch.recipes import (

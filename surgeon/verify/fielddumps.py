@@ -23,7 +23,7 @@ caller names the producer and its ids as one ``--slots`` entry, ``PRODUCER:IDS``
 (``trtllm:1,15,28``, ``modelopt-vllm:1,17,29``; presets ``eagle``/``dflash`` for Model Optimizer,
 ``default`` for TensorRT-LLM, its tuple for 6 layers or more: it raises for fewer), and each slot
 is labelled by that tool's cited convention
-(:mod:`surgeon.engines.field_tables`). Without it only what the layout itself fixes is labelled:
+(:mod:`surgeon.engines.facts.field_tables`). Without it only what the layout itself fixes is labelled:
 TensorRT-LLM's ``hidden_state``. Labels are declarations: ``verify``/``match`` still identify
 every slot against the reference.
 
@@ -46,7 +46,7 @@ import torch
 from surgeon.core.conventions import EngineConvention, InvalidId, builtin_convention
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point
-from surgeon.engines.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER, Cite
+from surgeon.engines.facts.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER, Cite
 
 PRODUCERS = ("trtllm", "modelopt-hf", "modelopt-vllm", "modelopt-trtllm", "vllm")
 _DIRECTIVE = re.compile(r"\s*(?P<producer>trtllm|modelopt-hf|modelopt-vllm|modelopt-trtllm|vllm)\s*:\s*(?P<ids>.*)", re.S)
@@ -181,7 +181,7 @@ def _modelopt_ids(producer: Producer, L: int, notes: list[str]) -> list[int]:
     if preset in ("eagle", "dflash"):
         if preset == "eagle" and producer.name == "modelopt-vllm":
             raise BadInput(f"--slots modelopt-vllm:eagle: the vllm backend does not take 'eagle' ({MODELOPT['vllm_presets']})")
-        from surgeon.engines.modelopt import open_modelopt
+        from surgeon.engines.facts.modelopt import open_modelopt
 
         source = open_modelopt()
         if source is None:

@@ -19,15 +19,10 @@ from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
 from surgeon.core.conventions import EAGLE, ENGINE_INSTALL, EngineConvention, InvalidId
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS, Spec, read_regular_file
-from surgeon.engines.dflash_trainers import SPECFORGE as SPECFORGE_DFLASH
-from surgeon.engines.sglang_dflash import SETTER as DFLASH_SETTER
-from surgeon.engines.sglang_dflash import DFlashRunner, classify_dflash, read_dflash_runner
-from surgeon.engines.view import model_class_for, open_engine
-from surgeon.wiring.evidence import engine_notes, refusal
-from surgeon.wiring.mtp import mtp_lines
-from surgeon.wiring.norms import FlagReport, config_flag, norm_report, weight_lines
-from surgeon.wiring.runnercheck import runner_ignores_ids
-from surgeon.wiring.vllm_runners import (
+from surgeon.engines.facts.dflash_trainers import SPECFORGE as SPECFORGE_DFLASH
+from surgeon.engines.facts.sglang_dflash import SETTER as DFLASH_SETTER
+from surgeon.engines.facts.sglang_dflash import DFlashRunner, classify_dflash, read_dflash_runner
+from surgeon.engines.probes.vllm_runners import (
     RULES,
     Served,
     aux_switch_lines,
@@ -39,6 +34,11 @@ from surgeon.wiring.vllm_runners import (
     source_line,
     vllm_view,
 )
+from surgeon.engines.view import model_class_for, open_engine
+from surgeon.wiring.evidence import engine_notes, refusal
+from surgeon.wiring.mtp import mtp_lines
+from surgeon.wiring.norms import FlagReport, config_flag, norm_report, weight_lines
+from surgeon.wiring.runnercheck import runner_ignores_ids
 
 CHECK_TARGETS = ("sglang", "vllm", "specforge", "speculators")
 MAX_CONFIG_BYTES = 16 << 20
@@ -58,7 +58,7 @@ CONFIG_RULES = {
 }
 
 # How each consumer's DFlash path reads a DFlash draft config (spec draft kind dflash), as read in its
-# source; the runner facts behind SGLang's are re-read from the installed release (surgeon.engines.sglang_dflash).
+# source; the runner facts behind SGLang's are re-read from the installed release (surgeon.engines.facts.sglang_dflash).
 DFLASH_RULES = {
     "sglang": "sglang 0.5.23 DFlash (spec_aux_hidden_state.py _resolve_dflash_aux_hidden_state; dflash_utils.py "
               "parse_dflash_draft_config, resolve_target_layer_ids): dflash_config.target_layer_ids, else the top-level "

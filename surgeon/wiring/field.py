@@ -2,7 +2,7 @@
 Optimizer's hidden-state collection backends (hf, vllm, trtllm).
 
 - ``trtllm``: TensorRT-LLM's ``eagle3_layers_to_capture`` (id k = layer_out[k], -1 = the post-norm
-  last state), from the cited table of :mod:`surgeon.engines.field_tables`.
+  last state), from the cited table of :mod:`surgeon.engines.facts.field_tables`.
 - ``modelopt-hf`` / ``modelopt-trtllm``: the ``--aux-layers`` list of its hf and trtllm scripts
   (0-based layer-output ids: hidden_states[k + 1], and TensorRT-LLM unchanged).
 - ``modelopt-vllm``: the same flag of its vllm script, which hands the ids to vLLM's
@@ -21,7 +21,7 @@ from surgeon.core.conventions import EngineConvention, InvalidId, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
-from surgeon.engines.field_tables import (
+from surgeon.engines.facts.field_tables import (
     MODELOPT,
     MODELOPT_HF,
     MODELOPT_LAST,
@@ -30,7 +30,7 @@ from surgeon.engines.field_tables import (
     TRTLLM_CONV,
     TRTLLM_ONE_LAYER,
 )
-from surgeon.engines.modelopt import ModeloptSource, open_modelopt
+from surgeon.engines.facts.modelopt import ModeloptSource, open_modelopt
 
 FIELD_COLUMNS = ("trtllm", "modelopt-hf", "modelopt-trtllm", "modelopt-vllm")
 POINTWISE = {"trtllm": TRTLLM_CONV, "modelopt-hf": MODELOPT_HF, "modelopt-trtllm": MODELOPT_TRTLLM}
@@ -171,8 +171,8 @@ def explain_field(spec: Spec, vllm: EngineConvention | None, *, modelopt_root=No
         TRTLLM_ONE_LAYER if L == 1 else "none: Eagle3SpecMetadata raises for 2 to 5 layers")
     notes.append(f"trtllm: default when no ids are given: {default} ({TRTLLM['default']})")
     if source is None:
-        notes.append("modelopt: its source is not on this machine (pip install --no-deps nvidia-modelopt==0.47.0; from a checkout, "
-                     "scripts/fetch-engines): presets not evaluated")
+        notes.append("modelopt: its source is not on this machine (pip install --no-deps nvidia-modelopt==0.47.0; "
+                     "from a checkout, scripts/fetch-engines): presets not evaluated")
     else:
         notes.append(f"modelopt: presets probed from {source.origin}")
         notes.extend(f"modelopt: evidence: {r}" for r in source.reads.values())

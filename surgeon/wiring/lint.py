@@ -18,7 +18,7 @@ from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.spec import Issue, Spec, SpecError, load_spec
-from surgeon.engines.modelopt import open_modelopt
+from surgeon.engines.facts.modelopt import open_modelopt
 from surgeon.engines.view import SERVING_ENGINES, EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import hazards
@@ -33,7 +33,7 @@ class LintResult:
     spec: Spec | None
     issues: list[Issue] = field(default_factory=list)
     checked: list[str] = field(default_factory=list)  # what was checked, one line each
-    pipeline: list[dict] = field(default_factory=list)  # `lint --pp`: per engine, surgeon.wiring.pipeline
+    pipeline: list[dict] = field(default_factory=list)  # `lint --pp`: per engine, surgeon.engines.probes.pipeline
 
     @property
     def ok(self) -> bool:
@@ -63,7 +63,7 @@ def lint_spec(spec: Spec, *, engines: Sequence[str] = (), roots: dict[str, str |
     did not read) is an error, not a warning (so ``surgeon lint --strict`` exits 2 on it); what render
     refuses is an error either way. ``pp``: also check which
     pipeline stage captures each fc point and whether it reaches the draft
-    (:mod:`surgeon.wiring.pipeline`)."""
+    (:mod:`surgeon.engines.probes.pipeline`)."""
     roots = roots or {}
     result = LintResult(spec.file, spec)
     targets, explicit = engines_to_check(spec, engines)
@@ -163,7 +163,7 @@ def _lint_norms(spec: Spec, engine: str, root: str | None, result: LintResult) -
 
 def _lint_pipeline(spec: Spec, engine: str, view: EngineView, cc: ClassConvention, result: LintResult, *,
                    pp: int, tp: int, strict: bool) -> None:
-    from surgeon.wiring.pipeline import lint_pipeline
+    from surgeon.engines.probes.pipeline import lint_pipeline
 
     if view.probe is None:
         result.issues.append(spec.issue(("draft", "fc_input"), f"{engine}: pp {pp}: not checked: {engine} is not installed",

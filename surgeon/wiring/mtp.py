@@ -1,10 +1,10 @@
 """The MTP / NextN input point: the spec's ``draft.mtp_input`` against the state each engine hands
-its MTP head (read by :mod:`surgeon.engines.mtp_input`)."""
+its MTP head (read by :mod:`surgeon.engines.facts.mtp_input`)."""
 
 from __future__ import annotations
 
 from surgeon.core.spec import Spec
-from surgeon.engines.locate import ProbeError, locate_engine
+from surgeon.engines.source.locate import ProbeError, locate_engine
 
 Line = tuple[str, str, str]  # (severity, kind, detail)
 
@@ -19,7 +19,7 @@ def mtp_lines(spec: Spec, engine: str, engine_root=None) -> list[Line]:
         loc = locate_engine(engine, engine_root)
     except ProbeError as e:
         return [("warning", "mtp_unchecked", f"{engine}: {e}; the MTP input is read from its source only")]
-    from surgeon.engines.mtp_input import read_mtp_input  # libcst: only once an engine is there to read
+    from surgeon.engines.facts.mtp_input import read_mtp_input  # libcst: only once an engine is there to read
 
     ans = read_mtp_input(loc, spec.model.target.architecture)
     where = "; ".join(ans.evidence)

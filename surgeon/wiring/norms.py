@@ -1,6 +1,6 @@
 """The EAGLE 3.1 norm flags: what the spec declares, what the draft's config says, and what each
-engine builds the draft with (read from its source by :mod:`surgeon.engines.draft_norms`), or, for
-SpecForge, what the trainer trains it with (:mod:`surgeon.engines.trainer_norms`). A flag the draft
+engine builds the draft with (read from its source by :mod:`surgeon.engines.facts.draft_norms`), or, for
+SpecForge, what the trainer trains it with (:mod:`surgeon.engines.facts.trainer_norms`). A flag the draft
 config leaves unset takes speculators' default, read from speculators' ``Eagle3SpeculatorConfig``.
 
 A flag the draft was trained with that the engine does not read, reads but never uses (no use of
@@ -17,9 +17,8 @@ from typing import Any
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS, Spec
-from surgeon.engines.draft_norms import FlagState, NormReading, read_norms
-from surgeon.engines.locate import EngineLocation, ProbeError, locate_engine
-from surgeon.engines.trainer_norms import (
+from surgeon.engines.facts.draft_norms import FlagState, NormReading, read_norms
+from surgeon.engines.facts.trainer_norms import (
     SPECULATORS_CONFIG,
     logits_only,
     open_trainer,
@@ -27,6 +26,7 @@ from surgeon.engines.trainer_norms import (
     read_speculators,
     speculators_defaults,
 )
+from surgeon.engines.source.locate import EngineLocation, ProbeError, locate_engine
 
 # (severity, kind, detail): check-draft wraps these as findings
 Line = tuple[str, str, str]

@@ -43,11 +43,11 @@ def _sglang_dflash(spec: Spec, engine: str) -> bool:
 def pinned_class_convention(spec: Spec, engine: str, view: EngineView, cls: str | None) -> ClassConvention:
     """The class's convention for the setter the spec's draft goes through: an SGLang DFlash draft's
     ids go to the class's ``set_dflash_layers_to_capture``
-    (:func:`surgeon.engines.sglang_dflash.classify_dflash`), every other draft's to the EAGLE-3
+    (:func:`surgeon.engines.facts.sglang_dflash.classify_dflash`), every other draft's to the EAGLE-3
     setter the probe reads; the two are separate methods and may differ."""
     if not _sglang_dflash(spec, engine) or view.location is None:
         return view.class_convention(cls)
-    from surgeon.engines.sglang_dflash import SETTER, classify_dflash
+    from surgeon.engines.facts.sglang_dflash import SETTER, classify_dflash
 
     where = f"{engine} {view.version}"
     cc = classify_dflash(view.location.root, cls) if cls is not None else None

@@ -26,8 +26,8 @@ from surgeon.core.errors import BadInput, Unverified
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
 from surgeon.core.spec import NORM_FLAGS, Spec
-from surgeon.engines.sglang_dflash import SETTER as DFLASH_SETTER
-from surgeon.engines.sglang_dflash import classify_dflash, read_dflash_runner
+from surgeon.engines.facts.sglang_dflash import SETTER as DFLASH_SETTER
+from surgeon.engines.facts.sglang_dflash import classify_dflash, read_dflash_runner
 from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import explain_field
@@ -542,7 +542,7 @@ class DFlashAnswer:
 def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None, target: str = "sglang") -> DFlashAnswer:
     """The ``dflash_config.target_layer_ids`` that make SGLang feed the draft the spec's points, from
     the class's ``set_dflash_layers_to_capture`` (run by the probe's classifier) and the runner's
-    path to it (:mod:`surgeon.engines.sglang_dflash`). BadInput with the reason where SGLang or the
+    path to it (:mod:`surgeon.engines.facts.sglang_dflash`). BadInput with the reason where SGLang or the
     class is missing or the setter was not read to the end; Unverified where the runner was not;
     DFlashRefused where SGLang cannot serve the points. ``target``: what the user asked to render
     for, named in every refusal (SpecForge's ids go through SGLang's convention)."""

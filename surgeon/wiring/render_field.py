@@ -2,7 +2,7 @@
 engine: TensorRT-LLM (``eagle3_layers_to_capture``), NVIDIA Model Optimizer's hidden-state
 collection backends (``--aux-layers``, the columns ``surgeon explain`` shows, computed by
 :mod:`surgeon.wiring.field`), z-lab/dflash, and the DFlash configs of SpecForge and speculators
-(:mod:`surgeon.engines.dflash_trainers`).
+(:mod:`surgeon.engines.facts.dflash_trainers`).
 
 Each answer says that its convention is a table read from GitHub source, not from a source on
 this machine; what a target cannot express is refused with the reason (BadInput, exit 2).
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import Spec
-from surgeon.engines.dflash_trainers import SPECFORGE, SPECULATORS, ZLAB, ZLAB_CONV
-from surgeon.engines.field_tables import COLLECT, MODELOPT, MODELOPT_LAST, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER
-from surgeon.engines.modelopt import open_modelopt
+from surgeon.engines.facts.dflash_trainers import SPECFORGE, SPECULATORS, ZLAB, ZLAB_CONV
+from surgeon.engines.facts.field_tables import COLLECT, MODELOPT, MODELOPT_LAST, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER
+from surgeon.engines.facts.modelopt import open_modelopt
 from surgeon.engines.view import model_class_for, open_engine
 from surgeon.wiring.field import fc_list, hazards
 

@@ -1,7 +1,7 @@
 """Refuse a wiring the engine's model runner cannot serve, naming the release and the runner call.
 
 The model class's setter decides what ids mean; the runner decides which ids arrive. When the probe
-read (``EngineProbe.runner``, from :mod:`surgeon.engines.runner`) that every setter call in the
+read (``EngineProbe.runner``, from :mod:`surgeon.engines.probes.runner`) that every setter call in the
 release's runner passes the model's own default (vLLM 0.11's ``gpu_model_runner.py``), the draft's
 ids never reach the model: any spec whose captures differ from that default is refused.
 """

@@ -21,7 +21,7 @@ from surgeon.cli import main
 from surgeon.core.errors import BadInput, EngineFailure, InternalError, Mismatch, SurgeonError
 from surgeon.core.points import PointError
 from surgeon.core.spec import Issue, SpecError
-from surgeon.engines.locate import ProbeError, copy_engine_sources
+from surgeon.engines.source.locate import ProbeError, copy_engine_sources
 from surgeon.patch.manifest import PatchError
 from surgeon.patch.rewriter import PatchApplicationError
 from surgeon.run.vllm_runner import VllmRunError

@@ -1,4 +1,4 @@
-"""The decoder-loop anatomy (surgeon.engines.anatomy) on small libcst snippets and on the real
+"""The decoder-loop anatomy (surgeon.engines.source.anatomy) on small libcst snippets and on the real
 engine model files installed in the venv (read, never imported)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import textwrap
 import libcst as cst
 import pytest
 
-from surgeon.engines.anatomy import (
+from surgeon.engines.source.anatomy import (
     COUNTER,
     LAYER_LIST_CALLS,
     AnatomyRefusal,
@@ -23,7 +23,7 @@ from surgeon.engines.anatomy import (
     layers_loops,
     loops_over_ast,
 )
-from surgeon.engines.locate import ProbeError, locate_engine
+from surgeon.engines.source.locate import ProbeError, locate_engine
 
 
 def _anatomy(source: str | bytes, class_name: str = "M", method: str = "forward") -> ClassAnatomy:

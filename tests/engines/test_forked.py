@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from surgeon.engines import forked
-from surgeon.engines.probe import probe_engine
+from surgeon.engines.probes.probe import probe_engine
+from surgeon.engines.source import forked
 from tests.conftest import release_engine
 
 PARENT = os.getpid()

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from surgeon.core.idrules import Branch, DefaultTerm, EngineProbe, FirstIdEquals, IdRule, MaxIdEquals
-from surgeon.engines.locate import layout_of
-from surgeon.engines.probe import EngineLocation, ProbeError, locate_engine, probe_engine
+from surgeon.engines.probes.probe import EngineLocation, ProbeError, locate_engine, probe_engine
+from surgeon.engines.source.locate import layout_of
 
 pytestmark = pytest.mark.engine
 
@@ -170,10 +170,10 @@ def test_sglang_deepseek_conditional_rule_and_bypass(sg):
 
 
 def test_capture_analysis_reads_each_methods_layer_loops_once_from_the_anatomy(monkeypatch):
-    # the probe asks the anatomy (surgeon.engines.anatomy.layer_loops) for a method's layer loops
+    # the probe asks the anatomy (surgeon.engines.source.anatomy.layer_loops) for a method's layer loops
     # once per (file, class, method) in a run, however many capture attributes and flags it tests
-    from surgeon.engines import capture
-    from surgeon.engines.source import SourceIndex
+    from surgeon.engines.probes import capture
+    from surgeon.engines.source.index import SourceIndex
 
     loc, layout = _installed("sglang"), layout_of("sglang")
     read: list[str] = []
@@ -405,12 +405,12 @@ def test_engines_never_imported(sg, vl):
 
 @pytest.mark.slow  # two whole probes (cold, then from the cache): about 7 s
 def test_cache_round_trip(tmp_path, monkeypatch, sg):
-    from surgeon.engines import cache
+    from surgeon.engines.probes import cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = probe_engine("sglang", cache=True)
     (entry,) = (tmp_path / "cache" / "surgeon").glob("probe-*.json")
-    from surgeon.engines import probe as probe_module
+    from surgeon.engines.probes import probe as probe_module
 
     def no_probe(*args, **kwargs):
         raise AssertionError("a cache hit must not probe the source again")

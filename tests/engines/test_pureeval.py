@@ -1,4 +1,4 @@
-"""The small evaluator of engine function bodies (surgeon/engines/pureeval.py) against Python itself.
+"""The small evaluator of engine function bodies (surgeon/engines/source/pureeval.py) against Python itself.
 
 The library never executes an engine's source; these tests may: ``eval`` of an expression string the
 test built is the reference the evaluator must agree with.
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from surgeon.core.errors import BadInput
-from surgeon.engines import pureeval
-from surgeon.engines.modelopt import ModeloptSource
-from surgeon.engines.pureeval import MAX_INT_BITS, MAX_ITEMS, MAX_WORK, NotPure, call_function, evaluate_function
+from surgeon.engines.facts.modelopt import ModeloptSource
+from surgeon.engines.source import pureeval
+from surgeon.engines.source.pureeval import MAX_INT_BITS, MAX_ITEMS, MAX_WORK, NotPure, call_function, evaluate_function
 
 
 def _fn(src: str) -> ast.FunctionDef:

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from surgeon.core.conventions import EngineConvention, NotExpressible
 from surgeon.core.idrules import Branch, ClassConvention, IdRule, SiteRecord
 from surgeon.core.points import Point
-from surgeon.engines.capture import CaptureAnalyzer
-from surgeon.engines.source import SourceIndex
+from surgeon.engines.probes.capture import CaptureAnalyzer
+from surgeon.engines.source.index import SourceIndex
 from surgeon.engines.view import open_engine
 from tests.conftest import installed_engine, release_engine
 
@@ -227,7 +227,7 @@ _wrap = st.sampled_from(["{}", "({})", "{}.clone()", "({}).to(dtype)", "{}.conti
 def test_unguarded_residual_reads_sums_and_guards(w1, w2, swap, guard):
     import libcst as cst
 
-    from surgeon.engines.capture import _unguarded_residual
+    from surgeon.engines.probes.capture import _unguarded_residual
 
     a, b = w1.format("hidden_states"), w2.format("residual")
     total = f"{b} + {a}" if swap else f"{a} + {b}"

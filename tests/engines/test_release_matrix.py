@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from surgeon.cli import main
-from surgeon.engines.probe import probe_engine
+from surgeon.engines.probes.probe import probe_engine
 from tests.conftest import engine_matrix, release_engine
 
 ROOT = Path(__file__).resolve().parents[2]

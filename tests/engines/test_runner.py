@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from surgeon import commands
 from surgeon.core.errors import BadInput
-from surgeon.engines.probe import probe_engine
-from surgeon.engines.runner import _config_key, _key_env, read_runner
+from surgeon.engines.probes.probe import probe_engine
+from surgeon.engines.probes.runner import _config_key, _key_env, read_runner
 from tests.conftest import installed_engine, release_engine
 
 pytestmark = pytest.mark.engine

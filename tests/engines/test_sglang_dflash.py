@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from surgeon.engines.sglang_dflash import RUNNER_DIRS, SETTER, classify_dflash, read_dflash_runner
+from surgeon.engines.facts.sglang_dflash import RUNNER_DIRS, SETTER, classify_dflash, read_dflash_runner
 from tests.conftest import installed_engine, release_engine
 
 
@@ -163,7 +163,7 @@ def test_the_default_must_be_the_modules_builder_and_only_without_ids(engine_cop
 
 
 def test_a_classifier_bug_is_not_turned_into_a_refusal(monkeypatch):
-    from surgeon.engines import classify
+    from surgeon.engines.probes import classify
 
     def broken(self, target, base):
         raise KeyError("a bug in the classifier")

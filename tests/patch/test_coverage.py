@@ -10,13 +10,13 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from surgeon.engines.anatomy import (
+from surgeon.engines.source.anatomy import (
     ModuleIndex,
     loop_indexes_layers,
     mentions_self_attr,
     walk,
 )
-from surgeon.engines.locate import layout_of, locate_engine
+from surgeon.engines.source.locate import layout_of, locate_engine
 from surgeon.patch.coverage import (
     coverage,
     loop_owners_ast,
@@ -222,7 +222,7 @@ def test_reduced_parse_answers_as_the_whole_file(engine, which):
     """Coverage parses a loop-owning class's header, first statement and recipe methods only (the
     rest of the class emptied): on real model files, every class's answer is the one a parse of the
     whole file gives."""
-    from surgeon.engines.locate import locate_engine
+    from surgeon.engines.source.locate import locate_engine
     from surgeon.patch import coverage as cv
     from surgeon.patch.recipes import load_recipes
     from tests.conftest import release_engine

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from surgeon.core.errors import BadInput
-from surgeon.engines.locate import locate_engine
+from surgeon.engines.source.locate import locate_engine
 from surgeon.patch import journal as M
 from surgeon.patch.manifest import FileChange, PatchError, PatchManager
 

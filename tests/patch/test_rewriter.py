@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from surgeon.engines.locate import locate_engine
+from surgeon.engines.source.locate import locate_engine
 from surgeon.patch.rewriter import (
     GENERIC,
     PatchApplicationError,

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from surgeon.capture.dumps import read_dump
 from surgeon.cli import main
-from surgeon.engines.probe import locate_engine
+from surgeon.engines.probes.probe import locate_engine
 from surgeon.patch.apply import patch_status
 from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
 from surgeon.run.vllm_runner import VllmRunError, run_vllm, vllm_ids_points

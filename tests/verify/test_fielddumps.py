@@ -11,8 +11,8 @@ import torch
 
 from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, layer_out
-from surgeon.engines.field_tables import MODELOPT_HF
-from surgeon.engines.modelopt import open_modelopt
+from surgeon.engines.facts.field_tables import MODELOPT_HF
+from surgeon.engines.facts.modelopt import open_modelopt
 from surgeon.verify.subjects import read_subject
 from tests.conftest import (
     FIELD_IDS,

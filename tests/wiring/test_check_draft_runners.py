@@ -11,8 +11,8 @@ import pytest
 from surgeon.core.errors import BadInput
 from surgeon.core.runnerfacts import IdSource, RunnerCall, RunnerModel
 from surgeon.core.spec import load_spec
+from surgeon.engines.probes.vllm_runners import getter, runner_served
 from surgeon.wiring.draft import check_draft
-from surgeon.wiring.vllm_runners import getter, runner_served
 from tests.conftest import norms_spec, release_engine, tiny_spec
 
 DEFAULT = ("layer_out[1]", "layer_out[3]", "layer_out[4]")  # vLLM's default (2, L//2, L-3) for 8 layers

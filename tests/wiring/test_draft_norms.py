@@ -7,8 +7,8 @@ import json
 import pytest
 
 from surgeon.core.spec import load_spec
-from surgeon.engines.draft_norms import read_norms
-from surgeon.engines.locate import locate_engine
+from surgeon.engines.facts.draft_norms import read_norms
+from surgeon.engines.source.locate import locate_engine
 from surgeon.wiring.draft import check_draft
 from surgeon.wiring.norms import norm_lines, render_lines
 from tests.conftest import installed_engine, norms_spec, release_engine, vllm_models_copy

@@ -17,7 +17,7 @@ from surgeon.cli import main
 from surgeon.core.conventions import EngineConvention, NotExpressible, builtin_convention
 from surgeon.core.points import layer_out
 from surgeon.core.spec import load_spec
-from surgeon.engines.modelopt import open_modelopt
+from surgeon.engines.facts.modelopt import open_modelopt
 from surgeon.engines.view import open_engine
 from surgeon.wiring.field import FIELD_COLUMNS, explain_field, hazards, modelopt_vllm_ids
 from surgeon.wiring.lint import lint_spec

@@ -10,9 +10,9 @@ import pytest
 from surgeon.commands.outputs import LintOutput
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
-from surgeon.engines.locate import locate_engine
-from surgeon.engines.mtp_heads import read_mtp_head
-from surgeon.engines.mtp_input import read_mtp_input
+from surgeon.engines.facts.mtp_heads import read_mtp_head
+from surgeon.engines.facts.mtp_input import read_mtp_input
+from surgeon.engines.source.locate import locate_engine
 from surgeon.wiring.draft import check_draft
 from surgeon.wiring.lint import lint_spec
 from surgeon.wiring.mtp import mtp_lines

@@ -17,10 +17,7 @@ from hypothesis import strategies as st
 from surgeon.cli import main
 from surgeon.commands.outputs import OUTPUTS
 from surgeon.core.spec import load_spec
-from surgeon.engines.pureeval import NotPure, call_function
-from surgeon.engines.view import model_class_for, open_engine
-from surgeon.wiring.lint import lint_spec
-from surgeon.wiring.pipeline import (
+from surgeon.engines.probes.pipeline import (
     PipelineUnread,
     check_stages,
     every_rank_capture,
@@ -29,6 +26,9 @@ from surgeon.wiring.pipeline import (
     partition,
     pipeline_answer,
 )
+from surgeon.engines.source.pureeval import NotPure, call_function
+from surgeon.engines.view import model_class_for, open_engine
+from surgeon.wiring.lint import lint_spec
 from tests.conftest import installed_engine, release_engine
 
 ROOT = Path(__file__).resolve().parents[2]

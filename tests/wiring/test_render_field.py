@@ -16,9 +16,9 @@ from surgeon.core.conventions import HF
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, layer_out, parse_point
 from surgeon.core.spec import load_spec
-from surgeon.engines.dflash_trainers import SPECFORGE, TABLES, ZLAB, ZLAB_CONV
-from surgeon.engines.field_tables import TRTLLM, TRTLLM_CONV, check_against_source
-from surgeon.engines.probe_sglang import DFLASH_SETTER
+from surgeon.engines.facts.dflash_trainers import SPECFORGE, TABLES, ZLAB, ZLAB_CONV
+from surgeon.engines.facts.field_tables import TRTLLM, TRTLLM_CONV, check_against_source
+from surgeon.engines.probes.sglang import DFLASH_SETTER
 from surgeon.wiring import render_field
 from surgeon.wiring.render import RENDER_TARGETS, explain, render
 from tests.conftest import cli_run, installed_engine, tiny_spec
@@ -253,12 +253,12 @@ def _cited_tree(root: Path, table: dict) -> None:
 
 
 @pytest.mark.parametrize(("module", "name", "key", "old", "new"), [
-    ("surgeon.engines.field_tables", "trtllm", "sorted", "sorted(list(self.layers_to_capture))",
+    ("surgeon.engines.facts.field_tables", "trtllm", "sorted", "sorted(list(self.layers_to_capture))",
      "list(self.layers_to_capture)"),
-    ("surgeon.engines.field_tables", "modelopt", "hf_aux", "[lid + 1]", "[lid]"),
-    ("surgeon.engines.dflash_trainers", "specforge", "setter", "set_dflash_", "set_eagle3_"),
-    ("surgeon.engines.dflash_trainers", "speculators", "zlab", "i + 1 for i", "i for i"),
-    ("surgeon.engines.dflash_trainers", "zlab", "offset", "offset = 1", "offset = 0")])
+    ("surgeon.engines.facts.field_tables", "modelopt", "hf_aux", "[lid + 1]", "[lid]"),
+    ("surgeon.engines.facts.dflash_trainers", "specforge", "setter", "set_dflash_", "set_eagle3_"),
+    ("surgeon.engines.facts.dflash_trainers", "speculators", "zlab", "i + 1 for i", "i for i"),
+    ("surgeon.engines.facts.dflash_trainers", "zlab", "offset", "offset = 1", "offset = 0")])
 def test_the_table_checker_confirms_the_cited_lines_and_reports_an_edited_one(tmp_path, module, name, key, old, new):
     """``python -m MODULE NAME DIR`` on a tree holding every cited line where the table cites it:
     exit 0, all facts confirmed. After: one cited line edited (its text changed) -> exit 3, naming
@@ -266,7 +266,7 @@ def test_the_table_checker_confirms_the_cited_lines_and_reports_an_edited_one(tm
     import subprocess
     import sys
 
-    from surgeon.engines.field_tables import MODELOPT
+    from surgeon.engines.facts.field_tables import MODELOPT
 
     table = {"trtllm": TRTLLM, "modelopt": MODELOPT, **TABLES}[name]
     _cited_tree(tmp_path, table)

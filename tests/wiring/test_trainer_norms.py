@@ -10,8 +10,8 @@ import pytest
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
-from surgeon.engines import trainer_norms
-from surgeon.engines.trainer_norms import (
+from surgeon.engines.facts import trainer_norms
+from surgeon.engines.facts.trainer_norms import (
     SPECFORGE_TABLE,
     check,
     logits_only,

@@ -13,8 +13,8 @@ from dataclasses import replace
 import libcst as cst
 import libcst.matchers as m
 
-from surgeon.engines.interp_base import InterpBase
-from surgeon.engines.interp_values import (
+from surgeon.engines.interp.base import InterpBase
+from surgeon.engines.interp.values import (
     Bound,
     Builtin,
     ClassRef,
@@ -38,7 +38,7 @@ from surgeon.engines.interp_values import (
     carries_ids,
     describe,
 )
-from surgeon.engines.source import ClassKey, code, key_str
+from surgeon.engines.source.index import ClassKey, code, key_str
 
 
 class CallBinder(InterpBase):

@@ -25,7 +25,7 @@ import ast
 from dataclasses import dataclass
 
 from surgeon.core.idrules import CapturedValue
-from surgeon.engines.source import ClassKey, SourceIndex
+from surgeon.engines.source.index import ClassKey, SourceIndex
 
 
 @dataclass(frozen=True)

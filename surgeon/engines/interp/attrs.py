@@ -14,8 +14,8 @@ from typing import Any
 import libcst as cst
 import libcst.matchers as m
 
-from surgeon.engines.interp_base import InterpBase
-from surgeon.engines.interp_values import (
+from surgeon.engines.interp.base import InterpBase
+from surgeon.engines.interp.values import (
     Bound,
     ClassRef,
     Const,
@@ -30,7 +30,7 @@ from surgeon.engines.interp_values import (
     describe,
     walk_statements,
 )
-from surgeon.engines.source import ClassKey, CstFunction, code
+from surgeon.engines.source.index import ClassKey, CstFunction, code
 
 
 class AttributeResolver(InterpBase):

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, Engine, Evidence, IdRule
-from surgeon.engines.capture import CaptureAnalyzer, CaptureResult
 from surgeon.engines.interp import (
     Const,
     FlagMark,
@@ -32,7 +31,8 @@ from surgeon.engines.interp import (
     describe,
     explore,
 )
-from surgeon.engines.source import ClassKey, SourceIndex, key_str
+from surgeon.engines.probes.capture import CaptureAnalyzer, CaptureResult
+from surgeon.engines.source.index import ClassKey, SourceIndex, key_str
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Target:
 
 
 # The words an engine hook puts in the reason of a value that is a language model the engine picks
-# at run time from the checkpoint (probe_vllm's init_vllm_registered_model without architectures=):
+# at run time from the checkpoint (probes.vllm's init_vllm_registered_model without architectures=):
 # ids lost into it make a "delegates" answer, not a gap.
 RUNTIME_LANGUAGE_MODEL = "a language model whose class the registry picks at runtime"
 

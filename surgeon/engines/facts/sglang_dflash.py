@@ -3,7 +3,7 @@
 Two readings, both from the release's files and never imported:
 
 * the model class: its ``set_dflash_layers_to_capture`` is run symbolically by the same
-  classifier as the EAGLE-3 setter (:class:`surgeon.engines.classify.Classifier` with another
+  classifier as the EAGLE-3 setter (:class:`surgeon.engines.probes.classify.Classifier` with another
   :class:`EntryPoint`), so the id rule (``[val + 1 for val in layer_ids]`` in llama.py), where the
   ids are stored and the capture loop that reads them all come from that class's source;
 * the runner: how the draft config's ids reach that setter. The call
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from surgeon.core.idrules import ClassConvention
-from surgeon.engines import probe_sglang
-from surgeon.engines.capture import CaptureAnalyzer
-from surgeon.engines.classify import Classifier, Target
-from surgeon.engines.source import ClassKey, SourceIndex
+from surgeon.engines.probes import sglang as probe_sglang
+from surgeon.engines.probes.capture import CaptureAnalyzer
+from surgeon.engines.probes.classify import Classifier, Target
+from surgeon.engines.source.index import ClassKey, SourceIndex
 
 SETTER = probe_sglang.DFLASH_SETTER
 FIELD = "dflash_target_layer_ids"
@@ -47,7 +47,7 @@ def _find_key(index: SourceIndex, model_class: str) -> tuple[ClassKey | None, li
 def classify_dflash(root: str | Path, model_class: str) -> ClassConvention | None:
     """The DFlash convention of ``model_class`` in the SGLang package at ``root`` (None: no class of
     that name reaches ``set_dflash_layers_to_capture``). Status "unclassified" carries the reason."""
-    from surgeon.engines.locate import locate_engine
+    from surgeon.engines.source.locate import locate_engine
 
     location = locate_engine("sglang", root)
     index = SourceIndex(location.root, "sglang", location.models_dirs)

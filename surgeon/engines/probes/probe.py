@@ -1,15 +1,15 @@
 """Engine probes: what an installed engine's aux-hidden-state ids mean, read from its source.
 
->>> from surgeon.engines.probe import probe_engine
+>>> from surgeon.engines.probes.probe import probe_engine
 >>> probe = probe_engine("sglang")                       # doctest: +SKIP
 >>> probe.get("LlamaForCausalLM").capture([1, 15, 28], 32)  # doctest: +SKIP
 [2, 16, 29]
 
 The probe never imports the engine. It reads the model files (``srt/models`` for SGLang,
-``model_executor/models`` for vLLM) in three tiers (:mod:`surgeon.engines.source`), runs each
+``model_executor/models`` for vLLM) in three tiers (:mod:`surgeon.engines.source.index`), runs each
 class's capture setter symbolically (:mod:`surgeon.engines.interp`), and reads the capture loop of
-the class the ids end up in (:mod:`surgeon.engines.capture`). Results are cached on disk, keyed on
-the content of every model file and on the probe's own code (:mod:`surgeon.engines.cache`).
+the class the ids end up in (:mod:`surgeon.engines.probes.capture`). Results are cached on disk, keyed on
+the content of every model file and on the probe's own code (:mod:`surgeon.engines.probes.cache`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import cast
 
 from surgeon.core.idrules import ClassConvention, Engine, EngineProbe
-from surgeon.engines import cache as _cache
-from surgeon.engines import probe_sglang as _sglang
-from surgeon.engines import probe_vllm as _vllm
-from surgeon.engines.capture import CaptureAnalyzer
-from surgeon.engines.classify import Classifier, Target
-from surgeon.engines.dispatch import DEFAULT_PLATFORM, PLATFORMS
-from surgeon.engines.forked import map_forked
-from surgeon.engines.locate import EngineLocation, ProbeError, layout_of, locate_engine
-from surgeon.engines.runner import read_runner
-from surgeon.engines.source import ClassKey, SourceIndex
+from surgeon.engines.probes import cache as _cache
+from surgeon.engines.probes import sglang as _sglang
+from surgeon.engines.probes import vllm as _vllm
+from surgeon.engines.probes.capture import CaptureAnalyzer
+from surgeon.engines.probes.classify import Classifier, Target
+from surgeon.engines.probes.dispatch import DEFAULT_PLATFORM, PLATFORMS
+from surgeon.engines.probes.runner import read_runner
+from surgeon.engines.source.forked import map_forked
+from surgeon.engines.source.index import ClassKey, SourceIndex
+from surgeon.engines.source.locate import EngineLocation, ProbeError, layout_of, locate_engine
 
 __all__ = ["probe_engine", "locate_engine", "EngineLocation", "ProbeError", "EngineProbe", "ClassConvention"]
 

@@ -13,8 +13,8 @@ from typing import cast
 import libcst as cst
 import libcst.matchers as m
 
-from surgeon.engines.interp_base import InterpBase
-from surgeon.engines.interp_values import (
+from surgeon.engines.interp.base import InterpBase
+from surgeon.engines.interp.values import (
     BreakLoop,
     Const,
     Elem,
@@ -36,7 +36,7 @@ from surgeon.engines.interp_values import (
     describe,
     known_truth,
 )
-from surgeon.engines.source import code
+from surgeon.engines.source.index import code
 
 
 class StatementExecutor(InterpBase):

@@ -1,9 +1,9 @@
 """The state of one symbolic run and the contract between the interpreter's parts.
 
 :class:`~surgeon.engines.interp.Interp` is assembled from four parts, each in its own module:
-statement execution (:mod:`~surgeon.engines.interp_stmts`), expression evaluation
-(:mod:`~surgeon.engines.interp_exprs`), call binding (:mod:`~surgeon.engines.interp_calls`) and
-attribute and name resolution (:mod:`~surgeon.engines.interp_attrs`). They recurse into one another
+statement execution (:mod:`~surgeon.engines.interp.stmts`), expression evaluation
+(:mod:`~surgeon.engines.interp.exprs`), call binding (:mod:`~surgeon.engines.interp.calls`) and
+attribute and name resolution (:mod:`~surgeon.engines.interp.attrs`). They recurse into one another
 (an expression calls a method whose statements evaluate expressions), so each part derives from
 :class:`InterpBase`, which holds the run's state (heap, effects, forks) and declares the operations
 one part needs from another. The declarations keep every part type-checkable on its own without
@@ -17,8 +17,8 @@ from typing import Any
 
 import libcst as cst
 
-from surgeon.engines.interp_values import Effect, Fork, Frame, Obj, Value, frame_line
-from surgeon.engines.source import ClassKey, SourceIndex
+from surgeon.engines.interp.values import Effect, Fork, Frame, Obj, Value, frame_line
+from surgeon.engines.source.index import ClassKey, SourceIndex
 
 
 class Hooks:
@@ -69,40 +69,40 @@ class InterpBase:
 
     # -- operations one part needs from another (implemented by the parts) --------------------
     def eval(self, node: cst.BaseExpression, frame: Frame) -> Value:
-        raise NotImplementedError  # interp_exprs.ExpressionEvaluator
+        raise NotImplementedError  # exprs.ExpressionEvaluator
 
     def eval_receiver(self, node: cst.BaseExpression, frame: Frame) -> Value:
-        raise NotImplementedError  # interp_exprs.ExpressionEvaluator
+        raise NotImplementedError  # exprs.ExpressionEvaluator
 
     def truth(self, v: Value, node: cst.CSTNode, frame: Frame) -> bool:
-        raise NotImplementedError  # interp_exprs.ExpressionEvaluator
+        raise NotImplementedError  # exprs.ExpressionEvaluator
 
     def binop(self, left: Value, op: cst.BaseBinaryOp | cst.BaseAugOp, right: Value) -> Value:
-        raise NotImplementedError  # interp_exprs.ExpressionEvaluator
+        raise NotImplementedError  # exprs.ExpressionEvaluator
 
     def exec_block(self, body: cst.BaseSuite | Sequence[cst.CSTNode], frame: Frame) -> None:
-        raise NotImplementedError  # interp_stmts.StatementExecutor
+        raise NotImplementedError  # stmts.StatementExecutor
 
     def store(self, recv: Value, attr: str, value: Value, frame: Frame) -> None:
-        raise NotImplementedError  # interp_stmts.StatementExecutor
+        raise NotImplementedError  # stmts.StatementExecutor
 
     def run(self, owner: ClassKey, name: str, self_obj: Obj | None, args: list[Value], kwargs: dict[str, Value]) -> Value:
-        raise NotImplementedError  # interp_calls.CallBinder
+        raise NotImplementedError  # calls.CallBinder
 
     def eval_call(self, node: cst.Call, frame: Frame) -> Value:
-        raise NotImplementedError  # interp_calls.CallBinder
+        raise NotImplementedError  # calls.CallBinder
 
     def get_attr(self, base: Value, attr: str) -> Value:
-        raise NotImplementedError  # interp_attrs.AttributeResolver
+        raise NotImplementedError  # attrs.AttributeResolver
 
     def has_attr(self, obj: Obj, attr: str) -> bool | None:
-        raise NotImplementedError  # interp_attrs.AttributeResolver
+        raise NotImplementedError  # attrs.AttributeResolver
 
     def load_attr(self, obj: Obj, attr: str) -> Value:
-        raise NotImplementedError  # interp_attrs.AttributeResolver
+        raise NotImplementedError  # attrs.AttributeResolver
 
     def lazy_local(self, name: str, frame: Frame) -> Value | None:
-        raise NotImplementedError  # interp_attrs.AttributeResolver
+        raise NotImplementedError  # attrs.AttributeResolver
 
     def imported_binding(self, node: cst.ImportFrom, alias: cst.ImportAlias, path: str) -> Value:
-        raise NotImplementedError  # interp_attrs.AttributeResolver
+        raise NotImplementedError  # attrs.AttributeResolver

@@ -4,7 +4,7 @@ Everything is read from the engine's source, never imported:
 
 * the layer partition is the release's own ``get_pp_indices`` (vLLM ``distributed/utils.py``,
   SGLang ``srt/distributed/utils.py``), evaluated from its parsed body by
-  :mod:`surgeon.engines.pureeval` with the partition environment variable taken as unset;
+  :mod:`surgeon.engines.source.pureeval` with the partition environment variable taken as unset;
 * the stage that captures a point is the stage owning the layer whose iteration captures it, from
   the capture sites the probe read (entry of layer ``p``, after layer ``p - 1``, before the loop on
   the first rank, after it on the last), over a loop whose index is read from its header (and any
@@ -34,8 +34,8 @@ from pathlib import Path
 from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
 from surgeon.core.spec import Issue, Spec
-from surgeon.engines.booltest import condition_values, leaves
-from surgeon.engines.pureeval import NotPure, call_function
+from surgeon.engines.source.booltest import condition_values, leaves
+from surgeon.engines.source.pureeval import NotPure, call_function
 
 _PARTITION_FILE = {"vllm": "distributed/utils.py", "sglang": "srt/distributed/utils.py"}
 _TITLES = {"vllm": "vLLM", "sglang": "SGLang"}

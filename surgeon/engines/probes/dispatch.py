@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from surgeon.engines.source import SourceIndex, source_segment
+from surgeon.engines.source.index import SourceIndex, source_segment
 
 PLATFORMS = ("cuda", "rocm", "cpu", "xpu", "tpu")
 DEFAULT_PLATFORM = "cuda"

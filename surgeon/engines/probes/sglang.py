@@ -13,15 +13,15 @@ from __future__ import annotations
 import ast
 from collections.abc import Collection
 
-from surgeon.engines.classify import EntryPoint, Target
 from surgeon.engines.interp import Hooks
-from surgeon.engines.source import ClassKey, SourceIndex
+from surgeon.engines.probes.classify import EntryPoint, Target
+from surgeon.engines.source.index import ClassKey, SourceIndex
 
 SETTER = "set_eagle3_layers_to_capture"
 TRIGGERS = (SETTER,)
 ENTRY = EntryPoint(setter=SETTER)
 # DFlash drafts reach the same classes through another setter (``configure_aux_hidden_state_capture``
-# calls it with the draft's ``dflash_config.target_layer_ids``); :mod:`surgeon.engines.sglang_dflash`
+# calls it with the draft's ``dflash_config.target_layer_ids``); :mod:`surgeon.engines.facts.sglang_dflash`
 # classifies it with the same machinery, per class, on demand.
 DFLASH_SETTER = "set_dflash_layers_to_capture"
 DFLASH_ENTRY = EntryPoint(setter=DFLASH_SETTER)

@@ -10,7 +10,7 @@ named per fact, through a stored-source index; line numbers counted in that stor
 Model Optimizer's collection scripts (examples/speculative_decoding/collect_hidden_states) are not
 in its wheel either; they were read from NVIDIA/Model-Optimizer at commit a2fbac7 (2026-08-21,
 version 0.47.0dev; the folder last changed 2026-08-12). Its library presets are probed from the
-wheel instead (:mod:`surgeon.engines.modelopt`).
+wheel instead (:mod:`surgeon.engines.facts.modelopt`).
 
 :func:`check_against_source` compares each fact's ``needle`` with a source tree when one is given
 (a TensorRT-LLM or Model-Optimizer checkout), so the table cannot drift silently from a release
@@ -253,15 +253,15 @@ def check_against_source(cites: dict[str, Cite], root: str | Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None, tables: dict[str, dict[str, Cite]] | None = None) -> int:
-    """``python -m surgeon.engines.field_tables trtllm|modelopt ROOT``: check a table against a
+    """``python -m surgeon.engines.facts.field_tables trtllm|modelopt ROOT``: check a table against a
     checkout (exit 0 when it agrees, 3 listing what moved or is missing, 2 on bad arguments).
-    ``tables``: another module's tables (the DFlash trainers' :func:`surgeon.engines.dflash_trainers.main`)."""
+    ``tables``: another module's tables (the DFlash trainers' :func:`surgeon.engines.facts.dflash_trainers.main`)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     tables = tables or {"trtllm": TRTLLM, "modelopt": MODELOPT}
     if len(args) != 2 or args[0] not in tables or not Path(args[1]).is_dir():
-        print(f"usage: python -m surgeon.engines.<field_tables|dflash_trainers> {'|'.join(tables)} SOURCE_DIR",
+        print(f"usage: python -m surgeon.engines.facts.<field_tables|dflash_trainers> {'|'.join(tables)} SOURCE_DIR",
               file=sys.stderr)
         return 2
     problems = check_against_source(tables[args[0]], args[1])

@@ -6,7 +6,7 @@ if it were unset, and serves a draft trained with it wrong, silently. So the ans
 the engine's draft model file: every ``getattr(<config>, "<flag>", default)`` and
 ``<dict>.get("<flag>", default)`` is a read, with its file:line, the key it reads (the top-level
 config or ``eagle_config``) and its default. A read is not a use: each read's value is followed
-through the file (:mod:`surgeon.engines.norm_flow`) to where it changes the computation, and a read
+through the file (:mod:`surgeon.engines.facts.norm_flow`) to where it changes the computation, and a read
 whose value nothing uses counts as no read. vLLM turns a speculators-format config into its own
 through the function ``register_speculator(<type>)`` registers
 (``transformers_utils/configs/speculators/algos.py``); the flags that function copies, and the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,13 +29,13 @@ import libcst.matchers as m
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS
-from surgeon.engines.locate import EngineLocation
-from surgeon.engines.norm_flow import NO_DEFAULT, FlagUse, ValueFlow, key_reads
+from surgeon.engines.facts.norm_flow import NO_DEFAULT, FlagUse, ValueFlow, key_reads
+from surgeon.engines.source.index import SourceIndex
+from surgeon.engines.source.locate import EngineLocation
 
 # Other names an engine reads for a flag (SGLang's legacy ``use_aux_norm`` enables ``fc_norm``).
 ALIASES = {"use_aux_norm": "fc_norm"}
 SPECULATORS_ALGOS = "transformers_utils/configs/speculators/algos.py"
-VLLM_REGISTRY = "model_executor/models/registry.py"
 # what an engine does with a flag: used (a use site found), read_unused (read, the value used nowhere),
 # not_read, unverified (the value escapes to code not read)
 FlagState = Literal["used", "read_unused", "not_read", "unverified"]
@@ -166,27 +167,52 @@ def model_reads(file: Path, rel: str) -> dict[str, list[FlagRead]]:
     return _READS[key]
 
 
+@lru_cache(maxsize=4)
+def _index(loc: EngineLocation) -> SourceIndex:
+    """One source index per engine location, shared by the registry look-ups (parsed once)."""
+    return SourceIndex(loc.root, loc.layout.package, loc.models_dirs)
+
+
 def vllm_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str | None]:
-    """(module file, class) the vLLM registry maps ``arch`` to."""
-    registry = loc.root / VLLM_REGISTRY
-    if not registry.is_file():
+    """(module file, class) the vLLM registry maps ``arch`` to, as the probe reads the registry
+    (:func:`surgeon.engines.probes.vllm.registry_entries`)."""
+    from surgeon.engines.probes.vllm import registry_entries
+
+    entry = registry_entries(_index(loc)).get(arch)
+    if entry is None or "." in entry[0]:  # a dispatching package (``vllm.models.<family>``): no one file
         return None, None
-    m = re.search(rf'"{re.escape(arch)}"\s*:\s*\(\s*"(\w+)"\s*,\s*"(\w+)"', registry.read_text(encoding="utf-8"))
-    if m is None:
-        return None, None
+    module, cls = entry
     for d in loc.models_dirs:
-        if (loc.root / d / f"{m.group(1)}.py").is_file():
-            return f"{d}/{m.group(1)}.py", m.group(2)
-    return None, m.group(2)
+        if (loc.root / d / f"{module}.py").is_file():
+            return f"{d}/{module}.py", cls
+    return None, cls
 
 
 def sglang_model_file(loc: EngineLocation, arch: str) -> tuple[str | None, str | None]:
-    """The SGLang model file whose ``EntryClass`` names ``arch``."""
-    pattern = re.compile(rf"^EntryClass\s*=.*\b{re.escape(arch)}\b", re.M)
+    """The SGLang model file whose ``EntryClass`` registers ``arch``, as the probe reads
+    ``EntryClass`` (:func:`surgeon.engines.probes.sglang.exported`); the files are first narrowed
+    to those whose text names both."""
+    from surgeon.engines.probes.sglang import exported
+
+    index = _index(loc)
+    word = re.compile(rf"\b{re.escape(arch)}\b")
     for f in sorted(loc.models_dir.glob("*.py")):
-        if pattern.search(f.read_text(encoding="utf-8", errors="replace")):
-            return f"{loc.layout.models_dir}/{f.name}", arch
+        rel = f"{loc.layout.models_dir}/{f.name}"
+        text = index.text(rel) or ""
+        if "EntryClass" in text and word.search(text):
+            if arch in exported(index, [rel]):
+                return rel, arch
+            _refuse_unparsable(rel, text)  # the probe skips a file it cannot parse: never silently here
     return None, arch
+
+
+def _refuse_unparsable(rel: str, text: str) -> None:
+    """One located line for a model file that names the class but does not parse."""
+    try:
+        ast.parse(text)
+    except SyntaxError as e:
+        raise BadInput(f"{rel}:{e.lineno or 0}:{e.offset or 0}: cannot be parsed ({e.msg}): which class it "
+                       "registers is not known") from None
 
 
 def _speculators_translation(loc: EngineLocation, algo: str) -> tuple[dict[str, FlagRead] | None, str]:

@@ -29,7 +29,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from surgeon.engines.cstwalk import StatementLines
+from surgeon.engines.source.cstwalk import StatementLines
 
 ClassKey = tuple[str, str]  # (path relative to the package dir, class name)
 

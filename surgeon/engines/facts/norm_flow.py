@@ -46,7 +46,7 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
-from surgeon.engines.cstwalk import children
+from surgeon.engines.source.cstwalk import children
 
 UseState = Literal["used", "unused", "unverified"]
 # expressions whose value carries the flag's value on (a truth test of the flag is the flag)

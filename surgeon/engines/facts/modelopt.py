@@ -4,14 +4,14 @@ What the library part of its wheel decides about layer ids, each with file:line:
 
 - ``default_eagle_aux_layer_ids(num_layers)`` (the EAGLE-3 preset, ``--aux-layers eagle``) and
   ``build_target_layer_ids(num_layers, num_draft_layers)`` (the DFlash preset) are evaluated from
-  their parsed bodies (:mod:`surgeon.engines.pureeval`) for the model's layer count; a value is
+  their parsed bodies (:mod:`surgeon.engines.source.pureeval`) for the model's layer count; a value is
   cited by the ``return`` statement that produced it (``*_cited``: ``build_target_layer_ids``
   returns early for one draft layer), the static evidence lists every ``return`` of the body;
 - how its own HF training reads an id: a forward hook on decoder layer k (EAGLE-3), or
   ``hidden_states[k + offset]`` over ``target_layer_ids`` (DFlash), both the output of layer k.
 
 Its hidden-state collection scripts (hf, vllm, trtllm backends) live in the GitHub repository's
-``examples/``, not in the wheel: they are a cited table (:mod:`surgeon.engines.field_tables`).
+``examples/``, not in the wheel: they are a cited table (:mod:`surgeon.engines.facts.field_tables`).
 
 The source is found, in order: ``root`` when given, ``.engines/nvidia-modelopt-*/modelopt``
 (scripts/fetch-engines puts the wheel's Python files there) under this repository, then an
@@ -28,8 +28,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from surgeon.core.errors import BadInput
-from surgeon.engines.locate import tool_packages
-from surgeon.engines.pureeval import NotPure, evaluate_function
+from surgeon.engines.source.locate import tool_packages
+from surgeon.engines.source.pureeval import NotPure, evaluate_function
 
 EAGLE_FILE = "torch/speculative/plugins/hf_eagle.py"
 DFLASH_FILE = "torch/speculative/plugins/modeling_dflash.py"
@@ -37,7 +37,7 @@ DFLASH_HF_FILE = "torch/speculative/plugins/hf_dflash.py"
 EAGLE_FN = "default_eagle_aux_layer_ids"
 DFLASH_FN = "build_target_layer_ids"
 DFLASH_DRAFT_LAYERS = 5  # examples/.../common.py:35 _DFLASH_DEFAULT_NUM_DRAFT_LAYERS (cited, see field_tables)
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)

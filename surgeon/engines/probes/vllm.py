@@ -25,10 +25,10 @@ import libcst as cst
 import libcst.matchers as m
 
 from surgeon.core.idrules import ArchDispatch, ClassConvention, PlatformTarget
-from surgeon.engines.classify import RUNTIME_LANGUAGE_MODEL, EntryPoint, Target
-from surgeon.engines.dispatch import DEFAULT_PLATFORM, DispatchResolver, Resolution
 from surgeon.engines.interp import ClassRef, Const, Hooks, InterpBase, Obj, Tup, Unknown, Value
-from surgeon.engines.source import ClassKey, CstFunction, SourceIndex
+from surgeon.engines.probes.classify import RUNTIME_LANGUAGE_MODEL, EntryPoint, Target
+from surgeon.engines.probes.dispatch import DEFAULT_PLATFORM, DispatchResolver, Resolution
+from surgeon.engines.source.index import ClassKey, CstFunction, SourceIndex
 
 MODELS = "model_executor/models"
 INTERFACES = f"{MODELS}/interfaces.py"
@@ -147,7 +147,7 @@ def registry(index: SourceIndex, platform: str = DEFAULT_PLATFORM,
              resolver: DispatchResolver | None = None) -> dict[str, ClassKey]:
     """Architecture name -> the class that runs on ``platform``. A flat entry is its file's class;
     an entry naming a dispatching package (``vllm.models.deepseek_v32``) is followed through the
-    package's ``__init__.py`` (:mod:`surgeon.engines.dispatch`), and left out when the answer is
+    package's ``__init__.py`` (:mod:`surgeon.engines.probes.dispatch`), and left out when the answer is
     not verified (``EngineProbe.dispatch`` says why)."""
     resolver = resolver or DispatchResolver(index)
     routed = dispatched(index)

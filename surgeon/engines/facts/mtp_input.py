@@ -19,9 +19,9 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from surgeon.engines.draft_norms import parse_source, sglang_model_file, vllm_model_file
-from surgeon.engines.locate import EngineLocation
-from surgeon.engines.mtp_heads import MtpHead, read_mtp_head
+from surgeon.engines.facts.draft_norms import parse_source, sglang_model_file, vllm_model_file
+from surgeon.engines.facts.mtp_heads import MtpHead, read_mtp_head
+from surgeon.engines.source.locate import EngineLocation
 
 
 @dataclass

@@ -15,8 +15,8 @@ import libcst as cst
 import libcst.matchers as m
 
 from surgeon.core.idrules import FirstIdEquals, MaxIdEquals
-from surgeon.engines.interp_base import InterpBase
-from surgeon.engines.interp_values import (
+from surgeon.engines.interp.base import InterpBase
+from surgeon.engines.interp.values import (
     Builtin,
     ClassRef,
     Const,
@@ -41,7 +41,7 @@ from surgeon.engines.interp_values import (
     known_truth,
     lin_or_const,
 )
-from surgeon.engines.source import code
+from surgeon.engines.source.index import code
 
 _BUILTINS = {"list", "tuple", "sorted", "set", "len", "hasattr", "getattr", "setattr", "isinstance",
              "max", "min", "super", "int", "print", "any", "all", "range", "enumerate", "zip",

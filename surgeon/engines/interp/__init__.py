@@ -18,12 +18,12 @@ outcomes. Assumption: one pipeline rank (``is_first_rank``/``is_last_rank`` are 
 
 from __future__ import annotations
 
-from surgeon.engines.interp_attrs import AttributeResolver
-from surgeon.engines.interp_base import Hooks, InterpBase
-from surgeon.engines.interp_calls import CallBinder
-from surgeon.engines.interp_exprs import ExpressionEvaluator
-from surgeon.engines.interp_stmts import StatementExecutor
-from surgeon.engines.interp_values import (
+from surgeon.engines.interp.attrs import AttributeResolver
+from surgeon.engines.interp.base import Hooks, InterpBase
+from surgeon.engines.interp.calls import CallBinder
+from surgeon.engines.interp.exprs import ExpressionEvaluator
+from surgeon.engines.interp.stmts import StatementExecutor
+from surgeon.engines.interp.values import (
     Bound,
     Builtin,
     ClassRef,

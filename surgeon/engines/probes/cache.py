@@ -29,7 +29,7 @@ from surgeon.core.idrules import (
     PlatformTarget,
     SiteRecord,
 )
-from surgeon.engines.source import SourceIndex
+from surgeon.engines.source.index import SourceIndex
 
 FORMAT = 3
 
@@ -41,10 +41,10 @@ def directory() -> Path:
 
 def _code_version() -> str:
     h = hashlib.sha256(str(FORMAT).encode())
-    here = Path(__file__).parent
-    # the probe's own modules and the id-rule data model it fills
-    for p in sorted([*here.glob("*.py"), here.parent / "core" / "idrules.py"]):
-        h.update(p.name.encode())
+    here = Path(__file__).parents[1]
+    # the probe's own modules (every wing of engines/) and the id-rule data model it fills
+    for p in sorted([*here.rglob("*.py"), here.parent / "core" / "idrules.py"]):
+        h.update(p.relative_to(here.parent).as_posix().encode())
         h.update(p.read_bytes())
     return h.hexdigest()
 

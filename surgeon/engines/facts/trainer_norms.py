@@ -3,8 +3,8 @@
 SpecForge (``specforge`` on PyPI, a pure-Python wheel): its draft classes are registered with
 ``@register_draft`` in ``specforge/modeling/draft/*.py`` under the name a draft config's
 ``architectures[0]`` carries; that class's file is read like an engine's draft model file
-(:func:`surgeon.engines.draft_norms.flag_reads`: each read followed to its use by
-:mod:`surgeon.engines.norm_flow`). One meaning is read besides: SpecForge's EAGLE-3 training
+(:func:`surgeon.engines.facts.draft_norms.flag_reads`: each read followed to its use by
+:mod:`surgeon.engines.facts.norm_flow`). One meaning is read besides: SpecForge's EAGLE-3 training
 loop (``specforge/algorithms/eagle3/model.py``) takes its logits from one method of the draft
 (``compute_logits``) and the state it feeds to the next step from another (``backbone``); a
 ``norm_output`` used only in the logits method selects the norm before ``lm_head``, not the
@@ -23,7 +23,7 @@ classes of ``model_definitions.py`` for ``norm_before_residual``) uses the flag.
 
 Sources are found, in order: ``root`` when given, ``.engines/<dist>-*/<package>`` (put there by
 scripts/fetch-engines) under this repository, then an installed package (``find_spec``, which
-runs nothing). ``python -m surgeon.engines.trainer_norms specforge|speculators DIR`` confirms the
+runs nothing). ``python -m surgeon.engines.facts.trainer_norms specforge|speculators DIR`` confirms the
 cited table below against a checkout and prints what the analysis reads there.
 """
 
@@ -39,11 +39,11 @@ import libcst as cst
 
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS
-from surgeon.engines.draft_norms import FlagRead, NormReading, model_reads, parse_module, parse_source
-from surgeon.engines.locate import tool_packages
-from surgeon.engines.norm_flow import FlagUse, ValueFlow
+from surgeon.engines.facts.draft_norms import FlagRead, NormReading, model_reads, parse_module, parse_source
+from surgeon.engines.facts.norm_flow import FlagUse, ValueFlow
+from surgeon.engines.source.locate import tool_packages
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DRAFT_DIR = "modeling/draft"
 LOOP_FILE = "algorithms/eagle3/model.py"
 SPECULATORS_CONFIG = "models/eagle3/config.py"
@@ -335,7 +335,7 @@ def check(dist: str, root: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("specforge", "speculators"):
-        print("usage: python -m surgeon.engines.trainer_norms specforge|speculators DIR", file=sys.stderr)
+        print("usage: python -m surgeon.engines.facts.trainer_norms specforge|speculators DIR", file=sys.stderr)
         return 2
     try:
         lines = check(argv[0], argv[1])

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from surgeon.engines.booltest import condition_values
-from surgeon.engines.draft_norms import parse_source
-from surgeon.engines.locate import EngineLocation
+from surgeon.engines.facts.draft_norms import parse_source
+from surgeon.engines.source.booltest import condition_values
+from surgeon.engines.source.locate import EngineLocation
 
 # engine -> (file under the package, function) that rewrites a target config into its MTP draft's
 HEAD_SITES = {"vllm": ("config/speculative.py", "hf_config_override"),

@@ -1,6 +1,6 @@
 """One decoder-loop anatomy of a class: where the layer loop is and how to read the stream there.
 
-The probe (:mod:`surgeon.engines.capture`), the rewriter's planner (:mod:`surgeon.patch.planner`)
+The probe (:mod:`surgeon.engines.probes.capture`), the rewriter's planner (:mod:`surgeon.patch.planner`)
 and patch coverage (:mod:`surgeon.patch.coverage`, through the planner) all need the same reading
 of a model's ``forward``; before this module each recognised the loop on its own and they
 disagreed (which calls merely look at the layer list, for one). Here, once per class:
@@ -19,7 +19,7 @@ disagreed (which calls merely look at the layer list, for one). Here, once per c
 * **which paths bypass the loop** (:meth:`ClassAnatomy.bypasses`), with one table of the calls
   that only look at the layer list (:data:`LAYER_LIST_CALLS`).
 
-The probe (:class:`surgeon.engines.capture.CaptureAnalyzer`) asks a wider question of the same
+The probe (:class:`surgeon.engines.probes.capture.CaptureAnalyzer`) asks a wider question of the same
 method, through the same readers: every loop whose body runs a layer (:func:`layer_loops`: its
 loop variables, its layer call, the names bound to a layer), since it must see each capture test
 and each path that runs layers without one, including loops the rewriter cannot instrument. Where
@@ -46,7 +46,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from surgeon.engines.cstwalk import StatementLines, children, family
+from surgeon.engines.source.cstwalk import StatementLines, children, family
 
 __all__ = [
     "COUNTER",

