@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
+from surgeon.core.errors import UNDECIDED
 from surgeon.cli import main
 
 pytestmark = pytest.mark.slow
@@ -28,9 +29,15 @@ LABELLED_SPEC = TRUE_SPEC.replace("synthetic-true", "synthetic-labels").replace(
     "a: layer_out[1]\n  b: layer_out[2]\n  c: layer_out[3]", "a: embed\n  b: layer_out[1]\n  c: layer_out[2]")
 
 
-def run(*args, code=0):
+def run(*args, code=None):
+    """``accept ... --json``; ``code`` None: 0 or 4, as its verdict says (these tiny prompts often saturate
+    position-1 acceptance, which then cannot tell neighbouring wirings apart)."""
     res = CliRunner().invoke(main, ["accept", *map(str, args), "--json"])
-    assert res.exit_code == code, res.output
+    if code is None:
+        assert res.exit_code in (0, UNDECIDED), res.output
+        assert (res.exit_code == UNDECIDED) == (json.loads(res.stdout)["verdict"] == "undecided"), res.output
+    else:
+        assert res.exit_code == code, res.output
     data = json.loads(res.stdout)
     schema = json.loads(CliRunner().invoke(main, ["schema", "--output", "accept"]).stdout)
     errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(data)]

@@ -299,21 +299,22 @@ def _release_with_unevaluable_dispatch(tmp_path: Path, v33: Path) -> Path:
 
 
 @pytest.mark.slow  # a whole probe of the altered release
-def test_unverified_dispatch_warns_in_lint_and_fails_lint_strict(tmp_path: Path, v33: Path, cache_home):
-    """Which class runs GlmMoeDsaForCausalLM on cuda cannot be read to the end: render refuses,
-    lint says "unverified" as a warning naming file:line, and lint --strict exits 2 on it."""
+def test_unverified_dispatch_is_a_lint_error_as_render_refuses_it(tmp_path: Path, v33: Path, cache_home):
+    """Which class runs GlmMoeDsaForCausalLM on cuda cannot be read to the end: render refuses, so
+    lint reports it as an error naming file:line (lint is at least as strict as render), with or
+    without --strict."""
     root = _release_with_unevaluable_dispatch(tmp_path, v33)
     spec = tmp_path / "glm.yaml"
     spec.write_text(GLM_SPEC)
     render = _cli("render", spec, "--engine", "vllm", "--engine-root", root)
     assert render.exit_code == 2 and "unverified" in render.output, render.output
     lint = _cli("lint", spec, "--engine", "vllm", "--engine-root", root, "--json")
-    assert lint.exit_code == 0, lint.output
+    assert lint.exit_code == 2, lint.output
     import json
 
     (only,) = json.loads(lint.stdout)["specs"]
     vllm = [i for i in only["issues"] if "vllm" in i["message"]]
-    assert vllm and all(i["severity"] == "warning" for i in vllm)
+    assert vllm and any(i["severity"] == "error" for i in vllm)
     assert any("unverified" in i["message"] and "__init__.py:" in i["message"] for i in vllm), vllm
     strict = _cli("lint", spec, "--engine", "vllm", "--engine-root", root, "--strict")
     assert strict.exit_code == 2 and "unverified" in strict.output, strict.output
