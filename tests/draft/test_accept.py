@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from surgeon.core.errors import UNDECIDED
 from surgeon.cli import main
+from surgeon.core.errors import UNDECIDED
 
 pytestmark = pytest.mark.slow
 
