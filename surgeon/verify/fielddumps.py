@@ -217,7 +217,7 @@ def _trtllm_ids(producer: Producer, L: int) -> list[int]:
 
 def _decode(conv_name: str, ids: list[int], L: int) -> list[Point]:
     try:
-        if conv_name in ("modelopt-vllm", "vllm"):
+        if conv_name == "modelopt-vllm":
             vllm = EngineConvention(builtin_convention("vllm", None), "built-in")
             points = vllm.decode(ids, L)
         else:
