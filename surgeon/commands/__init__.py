@@ -11,7 +11,8 @@ How a command says something went wrong, one way each:
   own), it raises a :class:`surgeon.core.errors.SurgeonError`, whose ``exit_code`` the CLI
   exits with.
 * A report is always returned. ``json_output(verb, report)`` is exactly what ``--json`` prints
-  (``to_json()`` under the output's ``"format"`` number, its shape ``schema(output=verb)``); its verdict
+  (the report through its output model, :mod:`surgeon.commands.outputs`, under its ``"format"``
+  number; its shape ``schema(output=verb)``); its verdict
   is ``exit_code`` (absent means 0; :func:`exit_code_of` reads it): 3 when the checked wiring
   differs (check-draft, verify, check-hooks, status, demo), 2 when lint finds invalid specs.
   A report with a ``problem`` also names it in one line.
@@ -29,9 +30,10 @@ from surgeon.commands.demo_command import demo
 from surgeon.commands.draft_commands import accept
 from surgeon.commands.harness_commands import fingerprint, match, reference, verify
 from surgeon.commands.infer_commands import infer_wiring
+from surgeon.commands.outputs import FORMATS, json_output
 from surgeon.commands.patch_commands import apply, coverage, diff, doctor, revert, status
 from surgeon.commands.progress import QUIET, Progress
-from surgeon.commands.results import FORMATS, exit_code_of, json_output
+from surgeon.commands.results import exit_code_of
 from surgeon.commands.spec_commands import check_draft, conventions, explain, lint, render, review, schema, sweep_spec
 
 # Every CLI verb and the one function behind it (tests check the CLI has no other verbs).

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from surgeon.commands.results import DumpInfo, Exported, GeneratedText, HookCheck, write_new_file
+from surgeon.commands.results import GeneratedText, write_new_file
 from surgeon.core.errors import BadInput, InternalError
 
 
@@ -138,3 +139,73 @@ def export(*, dumps: Sequence[str], spec: str, layout: str, out_dir: str, slots:
     exporter = export_specforge if layout == "specforge" else export_speculators
     written = list(exporter(list(dumps), out_dir, spec=s, read=export_reader(slots, s.num_layers)))
     return Exported(layout, out_dir, written, Path(out_dir) / MANIFEST)
+
+
+_DUMP_KEYS = ("surgeon.kind", "surgeon.format", "spec.name", "spec.sha256", "engine", "engine.version", "model",
+              "num_layers", "hidden_size", "tokens", "dtype")
+
+
+def _number(text: str | None) -> int | None:
+    """A count from the dump's (string-only) safetensors metadata; None when absent or not a number."""
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+@dataclass
+class DumpInfo:
+    file: str
+    meta: dict  # the dump's metadata, without its captures list (safetensors metadata: all strings)
+    captures: list[dict]  # name, point (None: not recorded), shape, dtype per capture
+    layout: str = "surgeon"  # surgeon | trtllm | modelopt
+    producer: dict | None = None  # a field dump's: detected (candidates), why, given (--slots)
+    records: list[dict] = field(default_factory=list)  # per sequence: index, id, tokens, input_ids, loss_mask
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def labelled(self) -> bool:
+        return all(c["point"] is not None for c in self.captures)
+
+    def to_json(self) -> dict:
+        m = self.meta
+        text = lambda k: m.get(k) or None  # an empty field is "not recorded"
+        return {"file": self.file, "dump_format": _number(m.get("surgeon.format")),
+                "spec": {"name": text("spec.name"), "sha256": text("spec.sha256")},
+                "engine": text("engine"), "engine_version": text("engine.version"), "model": text("model"),
+                "num_layers": _number(m.get("num_layers")), "hidden_size": _number(m.get("hidden_size")),
+                "tokens": _number(m.get("tokens")), "dtype": text("dtype"), "captures": self.captures,
+                "other_metadata": {k: v for k, v in m.items() if k not in _DUMP_KEYS},
+                "layout": self.layout, "labelled": self.labelled, "producer": self.producer, "records": self.records,
+                "notes": self.notes}
+
+
+@dataclass
+class Exported:
+    layout: str
+    out_dir: str
+    written: list[Path]
+    manifest: Path | None = None  # surgeon-export.json: each written slot's point and source
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout, "written": [str(p) for p in self.written],
+                "manifest": str(self.manifest) if self.manifest is not None else None}
+
+
+@dataclass
+class HookCheck:
+    """Graph-safety findings in hook files: any finding is a mismatch with the contract."""
+
+    files: int
+    findings: list[Any]  # surgeon.capture.graphsafe.Finding
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "findings": [x.to_json() for x in self.findings]}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-
-from surgeon.commands.results import DemoReport
+from typing import Any
 
 
 def default_workdir() -> Path:
@@ -23,3 +23,38 @@ def demo(*, workdir: str | None = None, engine_root: str | None = None,
 
     work = Path(workdir) if workdir else default_workdir()
     return DemoReport(run_demo(work, step=step, note=note, engine_root=engine_root))
+
+
+@dataclass
+class DemoReport:
+    """The demo's run; it passes when the right wiring verifies, the wrong one is caught and the
+    engine file comes back byte-identical. ``problem`` says what went wrong otherwise."""
+
+    result: Any  # surgeon.run.demo.DemoResult
+
+    @property
+    def problem(self) -> str | None:
+        r = self.result
+        if not r.reverted_identical:
+            return f"internal error: {r.engine_root / r.model_file} is not byte-identical after the revert"
+        if not r.right.ok:
+            return "the demo's wiring check did not come out as expected (see above): the spec's wiring failed verify"
+        if r.wrong.ok:
+            return "the demo's wiring check did not come out as expected (see above): the mis-wiring was not caught"
+        if r.draft is not None and not r.draft.ok:
+            return ("the demo's draft step did not come out as expected (see above): the trained wiring was not "
+                    "named with a decided margin, or the mis-labelled deployment did not accept less")
+        return None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    @property
+    def exit_code(self) -> int:
+        if self.ok:
+            return 0
+        return 1 if not self.result.reverted_identical else 3
+
+    def to_json(self) -> dict:
+        return self.result.to_json()

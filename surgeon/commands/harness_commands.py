@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from surgeon.commands.progress import QUIET, Progress
-from surgeon.commands.results import FingerprintWritten, ReferenceWritten, Verification
 from surgeon.core.errors import BadInput
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -76,3 +76,48 @@ def verify(*, spec: str, subject: str, ref: str, slots: Sequence[str] = (), inpu
     """Is every slot of ``subject`` what ``spec`` declares? Not: a mismatch (exit 3)."""
     return Verification(match(subject=subject, ref=ref, spec=spec, slots=slots, input_ids=input_ids, plot=plot,
                               progress=progress))
+
+
+@dataclass
+class ReferenceWritten:
+    output: str
+    points: int
+    tokens: int
+    num_layers: int
+    hidden_size: int
+
+    def to_json(self) -> dict:
+        return {"output": self.output, "points": self.points, "tokens": self.tokens,
+                "num_layers": self.num_layers, "hidden_size": self.hidden_size}
+
+
+@dataclass
+class FingerprintWritten:
+    output: str
+    points: int
+    tokens: int
+    dim: int
+    seed: int
+
+    def to_json(self) -> dict:
+        return {"output": self.output, "points": self.points, "tokens": self.tokens, "dim": self.dim, "seed": self.seed}
+
+
+@dataclass
+class Verification:
+    """A subject checked against its spec: any slot that is not what the spec declares is a mismatch."""
+
+    result: Any  # surgeon.verify.harness.HarnessResult
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.result.ok)
+
+    @property
+    def exit_code(self) -> int:
+        """0 every declared slot as declared, 3 one is not, 4 undecided (none wrong, one the reference
+        cannot tell apart)."""
+        return int(self.result.exit_code)
+
+    def to_json(self) -> dict:
+        return self.result.to_json()

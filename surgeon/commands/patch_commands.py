@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 from surgeon.commands.platform import platform_command
 from surgeon.commands.progress import QUIET, Progress, open_engines
-from surgeon.commands.results import DiffReport, EnginePatch, EngineRevert, PatchDiff, RevertReport, StatusReport
 from surgeon.core.errors import BadInput
 
 ENGINES = ("sglang", "vllm")
@@ -152,3 +151,99 @@ def doctor(*, engine: str | None = None, engine_root: str | None = None, repair:
     from surgeon.patch.doctor import doctor as diagnose
 
     return DoctorReport([(e, diagnose(m, repair=repair)) for e, m in engines_with_managers(engine, engine_root)])
+
+
+@dataclass
+class EngineRevert:
+    engine: str
+    engine_root: str
+    reverted: list[str]
+    restored: list[str]
+    warnings: list[str]
+    recovered: str | None
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "engine_root": self.engine_root, "reverted": self.reverted,
+                "restored": self.restored, "warnings": self.warnings, "recovered": self.recovered}
+
+
+@dataclass
+class RevertReport:
+    reverted: list[EngineRevert] = field(default_factory=list)  # empty: --all with nothing applied
+
+    def to_json(self) -> dict:
+        return {"reverted": [r.to_json() for r in self.reverted]}
+
+
+@dataclass
+class EnginePatch:
+    """One applied patch and the engine holding it."""
+
+    engine: str
+    engine_root: Path
+    patch: Any  # surgeon.patch.manifest.PatchStatus
+
+
+@dataclass
+class StatusReport:
+    """Every applied patch; a drifted or missing file is a mismatch with what was applied."""
+
+    patches: list[EnginePatch]
+    # files carrying a patch marker no manifest records: (engine, surgeon.patch.manifest.Unrecorded)
+    unrecorded: list[tuple[str, Any]] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)  # interrupted transactions finished or rolled back
+    pending: list[str] = field(default_factory=list)  # interrupted transactions left (read-only root)
+
+    @property
+    def ok(self) -> bool:
+        return all(p.patch.state == "applied" for p in self.patches) and not self.unrecorded and not self.pending
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "patches": [_patch_json(p) for p in self.patches],
+                "unrecorded": [{"engine": e, "relpath": u.relpath, "patch": u.marker.name,
+                                "spec_sha256": u.marker.spec_sha256, "manifest_id": u.marker.manifest_id,
+                                "original_sha256": u.marker.original_sha256, "restorable": u.restorable,
+                                "advice": u.advice()} for e, u in self.unrecorded],
+                "recovered": self.recovered, "pending": self.pending}
+
+
+def _patch_json(row: EnginePatch) -> dict:
+    from surgeon.patch.manifest import ABSENT
+
+    p = row.patch
+    return {"engine": row.engine, "engine_root": str(row.engine_root), "name": p.name, "state": p.state,
+            "spec": {"name": p.spec_name, "sha256": p.spec_sha256},
+            "engine_version": p.engine_version, "created": p.created,
+            "files": [{"relpath": f.relpath, "state": f.state, "created": f.sha256_before == ABSENT,
+                       "sha256_before": f.sha256_before, "sha256_after": f.sha256_after} for f in p.files]}
+
+
+@dataclass
+class PatchDiff:
+    engine: str
+    patch: Any  # surgeon.patch.manifest.PatchStatus
+    diff: str
+
+    def to_json(self) -> dict:
+        from surgeon.patch.manifest import ABSENT
+
+        p = self.patch
+        return {"engine": self.engine, "name": p.name, "state": p.state,
+                "files": [{"relpath": f.relpath, "created": f.sha256_before == ABSENT, "state": f.state}
+                          for f in p.files], "diff": self.diff}
+
+
+@dataclass
+class DiffReport:
+    patches: list[PatchDiff]
+
+    @property
+    def text(self) -> str:
+        return "".join(p.diff for p in self.patches)
+
+    def to_json(self) -> dict:
+        return {"patches": [p.to_json() for p in self.patches]}

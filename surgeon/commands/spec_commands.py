@@ -5,19 +5,12 @@ the library's report."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from surgeon.commands.platform import platform_command
 from surgeon.commands.progress import QUIET, Progress, open_engines
-from surgeon.commands.results import (
-    DraftVerdict,
-    GeneratedText,
-    LintReport,
-    RenderReport,
-    ReviewReport,
-    SchemaResult,
-    write_new_file,
-)
+from surgeon.commands.results import GeneratedText, write_new_file
 from surgeon.core.errors import BadInput
 
 ENGINES = ("sglang", "vllm")
@@ -32,7 +25,7 @@ def engine_roots(engine: str | None, engine_root: str | None) -> dict[str, str |
 
 def schema(*, output: str = "spec") -> SchemaResult:
     """A JSON Schema: of spec v1 (``output="spec"``), or of the ``--json`` output of the command
-    ``output`` (one of :data:`surgeon.commands.results.FORMATS`)."""
+    ``output`` (one of :data:`surgeon.commands.outputs.FORMATS`)."""
     if output == "spec":
         from surgeon.core.spec import json_schema
 
@@ -146,3 +139,68 @@ def sweep_spec(*, name: str, architecture: str, num_layers: int, hidden_size: in
     from surgeon.core.spec import sweep_spec_text
 
     return write_new_file(sweep_spec_text(name, architecture, num_layers, hidden_size), output)
+
+
+@dataclass
+class SchemaResult:
+    schema: dict
+
+    def to_json(self) -> dict:
+        return self.schema
+
+
+@dataclass
+class LintReport:
+    """Every linted spec; invalid specs are bad input (exit 2), warnings are not."""
+
+    results: list[Any]  # surgeon.wiring.lint.LintResult, in argument order
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 2
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "specs": [r.to_json() for r in self.results]}
+
+
+@dataclass
+class RenderReport:
+    rendering: Any  # surgeon.wiring.render.Rendering
+    pinned: dict | None = None  # the engines.<engine> values written into the spec (--pin)
+
+    def to_json(self) -> dict:
+        return self.rendering.to_json()
+
+
+@dataclass
+class DraftVerdict:
+    """A draft checked against a spec: a draft the engine would feed wrongly is a mismatch."""
+
+    report: Any  # surgeon.wiring.draft.DraftReport
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.report.ok)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_json(self) -> dict:
+        return self.report.to_json()
+
+
+@dataclass
+class ReviewReport:
+    review: Any  # surgeon.wiring.review.Review
+
+    @property
+    def markdown(self) -> str:
+        return self.review.markdown
+
+    def to_json(self) -> dict:
+        return {**self.review.data, "markdown": self.review.markdown}

@@ -292,7 +292,7 @@ def test_a_report_s_verdict_is_the_exit_code_after_it_is_rendered(tmp_path):
 def test_the_demo_verdict(right_ok, wrong_ok, identical, draft_ok, code, problem):
     from types import SimpleNamespace
 
-    from surgeon.commands.results import DemoReport
+    from surgeon.commands.demo_command import DemoReport
 
     result = SimpleNamespace(right=SimpleNamespace(ok=right_ok), wrong=SimpleNamespace(ok=wrong_ok),
                              draft=None if draft_ok is None else SimpleNamespace(ok=draft_ok),

@@ -31,7 +31,7 @@ def test_the_demo_step_names_the_trained_wiring_and_shows_the_drop(synthetic_tar
 def test_the_demo_report_fails_when_the_draft_step_does(tmp_path):
     from types import SimpleNamespace
 
-    from surgeon.commands.results import DemoReport
+    from surgeon.commands.demo_command import DemoReport
 
     ok = SimpleNamespace(ok=True)
     result = SimpleNamespace(reverted_identical=True, right=ok, wrong=SimpleNamespace(ok=False),

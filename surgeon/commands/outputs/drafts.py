@@ -1,0 +1,156 @@
+"""The ``--json`` output models of drafts: demo, infer-wiring, accept."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from surgeon.commands.outputs.base import Point, _Closed, _Output
+from surgeon.commands.outputs.harness import MatchResult
+
+
+class DemoOutput(_Output):
+    ok: bool = Field(description="the spec's wiring verified, the mis-wiring was caught, the revert is byte-identical, "
+                                 "and the draft step named its trained wiring")
+    workdir: str
+    model: str
+    spec: str
+    wrong_spec: str
+    reference: str
+    dump: str
+    heatmap: str
+    heatmap_right: str
+    engine_root: str
+    model_file: str
+    reverted_byte_identical: bool
+    right: MatchResult | None
+    wrong: MatchResult | None
+    draft: dict[str, Any] | None = Field(description="the draft step (surgeon.draft.demo): ok, trained_on, drop, and "
+                                                     "the infer-wiring and accept outputs")
+    timings_s: dict[str, float]
+
+
+class InferSlot(_Closed):
+    slot: int
+    point: Point
+    score: float = Field(description="alignment of the fc slot's amplification W_j^T W_j (isotropic part removed) "
+                                     "with this point's state covariance; relative to its slot")
+    runner_up: Point | None
+    runner_up_score: float | None
+    margin: float | None = Field(description="(score - runner_up_score) / score; null when nothing aligns")
+    decides: bool = Field(description="the margin is wide enough and the decided behaviour signal does not contradict it")
+    contradicted: bool = Field(description="the decided behaviour signal names another point for this slot")
+
+
+class InferWeightSpace(_Closed):
+    wiring: list[Point]
+    margin: float | None = Field(description="the smallest slot margin")
+    decides: bool
+    slots: list[InferSlot]
+
+
+class InferBehaviour(_Closed):
+    wiring: list[Point]
+    steps: int = Field(description="chained draft steps the divergence sums over")
+    divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats per "
+                                                 "position summed over the chained steps, mean over prompts (searched)")
+    agreement: float | None = Field(description="step-1 top-1 agreement with the target's greedy next token (reported)")
+    runner_up: list[Point] | None
+    runner_up_divergence: float | None
+    runner_up_agreement: float | None
+    margin: float | None = Field(description="the runner-up's divergence minus the chosen wiring's (nats)")
+    z: float | None = Field(description="margin over the standard error of the per-prompt differences (null: one prompt)")
+    decides: bool | None
+    evaluations: int
+
+
+class InferCandidate(_Closed):
+    label: str
+    wiring: list[Point]
+    weight_score: float = Field(description="mean over slots of the alignment relative to the slot's best (1: every slot's best)")
+    agreement: float | None
+    divergence: float | None
+
+
+class InferIds(_Closed):
+    ids: list[int] | None
+    error: str | None = Field(description="why there are no ids, the reason alone (null: ids given)")
+    origin: str | None
+    kind: Literal["not_expressible", "refused"] | None = Field(
+        default=None, description="null: ids given; not_expressible: the target's convention cannot name the "
+                                  "wiring; refused: the target cannot serve it or cannot be read here")
+
+
+class InferStatedEngine(_Closed):
+    engine: str
+    agrees: bool | None = Field(description="null: not checked (see problems)")
+    reads: list[int] | None
+    captures: list[Point | None]
+    problems: list[str]
+
+
+class InferStated(_Closed):
+    ids: dict[str, list[int]] = Field(description="config key -> ids as written")
+    agree: bool | None
+    engines: list[InferStatedEngine]
+
+
+class InferWiringOutput(_Output):
+    ok: bool = Field(description="false when the draft config states no ids, or ids that disagree with a decided wiring "
+                                 "(exit 3), or when the evidence does not decide the wiring (exit 4)")
+    headline: str = Field(description="the report's first line: decided or undecided, and what the stated ids say")
+    draft: str
+    fc_tensor: str
+    target: str
+    num_layers: int
+    hidden_size: int
+    n_slots: int
+    tokens: int
+    wiring: list[Point] = Field(description="the inferred fc input, in slot order")
+    decided: bool = Field(description="the behaviour signal (chained divergence, paired over prompts) decides; "
+                                      "weight-space evidence alone never does")
+    weight_space: InferWeightSpace
+    behaviour: InferBehaviour | None
+    candidates: list[InferCandidate]
+    ids: dict[str, InferIds]
+    stated: InferStated
+    spec: str = Field(description="spec v1 text of the inferred wiring")
+    written: str | None
+    notes: list[str]
+
+
+class AcceptWiring(_Closed):
+    name: str
+    why: str
+    points: list[str | None] = Field(description="the point fed to each fc slot; null: never captured")
+    note: str | None
+    not_servable: str | None = Field(description="why this wiring cannot run at all (null: it runs)")
+    per_position: list[float] | None = Field(description="P(accepted > j) for draft position j = 0..K-1")
+    expected_accepted: float | None = Field(description="expected accepted draft tokens per chain")
+    accept_length: float | None = Field(description="1 + expected_accepted: the target's bonus token counted")
+    chains: int
+    divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats "
+                                                 "per chain summed over its K steps (null: not measured)")
+
+
+class AcceptOutput(_Output):
+    ok: bool = Field(description="exit 0: the spec's position-1 acceptance is at least --min and ahead of every other "
+                                 "wiring (exit 3 below --min, not servable or behind one; 4 when one is within noise)")
+    verdict: Literal["separated", "undecided", "better", "not_run"] = Field(
+        description="separated: the spec's wiring accepts more than every other at position 1 by 2 standard errors; "
+                    "undecided: one accepts as much within them; better: one accepts more by them")
+    headline: str = Field(description="the report's first line: the verdict and the wirings it rests on")
+    spec: str
+    draft: str
+    target: str
+    steps: int
+    prompts: str = Field(description="where the prompts came from: the seeded rule or the file")
+    n_prompts: int
+    length: int
+    min: float | None
+    draft_info: dict[str, Any]
+    sampling: str
+    wirings: list[AcceptWiring] = Field(description="the spec's wiring first, then the miswirings")
+    notes: list[str]
+    timings_s: dict[str, float]

@@ -1,0 +1,249 @@
+"""The ``--json`` output models of specs: lint, explain, render, check-draft, review, conventions."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from surgeon.commands.outputs.base import Point, _Closed, _Output
+
+
+class Issue(_Closed):
+    file: str
+    line: int = Field(description="1-based; 0 when the issue has no place in the file")
+    col: int
+    severity: Literal["error", "warning"]
+    path: str = Field(description="dotted key path in the spec, e.g. captures.low; empty for the whole spec")
+    message: str
+
+
+class StagePlacement(_Closed):
+    point: Point
+    position: int | None = Field(description="capture index (stream position); null: not captured")
+    stage: int | None = Field(description="0-based pipeline stage whose loop captures it; null: never captured")
+    layer: int | None = Field(description="the layer whose iteration captures it; null: before or after the loop")
+    reaches: bool | None = Field(description="it reaches the draft on the last stage; null: not verified")
+    why: str = Field(description="the capture site and the forwarding rule read, file:line")
+
+
+class PipelineCheck(_Closed):
+    engine: str
+    release: str
+    pp: int
+    tp: int
+    stages: list[list[int]] = Field(description="[start, end) layers of each stage, from the release's partition")
+    partition: str = Field(description="file:line of the partition function evaluated, and what was assumed")
+    placements: list[StagePlacement]
+    refused: str | None = Field(description="the engine refuses this draft with pipeline parallelism (file:line)")
+    unverified: str | None
+    notes: list[str]
+
+
+class LintedSpec(_Closed):
+    file: str
+    ok: bool
+    checked: list[str] = Field(description="what was checked and passed, one line each")
+    issues: list[Issue]
+    pipeline: list[PipelineCheck] = Field(default_factory=list, description="`lint --pp`: one per engine checked")
+
+
+class LintOutput(_Output):
+    ok: bool = Field(description="every spec is valid (warnings allowed); exit 2 otherwise")
+    specs: list[LintedSpec]
+
+
+class IdList(_Closed):
+    convention: str
+    origin: str = Field(description="where the rule was read: a probe of the engine source, or the built-in table")
+    ids: list[int] | None = Field(description="null: not expressible (see error)")
+    error: str | None
+    captures: list[Point] = Field(description="what the ids capture, replayed through the engine's setter")
+    kind: Literal["not_expressible", "refused"] | None = Field(
+        default=None, description="null: ids given; not_expressible: the convention cannot name the points; "
+                                  "refused: the target cannot serve them or cannot be read here")
+
+
+class ExplainRow(_Closed):
+    name: str
+    point: Point
+    fc_slot: int | None
+    dump_slot: str | None
+    ids: dict[str, int | str] = Field(description="convention -> id, or 'not expressible: why'")
+
+
+class ExplainOutput(_Output):
+    spec: str
+    file: str
+    sha256: str
+    num_layers: int
+    hidden_size: int
+    conventions: dict[str, str] = Field(description="column -> the convention's rule and where it was read")
+    rows: list[ExplainRow]
+    fc_lists: dict[str, IdList]
+    notes: list[str]
+
+
+class RenderedCapture(_Closed):
+    fc_slot: int
+    name: str
+    point: Point
+    captured: Point | None = Field(description="what the rendered ids capture, replayed")
+    site: str | None = Field(default=None, description="file:line of the capture site the engine uses for this slot")
+    verified: bool | None = Field(default=None, description="false when that site's value was not read")
+
+
+class Launch(_Closed):
+    argv: list[str] = Field(description="the launch flags, one argument per item (<DRAFT>: the draft's path)")
+    shell: str = Field(description="the same, quoted for a POSIX shell (shlex.join)")
+
+
+class RenderOutput(_Output):
+    spec: str
+    target: Literal["sglang", "vllm", "specforge", "speculators", "trtllm", "modelopt-hf", "modelopt-trtllm",
+                    "modelopt-vllm", "zlab"]
+    model_class: str | None
+    convention: str
+    origin: str
+    ids: list[int]
+    captures: list[RenderedCapture]
+    draft_config: dict[str, Any] = Field(description="the fragment to merge into the draft's config.json "
+                                         "(trtllm: the LLM API options; modelopt-*: empty, its flags carry the ids)")
+    launch: Launch
+    dump: dict[str, Any] | None = Field(description="the dump layout the target reads, where it has one")
+    notes: list[str]
+    verified: bool = Field(default=True, description="false when the answer rests on engine code the probe did not read")
+    unverified_reason: str | None = None
+    evidence: list[str] = Field(default_factory=list, description="file:line of the setter, loop, capture sites, runner")
+    platform: str | None = Field(default=None, description="the platform the engine answer holds for (all: no dispatch)")
+
+
+class DraftFinding(_Closed):
+    severity: Literal["error", "warning", "info"]
+    kind: str
+    detail: str
+
+
+class DraftNorm(_Closed):
+    flag: Literal["norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"]
+    state: Literal["used", "read_unused", "not_read", "unverified"] = Field(
+        description="what the engine's draft model file does with the flag: used (a use site found), read_unused (read, "
+                    "its value used nowhere: treated as not read), not_read, unverified (the value escapes to code not read)")
+    read: str | None = Field(description="file:line of the read the state rests on")
+    used_at: str | None = Field(description="used: file:line where the value changes the computation")
+    builds: bool = Field(description="the value the engine builds the draft with")
+    needs: bool = Field(description="the value the draft was trained with")
+    detail: str
+
+
+class DraftRunner(_Closed):
+    runner: str = Field(description="vLLM's model runner (V1 or V2) whose setter call the probe read")
+    call: str = Field(description="file:line of its setter call")
+    chosen: str = Field(description="when vLLM runs it, with the file:line that decides")
+    key: str | None = Field(description="the draft-config key its ids came from (+N: added to each); null: none, the default")
+    read_at: str | None = Field(description="file:line of that read")
+    ids: list[int] | None = Field(description="what it passes to the setter; null: the model's default")
+    captured: list[Point | None] | None = Field(description="what those ids make the model capture, in fc order")
+
+
+class CheckDraftOutput(_Output):
+    ok: bool = Field(description="no error finding: the engine feeds the fc the spec's points; exit 3 otherwise")
+    spec: str
+    draft: str
+    engine: str
+    model_class: str | None
+    origin: str
+    config_rule: str
+    ids_found: dict[str, Any] = Field(description="where in the config -> the ids there")
+    ids_used: list[int] | None = Field(description="what the engine passes to its setter; null: its default")
+    captured: list[Point | None]
+    expected: list[Point]
+    fc_weight: dict[str, Any] | None
+    findings: list[DraftFinding]
+    norms: list[DraftNorm] = Field(default_factory=list, description="EAGLE-3 drafts, per norm flag: what the engine does "
+                                   "with it (empty: not read for this engine)")
+    runners: list[DraftRunner] = Field(default_factory=list, description="vllm, speculators: what each model runner "
+                                       "the probe read serves for this config (ids_used/captured: V1's)")
+
+
+class ReviewCapture(_Closed):
+    name: str
+    was: Point | None
+    now: Point | None
+
+
+class ReviewIds(_Closed):
+    target: str
+    before: list[int] | None
+    after: list[int] | None
+
+
+class ReviewOutput(_Output):
+    old: str
+    new: str
+    fc_changed: bool = Field(description="the draft's fc input changed physically")
+    captures: list[ReviewCapture]
+    ids: list[ReviewIds]
+    markdown: str = Field(description="the pull-request comment (GitHub-flavoured Markdown)")
+
+
+class CoverageCounts(_Closed):
+    total: int
+    classified: int
+    no_capture: int
+    delegates: int = Field(default=0, description="classes handing the ids to a text model the checkpoint picks")
+    unclassified: int
+
+
+class ProbedBypass(_Closed):
+    line: int
+    description: str
+    layers: str
+    path: str | None
+
+
+class ProbedClass(_Closed):
+    engine: str
+    path: str
+    class_name: str
+    line: int
+    status: Literal["classified", "unclassified"]
+    reason: str | None
+    setter: str | None
+    setter_owner: str | None
+    id_rule: str | None
+    default: list[str] | None
+    default_through_rule: bool
+    sorts: bool
+    dedups: bool
+    emit_order: str
+    capture_site: str
+    captured_value: str
+    loop_owner: str | None
+    bypasses: list[ProbedBypass]
+    tail_capture: bool
+    no_capture: bool
+    delegates: bool = False
+    # being added next to this (issue 14): the capture sites read and whether the answer is verified
+    sites: list[dict[str, Any]] | None = None
+    verified: bool | None = None
+    unverified_reason: str | None = None
+    evidence: list[dict[str, Any]] | None = None
+
+
+class ConventionsOutput(_Output):
+    coverage: dict[str, CoverageCounts]
+    engine: str
+    version: str
+    root: str
+    files_scanned: int
+    classified: int
+    unclassified: int
+    architectures: dict[str, str] = Field(description="registered architecture -> probed class")
+    registered: dict[str, str] = Field(default_factory=dict,
+                                       description="registered architecture without a capture interface -> path:line class")
+    classes: list[ProbedClass]
+    # being added next to this (issue 14): the platform answered for, per-platform dispatch, the runner read
+    platform: str | None = None
+    dispatch: dict[str, Any] | None = None
+    runner: dict[str, Any] | None = None
