@@ -1,6 +1,6 @@
 """Text renderings of the command results for the terminal (rich tables and lines); ``--json``
-prints ``result.to_json()`` instead. Rendering only: every decision was made by the command."""
-
+prints the result through its output model instead (:mod:`surgeon.commands.outputs`). Rendering
+only: every decision was made by the command."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
+from surgeon.commands.outputs import json_output
 from surgeon.commands.progress import HEARTBEAT_S, Heartbeat
 
 out = Console(highlight=False, soft_wrap=True)
@@ -151,7 +152,7 @@ def print_draft_check(r: Any) -> None:
 
 
 def print_inferred_wiring(r: Any) -> None:
-    data = r.to_json()
+    data = json_output("infer-wiring", r)
     word, _, rest = data["headline"].partition(":")
     out.print(f"[{'green' if data['decided'] else 'yellow'}]{word}[/]:{escape(rest)}")
     out.print(f"[bold]{escape(data['draft'])}[/] ({escape(data['fc_tensor'])}) against {escape(data['target'])}: "
@@ -234,7 +235,7 @@ def print_accept(r: Any) -> None:
     out.print(table)
     for note in r.notes:
         out.print(f"  [dim]note[/] {escape(note)}")
-    out.print(f"  [dim]{escape(r.to_json()['sampling'])}[/]")
+    out.print(f"  [dim]{escape(r.sampling)}[/]")
     if r.min_rate is not None:
         out.print(f"[green]at least {r.min_rate:.1%}[/]" if r.above_min
                   else f"[red]the spec's position-1 acceptance is below {r.min_rate:.1%}[/]")
@@ -319,7 +320,7 @@ def print_match(result: Any) -> None:
 def print_audit(report: Any) -> None:
     from surgeon.audit.summary import counts, histogram
 
-    j = report.to_json()
+    j = json_output("audit", report)
     word, _, rest = j["headline"].partition(":")
     out.print(f"[{ {'ok': 'green', 'undecided': 'yellow'}.get(word, 'red') }]{word}[/]:{escape(rest)}")
     out.print(f"{escape(j['root'])}: {j['files']} files ({', '.join(f'{v} {k}' for k, v in j['layouts'].items())}), "
@@ -527,7 +528,7 @@ def print_demo(report: Any, started: float) -> None:
     print_match(result.wrong)
     if result.draft is not None:
         d = result.draft
-        out.print(f"\n[bold]the draft as evidence[/] (trained on {', '.join(d.to_json()['trained_on'])}; "
+        out.print(f"\n[bold]the draft as evidence[/] (trained on {', '.join(d.trained_on)}; "
                   "what infer-wiring names from its weights and behaviour alone):")
         print_inferred_wiring(d.inferred)
         out.print("\n[bold]its acceptance[/] under the inferred wiring and the wirings bugs produce:")
