@@ -22,15 +22,14 @@ asynchronous writer produce these files; this module is the format, its writer a
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from surgeon.capture.tensorfiles import TensorFile, gated_safetensors, unreadable
+from surgeon.core.atomicfile import atomic_writer
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, parse_point
 
@@ -88,14 +87,8 @@ def write_dump(path: str | Path, captures: Sequence[tuple[str, Point, torch.Tens
         "num_layers": str(num_layers), "hidden_size": str(H), "dtype": ",".join(sorted(dtypes)), "tokens": str(T),
     }
     out = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=str(out.parent))
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_writer(out) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
     return out
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surgeon.patch.atomicfile import ABSENT, sha256_bytes
-from surgeon.patch.atomicfile import atomic_write as _atomic_write
-from surgeon.patch.atomicfile import file_mode as _mode
+from surgeon.core.atomicfile import ABSENT, sha256_bytes
+from surgeon.core.atomicfile import atomic_write as _atomic_write
+from surgeon.core.atomicfile import file_mode as _mode
 from surgeon.patch.manifest import PatchManager, Unrecorded
 from surgeon.patch.markers import hooks_relpath
 from surgeon.patch.statedir import PatchError

@@ -17,9 +17,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 # Every write goes through this module-level name (a test injects failures here).
-from surgeon.patch.atomicfile import atomic_write as _atomic_write
-from surgeon.patch.atomicfile import file_mode as _mode
-from surgeon.patch.atomicfile import fsync_dir as _fsync_dir
+from surgeon.core.atomicfile import atomic_write as _atomic_write
+from surgeon.core.atomicfile import file_mode as _mode
+from surgeon.core.atomicfile import fsync_dir as _fsync_dir
 from surgeon.patch.rootpaths import EngineRootPaths
 from surgeon.patch.statedir import PatchError
 from surgeon.patch.statefiles import MANIFEST_FORMAT

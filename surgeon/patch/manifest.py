@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surgeon.patch.atomicfile import ABSENT, TMP_SUFFIX, sha256_bytes
+from surgeon.core.atomicfile import ABSENT, TMP_SUFFIX, sha256_bytes
 from surgeon.patch.journal import TransactionJournal, now, os_error
 from surgeon.patch.markers import find_markers
 from surgeon.patch.reader import FileStatus, Inspection, PatchReader, PatchStatus, Unrecorded, default_scan_dirs

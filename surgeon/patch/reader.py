@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surgeon.patch.atomicfile import ABSENT, sha256_bytes
+from surgeon.core.atomicfile import ABSENT, sha256_bytes
 from surgeon.patch.markers import Marker, hooks_relpath, scan
 from surgeon.patch.rootpaths import EngineRootPaths
 from surgeon.patch.statedir import PatchError

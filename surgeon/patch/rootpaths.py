@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from surgeon.patch.atomicfile import ABSENT, sha256_bytes
+from surgeon.core.atomicfile import ABSENT, sha256_bytes
 from surgeon.patch.statedir import PatchError, describe_mode
 from surgeon.patch.statefiles import check_relpath
 

@@ -13,7 +13,7 @@ points. So every node of the state directory is checked from the engine root dow
   hanging), then checked again on the open descriptor (``fstat``), which is what is read.
 
 Every refusal is a :class:`PatchError` (exit 2) naming the path. Writes go through
-:func:`surgeon.patch.atomicfile.atomic_write`: ``mkstemp`` (``O_EXCL``) then ``os.replace``, which
+:func:`surgeon.core.atomicfile.atomic_write`: ``mkstemp`` (``O_EXCL``) then ``os.replace``, which
 replaces a link rather than following it, in a directory checked here first.
 """
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from surgeon.patch.atomicfile import ABSENT
+from surgeon.core.atomicfile import ABSENT
 from surgeon.patch.statedir import PatchError
 
 __all__ = ["MANIFEST_FORMAT", "NAME_RE", "SHA_RE", "check_relpath", "parse_journal", "parse_manifest"]

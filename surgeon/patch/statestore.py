@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from surgeon.patch.atomicfile import ABSENT, TMP_SUFFIX, sha256_bytes
+from surgeon.core.atomicfile import ABSENT, TMP_SUFFIX, sha256_bytes
 
 # Every write goes through this module-level name (a test injects failures here).
-from surgeon.patch.atomicfile import atomic_write as _atomic_write
+from surgeon.core.atomicfile import atomic_write as _atomic_write
 from surgeon.patch.statedir import PatchError, check_node, ensure_dir, open_file, read_file
 from surgeon.patch.statefiles import MANIFEST_FORMAT, SHA_RE, parse_journal, parse_manifest
 

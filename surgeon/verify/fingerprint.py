@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file, read_safetensors, unreadable
+from surgeon.core.atomicfile import atomic_writer
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, all_points, parse_point
 from surgeon.verify.streams import run_streams
@@ -292,9 +293,8 @@ def save_fingerprint(fp: Fingerprint, path: str | os.PathLike) -> None:
         "source": str(fp.source),
     }
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_writer(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 def load_fingerprint(path: str | os.PathLike) -> Fingerprint:

@@ -8,14 +8,13 @@ shifting every capture by one layer in production (sgl-project/sglang#25454).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from surgeon.core.atomicfile import atomic_write
 from surgeon.core.conventions import EngineConvention, OffsetError, builtin_convention, parse_offset
 from surgeon.core.errors import BadInput
 from surgeon.core.idrules import ClassConvention
@@ -197,14 +196,4 @@ def write_pins(spec_path: str | Path, engine: str, values: dict) -> None:
     yaml.dump(doc, buf)
     new_text = buf.getvalue()
     load_spec(path, text=new_text)  # refuse to write a spec that does not load
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(new_text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, path.stat().st_mode & 0o7777)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, new_text.encode("utf-8"), mode=path.stat().st_mode & 0o7777)

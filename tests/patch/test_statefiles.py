@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from surgeon.patch.atomicfile import ABSENT
+from surgeon.core.atomicfile import ABSENT
 from surgeon.patch.markers import Marker, find_markers, hooks_relpath
 from surgeon.patch.statedir import PatchError
 from surgeon.patch.statefiles import SHA_RE, check_relpath, parse_journal, parse_manifest

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from surgeon.commands.outputs.audit import AuditOutput
 from surgeon.commands.outputs.base import _Output
 from surgeon.commands.outputs.capture import CheckHooksOutput, DumpInfoOutput, ExportOutput
@@ -31,6 +33,7 @@ from surgeon.commands.outputs.specs import (
     RenderOutput,
     ReviewOutput,
 )
+from surgeon.core.errors import InternalError
 
 #: The format number of every ``--json`` output, by CLI verb. A number changes when a key is
 #: removed or renamed or changes its type or meaning; adding a key keeps it. Scripts check it.
@@ -83,7 +86,13 @@ def output_of(command: str, result: Any) -> _Output:
     source = getattr(result, "reported", result)
     if hasattr(source, "to_json"):  # TRANSITION: removed once no result writes its own JSON
         return OUTPUTS[command].model_validate({"format": FORMATS[command], **source.to_json()})
-    return OUTPUTS[command].model_validate(_Stamped(source, FORMATS[command]), from_attributes=True)
+    try:
+        return OUTPUTS[command].model_validate(_Stamped(source, FORMATS[command]), from_attributes=True)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top)"
+        raise InternalError(f"the {command} result does not fill its --json model: {where}: {first['msg']} "
+                            f"({e.error_count()} error(s))") from None
 
 
 def json_output(command: str, result: Any) -> dict:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from surgeon.core.atomicfile import atomic_write
 from surgeon.core.idrules import (
     ArchDispatch,
     Branch,
@@ -85,10 +85,7 @@ def store(cache_key: str, probe: EngineProbe, outside: dict[str, str] | None = N
         d = directory()
         d.mkdir(parents=True, exist_ok=True)
         payload = json.dumps(_encode(probe) | {"outside": outside or {}})
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".probe-", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(payload)
-        os.replace(tmp, _path(cache_key))
+        atomic_write(_path(cache_key), payload.encode("utf-8"))
     except OSError:
         pass  # a read-only home is not an error
 

@@ -1,8 +1,10 @@
-"""Crash-safe file primitives for the patch state: atomic replace, directory fsync, content hashes.
+"""Crash-safe file primitives: atomic replace, directory fsync, content hashes.
 
-Every write that :mod:`surgeon.patch.manifest` makes (engine files, blobs, the manifest and the
-journal) goes through :func:`atomic_write`, so a file is always either its old or its new bytes,
-whatever moment the process dies at.
+Every file surgeon writes in place of another goes through :func:`atomic_write` (bytes in hand)
+or :func:`atomic_writer` (a writer that wants a file name, such as safetensors' ``save_file``), so
+a file is always either its old or its new bytes, whatever moment the process dies at: the patch
+state (engine files, blobs, the manifest, the journal), a pinned spec, a dump, a fingerprint, the
+probe cache.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 TMP_SUFFIX = ".surgeon-tmp"
@@ -57,6 +60,33 @@ def atomic_write(path: Path, data: bytes | None, mode: int | None = None) -> Non
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(e, OSError):  # disk full, file too large, permission denied: name the file
+            raise _named(e, path) from None
+        raise
+    fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
+    """A temporary file name beside ``path`` for a writer to fill; when the block ends it is
+    fsynced and replaces ``path`` (then the directory is fsynced). An exception in the block, or an
+    ``OSError`` on the way, leaves ``path`` as it was and removes the temporary file."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        raise _named(e, path) from None
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
             raise _named(e, path) from None
         raise
     fsync_dir(path.parent)
