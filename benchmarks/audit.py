@@ -75,9 +75,10 @@ def raw_read_rate(paths: list[Path]) -> tuple[float, int, dict[int, float]]:
 
 def audit_rate(root: Path, spec: Path, built: tuple, workers: int, state: Path) -> dict:
     from surgeon.audit.pipeline import Plan, run_audit
+    from surgeon.commands.outputs import json_output
 
     rep = run_audit(Plan(root, str(spec), workers=workers, exact_files=0, state_path=state, built=built))
-    j = rep.to_json()
+    j = json_output("audit", rep)
     workers_cpu = sum(v for k, v in rep.cpu_s.items() if k.startswith("worker"))
     return {"seconds": rep.seconds, "files_per_s": j["files_per_s"], "bytes_per_s": rep.bytes / rep.seconds,
             "flagged": j["flagged"], "cpu_s": {k: round(v, 3) for k, v in rep.cpu_s.items()},

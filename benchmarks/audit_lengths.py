@@ -40,6 +40,7 @@ def _flagged(root: Path, whole: bool) -> tuple[Counter, Counter, int]:
     """(flagged files by length, files by length, profile prompts) of one audit of the set."""
     from surgeon.audit.pipeline import Plan, run_audit
     from surgeon.audit.profile import Profile
+    from surgeon.commands.outputs import json_output
 
     at = Profile.at
     if whole:
@@ -51,7 +52,7 @@ def _flagged(root: Path, whole: bool) -> tuple[Counter, Counter, int]:
     finally:
         Profile.at = at  # type: ignore[method-assign]
     lengths = _lengths(root)
-    flagged = Counter(lengths[Path(o["path"]).name] for o in rep.to_json()["outliers"])
+    flagged = Counter(lengths[Path(o["path"]).name] for o in json_output("audit", rep)["outliers"])
     return flagged, Counter(lengths.values()), rep.profile.prompts if rep.profile else 0
 
 

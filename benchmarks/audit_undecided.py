@@ -64,13 +64,14 @@ def _make(root: Path, files: int, faults: int, hidden: int) -> dict[str, str]:
 
 def _audit(root: Path, built, exact: int | None, faults: dict[str, str]) -> dict:
     from surgeon.audit.pipeline import Plan, run_audit
+    from surgeon.commands.outputs import json_output
 
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         rep = run_audit(Plan(root / "set", str(root / "spec.yaml"), workers=1, exact_files=exact, built=built,
                              state_path=Path(tmp) / "s.jsonl"))
         wall = time.perf_counter() - t
-    j = rep.to_json()
+    j = json_output("audit", rep)
     ex = j["exact"]
     out = {"exact": "auto" if exact is None else exact, **_faults(j, faults), "verdict": j["verdict"],
            "exit": rep.exit_code, "ok": j["ok"], "undecided_slots": j["undecided"], "exact_files": ex["files"],

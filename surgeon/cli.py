@@ -1,6 +1,6 @@
 """The `surgeon` command line: click options, progress display, one call into the command layer
 (``surgeon.commands``, one function per verb) and a rendering of its result (``surgeon.cli_render``
-for text, ``to_json()`` for ``--json``).
+for text, the output model of ``surgeon.commands.outputs`` for ``--json``).
 
 Exit codes, mapped in one place (:class:`_Group`): 0 fine; 2 bad input (a one-line message per
 problem, located where there is a file; nothing written); 3 the checked wiring differs from the
@@ -116,7 +116,7 @@ def schema(output: str) -> Any:
     """Print a JSON Schema: of spec v1 (for editors' completion and validation), or of a command's
     --json output (its "format" number included)."""
     result = commands.schema(output=output)
-    emit_json(result.to_json())
+    emit_json(result.schema)
     return result
 
 

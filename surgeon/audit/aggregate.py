@@ -13,7 +13,8 @@ rows; 44 us a file against 15 us, beside an audit's milliseconds a file).
 Per slot, the identity counts: the statistics' verdicts, exact identification's, and the files
 neither decided (``undecided``: most of a slot's files so is an undecided audit, exit 4). A file
 identified exactly after the statistics pass (:mod:`surgeon.audit.exact`) is folded in again with
-:meth:`Aggregate.add_exact`: the slots it decided, and its new findings in file order.
+:meth:`Aggregate.add_exact`: the slots it decided, and its new findings in file order. A slot's
+JSON (``slots`` in the audit's) is :class:`surgeon.audit.output.AuditSlot`, read from its attributes.
 """
 
 from __future__ import annotations
@@ -45,15 +46,36 @@ class SlotAggregate:
     stat_mean: float = 0.0
     stat_m2: float = 0.0
     identity: Counter = field(default_factory=Counter)  # nearest point (or verdict) -> files
-    verdicts: Counter = field(default_factory=Counter)
+    # the statistics' verdicts -> files, every one counted (0 included), in VERDICTS' order
+    verdicts: Counter = field(default_factory=lambda: Counter(dict.fromkeys(VERDICTS, 0)))
     exact: Counter = field(default_factory=Counter)  # matched point (or verdict) -> files identified exactly
-    exact_verdicts: Counter = field(default_factory=Counter)
+    exact_verdicts: Counter = field(default_factory=lambda: Counter(dict.fromkeys(EXACT_VERDICTS, 0)))
     open: int = 0  # files whose identity neither the statistics nor exact identification decided
 
     @property
-    def undecided(self) -> bool:
+    def undecided(self) -> int:
+        """The files whose identity neither the statistics nor exact identification decided."""
+        return self.open
+
+    @property
+    def mostly_undecided(self) -> bool:
         """Whether the identity of most of the slot's files is undecided."""
         return self.open > 0 and 2 * self.open > self.files
+
+    @property
+    def norm_mean(self) -> float | None:
+        """The mean over files of the slot's mean per-token norm (None: no file had one)."""
+        return self.norm_mean_sum / self.norm_n if self.norm_n else None
+
+    @property
+    def log_norm_median_mean(self) -> float | None:
+        """The identity statistic's mean over files (None: no file had it)."""
+        return self.stat_mean if self.stat_n else None
+
+    @property
+    def log_norm_median_std(self) -> float | None:
+        """The identity statistic's spread over files (None: fewer than two had it)."""
+        return math.sqrt(self.stat_m2 / (self.stat_n - 1)) if self.stat_n > 1 else None
 
     def add(self, s: dict[str, Any], exact: dict[str, Any] | None = None, is_open: bool = False) -> None:
         """Fold one file's slot: its values, its identity by the statistics, its exact
@@ -77,20 +99,6 @@ class SlotAggregate:
         if ident:
             self.identity[ident.get("nearest") or ident.get("verdict")] += 1
             self.verdicts[ident.get("verdict")] += 1
-
-    def to_json(self) -> dict[str, Any]:
-        def num(x: float) -> float | None:
-            return x if math.isfinite(x) else None
-
-        n = self.stat_n
-        return {"name": self.name, "declared": self.declared, "files": self.files,
-                "norm_mean": num(self.norm_mean_sum / self.norm_n) if self.norm_n else None,
-                "norm_min": num(self.norm_min), "norm_max": num(self.norm_max),
-                "log_norm_median_mean": self.stat_mean if n else None,
-                "log_norm_median_std": math.sqrt(self.stat_m2 / (n - 1)) if n > 1 else None,
-                "identity": dict(sorted(self.identity.items(), key=lambda kv: -kv[1])),
-                "verdicts": {**dict.fromkeys(VERDICTS, 0), **self.verdicts}, "exact": dict(self.exact),
-                "exact_verdicts": {**dict.fromkeys(EXACT_VERDICTS, 0), **self.exact_verdicts}, "undecided": self.open}
 
 
 class RowIndex:

@@ -89,7 +89,7 @@ def parameters(model_dir: str | Path) -> int | None:
 
 @dataclass
 class ExactRun:
-    """What exact identification did in one audit (``exact`` in the JSON)."""
+    """What exact identification did in one audit (reported as an :class:`ExactReport`)."""
 
     model: str | None  # the HF model folder; None: not possible (no --reference hf:MODEL)
     budget: int | None  # --exact N; None: auto
@@ -127,10 +127,48 @@ class ExactRun:
                      + ("fit the budget: a small target" if self.small else f"are what {PARAM_TOKENS:.0e} allows"))
         return head + f"; {found} with a slot not its declared point; {self.seconds:.1f} s"
 
-    def to_json(self, files: int, found: int) -> dict[str, Any]:
-        return {"model": self.model, "files": files, "budget": self.budget, "rule": self.rule,
-                "params": self.params, "undecided_files": self.undecided, "escalated": len(self.escalated),
-                "spot_checked": len(self.spot), "found": found, "seconds": round(self.seconds, 3)}
+
+@dataclass(frozen=True)
+class ExactReport:
+    """Exact identification as an audit reports it (``exact`` in the JSON:
+    :class:`surgeon.audit.output.AuditExact`): the run, and the files identified exactly in all
+    (this run's and the resume state's) and how many of those have a slot not its declared point."""
+
+    run: ExactRun
+    files: int
+    found: int
+
+    @property
+    def model(self) -> str | None:
+        return self.run.model
+
+    @property
+    def budget(self) -> int | None:
+        return self.run.budget
+
+    @property
+    def rule(self) -> str:
+        return self.run.rule
+
+    @property
+    def params(self) -> int | None:
+        return self.run.params
+
+    @property
+    def undecided_files(self) -> int:
+        return self.run.undecided
+
+    @property
+    def escalated(self) -> int:
+        return len(self.run.escalated)
+
+    @property
+    def spot_checked(self) -> int:
+        return len(self.run.spot)
+
+    @property
+    def seconds(self) -> float:
+        return self.run.seconds
 
 
 def select(run: ExactRun, n: int, undecided: list[tuple[int, int]]) -> None:

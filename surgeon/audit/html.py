@@ -19,6 +19,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from surgeon.audit.output import AuditSlot, dump
 from surgeon.audit.summary import counts, histogram
 from surgeon.core.errors import BadInput
 
@@ -34,22 +35,22 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _profile_figure(j: dict[str, Any]):
+def _profile_figure(profile: Any, slots: list[dict[str, Any]]):
+    """``profile``: a :class:`~surgeon.audit.profile.Profile` or None; ``slots``: their JSON."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4))
-    prof = j["profile"]
     xs = {}
-    if prof:
-        pts = prof["points"]
-        xs = {p["point"]: i for i, p in enumerate(pts)}
-        c = [p["centre"] for p in pts]
+    if profile:
+        pts = profile.points
+        xs = {p.point: i for i, p in enumerate(pts)}
+        c = [p.centre for p in pts]
         ax.plot(range(len(pts)), c, "k.-", label="target profile")
-        ax.fill_between(range(len(pts)), [p["centre"] - p["tol"] for p in pts], [p["centre"] + p["tol"] for p in pts],
+        ax.fill_between(range(len(pts)), [p.centre - p.tol for p in pts], [p.centre + p.tol for p in pts],
                         color="grey", alpha=0.25, label="tolerance")
         ax.set_xticks(range(len(pts)))
-        ax.set_xticklabels([p["point"] for p in pts], rotation=60, fontsize=7)
-    for k, s in enumerate(j["slots"]):
+        ax.set_xticklabels([p.point for p in pts], rotation=60, fontsize=7)
+    for k, s in enumerate(slots):
         if s["log_norm_median_mean"] is None:
             continue
         x = xs.get(s["declared"], len(xs) + k)
@@ -63,10 +64,9 @@ def _profile_figure(j: dict[str, Any]):
     return fig
 
 
-def _histogram_figure(j: dict[str, Any]):
+def _histogram_figure(slots: list[dict[str, Any]]):
     import matplotlib.pyplot as plt
 
-    slots = j["slots"]
     fig, axes = plt.subplots(1, max(1, len(slots)), figsize=(3 * max(1, len(slots)), 3), squeeze=False)
     for ax, s in zip(axes[0], slots):
         items, more = histogram(s, BARS)
@@ -81,48 +81,51 @@ def _histogram_figure(j: dict[str, Any]):
     return fig
 
 
-def _slot_table(j: dict[str, Any]) -> str:
+def _slot_table(slots: list[dict[str, Any]], undecided: list[str]) -> str:
     """Per slot: the identity verdicts of the statistics, exact identification's, the files neither
     decided, and the histogram's points (all of them: the plot shows :data:`BARS`)."""
     e = html.escape
     head = "".join(f"<th>{h}</th>" for h in ("slot", "declared", "files", "ok", "mismatch", "no_match", "unresolved",
                                              "not_run", "exact", "undecided", "identity (nearest point: files)"))
     rows = []
-    for s in j["slots"]:
+    for s in slots:
         bars, more = histogram(s, BARS)
         ident = ", ".join(f"{k}: {v}" for k, v in bars) + (f", +{more} more" if more else "")
         exact = ", ".join(f"{k} {v}" for k, v in s["exact_verdicts"].items() if v) or "-"
         cells = [s["name"], s["declared"] or "-", s["files"], *(s["verdicts"].get(v, 0) for v in
                  ("ok", "mismatch", "no_match", "unresolved", "not_run")), exact, s["undecided"], ident]
-        style = ' style="background:#fff3c4"' if s["name"] in j["undecided"] else ""
+        style = ' style="background:#fff3c4"' if s["name"] in undecided else ""
         rows.append(f"<tr{style} title=\"{e(counts(s))}\">" + "".join(f"<td>{e(str(c))}</td>" for c in cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def write_report(report: Any, path: str | Path) -> Path:
+    """Write ``report`` (an :class:`~surgeon.audit.pipeline.AuditReport`, read by the names of its
+    JSON's keys) as one HTML page at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
-    j = report.to_json()
-    e = html.escape
+    r, e = report, html.escape
+    slots = [dump(AuditSlot, s) for s in r.slots]
+    ex = r.exact
     rows = "".join(
         f"<tr><td>{e(o['path'])}</td><td>{'<br>'.join(e(f['kind'] + (' ' + f['slot'] if f['slot'] else '') + ': ' + f['detail']) for f in o['findings'])}</td></tr>"  # noqa: E501
-        for o in j["outliers"])
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>surgeon audit {e(j['root'])}</title>
+        for o in r.outliers)
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>surgeon audit {e(r.root)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}td{{vertical-align:top;padding:2px 8px;border-bottom:1px solid #ddd}}</style>
-</head><body><h1>surgeon audit: {e(j['root'])}</h1>
-<p><b>{e(j['verdict'].upper())}</b>: {e(j['headline'].partition(': ')[2])}</p>
-<p>{j['flagged']} of {j['files']} files flagged
-({e(', '.join(f'{k} {v}' for k, v in j['findings'].items())) or 'nothing'}); spec {e(j['spec'])};
-{j['files_per_s'] or '-'} files/s, {j['mb_per_s'] or '-'} MB/s.</p>
-<h2>Identity per slot</h2>{_slot_table(j)}
-<p>exact identification: {j['exact']['files']} files ({j['exact']['escalated']} of the {j['exact']['undecided_files']}
-the statistics left undecided, {j['exact']['spot_checked']} spot checks; {e(j['exact']['rule'])}), {j['exact']['found']}
+</head><body><h1>surgeon audit: {e(r.root)}</h1>
+<p><b>{e(r.verdict.upper())}</b>: {e(r.headline.partition(': ')[2])}</p>
+<p>{r.flagged} of {r.files} files flagged
+({e(', '.join(f'{k} {v}' for k, v in r.findings.items())) or 'nothing'}); spec {e(r.spec)};
+{r.files_per_s or '-'} files/s, {r.mb_per_s or '-'} MB/s.</p>
+<h2>Identity per slot</h2>{_slot_table(slots, r.undecided)}
+<p>exact identification: {ex.files} files ({ex.escalated} of the {ex.undecided_files}
+the statistics left undecided, {ex.spot_checked} spot checks; {e(ex.rule)}), {ex.found}
 with a slot not its declared point.</p>
-<h2>Norm profile</h2><img alt="norm profile" src="data:image/png;base64,{_png(_profile_figure(j))}">
-<h2>Identity histogram</h2><img alt="identity histogram" src="data:image/png;base64,{_png(_histogram_figure(j))}">
+<h2>Norm profile</h2><img alt="norm profile" src="data:image/png;base64,{_png(_profile_figure(r.profile, slots))}">
+<h2>Identity histogram</h2><img alt="identity histogram" src="data:image/png;base64,{_png(_histogram_figure(slots))}">
 <h2>Outliers by file</h2><table>{rows or '<tr><td>none</td></tr>'}</table>
-<h2>Notes</h2><ul>{''.join(f'<li>{e(n)}</li>' for n in j['notes'])}</ul></body></html>"""
+<h2>Notes</h2><ul>{''.join(f'<li>{e(n)}</li>' for n in r.notes)}</ul></body></html>"""
     out = Path(path)
     try:
         out.write_text(page, encoding="utf-8")

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surgeon.audit.aggregate import Aggregate
-from surgeon.audit.exact import PARAM_TOKENS, ExactRun, identify_exactly, open_slots, select
+from surgeon.audit.aggregate import Aggregate, SlotAggregate
+from surgeon.audit.exact import PARAM_TOKENS, ExactReport, ExactRun, identify_exactly, open_slots, select
 from surgeon.audit.heap import settled, trim
 from surgeon.audit.profile import Profile
 from surgeon.audit.state import State
@@ -46,6 +46,10 @@ FAILING = ("identity", "exact")  # finding kinds that say a slot is not what the
 
 @dataclass
 class AuditReport:
+    """An audit's result. Its JSON (``surgeon audit --json``) is read from its attributes by the
+    names of the output's keys (:class:`surgeon.commands.outputs.audit.AuditOutput`); the properties
+    below give those the attributes do not hold as such."""
+
     root: str
     spec: str
     files: int
@@ -61,13 +65,13 @@ class AuditReport:
     notes: list[str] = field(default_factory=list)
     report_path: str | None = None
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process (local runs), not in the JSON
-    exact: ExactRun | None = None
+    exact_run: ExactRun | None = None
 
     @property
     def undecided(self) -> list[str]:
         """The slots whose identity is undecided for most of their files (a structure pass judges
         no identity: none)."""
-        return [] if self.structure_only else [s.name for s in self.agg.slots.values() if s.undecided]
+        return [] if self.structure_only else [s.name for s in self.agg.slots.values() if s.mostly_undecided]
 
     @property
     def ok(self) -> bool:
@@ -81,28 +85,73 @@ class AuditReport:
         (an internal error: the rest of the set audited and reported all the same)."""
         return 1 if self.agg.kinds.get(ERROR) else 3 if self.agg.flagged else UNDECIDED if self.undecided else 0
 
-    def to_json(self) -> dict[str, Any]:
+    @property
+    def verdict(self) -> str:
+        """ok, flagged, undecided or error (:func:`surgeon.audit.summary.verdict`)."""
         from surgeon.audit import summary
 
-        a = self.agg
+        return summary.verdict(self)
+
+    @property
+    def headline(self) -> str:
+        """The report's first line (:func:`surgeon.audit.summary.headline`)."""
+        from surgeon.audit import summary
+
+        return summary.headline(self)
+
+    @property
+    def cannot_see(self) -> list[str]:
+        """Where a slot is undecided, the faults only the identity pass finds; else none."""
+        from surgeon.audit import summary
+
+        return list(summary.CANNOT_SEE) if self.undecided else []
+
+    @property
+    def flagged(self) -> int:
+        return self.agg.flagged
+
+    @property
+    def findings(self) -> dict[str, int]:
+        """Finding kind -> files with it, by kind."""
+        return dict(sorted(self.agg.kinds.items()))
+
+    @property
+    def layouts(self) -> dict[str, int]:
+        return dict(self.agg.layouts)
+
+    @property
+    def files_per_s(self) -> float | None:
+        """Files audited (not resumed) a second, to 0.1."""
         rate = (self.files - self.resumed) / self.seconds if self.seconds > 0 else None
-        exact = self.exact or ExactRun(self.exact_model, None)
-        j = {
-            "ok": self.ok, "verdict": "", "headline": "", "undecided": self.undecided,
-            "cannot_see": list(summary.CANNOT_SEE) if self.undecided else [],
-            "root": self.root, "spec": self.spec, "files": self.files, "resumed": self.resumed,
-            "flagged": a.flagged, "findings": dict(sorted(a.kinds.items())), "layouts": dict(a.layouts),
-            "seconds": round(self.seconds, 3), "bytes": self.bytes,
-            "files_per_s": round(rate, 1) if rate is not None and math.isfinite(rate) else None,
-            "mb_per_s": round(self.bytes / self.seconds / 1e6, 1) if self.seconds > 0 else None,
-            "workers": self.workers, "backend": self.backend, "structure_only": self.structure_only,
-            "slots": [s.to_json() for s in a.slots.values()],
-            "exact": exact.to_json(a.exact_files, a.exact_found),
-            "profile": self.profile.to_json() if self.profile else None,
-            "outliers": a.listed, "outliers_listed": len(a.listed), "notes": self.notes, "report": self.report_path,
-        }
-        j["verdict"], j["headline"] = summary.verdict(j), summary.headline(j)
-        return j
+        return round(rate, 1) if rate is not None and math.isfinite(rate) else None
+
+    @property
+    def mb_per_s(self) -> float | None:
+        """MB read a second, to 0.1."""
+        return round(self.bytes / self.seconds / 1e6, 1) if self.seconds > 0 else None
+
+    @property
+    def slots(self) -> list[SlotAggregate]:
+        return list(self.agg.slots.values())
+
+    @property
+    def exact(self) -> ExactReport:
+        """Exact identification: this run's, and the files identified exactly in all."""
+        return ExactReport(self.exact_run or ExactRun(self.exact_model, None), self.agg.exact_files, self.agg.exact_found)
+
+    @property
+    def outliers(self) -> list[dict[str, Any]]:
+        """The flagged files (their path and findings) in path order, the first :data:`~surgeon.audit.aggregate.MAX_LISTED`."""
+        return self.agg.listed
+
+    @property
+    def outliers_listed(self) -> int:
+        return len(self.agg.listed)
+
+    @property
+    def report(self) -> str | None:
+        """The HTML report written, if any."""
+        return self.report_path
 
 
 LOCAL_BATCH = 4  # files per task in a local pool: each task costs the driver ~1 ms (measured); fine grains balance the end
@@ -255,7 +304,7 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
         state.close()
     _notes(notes, agg, plan, profile, exact)
     return AuditReport(str(plan.root), plan.spec_path, len(paths), resumed, time.perf_counter() - started, agg.bytes,
-                       workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu, exact=exact)
+                       workers, backend, agg, profile, exact_model, plan.structure_only, notes, cpu_s=cpu, exact_run=exact)
 
 
 def _stream(plan: Plan, ctx: Context, state: State, run: Callable[[list[str]], Iterator[dict[str, Any]]],

@@ -181,12 +181,6 @@ class Profile:
     # (n, the points measured on the prompts' prefixes of n to 2n-1 rows), n ascending; () : one profile
     ladder: tuple[tuple[int, tuple[PointProfile, ...]], ...] = ()
 
-    def to_json(self) -> dict:
-        return {"source": self.source, "prompts": self.prompts, "tokens": self.tokens,
-                "ladder": [n for n, _ in self.ladder],
-                "points": [{"point": p.point, "centre": p.centre, "spread": p.spread, "tol": p.tol}
-                           for p in self.points]}
-
     def at(self, tokens: int | None) -> Profile:
         """The profile a sample of ``tokens`` rows is judged against: the longest rung of the ladder
         at most that long (the shortest rung for a shorter sample), made once per rung; this one
@@ -270,10 +264,14 @@ class Profile:
         return cached
 
     def digest(self) -> str:
-        """A sha256 of every statistic's centre and tolerance (what a resume state must agree on)."""
+        """A sha256 of every statistic's centre and tolerance (what a resume state must agree on): the
+        profile as the JSON reports it (:class:`surgeon.audit.output.AuditProfile`, its Python dump:
+        the digest a state recorded before stays the same), then every point's statistics."""
         import hashlib
 
-        h = hashlib.sha256(repr(self.to_json()).encode())
+        from surgeon.audit.output import AuditProfile, dump
+
+        h = hashlib.sha256(repr(dump(AuditProfile, self, mode="python")).encode())
         for points in (self.points, *(pts for _, pts in self.ladder)):
             for p in points:
                 h.update(repr((p.centres, p.spreads, p.vtols, p.k, p.first_token, p.tokens)).encode())

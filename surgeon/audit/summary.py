@@ -2,7 +2,7 @@
 in the JSON), the faults a run whose identity is undecided cannot see, and each slot's counts.
 
 Undecided is a verdict of its own: a slot whose identity neither the statistics nor exact
-identification decided for most of its files (:attr:`surgeon.audit.aggregate.SlotAggregate.undecided`)
+identification decided for most of its files (:attr:`surgeon.audit.aggregate.SlotAggregate.mostly_undecided`)
 is not "passed": the run cannot see the faults only the identity pass finds (:data:`CANNOT_SEE`),
 so the audit says so first and exits :data:`surgeon.core.errors.UNDECIDED` (4) where it found nothing
 else; a finding (exit 3) wins.
@@ -19,63 +19,68 @@ CANNOT_SEE = ("labels shifted by a slot (a slot holding its neighbour's point)",
 
 
 def counts(s: dict[str, Any]) -> str:
-    """A slot's identity counts (its JSON): the statistics' verdicts, exact identification's, and
-    the files neither decided."""
+    """A slot's identity counts (its JSON, :class:`surgeon.audit.output.AuditSlot`): the statistics'
+    verdicts, exact identification's, and the files neither decided."""
     stats = ", ".join(f"{k} {v}" for k, v in s["verdicts"].items())
     exact = ", ".join(f"{k} {v}" for k, v in s["exact_verdicts"].items() if v)
     return f"{stats}; exact: {exact or 'none'}; undecided {s['undecided']} of {s['files']}"
 
 
 def histogram(s: dict[str, Any], shown: int) -> tuple[list[tuple[str, int]], int]:
-    """The ``shown`` largest bars of a slot's identity histogram, and how many points it leaves out."""
+    """The ``shown`` largest bars of a slot's identity histogram (its JSON), and how many points it
+    leaves out."""
     items = sorted(s["identity"].items(), key=lambda kv: -kv[1])
     return items[:shown], max(0, len(items) - shown)
 
 
-def _why(j: dict[str, Any], slots: list[dict[str, Any]]) -> str:
+# The functions below read an audit's report (:class:`surgeon.audit.pipeline.AuditReport`) by the
+# names of its JSON's keys: its slots are SlotAggregates, its exact an ExactReport, read so too.
+
+
+def _why(r: Any, slots: list[Any]) -> str:
     """Why identity is undecided: no profile, or statistics that do not separate the points, and
     what exact identification did about it."""
-    if j["profile"] is None:
+    if r.profile is None:
         return "identity not run: no --reference to profile the target"
-    unresolved = sum(s["verdicts"].get("unresolved", 0) for s in slots)
-    not_run = sum(s["verdicts"].get("not_run", 0) for s in slots)
+    unresolved = sum(s.verdicts.get("unresolved", 0) for s in slots)
+    not_run = sum(s.verdicts.get("not_run", 0) for s in slots)
     why = ("the statistics cannot tell the target's points apart" if unresolved >= not_run
            else "the statistics did not run on these slots")
-    ex = j["exact"]
-    if ex["model"] is None:
+    ex = r.exact
+    if ex.model is None:
         return why + "; exact identification needs --reference hf:MODEL"
-    return why + f"; exact identification covered {ex['escalated']} of the {ex['undecided_files']} undecided files ({ex['rule']})"
+    return why + f"; exact identification covered {ex.escalated} of the {ex.undecided_files} undecided files ({ex.rule})"
 
 
-def undecided_text(j: dict[str, Any]) -> str:
+def undecided_text(r: Any) -> str:
     """The undecided part of the headline: which slots, why, and what the run cannot see."""
-    slots = [s for s in j["slots"] if s["name"] in set(j["undecided"])]
-    each = ", ".join(f"{s['name']} {s['undecided']} of {s['files']}" for s in slots)
+    slots = [s for s in r.slots if s.name in set(r.undecided)]
+    each = ", ".join(f"{s.name} {s.undecided} of {s.files}" for s in slots)
     return (f"identity undecided for most files of {len(slots)} slot{'s' if len(slots) != 1 else ''} ({each}: "
-            f"{_why(j, slots)}): this run cannot see " + ", ".join(CANNOT_SEE))
+            f"{_why(r, slots)}): this run cannot see " + ", ".join(CANNOT_SEE))
 
 
-def verdict(j: dict[str, Any]) -> str:
+def verdict(r: Any) -> str:
     """error (a file hit an error no check foresaw), flagged (a finding), undecided, or ok."""
-    return "error" if j["findings"].get("error") else "flagged" if j["flagged"] else \
-        "undecided" if j["undecided"] else "ok"
+    return "error" if r.findings.get("error") else "flagged" if r.flagged else \
+        "undecided" if r.undecided else "ok"
 
 
-def headline(j: dict[str, Any]) -> str:
+def headline(r: Any) -> str:
     """The audit's first line: the verdict, what it rests on, and where identity is undecided,
     the faults the run cannot see."""
-    v = verdict(j)
-    found = ", ".join(f"{k} {n}" for k, n in j["findings"].items())
+    v = verdict(r)
+    found = ", ".join(f"{k} {n}" for k, n in r.findings.items())
     if v in ("error", "flagged"):
-        head = f"{v}: {j['flagged']} of {j['files']} files flagged ({found})"
-        return head + (f"; {undecided_text(j)}" if j["undecided"] else "")
+        head = f"{v}: {r.flagged} of {r.files} files flagged ({found})"
+        return head + (f"; {undecided_text(r)}" if r.undecided else "")
     if v == "undecided":
-        return f"undecided: {undecided_text(j)}; no finding in {j['files']} files"
-    if j["structure_only"]:
-        return f"ok: every file's structure is what the spec declares ({j['files']} files; values and identity not checked)"
-    open_ = [f"{s['name']} {s['undecided']} of {s['files']}" for s in j["slots"] if s.get("undecided")]
+        return f"undecided: {undecided_text(r)}; no finding in {r.files} files"
+    if r.structure_only:
+        return f"ok: every file's structure is what the spec declares ({r.files} files; values and identity not checked)"
+    open_ = [f"{s.name} {s.undecided} of {s.files}" for s in r.slots if s.undecided]
     if open_:  # fewer than half of any slot's files: not the run's verdict, but never hidden behind "every file"
-        return (f"ok: no finding in {j['files']} files, identity decided for most files of every slot; still undecided "
-                f"for {', '.join(open_)} files ({j['exact']['files']} identified exactly)")
-    return (f"ok: every file is what the spec declares ({j['files']} files; identity decided for every file, "
-            f"{j['exact']['files']} identified exactly)")
+        return (f"ok: no finding in {r.files} files, identity decided for most files of every slot; still undecided "
+                f"for {', '.join(open_)} files ({r.exact.files} identified exactly)")
+    return (f"ok: every file is what the spec declares ({r.files} files; identity decided for every file, "
+            f"{r.exact.files} identified exactly)")

@@ -38,6 +38,9 @@ _SEED = 0x5EED_A0D1
 
 @dataclass
 class SlotValues:
+    """One slot's value pass in one file; its fields (:func:`dataclasses.asdict`) are the slot's row
+    of the file's result, which the driver folds and the resume state records."""
+
     name: str
     declared: str | None
     dtype: str
@@ -52,9 +55,6 @@ class SlotValues:
     log_norm_q10: float | None = None
     log_norm_q90: float | None = None
     findings: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 _WEIGHTS: dict[int, Any] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +224,7 @@ def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> 
         dists = profile.distances_of(stats)
     slots = []
     for sv, stat, dist in zip(svs, stats, dists):
-        row = sv.to_json()
+        row = asdict(sv)  # the slot's row of the file's result (the state records it)
         row["identity"] = match_slot(profile, sv.declared, stat, dist)
         slots.append(row)
         for f in sv.findings:

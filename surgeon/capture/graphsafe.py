@@ -59,9 +59,6 @@ class Finding:
         where = f"{self.file}:" if self.file else ""
         return f"{where}{self.line}:{self.col}: {self.rule}: {self.message}"
 
-    def to_json(self) -> dict:
-        return {"file": self.file, "line": self.line, "col": self.col, "rule": self.rule, "message": self.message}
-
 
 def _dotted(node: cst.BaseExpression) -> str | None:
     if isinstance(node, cst.Name):

@@ -153,12 +153,24 @@ def _number(text: str | None) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class DumpSpecStamp:
+    """The spec a dump says it was written for; None where it does not say."""
+
+    name: str | None
+    sha256: str | None
+
+
 @dataclass
 class DumpInfo:
+    """What a dump says it is. ``dump-info --json`` prints it through
+    :class:`surgeon.commands.outputs.capture.DumpInfoOutput`, which reads the attributes and the
+    properties below (the metadata's fields, an empty one read as not recorded) by its field names."""
+
     file: str
     meta: dict  # the dump's metadata, without its captures list (safetensors metadata: all strings)
     captures: list[dict]  # name, point (None: not recorded), shape, dtype per capture
-    layout: str = "surgeon"  # surgeon | trtllm | modelopt
+    layout: str = "surgeon"  # surgeon | trtllm | modelopt | specforge | vllm-connector
     producer: dict | None = None  # a field dump's: detected (candidates), why, given (--slots)
     records: list[dict] = field(default_factory=list)  # per sequence: index, id, tokens, input_ids, loss_mask
     notes: list[str] = field(default_factory=list)
@@ -167,17 +179,50 @@ class DumpInfo:
     def labelled(self) -> bool:
         return all(c["point"] is not None for c in self.captures)
 
-    def to_json(self) -> dict:
-        m = self.meta
-        text = lambda k: m.get(k) or None  # an empty field is "not recorded"
-        return {"file": self.file, "dump_format": _number(m.get("surgeon.format")),
-                "spec": {"name": text("spec.name"), "sha256": text("spec.sha256")},
-                "engine": text("engine"), "engine_version": text("engine.version"), "model": text("model"),
-                "num_layers": _number(m.get("num_layers")), "hidden_size": _number(m.get("hidden_size")),
-                "tokens": _number(m.get("tokens")), "dtype": text("dtype"), "captures": self.captures,
-                "other_metadata": {k: v for k, v in m.items() if k not in _DUMP_KEYS},
-                "layout": self.layout, "labelled": self.labelled, "producer": self.producer, "records": self.records,
-                "notes": self.notes}
+    def _text(self, key: str) -> str | None:
+        return self.meta.get(key) or None  # an empty field is "not recorded"
+
+    @property
+    def dump_format(self) -> int | None:
+        """The dump file's own format number."""
+        return _number(self.meta.get("surgeon.format"))
+
+    @property
+    def spec(self) -> DumpSpecStamp:
+        return DumpSpecStamp(self._text("spec.name"), self._text("spec.sha256"))
+
+    @property
+    def engine(self) -> str | None:
+        return self._text("engine")
+
+    @property
+    def engine_version(self) -> str | None:
+        return self._text("engine.version")
+
+    @property
+    def model(self) -> str | None:
+        return self._text("model")
+
+    @property
+    def num_layers(self) -> int | None:
+        return _number(self.meta.get("num_layers"))
+
+    @property
+    def hidden_size(self) -> int | None:
+        return _number(self.meta.get("hidden_size"))
+
+    @property
+    def tokens(self) -> int | None:
+        return _number(self.meta.get("tokens"))
+
+    @property
+    def dtype(self) -> str | None:
+        return self._text("dtype")
+
+    @property
+    def other_metadata(self) -> dict[str, str]:
+        """The metadata keys this surgeon does not interpret."""
+        return {k: v for k, v in self.meta.items() if k not in _DUMP_KEYS}
 
 
 @dataclass
@@ -186,10 +231,6 @@ class Exported:
     out_dir: str
     written: list[Path]
     manifest: Path | None = None  # surgeon-export.json: each written slot's point and source
-
-    def to_json(self) -> dict:
-        return {"layout": self.layout, "written": [str(p) for p in self.written],
-                "manifest": str(self.manifest) if self.manifest is not None else None}
 
 
 @dataclass
@@ -206,6 +247,3 @@ class HookCheck:
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 3
-
-    def to_json(self) -> dict:
-        return {"ok": self.ok, "findings": [x.to_json() for x in self.findings]}

@@ -56,5 +56,7 @@ class DemoReport:
             return 0
         return 1 if not self.result.reverted_identical else 3
 
-    def to_json(self) -> dict:
-        return self.result.to_json()
+    @property
+    def reported(self) -> Any:
+        """The demo's run: what ``--json`` prints (surgeon.commands.outputs.drafts.DemoOutput)."""
+        return self.result

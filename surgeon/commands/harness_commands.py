@@ -86,10 +86,6 @@ class ReferenceWritten:
     num_layers: int
     hidden_size: int
 
-    def to_json(self) -> dict:
-        return {"output": self.output, "points": self.points, "tokens": self.tokens,
-                "num_layers": self.num_layers, "hidden_size": self.hidden_size}
-
 
 @dataclass
 class FingerprintWritten:
@@ -98,9 +94,6 @@ class FingerprintWritten:
     tokens: int
     dim: int
     seed: int
-
-    def to_json(self) -> dict:
-        return {"output": self.output, "points": self.points, "tokens": self.tokens, "dim": self.dim, "seed": self.seed}
 
 
 @dataclass
@@ -119,5 +112,7 @@ class Verification:
         cannot tell apart)."""
         return int(self.result.exit_code)
 
-    def to_json(self) -> dict:
-        return self.result.to_json()
+    @property
+    def reported(self) -> Any:
+        """The match behind the verdict: what ``--json`` prints (surgeon.commands.outputs.harness.VerifyOutput)."""
+        return self.result

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from surgeon.commands.platform import platform_command
 from surgeon.commands.progress import QUIET, Progress, open_engines
 from surgeon.core.errors import BadInput
+from surgeon.patch.apply import SpecIdentity
+from surgeon.patch.manifest import ABSENT, FileStatus, PatchStatus, Unrecorded
 
 ENGINES = ("sglang", "vllm")
 
@@ -98,7 +100,7 @@ def status(*, engine: str | None = None, engine_root: str | None = None) -> Stat
     for e, m in engines_with_managers(engine, engine_root):
         seen = m.inspect()
         report.patches += [EnginePatch(e, m.root, p) for p in seen.patches]
-        report.unrecorded += [(e, u) for u in seen.unrecorded]
+        report.unrecorded += [EngineUnrecorded(e, u) for u in seen.unrecorded]
         report.recovered += [f"{e} {m.root}: {seen.recovered}"] if seen.recovered else []
         report.pending += [seen.pending] if seen.pending else []
     return report
@@ -124,6 +126,30 @@ def coverage(*, engine: str, engine_root: str | None = None, jobs: int | None = 
 
 
 @dataclass
+class EngineDoctor:
+    """One engine root's diagnosis, as ``surgeon doctor --json`` reports it."""
+
+    engine: str
+    result: Any  # surgeon.patch.doctor.DoctorResult
+
+    @property
+    def engine_root(self) -> Path:
+        return self.result.root
+
+    @property
+    def repair(self) -> bool:
+        return self.result.repair
+
+    @property
+    def healthy(self) -> bool:
+        return self.result.healthy
+
+    @property
+    def findings(self) -> list[Any]:  # surgeon.patch.doctor.Finding
+        return self.result.findings
+
+
+@dataclass
 class DoctorReport:
     """Per engine root, what is wrong with the patch state and what was (or could be) rebuilt;
     exit 3 while anything is left unfixed."""
@@ -135,14 +161,16 @@ class DoctorReport:
         return all(r.healthy for _, r in self.results)
 
     @property
+    def ok(self) -> bool:
+        return self.healthy
+
+    @property
+    def engines(self) -> list[EngineDoctor]:
+        return [EngineDoctor(e, r) for e, r in self.results]
+
+    @property
     def exit_code(self) -> int:
         return 0 if self.healthy else 3
-
-    def to_json(self) -> dict:
-        return {"ok": self.healthy, "healthy": self.healthy, "engines": [
-            {"engine": e, "engine_root": str(r.root), "repair": r.repair, "healthy": r.healthy,
-             "findings": [{"path": f.path, "problem": f.problem, "action": f.action, "fixed": f.fixed,
-                           "repairable": f.repairable} for f in r.findings]} for e, r in self.results]}
 
 
 def doctor(*, engine: str | None = None, engine_root: str | None = None, repair: bool = False) -> DoctorReport:
@@ -162,26 +190,98 @@ class EngineRevert:
     warnings: list[str]
     recovered: str | None
 
-    def to_json(self) -> dict:
-        return {"engine": self.engine, "engine_root": self.engine_root, "reverted": self.reverted,
-                "restored": self.restored, "warnings": self.warnings, "recovered": self.recovered}
-
 
 @dataclass
 class RevertReport:
     reverted: list[EngineRevert] = field(default_factory=list)  # empty: --all with nothing applied
 
-    def to_json(self) -> dict:
-        return {"reverted": [r.to_json() for r in self.reverted]}
+
+class PatchedFile(FileStatus):
+    """A patched file's status, and whether the patch created it (no original: revert deletes it)."""
+
+    @classmethod
+    def of(cls, f: FileStatus) -> PatchedFile:
+        return cls(f.relpath, f.state, f.sha256_before, f.sha256_after)
+
+    @property
+    def created(self) -> bool:
+        return self.sha256_before == ABSENT
+
+
+class _PatchView:
+    """The fields of an applied patch (``self.patch``, a surgeon.patch.manifest.PatchStatus) that
+    the ``status`` and ``diff`` outputs report."""
+
+    patch: PatchStatus
+
+    @property
+    def name(self) -> str:
+        return self.patch.name
+
+    @property
+    def state(self) -> str:
+        return self.patch.state
+
+    @property
+    def files(self) -> list[PatchedFile]:
+        return [PatchedFile.of(f) for f in self.patch.files]
 
 
 @dataclass
-class EnginePatch:
+class EnginePatch(_PatchView):
     """One applied patch and the engine holding it."""
 
     engine: str
     engine_root: Path
-    patch: Any  # surgeon.patch.manifest.PatchStatus
+    patch: PatchStatus
+
+    @property
+    def spec(self) -> SpecIdentity:
+        return SpecIdentity(self.patch.spec_name, self.patch.spec_sha256)
+
+    @property
+    def engine_version(self) -> str:
+        return self.patch.engine_version
+
+    @property
+    def created(self) -> str:
+        """When the patch was applied."""
+        return self.patch.created
+
+
+class EngineUnrecorded(NamedTuple):
+    """A file carrying a patch marker no manifest records, and the engine it is in."""
+
+    engine: str
+    file: Unrecorded
+
+    @property
+    def relpath(self) -> str:
+        return self.file.relpath
+
+    @property
+    def patch(self) -> str:
+        return self.file.marker.name
+
+    @property
+    def spec_sha256(self) -> str:
+        return self.file.marker.spec_sha256
+
+    @property
+    def manifest_id(self) -> str:
+        return self.file.marker.manifest_id
+
+    @property
+    def original_sha256(self) -> str:
+        return self.file.marker.original_sha256
+
+    @property
+    def restorable(self) -> bool:
+        return self.file.restorable
+
+    @property
+    def advice(self) -> str:
+        return self.file.advice()
 
 
 @dataclass
@@ -189,8 +289,8 @@ class StatusReport:
     """Every applied patch; a drifted or missing file is a mismatch with what was applied."""
 
     patches: list[EnginePatch]
-    # files carrying a patch marker no manifest records: (engine, surgeon.patch.manifest.Unrecorded)
-    unrecorded: list[tuple[str, Any]] = field(default_factory=list)
+    # files carrying a patch marker no manifest records, each an (engine, surgeon.patch.manifest.Unrecorded) pair
+    unrecorded: list[EngineUnrecorded] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)  # interrupted transactions finished or rolled back
     pending: list[str] = field(default_factory=list)  # interrupted transactions left (read-only root)
 
@@ -202,39 +302,12 @@ class StatusReport:
     def exit_code(self) -> int:
         return 0 if self.ok else 3
 
-    def to_json(self) -> dict:
-        return {"ok": self.ok, "patches": [_patch_json(p) for p in self.patches],
-                "unrecorded": [{"engine": e, "relpath": u.relpath, "patch": u.marker.name,
-                                "spec_sha256": u.marker.spec_sha256, "manifest_id": u.marker.manifest_id,
-                                "original_sha256": u.marker.original_sha256, "restorable": u.restorable,
-                                "advice": u.advice()} for e, u in self.unrecorded],
-                "recovered": self.recovered, "pending": self.pending}
-
-
-def _patch_json(row: EnginePatch) -> dict:
-    from surgeon.patch.manifest import ABSENT
-
-    p = row.patch
-    return {"engine": row.engine, "engine_root": str(row.engine_root), "name": p.name, "state": p.state,
-            "spec": {"name": p.spec_name, "sha256": p.spec_sha256},
-            "engine_version": p.engine_version, "created": p.created,
-            "files": [{"relpath": f.relpath, "state": f.state, "created": f.sha256_before == ABSENT,
-                       "sha256_before": f.sha256_before, "sha256_after": f.sha256_after} for f in p.files]}
-
 
 @dataclass
-class PatchDiff:
+class PatchDiff(_PatchView):
     engine: str
-    patch: Any  # surgeon.patch.manifest.PatchStatus
+    patch: PatchStatus
     diff: str
-
-    def to_json(self) -> dict:
-        from surgeon.patch.manifest import ABSENT
-
-        p = self.patch
-        return {"engine": self.engine, "name": p.name, "state": p.state,
-                "files": [{"relpath": f.relpath, "created": f.sha256_before == ABSENT, "state": f.state}
-                          for f in p.files], "diff": self.diff}
 
 
 @dataclass
@@ -244,6 +317,3 @@ class DiffReport:
     @property
     def text(self) -> str:
         return "".join(p.diff for p in self.patches)
-
-    def to_json(self) -> dict:
-        return {"patches": [p.to_json() for p in self.patches]}

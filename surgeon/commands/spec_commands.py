@@ -143,10 +143,9 @@ def sweep_spec(*, name: str, architecture: str, num_layers: int, hidden_size: in
 
 @dataclass
 class SchemaResult:
-    schema: dict
+    """A JSON Schema; ``surgeon schema`` prints ``schema`` itself (a schema has no output model)."""
 
-    def to_json(self) -> dict:
-        return self.schema
+    schema: dict
 
 
 @dataclass
@@ -163,17 +162,21 @@ class LintReport:
     def exit_code(self) -> int:
         return 0 if self.ok else 2
 
-    def to_json(self) -> dict:
-        return {"ok": self.ok, "specs": [r.to_json() for r in self.results]}
+    @property
+    def specs(self) -> list[Any]:
+        return self.results
 
 
 @dataclass
 class RenderReport:
+    """A rendering; ``--json`` reports it (``reported``), not the pins written with ``--pin``."""
+
     rendering: Any  # surgeon.wiring.render.Rendering
     pinned: dict | None = None  # the engines.<engine> values written into the spec (--pin)
 
-    def to_json(self) -> dict:
-        return self.rendering.to_json()
+    @property
+    def reported(self) -> Any:
+        return self.rendering
 
 
 @dataclass
@@ -190,8 +193,9 @@ class DraftVerdict:
     def exit_code(self) -> int:
         return 0 if self.ok else 3
 
-    def to_json(self) -> dict:
-        return self.report.to_json()
+    @property
+    def reported(self) -> Any:
+        return self.report
 
 
 @dataclass
@@ -202,5 +206,6 @@ class ReviewReport:
     def markdown(self) -> str:
         return self.review.markdown
 
-    def to_json(self) -> dict:
-        return {**self.review.data, "markdown": self.review.markdown}
+    @property
+    def reported(self) -> Any:
+        return self.review

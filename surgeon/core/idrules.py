@@ -2,7 +2,7 @@
 
 A probe reads an engine's installed source (never importing it) and, for each model class that
 can capture auxiliary hidden states, builds a :class:`ClassConvention`. The convention is data
-(it renders to JSON for ``surgeon conventions --json``) and code: :meth:`ClassConvention.capture`
+(``surgeon conventions --json`` prints it through its output model) and code: :meth:`ClassConvention.capture`
 replays the setter's logic on a list of ids, so callers can feed ids through exactly what the
 installed engine would do instead of trusting a table.
 
@@ -16,7 +16,7 @@ capture site is recorded.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 from surgeon.core.runnerfacts import RunnerModel
@@ -319,12 +319,6 @@ class ClassConvention:
         ok = self.reachable(num_layers)
         return [i if i in ok else None for i in indices]
 
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["id_rule"] = None if self.id_rule is None else self.id_rule.name
-        data["default"] = None if self.default is None else [str(t) for t in self.default]
-        return data
-
 
 @dataclass(frozen=True)
 class PlatformTarget:
@@ -433,20 +427,3 @@ class EngineProbe:
             for d in dirs:
                 out[f"defining classes in {d}/"] = count([c for c in defining if c.path.startswith(d + "/")])
         return out
-
-    def to_json(self) -> dict:
-        return {
-            "coverage": self.coverage(),
-            "engine": self.engine,
-            "version": self.version,
-            "root": self.root,
-            "platform": self.platform,
-            "files_scanned": self.files_scanned,
-            "classified": len(self.classified),
-            "unclassified": len(self.unclassified),
-            "architectures": dict(self.architectures),
-            "registered": dict(self.registered),
-            "runner": None if self.runner is None else self.runner.to_json(),
-            "dispatch": {a: asdict(d) | {"text": d.text()} for a, d in sorted(self.dispatch.items())},
-            "classes": [c.to_json() for c in sorted(self.classes.values(), key=lambda c: (c.path, c.line))],
-        }

@@ -9,7 +9,7 @@ Filled by :mod:`surgeon.engines.probes.runner` from the engine's runner source, 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 # draft_ids: the call passes ids read from the draft config (``sources``), the model's default
@@ -83,11 +83,6 @@ class RunnerModel:
             return self
         calls = tuple(c for c in self.calls if c.setter in named)
         return summarise(self.engine, self.version, self.files, calls, tuple(sorted(named)), self.graph_default)
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["ignores_draft_ids"] = self.ignores_draft_ids
-        return data
 
 
 def summarise(engine: str, version: str, files: tuple[str, ...], calls: tuple[RunnerCall, ...],

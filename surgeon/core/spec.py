@@ -57,10 +57,6 @@ class Issue:
         tag = "" if self.severity == "error" else f"{self.severity}: "
         return f"{where}: {tag}{key}{self.message}"
 
-    def to_json(self) -> dict:
-        return {"file": self.file, "line": self.line, "col": self.col, "severity": self.severity,
-                "path": self.path, "message": self.message}
-
 
 class SpecError(BadInput):
     """Bad input: one or more located issues. The CLI prints each on its own line, exit 2."""

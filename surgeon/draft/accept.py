@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from surgeon.core.errors import UNDECIDED, BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
 from surgeon.core.spec import Spec
 from surgeon.draft.behaviour import LOGPROB_BYTES, kl_to_draft
-from surgeon.draft.model import Eagle3Draft, chained_logits, one_thread
+from surgeon.draft.model import DraftInfo, Eagle3Draft, chained_logits, one_thread
 
 DEFAULT_PROMPTS = 32
 DEFAULT_PROMPT_LEN = 16
@@ -102,13 +102,27 @@ class WiringResult:
     not_servable: str | None = None
     divergence: float | None = None  # nats per chain, summed over the K steps (module docstring)
 
-    def to_json(self) -> dict[str, Any]:
-        w = self.wiring
-        return {"name": w.name, "why": w.why, "points": [None if p is None else str(p) for p in w.points],
-                "note": w.note, "not_servable": self.not_servable, "per_position": self.per_position,
-                "expected_accepted": self.expected_accepted,
-                "accept_length": None if self.expected_accepted is None else 1 + self.expected_accepted,
-                "chains": self.chains, "divergence": self.divergence}
+    @property
+    def name(self) -> str:
+        return self.wiring.name
+
+    @property
+    def why(self) -> str:
+        return self.wiring.why
+
+    @property
+    def points(self) -> list[str | None]:
+        """The wiring's points as written (None: never captured)."""
+        return [None if p is None else str(p) for p in self.wiring.points]
+
+    @property
+    def note(self) -> str | None:
+        return self.wiring.note
+
+    @property
+    def accept_length(self) -> float | None:
+        """``1 + expected_accepted``: the target's bonus token counted (module docstring)."""
+        return None if self.expected_accepted is None else 1 + self.expected_accepted
 
 
 # -- the wirings real bugs produce ----------------------------------------------------------
@@ -281,7 +295,7 @@ class AcceptReport:
     prompts: str  # where the prompts came from (the rule, or the file)
     n_prompts: int
     length: int
-    info: dict[str, Any]
+    info: DraftInfo
     rows: list[WiringResult]
     notes: list[str]
     min_rate: float | None = None
@@ -354,12 +368,24 @@ class AcceptReport:
                     f"{'it' if len(close) == 1 else 'them'} from the spec's wiring: {head}")
         return f"separated: {head}, more than every other wiring by {SEPARATION:g} standard errors"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "verdict": self.verdict, "headline": self.headline(),
-                "spec": self.spec, "draft": self.draft, "target": self.target, "steps": self.steps,
-                "prompts": self.prompts, "n_prompts": self.n_prompts, "length": self.length, "min": self.min_rate,
-                "draft_info": self.info, "sampling": SAMPLING_NOTE, "wirings": [r.to_json() for r in self.rows],
-                "notes": self.notes, "timings_s": self.timings_s}
+    @property
+    def min(self) -> float | None:
+        """``--min``: the position-1 acceptance the spec's wiring must reach (None: not asked)."""
+        return self.min_rate
+
+    @property
+    def draft_info(self) -> dict[str, Any]:
+        return asdict(self.info)
+
+    @property
+    def sampling(self) -> str:
+        """Where sampling would differ from this greedy measure (module docstring)."""
+        return SAMPLING_NOTE
+
+    @property
+    def wirings(self) -> list[WiringResult]:
+        """The spec's wiring first, then the miswirings."""
+        return self.rows
 
 
 def read_prompts(path: str | Path, vocab: int) -> list[list[int]]:
@@ -491,6 +517,6 @@ def run_accept(spec: Spec, draft_dir: str | Path, target: str | Path, *, prompts
     rows = measure_one_thread(draft, states, wirings, steps)
     t2 = time.perf_counter()
     return AcceptReport(spec=spec.name, draft=str(draft_dir), target=label, steps=steps, prompts=source,
-                        n_prompts=len(prompts), length=length, info=draft.info.to_json(), rows=rows,
+                        n_prompts=len(prompts), length=length, info=draft.info, rows=rows,
                         notes=notes + engine_notes + list(draft.info.notes), min_rate=min_rate,
                         timings_s={"target": round(t1 - t0, 3), "draft": round(t2 - t1, 3)})

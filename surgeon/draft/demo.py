@@ -49,11 +49,19 @@ class DraftDemo:
         drop = self.drop
         return bool(self.inferred.decided and self.inferred.wiring == TRAINED_ON and drop is not None and drop > 0)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "target": str(self.target), "draft": str(self.draft), "trained_on": TRAINED_ON,
-                "spec": str(self.spec), "prompts": str(self.prompts), "drop": self.drop,
-                "infer_wiring": self.inferred.to_json(), "accept": self.accept.to_json(),
-                "timings_s": {k: round(v, 2) for k, v in self.timings.items()}}
+    @property
+    def trained_on(self) -> list[str]:
+        """The wiring the draft was trained on (what infer-wiring should name)."""
+        return TRAINED_ON
+
+    @property
+    def infer_wiring(self) -> Any:
+        """What infer-wiring found (an InferReport)."""
+        return self.inferred
+
+    @property
+    def timings_s(self) -> dict[str, float]:
+        return {k: round(v, 2) for k, v in self.timings.items()}
 
 
 def run_draft_demo(work: Path, note: Callable[[str], None] = lambda s: None) -> DraftDemo:

@@ -50,7 +50,7 @@ from surgeon.draft.weightspace import SlotScore, alignment_table, contributions,
 from surgeon.engines.view import open_engine
 from surgeon.verify.reference import capture_reference, resolve_model
 from surgeon.wiring.draft import CHECK_TARGETS, check_draft, fc_weight_shape, read_config, read_ids
-from surgeon.wiring.render import RENDER_TARGETS, target_ids
+from surgeon.wiring.render import RENDER_TARGETS, IdList, target_ids
 
 Wiring = tuple[int, ...]  # one index into the candidate points per fc slot
 
@@ -459,30 +459,124 @@ def spec_text(name: str, states: TargetStates, wiring: Sequence[Point], draft: s
     return yaml.safe_dump(body, sort_keys=False, width=200)
 
 
-def engine_ids(spec) -> dict[str, dict]:
+def engine_ids(spec) -> dict[str, IdList]:
     """Each render target's ids for the spec's fc_input, from its entry in the render targets' table
     (:func:`surgeon.wiring.render.target_ids`), or why none (``kind``: not_expressible or refused)."""
-    out: dict[str, dict] = {}
-    for target in RENDER_TARGETS:
-        lst = target_ids(spec, target)
-        out[target] = {"ids": lst.ids, "error": lst.error, "origin": lst.origin or None, "kind": lst.kind}
-    return out
+    return {target: target_ids(spec, target) for target in RENDER_TARGETS}
 
 
-def stated_check(spec, draft: str) -> list[dict[str, object]]:
+@dataclass(frozen=True)
+class StatedCheck:
+    """check-draft of the draft config's ids on one engine, against the inferred spec."""
+
+    engine: str
+    agrees: bool | None  # None: not checked (see problems)
+    reads: list[int] | None  # the ids the engine reads (None: none, its default)
+    captures: list[str | None]  # what they make it capture, in fc order
+    problems: list[str]
+
+
+def stated_check(spec, draft: str) -> list[StatedCheck]:
     """check-draft of the draft's config against the inferred spec, per engine: what it reads,
     what that makes it capture, and each slot where that differs."""
-    rows: list[dict[str, object]] = []
+    rows: list[StatedCheck] = []
     for engine in CHECK_TARGETS:
         try:
             rep = check_draft(spec, draft, engine)
         except (SurgeonError, ValueError) as e:
-            rows.append({"engine": engine, "agrees": None, "reads": None, "captures": [], "problems": [f"not checked: {e}"]})
+            rows.append(StatedCheck(engine, None, None, [], [f"not checked: {e}"]))
             continue
         problems = [f.detail for f in rep.findings if f.severity == "error"]
-        rows.append({"engine": engine, "agrees": rep.ok, "reads": rep.ids_used, "captures": rep.captured,
-                     "problems": problems})
+        rows.append(StatedCheck(engine, rep.ok, rep.ids_used, rep.captured, problems))
     return rows
+
+
+# -- what the report says, as infer-wiring prints it ------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotVerdict:
+    """One slot's weight-space verdict as reported: it does not decide where the decided behaviour
+    signal names another point for the slot (``contradicted``)."""
+
+    score_of: SlotScore
+    contradicted: bool
+
+    @property
+    def slot(self) -> int:
+        return self.score_of.slot
+
+    @property
+    def point(self) -> str:
+        return str(self.score_of.best)
+
+    @property
+    def score(self) -> float:
+        return self.score_of.best_score
+
+    @property
+    def runner_up(self) -> str | None:
+        return None if self.score_of.runner_up is None else str(self.score_of.runner_up)
+
+    @property
+    def runner_up_score(self) -> float | None:
+        return self.score_of.runner_up_score
+
+    @property
+    def margin(self) -> float | None:
+        return self.score_of.margin
+
+    @property
+    def decides(self) -> bool:
+        return self.score_of.decides and not self.contradicted
+
+
+@dataclass(frozen=True)
+class WeightSpaceVerdict:
+    """The weight-space evidence: its best wiring, the smallest slot margin, each slot's verdict."""
+
+    wiring: list[str]
+    margin: float | None
+    decides: bool
+    slots: list[SlotVerdict]
+
+
+@dataclass(frozen=True)
+class BehaviourVerdict:
+    """The behaviour signal: the chosen wiring's divergence and agreement, the runner-up's, and the
+    paired margin between them (module docstring)."""
+
+    wiring: list[str]
+    steps: int
+    divergence: float | None
+    agreement: float | None
+    runner_up: list[str] | None
+    runner_up_divergence: float | None
+    runner_up_agreement: float | None
+    margin: float | None
+    z: float | None
+    decides: bool | None
+    evaluations: int
+
+
+@dataclass(frozen=True)
+class CandidateRow:
+    """A scored candidate, its wiring named by points."""
+
+    label: str
+    wiring: list[str]
+    weight_score: float
+    agreement: float | None
+    divergence: float | None
+
+
+@dataclass(frozen=True)
+class StatedIds:
+    """The ids the draft config states (config key -> ids), and each engine's reading of them."""
+
+    ids: dict[str, list[int]]
+    agree: bool | None
+    engines: list[StatedCheck]
 
 
 @dataclass
@@ -497,9 +591,9 @@ class InferReport:
     hidden_size: int
     tokens: int
     search: Search
-    ids: dict[str, dict]
+    ids: dict[str, IdList]
     stated_ids: dict[str, list[int]]
-    stated: list[dict[str, object]]
+    stated_checks: list[StatedCheck]
     spec: str
     written: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -537,7 +631,7 @@ class InferReport:
 
     @property
     def stated_agree(self) -> bool | None:
-        checked = [r["agrees"] for r in self.stated if r["agrees"] is not None]
+        checked = [r.agrees for r in self.stated_checks if r.agrees is not None]
         return all(checked) if checked else None
 
     @property
@@ -550,6 +644,11 @@ class InferReport:
             return UNDECIDED
         return 3 if self.stated_agree is False else 0
 
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
     def headline(self) -> str:
         """The first line: whether the evidence decides the wiring, and what the stated ids say."""
         s = self.search
@@ -573,38 +672,42 @@ class InferReport:
             return head + "; the ids the draft config states agree"
         return head
 
-    def to_json(self) -> dict:
+    @property
+    def n_slots(self) -> int:
+        return len(self.search.slots)
+
+    @property
+    def weight_space(self) -> WeightSpaceVerdict:
         s = self.search
         against = set(self.contradicted)
-        slots = [{"slot": x.slot, "point": str(x.best), "score": x.best_score,
-                  "runner_up": None if x.runner_up is None else str(x.runner_up),
-                  "runner_up_score": x.runner_up_score, "margin": x.margin,
-                  "decides": x.decides and x.slot not in against, "contradicted": x.slot in against} for x in s.slots]
-        behaviour = None
-        if s.behaviour_evaluations:
-            chosen = next((c for c in s.candidates if c.wiring == s.wiring), None)
-            runner = next((c for c in s.candidates if c.wiring == s.behaviour_runner_up), None)
-            behaviour = {"wiring": self.wiring, "steps": CHAIN_STEPS,
-                         "divergence": None if chosen is None else chosen.divergence,
-                         "agreement": None if chosen is None else chosen.agreement,
-                         "runner_up": None if s.behaviour_runner_up is None else describe(s.points, s.behaviour_runner_up),
-                         "runner_up_divergence": None if runner is None else runner.divergence,
-                         "runner_up_agreement": None if runner is None else runner.agreement,
-                         "margin": s.behaviour_margin, "z": s.behaviour_z, "decides": self.behaviour_decides,
-                         "evaluations": s.behaviour_evaluations}
-        return {
-            "draft": self.draft, "fc_tensor": self.fc_tensor, "target": self.target, "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size, "n_slots": len(s.slots), "tokens": self.tokens,
-            "wiring": self.wiring, "decided": self.decided, "headline": self.headline(),
-            "weight_space": {"wiring": describe(s.points, s.weight_wiring), "margin": s.weight_margin,
-                             "decides": s.weight_decides and not against, "slots": slots},
-            "behaviour": behaviour,
-            "candidates": [{"label": c.label, "wiring": describe(s.points, c.wiring), "weight_score": c.weight_score,
-                            "agreement": c.agreement, "divergence": c.divergence} for c in s.candidates[:20]],
-            "ids": self.ids,
-            "stated": {"ids": self.stated_ids, "agree": self.stated_agree, "engines": self.stated},
-            "spec": self.spec, "written": self.written, "notes": self.notes, "ok": self.exit_code == 0,
-        }
+        return WeightSpaceVerdict(describe(s.points, s.weight_wiring), s.weight_margin, s.weight_decides and not against,
+                                  [SlotVerdict(x, x.slot in against) for x in s.slots])
+
+    @property
+    def behaviour(self) -> BehaviourVerdict | None:
+        """The behaviour signal's verdict (None: not measured)."""
+        s = self.search
+        if not s.behaviour_evaluations:
+            return None
+        chosen = next((c for c in s.candidates if c.wiring == s.wiring), None)
+        runner = next((c for c in s.candidates if c.wiring == s.behaviour_runner_up), None)
+        return BehaviourVerdict(
+            self.wiring, CHAIN_STEPS, None if chosen is None else chosen.divergence,
+            None if chosen is None else chosen.agreement,
+            None if s.behaviour_runner_up is None else describe(s.points, s.behaviour_runner_up),
+            None if runner is None else runner.divergence, None if runner is None else runner.agreement,
+            s.behaviour_margin, s.behaviour_z, self.behaviour_decides, s.behaviour_evaluations)
+
+    @property
+    def candidates(self) -> list[CandidateRow]:
+        """The first 20 candidates, best first."""
+        s = self.search
+        return [CandidateRow(c.label, describe(s.points, c.wiring), c.weight_score, c.agreement, c.divergence)
+                for c in s.candidates[:20]]
+
+    @property
+    def stated(self) -> StatedIds:
+        return StatedIds(self.stated_ids, self.stated_agree, self.stated_checks)
 
 
 def draft_runtime(draft: str, states: TargetStates, notes: list[str]) -> tuple[Eagle3Draft | None, Behaviour | None]:
@@ -669,7 +772,7 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
     except SurgeonError as e:  # e.g. final_norm in a slot: no engine captures it as an fc input
         notes.append(f"the inferred wiring is not a servable spec ({str(e).splitlines()[0]}): no engine ids, "
                      "stated ids not checked")
-        ids = {t: {"ids": None, "error": str(e).splitlines()[0], "origin": None, "kind": "refused"} for t in RENDER_TARGETS}
+        ids = {t: IdList(t, "", None, str(e).splitlines()[0], kind="refused") for t in RENDER_TARGETS}
         stated = []
     if not stated_ids:
         notes.append("the draft config states no ids (eagle_aux_hidden_state_layer_ids, eagle_config's, "

@@ -61,7 +61,7 @@ def one_thread() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class DraftInfo:
-    """What the checkpoint says about itself."""
+    """What the checkpoint says about itself (accept reports it as its ``draft_info``, field by field)."""
 
     path: str
     layout: str  # "specforge" | "speculators" | "vllm" | "sglang" | "zlab-dflash" | "speculators-dflash"
@@ -71,15 +71,13 @@ class DraftInfo:
     target_vocab_size: int
     draft_vocab_size: int
     stated_ids: dict[str, list[int] | None]
-    target_hidden_size: int = 0  # fc slot width (the target's hidden size); 0: same as hidden_size
+    target_hidden_size: int = 0  # fc slot width (the target's hidden size); 0 given: hidden_size
     has_embeddings: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "layout": self.layout, "kind": self.kind, "hidden_size": self.hidden_size,
-                "target_hidden_size": self.target_hidden_size or self.hidden_size, "n_slots": self.n_slots,
-                "target_vocab_size": self.target_vocab_size, "draft_vocab_size": self.draft_vocab_size,
-                "stated_ids": self.stated_ids, "has_embeddings": self.has_embeddings, "notes": list(self.notes)}
+    def __post_init__(self) -> None:
+        if not self.target_hidden_size:
+            object.__setattr__(self, "target_hidden_size", self.hidden_size)
 
 
 class RMSNorm(nn.Module):

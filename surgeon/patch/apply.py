@@ -33,7 +33,7 @@ from surgeon.patch.manifest import ApplyResult, FileChange, PatchError, PatchMan
 from surgeon.patch.markers import Marker, hooks_relpath
 
 __all__ = [
-    "ApplyOutcome", "PatchPlan", "plan_patch", "apply_spec", "revert_patch", "patch_status",
+    "ApplyOutcome", "PatchPlan", "SpecIdentity", "plan_patch", "apply_spec", "revert_patch", "patch_status",
     "manager_for", "DEFAULT_MAX_TOKENS", "hooks_module_relpath",
 ]
 
@@ -80,28 +80,97 @@ class PatchPlan:
         return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in out)
 
 
+@dataclass(frozen=True)
+class SpecIdentity:
+    """Which spec a patch was made from: its name and the sha256 of its file."""
+
+    name: str
+    sha256: str
+
+
 @dataclass
 class ApplyOutcome:
+    """What ``surgeon apply`` did: the plan, and (unless a dry run) the transaction's result. The
+    properties below are the plan's and the result's fields as ``surgeon apply --json`` reports
+    them (its output model, ``surgeon.commands.outputs.patches.ApplyOutput``, reads them)."""
+
     plan: PatchPlan
     applied: bool  # False for a dry run
     result: ApplyResult | None = None
     diff: str | None = None
 
-    def to_json(self) -> dict:
-        p = self.plan
-        return {
-            "patch": p.name, "engine": p.engine, "engine_version": p.engine_version,
-            "engine_root": str(p.engine_root), "model_file": p.model_file, "loop_class": p.loop_class,
-            "hooks_file": p.hooks_file, "hooks_module": p.hooks_module, "mode": p.mode,
-            "max_tokens": p.max_tokens, "recipe": p.recipe, "anchors": p.anchors,
-            "spec": {"name": p.spec_name, "sha256": p.spec_sha256},
-            "dry_run": not self.applied,
-            "changed": None if self.result is None else self.result.changed,
-            "files_written": [] if self.result is None else self.result.files,
-            "replaced": [] if self.result is None else self.result.replaced,
-            "recovered": None if self.result is None else self.result.recovered,
-            **({"diff": self.diff} if self.diff is not None else {}),
-        }
+    @property
+    def patch(self) -> str:
+        return self.plan.name
+
+    @property
+    def engine(self) -> str:
+        return self.plan.engine
+
+    @property
+    def engine_version(self) -> str:
+        return self.plan.engine_version
+
+    @property
+    def engine_root(self) -> Path:
+        return self.plan.engine_root
+
+    @property
+    def model_file(self) -> str:
+        return self.plan.model_file
+
+    @property
+    def loop_class(self) -> str | None:
+        return self.plan.loop_class
+
+    @property
+    def hooks_file(self) -> str:
+        return self.plan.hooks_file
+
+    @property
+    def hooks_module(self) -> str:
+        return self.plan.hooks_module
+
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+    @property
+    def max_tokens(self) -> int:
+        return self.plan.max_tokens
+
+    @property
+    def recipe(self) -> str:
+        return self.plan.recipe
+
+    @property
+    def anchors(self) -> list[str]:
+        return self.plan.anchors
+
+    @property
+    def spec(self) -> SpecIdentity:
+        return SpecIdentity(self.plan.spec_name, self.plan.spec_sha256)
+
+    @property
+    def dry_run(self) -> bool:
+        return not self.applied
+
+    @property
+    def changed(self) -> bool | None:
+        """Whether the transaction changed anything (None: a dry run)."""
+        return None if self.result is None else self.result.changed
+
+    @property
+    def files_written(self) -> list[str]:
+        return [] if self.result is None else self.result.files
+
+    @property
+    def replaced(self) -> list[str]:
+        return [] if self.result is None else self.result.replaced
+
+    @property
+    def recovered(self) -> str | None:
+        return None if self.result is None else self.result.recovered
 
 
 def _locate(engine: str, engine_root: str | Path | None) -> EngineLocation:

@@ -31,8 +31,9 @@ import ast
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from surgeon.core.errors import BadInput
 from surgeon.engines.source.anatomy import ast_span, loops_over_ast
@@ -48,9 +49,12 @@ from surgeon.patch.recipes import (
 
 __all__ = [
     "PROBE_POSITIONS",
+    "ClassCounts",
     "ClassCoverage",
     "CoverageReport",
     "EngineCoverage",
+    "NonDecoderClasses",
+    "Unparsed",
     "coverage",
     "loop_owners_ast",
     "render_coverage_lines",
@@ -88,12 +92,43 @@ class ClassCoverage:
     def patchable_with_guard(self) -> bool:
         return self.layers or self.with_guard
 
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["native"] = list(self.native)
-        data["patchable"] = self.patchable
-        data["patchable_with_guard"] = self.patchable_with_guard
-        return data
+    @property
+    def where(self) -> str:
+        """``PATH:LINE CLASS``"""
+        return f"{self.path}:{self.line} {self.class_name}"
+
+
+class Unparsed(NamedTuple):
+    """A model file that cannot be read or parsed: its classes are not counted."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ClassCounts:
+    """Loop-owning classes of one kind (decoders, or all): how many, and how many are patchable."""
+
+    patchable: int
+    total: int
+    patchable_with_guard: int  # counting those patchable with the bypass guard
+
+    @property
+    def fraction(self) -> float:
+        return self.patchable / self.total if self.total else 1.0
+
+    @property
+    def fraction_with_guard(self) -> float:
+        return self.patchable_with_guard / self.total if self.total else 1.0
+
+
+@dataclass(frozen=True)
+class NonDecoderClasses:
+    """The loop-owning classes that are not decoders (encoder towers fed with features), apart."""
+
+    total: int
+    patchable: int
+    classes: list[str]  # PATH:LINE CLASS of each
 
 
 @dataclass
@@ -106,64 +141,64 @@ class EngineCoverage:
     classes: list[ClassCoverage] = field(default_factory=list)
     seconds: float = 0.0
     probe_error: str | None = None
-    unparsed: list[tuple[str, str]] = field(default_factory=list)  # (model file, why it does not parse)
+    unparsed: list[Unparsed] = field(default_factory=list)
     platform: str = "all"  # what the native column holds for (vLLM picks some classes per platform)
     # per models directory of the release (vLLM 0.33: model_executor/models and models/): model
     # files, files with a layer loop, and registered architectures whose registry module is there
     trees: list[dict] = field(default_factory=list)
 
-    def _count(self, decoder_only: bool, guarded: bool = False) -> tuple[int, int]:
+    def _counts(self, decoder_only: bool) -> ClassCounts:
         cs = [c for c in self.classes if c.decoder or not decoder_only]
-        return sum(c.patchable_with_guard if guarded else c.patchable for c in cs), len(cs)
+        return ClassCounts(sum(c.patchable for c in cs), len(cs), sum(c.patchable_with_guard for c in cs))
+
+    @property
+    def decoder(self) -> ClassCounts:
+        """The decoder classes: what a draft reads, what :attr:`fraction` is over."""
+        return self._counts(True)
+
+    @property
+    def all(self) -> ClassCounts:
+        """Every loop-owning class, encoder towers included."""
+        return self._counts(False)
+
+    @property
+    def non_decoder(self) -> NonDecoderClasses:
+        others = [c for c in self.classes if not c.decoder]
+        return NonDecoderClasses(len(others), sum(c.patchable for c in others), [c.where for c in others])
+
+    @property
+    def decoder_failures(self) -> list[str]:
+        """``PATH:LINE CLASS`` of each decoder class not patchable (without the bypass guard)."""
+        return [c.where for c in self.classes if c.decoder and not c.patchable]
+
+    @property
+    def native(self) -> int:
+        """How many classes the engine captures natively through."""
+        return sum(bool(c.native) for c in self.classes)
+
+    @property
+    def final_norm(self) -> int:
+        """How many classes take the final-norm capture."""
+        return sum(c.final_norm for c in self.classes)
 
     @property
     def fraction(self) -> float:
-        ok, n = self._count(True)
-        return ok / n if n else 1.0
+        return self.decoder.fraction
 
     @property
     def fraction_all(self) -> float:
-        ok, n = self._count(False)
-        return ok / n if n else 1.0
+        return self.all.fraction
 
     @property
     def fraction_guarded(self) -> float:
         """Decoder classes patchable, counting those patchable with the bypass guard."""
-        ok, n = self._count(True, guarded=True)
-        return ok / n if n else 1.0
-
-    def to_json(self) -> dict:
-        ok, n = self._count(True)
-        ok_all, n_all = self._count(False)
-        ok_g, _ = self._count(True, guarded=True)
-        ok_ga, _ = self._count(False, guarded=True)
-        return {
-            "engine": self.engine, "version": self.version, "root": self.root,
-            "files": self.files, "files_parsed": self.files_parsed, "seconds": round(self.seconds, 3),
-            "probe_error": self.probe_error, "platform": self.platform, "trees": self.trees,
-            "unparsed": [{"path": p, "reason": r} for p, r in self.unparsed],
-            "decoder": {"patchable": ok, "total": n, "fraction": round(self.fraction, 4),
-                        "patchable_with_guard": ok_g, "fraction_with_guard": round(self.fraction_guarded, 4)},
-            "all": {"patchable": ok_all, "total": n_all, "fraction": round(self.fraction_all, 4),
-                    "patchable_with_guard": ok_ga,
-                    "fraction_with_guard": round(ok_ga / n_all if n_all else 1.0, 4)},
-            "non_decoder": {"total": n_all - n, "patchable": ok_all - ok,
-                            "classes": [f"{c.path}:{c.line} {c.class_name}" for c in self.classes if not c.decoder]},
-            "decoder_failures": [f"{c.path}:{c.line} {c.class_name}" for c in self.classes
-                                 if c.decoder and not c.patchable],
-            "native": sum(bool(c.native) for c in self.classes),
-            "final_norm": sum(c.final_norm for c in self.classes),
-            "classes": [c.to_json() for c in self.classes],
-        }
+        return self.decoder.fraction_with_guard
 
 
 @dataclass
 class CoverageReport:
     engines: list[EngineCoverage]
     seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        return {"seconds": round(self.seconds, 3), "engines": [e.to_json() for e in self.engines]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +336,7 @@ def _native(engine: str, root: Path, platform: str | None = None) -> tuple[dict[
 # The entry point
 # ---------------------------------------------------------------------------------------------
 def _prefilter(engine: str, root: Path, models_dirs: tuple[str, ...], recipes,
-               reduce: bool = True) -> tuple[int, list, list[tuple[str, str]]]:
+               reduce: bool = True) -> tuple[int, list, list[Unparsed]]:
     """(model files, libcst tasks, (file, why) for the files that cannot be read or parsed), over
     every models directory of the release"""
     pairs_default = {("forward", "layers")}
@@ -318,7 +353,7 @@ def _prefilter(engine: str, root: Path, models_dirs: tuple[str, ...], recipes,
         try:
             owners, spans = _scan(f.read_bytes(), pairs)
         except (SyntaxError, ValueError, OSError) as exc:  # ValueError: null bytes, bad encoding
-            unparsed.append((relpath, _why(exc)))
+            unparsed.append(Unparsed(relpath, _why(exc)))
             continue
         if owners:
             tasks.append((engine, str(f), relpath, owners, spans if reduce else None))
@@ -437,11 +472,11 @@ def render_coverage_lines(report: CoverageReport, *, all_classes: bool = True) -
     their loops run encoder blocks, not the residual stream a draft reads."""
     lines = []
     for ec in report.engines:
-        d = ec.to_json()
+        dec, every = ec.decoder, ec.all
         lines.append(f"{ec.engine} {ec.version} (native capture for platform {ec.platform}): "
-                     f"{d['decoder']['patchable']}/{d['decoder']['total']} decoder "
-                     f"classes patchable ({ec.fraction:.1%}), {d['decoder']['patchable_with_guard']} with the "
-                     f"bypass guard ({ec.fraction_guarded:.1%}); {d['all']['patchable']}/{d['all']['total']} "
+                     f"{dec.patchable}/{dec.total} decoder "
+                     f"classes patchable ({ec.fraction:.1%}), {dec.patchable_with_guard} with the "
+                     f"bypass guard ({ec.fraction_guarded:.1%}); {every.patchable}/{every.total} "
                      f"with encoder towers; {ec.files_parsed} of {ec.files} files parsed with libcst")
         for t in ec.trees:
             reg = (f", {t['registered_architectures']} registered architectures"
@@ -456,8 +491,8 @@ def render_coverage_lines(report: CoverageReport, *, all_classes: bool = True) -
         lines += _class_lines(decoders)
         others = [c for c in ec.classes if not c.decoder and (all_classes or not c.patchable)]
         if others:
-            lines.append(f"  not decoders ({d['non_decoder']['total']} encoder towers and other loops fed with "
-                         f"features, not counted in the decoder fraction; {d['non_decoder']['patchable']} patchable):")
+            lines.append(f"  not decoders ({ec.non_decoder.total} encoder towers and other loops fed with "
+                         f"features, not counted in the decoder fraction; {ec.non_decoder.patchable} patchable):")
             lines += _class_lines(others)
     return lines
 

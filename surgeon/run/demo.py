@@ -59,20 +59,20 @@ class DemoResult:
     timings: dict[str, float] = field(default_factory=dict)
     draft: Any = None  # surgeon.draft.demo.DraftDemo
 
-    def to_json(self) -> dict:
-        return {
-            "ok": bool(self.right is not None and self.right.ok and self.wrong is not None and not self.wrong.ok
-                       and self.reverted_identical and (self.draft is None or self.draft.ok)),
-            "workdir": str(self.workdir), "model": str(self.model), "spec": str(self.spec),
-            "wrong_spec": str(self.wrong_spec), "reference": str(self.reference), "dump": str(self.dump),
-            "heatmap": str(self.heatmap), "heatmap_right": str(self.heatmap_right),
-            "engine_root": str(self.engine_root), "model_file": self.model_file,
-            "reverted_byte_identical": self.reverted_identical,
-            "draft": self.draft.to_json() if self.draft is not None else None,
-            "right": self.right.to_json() if self.right is not None else None,
-            "wrong": self.wrong.to_json() if self.wrong is not None else None,
-            "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
-        }
+    @property
+    def ok(self) -> bool:
+        """The spec's wiring verified, the mis-wiring was caught, the revert is byte-identical, and
+        the draft step (where run) named its trained wiring."""
+        return bool(self.right is not None and self.right.ok and self.wrong is not None and not self.wrong.ok
+                    and self.reverted_identical and (self.draft is None or self.draft.ok))
+
+    @property
+    def reverted_byte_identical(self) -> bool:
+        return self.reverted_identical
+
+    @property
+    def timings_s(self) -> dict[str, float]:
+        return {k: round(v, 2) for k, v in self.timings.items()}
 
 
 def _reverted_byte_identical(model_file: Path, original_sha: str, hooks_file: Path) -> bool:

@@ -9,7 +9,6 @@ file (:mod:`surgeon.verify.fingerprint`).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -83,8 +82,20 @@ def _slice_reference(ref, window: slice):
     return replace(ref, input_ids=ref.input_ids[window], states={k: v[window] for k, v in ref.states.items()})
 
 
+@dataclass(frozen=True)
+class Suggestion:
+    """What to change: each slot's matched point, and each engine's ids for those points (or why none)."""
+
+    captures: dict[str, Point]  # slot name -> the point it holds
+    engine_ids: dict[str, Any]  # engine -> ids for the corrected captures, or why none
+
+
 @dataclass
 class HarnessResult:
+    """A subject's slots identified against a reference. ``match --json`` and ``verify --json``
+    print it through :class:`surgeon.commands.outputs.harness.MatchResult`, which reads the
+    attributes and properties below by its field names."""
+
     subject: Subject
     reference_source: str
     alignment: str
@@ -115,6 +126,36 @@ class HarnessResult:
         """3 mismatch, 4 undecided, else 0 (match and verify alike)."""
         return {"mismatch": 3, "undecided": UNDECIDED_EXIT}.get(self.verdict, 0)
 
+    @property
+    def slots(self) -> list[Any]:
+        """Each slot's identification (:class:`surgeon.verify.identify.SlotResult`)."""
+        return list(self.report.slots)
+
+    @property
+    def diagnosis(self) -> list[Any]:
+        """What went wrong (:class:`surgeon.verify.identify.Diagnosis`), the explanation covering the
+        most slots first."""
+        return list(self.report.diagnosis)
+
+    @property
+    def missing(self) -> list[str]:
+        """The spec's dump slots (``name: point``) at points no slot's record gives: a mismatch."""
+        return list(self.subject.missing)
+
+    @property
+    def suggested(self) -> Suggestion:
+        return Suggestion(self.report.suggested_captures, self.engine_ids)
+
+    @property
+    def layout(self) -> str:
+        """The subject's layout (``surgeon``, ``trtllm``, ``specforge``, ...)."""
+        return self.subject.layout
+
+    @property
+    def reference(self) -> str:
+        """Where the reference came from (its :attr:`reference_source`)."""
+        return self.reference_source
+
     def headline(self) -> str:
         """The first line of the report: the verdict, and which slots it rests on."""
         slots = self.report.slots
@@ -139,28 +180,6 @@ class HarnessResult:
         if free:
             parts.append(f"{len(free)} of {n} declared nothing and matched one point ({', '.join(free)})")
         return f"{self.verdict}: " + "; ".join(parts)
-
-    def to_json(self) -> dict:
-        """The contract of `match --json` / `verify --json`."""
-        def pt(p: Point | None) -> str | None:
-            return None if p is None else str(p)
-
-        def number(x: float) -> float | None:  # JSON has no infinity: an unbounded value is null
-            return float(x) if math.isfinite(x) else None
-
-        return {
-            "ok": self.ok, "verdict": self.verdict, "headline": self.headline(),
-            "slots": [{"name": s.name, "declared": pt(s.declared), "matched": pt(s.matched),
-                       "rel_err": number(s.rel_err), "margin": number(s.margin), "exact": s.exact,
-                       "verdict": s.verdict}
-                      for s in self.report.slots],
-            "diagnosis": [{"kind": d.kind, "detail": d.detail} for d in self.report.diagnosis],
-            "suggested": {"captures": {k: str(v) for k, v in self.report.suggested_captures.items()},
-                          "engine_ids": self.engine_ids},
-            "missing": list(self.subject.missing),
-            "subject": self.subject.source, "layout": self.subject.layout, "reference": self.reference_source,
-            "alignment": self.alignment, "notes": self.notes,
-        }
 
 
 def _declare_from_spec(subject: Subject, spec: Spec, slots_given: bool, by_producer: bool) -> list[str]:

@@ -11,7 +11,7 @@ tensor is loaded.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -100,12 +100,6 @@ class DraftReport:
     @property
     def ok(self) -> bool:
         return not any(f.severity == "error" for f in self.findings)
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["runners"] = [r.to_json() for r in self.runners]
-        data["ok"] = self.ok
-        return data
 
 
 def read_config(draft: Path) -> tuple[Path, dict]:

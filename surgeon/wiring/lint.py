@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from surgeon.core.conventions import NotExpressible
 from surgeon.core.errors import BadInput
@@ -26,6 +27,9 @@ from surgeon.wiring.mtp import mtp_lines
 from surgeon.wiring.pins import check_pins
 from surgeon.wiring.runnercheck import runner_graph_hazard, runner_refusal
 
+if TYPE_CHECKING:
+    from surgeon.engines.probes.pipeline import PipelineAnswer
+
 
 @dataclass
 class LintResult:
@@ -33,17 +37,12 @@ class LintResult:
     spec: Spec | None
     issues: list[Issue] = field(default_factory=list)
     checked: list[str] = field(default_factory=list)  # what was checked, one line each
-    pipeline: list[dict] = field(default_factory=list)  # `lint --pp`: per engine, surgeon.engines.probes.pipeline
+    # `lint --pp`: per engine checked, where each capture's pipeline stage is (surgeon.engines.probes.pipeline)
+    pipeline: list[PipelineAnswer] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not any(i.severity == "error" for i in self.issues)
-
-    def to_json(self) -> dict:
-        out = {"file": self.file, "ok": self.ok, "checked": self.checked, "issues": [i.to_json() for i in self.issues]}
-        if self.pipeline:
-            out["pipeline"] = self.pipeline
-        return out
 
 
 def engines_to_check(spec: Spec, requested: Sequence[str]) -> tuple[list[str], bool]:

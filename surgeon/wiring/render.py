@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from surgeon.core.conventions import (
@@ -206,9 +206,6 @@ class Explanation:
     fc_lists: dict[str, IdList]
     notes: list[str]
 
-    def to_json(self) -> dict:
-        return asdict(self)
-
 
 def _single(fn, point: Point, num_layers: int) -> int | str:
     try:
@@ -347,6 +344,18 @@ def _id_for(conv: EngineConvention, ids: list[int], point: Point, num_layers: in
 # ---------------------------------------------------------------------------------------------
 # render
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    """A target's launch command: its arguments (``<DRAFT>``: the draft's path), and the same quoted."""
+
+    argv: list[str]
+
+    @property
+    def shell(self) -> str:
+        """Quoted for a POSIX shell."""
+        return shlex.join(self.argv)
+
+
 @dataclass
 class Rendering:
     spec: str
@@ -369,14 +378,13 @@ class Rendering:
     platform: str | None = None
 
     @property
+    def launch(self) -> Launch:
+        return Launch(self.launch_flags)
+
+    @property
     def launch_shell(self) -> str:
         """The launch flags quoted for a POSIX shell (``<DRAFT>`` is a placeholder to replace)."""
-        return shlex.join(self.launch_flags)
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["launch"] = {"argv": data.pop("launch_flags"), "shell": self.launch_shell}
-        return data
+        return self.launch.shell
 
 
 def _engine_answer(spec: Spec, view: EngineView, cc: ClassConvention, notes: list[str]) -> tuple[str | None, list[str]]:

@@ -16,11 +16,35 @@ _TARGETS = (("sglang", "SGLang `eagle_config` ids"), ("vllm", "vLLM `eagle_aux_h
             ("eagle", "SpecForge / EAGLE config ids"), ("hf", "HF `hidden_states` indices"))
 
 
+@dataclass(frozen=True)
+class CaptureChange:
+    """One capture's point in the old spec and in the new (None: not there)."""
+
+    name: str
+    was: str | None
+    now: str | None
+
+
+@dataclass(frozen=True)
+class IdsChange:
+    """One consumer's fc ids for the old spec and for the new (None: no fc input, or not expressible)."""
+
+    target: str
+    before: list[int] | None
+    after: list[int] | None
+
+
 @dataclass
 class Review:
+    """The pull-request comment, and what it rests on: the two files, whether the fc input changed
+    physically, each capture's point and each consumer's ids before and after."""
+
     markdown: str
+    old: str
+    new: str
     fc_changed: bool
-    data: dict
+    captures: list[CaptureChange]
+    ids: list[IdsChange]
 
 
 def _md(value: object) -> str:
@@ -75,7 +99,7 @@ def _pin_rows(old: Spec, new: Spec) -> list[str]:
 
 
 def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) -> Review:
-    """The Markdown comment and its data: header, captures, fc input, engine ids, dumps, pins."""
+    """The Markdown comment (header, captures, fc input, engine ids, dumps, pins) and its data."""
     roots = roots or {}
     lines = _header_lines(old, new)
     fc_old = list(zip(old.fc_names, old.fc_points))
@@ -93,8 +117,7 @@ def review(old: Spec, new: Spec, *, roots: dict[str, str | None] | None = None) 
     _fc_section(fc_old, fc_new, lines)
     ids_rows = _engine_ids_section(old, new, roots, lines)
     _dumps_and_pins_sections(old, new, lines)
-    data = {"old": old.file, "new": new.file, "fc_changed": fc_changed, "captures": cap_rows, "ids": ids_rows}
-    return Review("\n".join(lines).rstrip() + "\n", fc_changed, data)
+    return Review("\n".join(lines).rstrip() + "\n", old.file, new.file, fc_changed, cap_rows, ids_rows)
 
 
 def _header_lines(old: Spec, new: Spec) -> list[str]:
@@ -112,8 +135,8 @@ def _header_lines(old: Spec, new: Spec) -> list[str]:
     return lines
 
 
-def _capture_section(old: Spec, new: Spec, lines: list[str]) -> list[dict]:
-    """The captures table (appended to ``lines``); returns its rows as data."""
+def _capture_section(old: Spec, new: Spec, lines: list[str]) -> list[CaptureChange]:
+    """The captures table (appended to ``lines``); returns its rows."""
     lines.append("#### Captures")
     lines.append("| capture | was | now | |")
     lines.append("|---|---|---|---|")
@@ -123,7 +146,7 @@ def _capture_section(old: Spec, new: Spec, lines: list[str]) -> list[dict]:
         a, b = old.captures.get(n), new.captures.get(n)
         change = "added" if a is None else "removed" if b is None else "**changed**" if a != b else ""
         lines.append(f"| `{_md(n)}` | {a or '—'} | {b or '—'} | {change} |")
-        cap_rows.append({"name": n, "was": str(a) if a else None, "now": str(b) if b else None})
+        cap_rows.append(CaptureChange(n, str(a) if a else None, str(b) if b else None))
     lines.append("")
     return cap_rows
 
@@ -140,9 +163,9 @@ def _fc_section(fc_old: list, fc_new: list, lines: list[str]) -> None:
     lines.append("")
 
 
-def _engine_ids_section(old: Spec, new: Spec, roots: dict[str, str | None], lines: list[str]) -> list[dict]:
+def _engine_ids_section(old: Spec, new: Spec, roots: dict[str, str | None], lines: list[str]) -> list[IdsChange]:
     """Each consumer's ids before and after (appended to ``lines``), then the notes the cells refer
-    to and where each engine's rule was read, below the table; returns the rows as data."""
+    to and where each engine's rule was read, below the table; returns the rows."""
     lines.append("#### Engine ids")
     lines.append("| consumer | before | after |")
     lines.append("|---|---|---|")
@@ -157,7 +180,7 @@ def _engine_ids_section(old: Spec, new: Spec, roots: dict[str, str | None], line
         conv = either.convention if either else target
         cells = [_ids_text(x, notes) if x else "—" for x in (before, after)]
         lines.append(f"| {label} (`{conv}`) | {cells[0]} | {cells[1]} |")
-        ids_rows.append({"target": target, "before": before.ids if before else None, "after": after.ids if after else None})
+        ids_rows.append(IdsChange(target, before.ids if before else None, after.ids if after else None))
         if target in ("sglang", "vllm") and after is not None and after.origin and after.origin not in origins:
             origins.append(after.origin)  # where each engine's rule was read: a probe, or the built-in table
     lines.append("")

@@ -18,6 +18,7 @@ from surgeon.audit.pipeline import Plan, run_audit, usable_cores
 from surgeon.audit.structure import STATE_NAME
 from surgeon.cli import main
 from surgeon.commands import FORMATS, schema
+from surgeon.commands.outputs import json_output
 
 # what each seeded fault must be reported as
 EXPECTED = {"shifted": "identity", "off_by_one": "identity", "nan": "nonfinite", "zero": "zero", "stale": "stale"}
@@ -25,7 +26,7 @@ TIMING = ("seconds", "files_per_s", "mb_per_s", "resumed", "workers", "backend")
 
 
 def flagged(report) -> dict[str, set[str]]:
-    return {Path(o["path"]).name: {f["kind"] for f in o["findings"]} for o in report.to_json()["outliers"]}
+    return {Path(o["path"]).name: {f["kind"] for f in o["findings"]} for o in json_output("audit", report)["outliers"]}
 
 
 def assert_faults_exactly(report, synthetic) -> None:
@@ -35,13 +36,13 @@ def assert_faults_exactly(report, synthetic) -> None:
         assert EXPECTED[fault] in got[name], (name, fault, got[name])
     assert not report.ok and report.exit_code == 3
     if report.profile is not None:  # every slot of every file resolved to one point: none "unresolved"
-        verdicts = {s["name"]: s["verdicts"] for s in report.to_json()["slots"]}
+        verdicts = {s["name"]: s["verdicts"] for s in json_output("audit", report)["slots"]}
         assert not any(v["unresolved"] for v in verdicts.values()), verdicts
         assert not report.undecided  # and so no slot is undecided
 
 
 def stable(report) -> dict:
-    return {k: v for k, v in report.to_json().items() if k not in TIMING}
+    return {k: v for k, v in json_output("audit", report).items() if k not in TIMING}
 
 
 def clean_copy(synthetic, dest: Path) -> Path:
@@ -58,7 +59,7 @@ def test_specforge_every_seeded_fault_found_and_nothing_else(specforge_set, tiny
                          state_path=tmp_path / "state.jsonl"))
     assert len(specforge_set.faults) == 10
     assert_faults_exactly(rep, specforge_set)
-    j = rep.to_json()
+    j = json_output("audit", rep)
     assert j["exact"]["files"] == 4 and all(sum(s["exact"].values()) == 4 for s in j["slots"])
     low = next(s for s in j["slots"] if s["name"] == "low")
     assert max(low["identity"], key=low["identity"].get) == "layer_out[0]"
@@ -70,7 +71,7 @@ def test_a_clean_set_passes(specforge_set, tiny_target, tmp_path):
     root = clean_copy(specforge_set, tmp_path / "clean")
     rep = run_audit(Plan(root, str(specforge_set.spec), reference=f"hf:{tiny_target}", exact_files=2))
     assert rep.ok and rep.exit_code == 0, flagged(rep)
-    assert rep.to_json()["findings"] == {}
+    assert json_output("audit", rep)["findings"] == {}
 
 
 def test_exact_identification_runs_in_the_driver_alone(speculators_set, tiny_target, monkeypatch):
@@ -95,7 +96,7 @@ def test_exact_identification_runs_in_the_driver_alone(speculators_set, tiny_tar
 def test_speculators(speculators_set, tiny_target):
     rep = run_audit(Plan(speculators_set.root, str(speculators_set.spec), reference=f"hf:{tiny_target}", exact_files=0))
     assert_faults_exactly(rep, speculators_set)
-    assert rep.to_json()["layouts"] == {"speculators": 60}
+    assert json_output("audit", rep)["layouts"] == {"speculators": 60}
 
 
 @pytest.mark.slow
@@ -108,7 +109,7 @@ def test_a_one_prompt_reference_file_finds_every_seeded_fault(speculators_set, r
     for name, fault in speculators_set.faults.items():
         assert EXPECTED[fault] in got.get(name, set()), (name, fault, got.get(name))
     assert any("exact identification not run" in n for n in rep.notes)
-    assert rep.to_json()["profile"]["prompts"] == 1
+    assert json_output("audit", rep)["profile"]["prompts"] == 1
     # a profile built once serves another audit of the set as it is: the same answer, not built again
     from surgeon.audit import reference
     from surgeon.core.spec import load_spec
@@ -124,7 +125,7 @@ def test_a_one_prompt_reference_file_finds_every_seeded_fault(speculators_set, r
 def test_surgeon_dumps(dump_set, tiny_target):
     rep = run_audit(Plan(dump_set.root, str(dump_set.spec), reference=f"hf:{tiny_target}", exact_files=0))
     assert_faults_exactly(rep, dump_set)
-    assert rep.to_json()["layouts"] == {"surgeon": 60}
+    assert json_output("audit", rep)["layouts"] == {"surgeon": 60}
 
 
 def test_resume_skips_done_files_and_gives_the_same_answer(dump_set, tmp_path):
@@ -214,7 +215,7 @@ def test_cli_json_validates_and_exits_3_on_faults(dump_set, tmp_path):
     res = _cli(dump_set.root, "--spec", dump_set.spec, "--json", code=3)
     data = json.loads(res.stdout)
     assert data["format"] == FORMATS["audit"]
-    errors = list(jsonschema.Draft202012Validator(schema(output="audit").to_json()).iter_errors(data))
+    errors = list(jsonschema.Draft202012Validator(schema(output="audit").schema).iter_errors(data))
     assert not errors, errors[:3]
     assert not data["ok"] and data["flagged"] >= 3  # nan, zero, stale (identity needs --reference)
     assert data["workers"] == usable_cores() == len(os.sched_getaffinity(0))  # the default: every usable core

@@ -20,17 +20,19 @@ from click.testing import CliRunner
 from surgeon.audit.exact import exact_picks as _exact_picks
 from surgeon.audit.pipeline import Plan, run_audit
 from surgeon.cli import main
+from surgeon.commands.outputs import json_output
 from surgeon.core.errors import BadInput
 
 TIMING = ("seconds", "files_per_s", "mb_per_s", "resumed", "workers", "backend")
 
 
 def _stable(report) -> dict:
-    return {k: v for k, v in report.to_json().items() if k not in TIMING}
+    return {k: v for k, v in json_output("audit", report).items() if k not in TIMING}
 
 
 def _stale(report) -> set[str]:
-    return {Path(o["path"]).name for o in report.to_json()["outliers"] if any(f["kind"] == "stale" for f in o["findings"])}
+    return {Path(o["path"]).name for o in json_output("audit", report)["outliers"]
+            if any(f["kind"] == "stale" for f in o["findings"])}
 
 
 def _cli(*args, code):
@@ -44,7 +46,7 @@ def test_a_resumed_run_redoes_the_stale_check_against_the_files_as_they_are_now(
     shutil.copytree(dump_set.root, root)
     spec, state = str(dump_set.spec), tmp_path / "s.jsonl"
     first = run_audit(Plan(root, spec, state_path=state))
-    (detail,) = [f["detail"] for o in first.to_json()["outliers"] for f in o["findings"] if f["kind"] == "stale"]
+    (detail,) = [f["detail"] for o in json_output("audit", first)["outliers"] for f in o["findings"] if f["kind"] == "stale"]
     source = Path(detail.split(" to rows of ")[1].split(" (slot")[0])
     assert source.parent == root.absolute()
     source.unlink()  # the copy's source gone: the copy is no finding any more

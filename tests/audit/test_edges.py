@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from surgeon.audit.pipeline import Plan, run_audit
 from surgeon.audit.synthetic import make_synthetic_set, spec_text
 from surgeon.audit.worker import Context, audit_file
+from surgeon.commands.outputs import json_output
 from surgeon.core.points import FINAL_NORM, layer_out
 
 H, T = 16, 6
@@ -100,7 +101,7 @@ def test_the_audit_goes_on_past_a_malformed_sample_and_past_a_failure_no_check_f
         _specforge(root / f"data_{i}.ckpt", _slots(seed=i))
     torch.save(MALFORMED["short_ids"][0], root / "data_3.ckpt")
     rep = run_audit(Plan(root, _spec(tmp_path, "specforge"), workers=1, state_path=tmp_path / "s.jsonl"))
-    assert rep.exit_code == 3 and [Path(o["path"]).name for o in rep.to_json()["outliers"]] == ["data_3.ckpt"]
+    assert rep.exit_code == 3 and [Path(o["path"]).name for o in json_output("audit", rep)["outliers"]] == ["data_3.ckpt"]
 
     def broken(*a, **k):
         raise RuntimeError("a case nobody foresaw\nsecond line")
@@ -175,7 +176,7 @@ def test_the_profile_is_built_across_the_set_and_judges_short_samples_by_their_r
             shutil.copy(p, root / (prefix + p.name))
     rep = run_audit(Plan(root, str(short.spec), reference=f"hf:{tiny_target}", exact_files=0,
                          state_path=tmp_path / "s.jsonl"))
-    assert rep.ok, [(Path(o["path"]).name, o["findings"][:1]) for o in rep.to_json()["outliers"]]
+    assert rep.ok, [(Path(o["path"]).name, o["findings"][:1]) for o in json_output("audit", rep)["outliers"]]
     assert any("12 files spread over the set (8-128 tokens)" in n for n in rep.notes), rep.notes
 
 
@@ -189,7 +190,7 @@ def test_samples_of_8_to_1024_tokens_are_each_judged_at_their_length(tiny_target
                            lengths=(8, 16, 32, 64, 128, 256, 512, 1024))
     rep = run_audit(Plan(s.root, str(s.spec), reference=f"hf:{tiny_target}", exact_files=0,
                          state_path=tmp_path / "s.jsonl"))
-    flagged = {Path(o["path"]).name: {f["kind"] for f in o["findings"]} for o in rep.to_json()["outliers"]}
+    flagged = {Path(o["path"]).name: {f["kind"] for f in o["findings"]} for o in json_output("audit", rep)["outliers"]}
     kinds = {"shifted": "identity", "off_by_one": "identity", "nan": "nonfinite", "zero": "zero", "stale": "stale"}
     assert {n: k for n, k in flagged.items() if n not in s.faults} == {}
     assert all(kinds[f] in flagged.get(n, set()) for n, f in s.faults.items()), (s.faults, flagged)
@@ -323,7 +324,7 @@ def test_linked_folders_are_walked_once_and_a_loop_of_links_ends(tmp_path):
     _speculators(tmp_path / "other" / "hs_9.safetensors", _slots())  # another set beside DIR
     assert [p.relative_to(root).as_posix() for p in discover(root)] == ["a/hs_0.safetensors", "b/hs_1.safetensors"]
     rep = run_audit(Plan(root, _spec(tmp_path, "speculators"), workers=1, state_path=tmp_path / "s.jsonl"))
-    assert [Path(o["path"]).name for o in rep.to_json()["outliers"]] == ["hs_1.safetensors"]
+    assert [Path(o["path"]).name for o in json_output("audit", rep)["outliers"]] == ["hs_1.safetensors"]
 
 
 def test_a_norm_past_float32s_range_is_held_at_its_largest_not_infinite(tmp_path):
@@ -357,10 +358,10 @@ def test_a_file_the_system_failed_to_read_is_not_recorded_as_done(tmp_path, monk
     plan = dict(workers=1, state_path=tmp_path / "s.jsonl")
     monkeypatch.setattr(os, "open", failing)
     first = run_audit(Plan(root, _spec(tmp_path, "speculators"), **plan))
-    assert first.to_json()["findings"] == {"unreadable": 1}
+    assert json_output("audit", first)["findings"] == {"unreadable": 1}
     monkeypatch.setattr(os, "open", real)
     again = run_audit(Plan(root, _spec(tmp_path, "speculators"), resume=True, **plan))
-    assert again.resumed == 1 and again.to_json()["findings"] == {"nonfinite": 1}
+    assert again.resumed == 1 and json_output("audit", again)["findings"] == {"nonfinite": 1}
 
 
 def test_files_are_audited_in_the_order_their_numbers_say(tmp_path):
@@ -377,7 +378,7 @@ def test_files_are_audited_in_the_order_their_numbers_say(tmp_path):
     _speculators(root / "hs_10.safetensors", stale, torch.arange(T) + 10)
     assert [p.name for p in discover(root)] == [f"hs_{i}.safetensors" for i in (1, 2, 9, 10, 11)]
     rep = run_audit(Plan(root, _spec(tmp_path, "speculators"), workers=1, state_path=tmp_path / "s.jsonl"))
-    assert [(Path(o["path"]).name, [f["kind"] for f in o["findings"]]) for o in rep.to_json()["outliers"]] \
+    assert [(Path(o["path"]).name, [f["kind"] for f in o["findings"]]) for o in json_output("audit", rep)["outliers"]] \
         == [("hs_10.safetensors", ["stale"])]
 
 

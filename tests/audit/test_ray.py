@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from surgeon.audit.pipeline import Plan, run_audit
+from surgeon.commands.outputs import json_output
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING = ("seconds", "files_per_s", "mb_per_s", "resumed", "workers", "backend")
@@ -69,6 +70,6 @@ def test_ray_gives_the_local_answer(ray_head, dump_set, reference_file, tmp_path
     on_ray = run_audit(Plan(dump_set.root, str(dump_set.spec), reference=str(reference_file), ray_address=ray_head,
                             workers=2, state_path=tmp_path / "ray.jsonl"))
     assert on_ray.backend == f"ray:{ray_head}"
-    assert {k: v for k, v in on_ray.to_json().items() if k not in TIMING} == \
-        {k: v for k, v in local.to_json().items() if k not in TIMING}
-    assert on_ray.to_json()["flagged"] >= 3
+    assert {k: v for k, v in json_output("audit", on_ray).items() if k not in TIMING} == \
+        {k: v for k, v in json_output("audit", local).items() if k not in TIMING}
+    assert json_output("audit", on_ray)["flagged"] >= 3

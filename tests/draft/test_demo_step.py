@@ -11,10 +11,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_demo_step_names_the_trained_wiring_and_shows_the_drop(synthetic_target, tmp_path):
+    from surgeon.commands.outputs.drafts import DemoDraftStep
     from surgeon.draft.demo import MISWIRED, STATED, TRAINED_ON, run_draft_demo
 
     d = run_draft_demo(tmp_path / "draft")
-    data = d.to_json()
+    data = DemoDraftStep.model_validate(d, from_attributes=True).model_dump(mode="json")  # the demo's "draft"
     assert d.ok and data["ok"], data["infer_wiring"]["behaviour"]
     assert d.inferred.wiring == TRAINED_ON and d.inferred.decided
     assert [str(p) for p in load_spec(d.spec).fc_points] == TRAINED_ON
@@ -26,6 +27,16 @@ def test_the_demo_step_names_the_trained_wiring_and_shows_the_drop(synthetic_tar
     assert vllm["reads"] == STATED and vllm["captures"] == TRAINED_ON
     assert vllm["agrees"] is False and any("model runner V2" in p for p in vllm["problems"]), vllm
     assert d.prompts.read_text().count("\n") == 16
+    # the demo prints the step as its "draft" object, read through the same model
+    from surgeon.commands.demo_command import DemoReport
+    from surgeon.commands.outputs import json_output
+    from surgeon.run.demo import DemoResult
+
+    run = DemoResult(tmp_path, tmp_path, d.spec, d.spec, tmp_path, tmp_path, tmp_path, tmp_path, tmp_path, "m.py",
+                     reverted_identical=True, timings={"draft": 1.234}, draft=d)
+    printed = json_output("demo", DemoReport(run))
+    assert printed["draft"] == data and printed["timings_s"] == {"draft": 1.23} and printed["ok"] is False
+    assert printed["workdir"] == str(tmp_path) and printed["reverted_byte_identical"] is True
 
 
 def test_the_demo_report_fails_when_the_draft_step_does(tmp_path):

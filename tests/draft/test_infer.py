@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from test_weightspace import scoring_states, tiny_target, train_fc, write_draft  # noqa: F401 (fixtures)
 
 from surgeon.cli import main
-from surgeon.commands.outputs import output_schema
+from surgeon.commands.outputs import json_output, output_schema
 from surgeon.core.errors import UNDECIDED
 from surgeon.core.points import EMBED, Point, layer_out
 from surgeon.core.spec import load_spec
@@ -237,7 +237,7 @@ def test_the_trained_seed_draft_is_named_with_a_clear_margin(synthetic_target, s
 
     draft = _with_ids(seed_draft, tmp_path / "seed", [0, 1])
     report = infer_wiring(str(draft), str(synthetic_target), prompts=induction_prompts)
-    data = report.to_json()
+    data = json_output("infer-wiring", report)
     b = data["behaviour"]
     assert data["wiring"] == SEED_WIRING and data["decided"], b
     assert b["z"] >= BEHAVIOUR_Z + 1 and b["margin"] >= 0.05 * b["divergence"], b  # a clear lead, not a scrape
@@ -261,7 +261,7 @@ def test_another_trained_wiring_is_named_and_a_config_without_ids_is_caught(synt
     wiring = ["embed", "layer_out[1]", "layer_out[3]"]
     draft = _with_ids(train_draft(synthetic_target, wiring, stated=None), tmp_path / "noids", None)
     report = infer_wiring(str(draft), str(synthetic_target), prompts=induction_prompts)
-    data = report.to_json()
+    data = json_output("infer-wiring", report)
     assert data["wiring"] == wiring and data["decided"], data["behaviour"]
     assert data["stated"]["ids"] == {} and report.exit_code == 3
     assert any("states no ids" in n for n in data["notes"])
@@ -272,7 +272,7 @@ def test_one_prompt_is_no_verdict(synthetic_target, seed_draft, induction_prompt
     """Whatever the draft, evidence without a spread (one prompt) never decides."""
     from surgeon.draft.infer import infer_wiring
 
-    data = infer_wiring(str(seed_draft), str(synthetic_target), prompts=induction_prompts[:1]).to_json()
+    data = json_output("infer-wiring", infer_wiring(str(seed_draft), str(synthetic_target), prompts=induction_prompts[:1]))
     assert data["behaviour"]["z"] is None and not data["decided"]
 
 
@@ -283,7 +283,8 @@ def test_log_probabilities_over_the_budget_are_not_kept(synthetic_target, seed_d
     from surgeon.draft import infer
 
     monkeypatch.setattr(infer, "LOGPROB_BYTES", 1024)
-    data = infer.infer_wiring(str(seed_draft), str(synthetic_target), prompts=induction_prompts[:4]).to_json()
+    data = json_output("infer-wiring", infer.infer_wiring(str(seed_draft), str(synthetic_target),
+                                                    prompts=induction_prompts[:4]))
     assert data["behaviour"] is None and not data["decided"]
     assert any(n.startswith("behaviour not measured: the target's log-probabilities") for n in data["notes"])
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from surgeon.commands.outputs import json_output
 from surgeon.engines.probes import vllm as probe_vllm
 from surgeon.engines.probes.dispatch import DispatchResolver, PlatformModel, Scope, Unknown, evaluate
 from surgeon.engines.probes.probe import probe_engine
@@ -150,7 +151,7 @@ def test_probe_answers_for_its_platform(probe33):
     assert cpu.class_name == "GlmMoeDsaForCausalLM" and cpu.path == V2
     text = d.text()
     assert f"cuda runs {NVIDIA}:" in text and f"cpu runs {V2}:" in text
-    data = probe33.to_json()
+    data = json_output("conventions", probe33)
     assert data["platform"] == "cuda" and data["dispatch"]["GlmMoeDsaForCausalLM"]["disagree"]
 
 
@@ -272,7 +273,9 @@ def test_coverage_counts_the_models_tree(v33: Path):
     assert new["files_with_loops"] >= 30 and new["registered_architectures"] >= 35
     assert any(c.path == NVIDIA for c in ec.classes)
     assert ec.files == trees["models"]["files"] + trees["model_executor/models"]["files"]
-    data = ec.to_json()
+    from surgeon.commands.outputs.patches import EngineCoverage
+
+    data = EngineCoverage.model_validate(ec, from_attributes=True).model_dump(mode="json")
     # encoder towers are reported apart from decoder failures
     assert data["non_decoder"]["total"] == sum(not c.decoder for c in ec.classes) > 0
     encoders = {f"{c.path}:{c.line} {c.class_name}" for c in ec.classes if not c.decoder}

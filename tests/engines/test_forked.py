@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from surgeon.commands.outputs import json_output
 from surgeon.engines.probes.probe import probe_engine
 from surgeon.engines.source import forked
 from tests.conftest import release_engine
@@ -76,6 +77,6 @@ def test_probe_in_one_process_or_two_says_the_same(monkeypatch: pytest.MonkeyPat
     for n in ("1", "2"):
         monkeypatch.setenv("SURGEON_JOBS", n)
         probe = probe_engine("vllm", root, cache=False)
-        answers.append(json.dumps(probe.to_json(), sort_keys=True))
+        answers.append(json.dumps(json_output("conventions", probe), sort_keys=True))
     assert answers[0] == answers[1]
     assert len(probe.classes) >= forked.MIN_ITEMS  # the two-process path ran (files are the items: more than classes)

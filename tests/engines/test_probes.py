@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from surgeon.commands.outputs import json_output
 from surgeon.core.idrules import Branch, DefaultTerm, EngineProbe, FirstIdEquals, IdRule, MaxIdEquals
 from surgeon.engines.probes.probe import EngineLocation, ProbeError, locate_engine, probe_engine
 from surgeon.engines.source.locate import layout_of
@@ -431,6 +432,6 @@ def test_json_is_serialisable(sg, vl):
     import json
 
     for probe in (sg, vl):
-        data = json.loads(json.dumps(probe.to_json()))
+        data = json.loads(json.dumps(json_output("conventions", probe)))
         assert data["classified"] == len(probe.classified)
         assert {c["class_name"] for c in data["classes"]} == {c.class_name for c in probe.classes.values()}

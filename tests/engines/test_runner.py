@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from surgeon import commands
+from surgeon.commands.outputs import json_output
 from surgeon.core.errors import BadInput
 from surgeon.engines.probes.probe import probe_engine
 from surgeon.engines.probes.runner import _config_key, _key_env, read_runner
@@ -145,7 +146,7 @@ def test_the_order_is_read_not_assumed(tmp_path):
 def test_probe_carries_the_runner():
     probe = probe_engine("vllm", release_engine("vllm", "0.11.0"))
     assert probe.runner is not None and probe.runner.ignores_draft_ids
-    assert probe.to_json()["runner"]["calls"][0]["path"] == "v1/worker/gpu_model_runner.py"
+    assert json_output("conventions", probe)["runner"]["calls"][0]["path"] == "v1/worker/gpu_model_runner.py"
 
 
 def _spec_on(tmp_path: Path, low: str) -> Path:
@@ -183,11 +184,11 @@ def test_lint_and_check_draft_see_the_runner(tmp_path):
     spec = _spec_on(tmp_path, "layer_out[3]")
     lint = commands.lint(specs=[str(spec)], engines=["vllm"], engine_root=str(root))
     assert lint.exit_code == 2
-    assert "ignores the draft's ids: v1/worker/gpu_model_runner.py:" in json.dumps(lint.to_json())
+    assert "ignores the draft's ids: v1/worker/gpu_model_runner.py:" in json.dumps(json_output("lint", lint))
     draft = tmp_path / "config.json"
     draft.write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [4, 16, 29]}))
     report = commands.check_draft(spec=str(spec), draft=str(draft), engine="vllm", engine_root=str(root))
-    data = report.to_json()
+    data = json_output("check-draft", report)
     assert report.exit_code == 3
     assert any(f["kind"] == "runner_ignores_ids" for f in data["findings"])
     assert data["captured"] == ["layer_out[1]", "layer_out[15]", "layer_out[28]"]  # what 0.11 really captures
@@ -200,7 +201,7 @@ def test_lint_warns_where_sglang_055_builds_its_graphs_with_the_default(tmp_path
     spec = _spec_on(tmp_path, "layer_out[3]")
     def graph_issues(path: Path, strict: bool = False) -> list[dict]:
         lint = commands.lint(specs=[str(path)], engines=["sglang"], engine_root=root, strict=strict)
-        return [i for i in lint.to_json()["specs"][0]["issues"] if "CudaGraphRunner.__init__" in i["message"]]
+        return [i for i in json_output("lint", lint)["specs"][0]["issues"] if "CudaGraphRunner.__init__" in i["message"]]
 
     warned = graph_issues(spec)
     assert len(warned) == 1 and warned[0]["severity"] == "warning"

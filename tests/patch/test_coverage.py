@@ -10,6 +10,8 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
+from surgeon.commands.outputs import json_output
+from surgeon.commands.outputs.patches import ClassCoverage
 from surgeon.engines.source.anatomy import (
     ModuleIndex,
     loop_indexes_layers,
@@ -38,8 +40,9 @@ def _report():
 def test_patchable_fraction_per_engine():
     rep = _report()
     print()
-    for ec in rep.engines:
-        d = ec.to_json()
+    data = json_output("coverage", rep)
+    json.dumps(data)  # serialisable
+    for ec, d in zip(rep.engines, data["engines"]):
         print(f"{ec.engine}: decoder {d['decoder']['patchable']}/{d['decoder']['total']} = {ec.fraction:.1%} "
               f"without the bypass guard, {d['decoder']['patchable_with_guard']}/{d['decoder']['total']} = "
               f"{ec.fraction_guarded:.1%} with it; all {d['all']['patchable']}/{d['all']['total']} = "
@@ -48,7 +51,8 @@ def test_patchable_fraction_per_engine():
             if c.decoder and not c.patchable:
                 print(f"  {'guarded' if c.with_guard else 'refused'} {c.path}:{c.line} {c.class_name}: {c.reason}")
         assert d["decoder"]["patchable"] <= d["decoder"]["patchable_with_guard"] <= d["decoder"]["total"]
-    json.dumps(rep.to_json())  # serialisable
+        assert d["decoder"]["fraction"] == round(ec.fraction, 4) and d["seconds"] == round(rep.seconds, 3)
+        assert d["non_decoder"]["total"] + d["decoder"]["total"] == d["all"]["total"] == len(d["classes"])
     guarded = {ec.engine: ec.fraction_guarded for ec in rep.engines}
     assert set(guarded) == {"sglang", "vllm"}
     # measured, not assumed: the floor is the acceptance bar, met with the bypass guard
@@ -73,7 +77,8 @@ def test_refusals_carry_reasons_and_native_classes_are_flagged():
     ds = next(c for c in rep.engines[0].classes if c.class_name == "DeepseekV2Model")
     assert not ds.patchable and "bypass" in ds.reason and "model_forward_stages" in ds.reason
     assert "--guard-bypass" in ds.reason and ds.with_guard and ds.patchable_with_guard
-    assert ds.to_json()["patchable_with_guard"] and not ds.to_json()["patchable"]
+    printed = ClassCoverage.model_validate(ds, from_attributes=True).model_dump(mode="json")
+    assert printed["patchable_with_guard"] and not printed["patchable"]
     for ec in rep.engines:  # only bypass refusals are guarded
         for c in ec.classes:
             assert not c.with_guard or (not c.layers and ":bypass@" in c.reason), c

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from surgeon.commands.outputs import json_output
 from surgeon.core.errors import BadInput
 from surgeon.core.runnerfacts import IdSource, RunnerCall, RunnerModel
 from surgeon.core.spec import load_spec
@@ -46,7 +47,7 @@ def test_v2_runner_never_reads_eagle_config_ids(tmp_path, release):
     served = next(f.detail for f in r.findings if f.kind == "runner_served")
     assert "model runner V2" in served and "vllm/config/vllm.py:" in served and "use_v2_model_runner" in served
     assert "eagle3_utils.py:" in served and "runners_differ" in _kinds(r)
-    assert r.to_json()["runners"][0]["call"].startswith("vllm/v1/worker/")
+    assert json_output("check-draft", r)["runners"][0]["call"].startswith("vllm/v1/worker/")
 
 
 def test_v2_runner_reads_top_level_target_layer_ids(tmp_path):

@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from surgeon.commands.outputs import LintOutput
+from surgeon.commands.outputs import json_output
+from surgeon.commands.spec_commands import LintReport
 from surgeon.core.errors import BadInput
 from surgeon.core.spec import load_spec
 from surgeon.engines.facts.mtp_heads import read_mtp_head
@@ -108,7 +109,7 @@ def test_a_changed_engine_file_changes_the_answer(tmp_path):
 
 
 def _lint_json_ok(result) -> None:
-    LintOutput.model_validate({"format": 1, "ok": result.ok, "specs": [result.to_json()]})
+    json_output("lint", LintReport([result]))
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

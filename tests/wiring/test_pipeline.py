@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from surgeon.cli import main
 from surgeon.commands.outputs import OUTPUTS
+from surgeon.commands.outputs.specs import PipelineCheck
 from surgeon.core.spec import load_spec
 from surgeon.engines.probes.pipeline import (
     PipelineUnread,
@@ -208,7 +209,8 @@ def test_stage_local_index_is_an_error_not_reaches():
     ans = _answer("vllm", "0.11.0", LLAMA, 2, "LlamaForCausalLM")
     assert not any(p.reaches for p in ans.placements)
     assert not any("reaches the draft" in line for line in ans.lines())
-    assert "misread" not in ans.to_json()  # the JSON shape is closed; the issues carry these
+    printed = PipelineCheck.model_validate(ans, from_attributes=True).model_dump(mode="json")
+    assert "misread" not in printed and printed["stages"] == [[0, 16], [16, 32]]  # the issues carry the misreads
 
 
 @pytest.mark.parametrize("release", [None, "0.33.0"])
@@ -270,7 +272,7 @@ def test_lint_pp_errors_at_the_fc_input():
     errors = [i for i in res.issues if i.severity == "error" and "pp 2" in i.message]
     assert len(errors) == 1 and "layer_out[2] is captured on stage 0" in errors[0].message
     assert (errors[0].line, errors[0].col) == (13, 33)
-    assert res.pipeline and res.pipeline[0]["pp"] == 2
+    assert res.pipeline and res.pipeline[0].pp == 2
     ok = lint_spec(load_spec(LLAMA), engines=["vllm"], pp=2)
     assert ok.ok and any("reaches the draft" in c for c in ok.checked)
 

@@ -116,13 +116,12 @@ def test_infer_wiring_lists_every_target_from_the_dispatch():
     ids = engine_ids(spec)
     assert list(ids) == list(RENDER_TARGETS)
     for target, row in ids.items():
-        lst = target_ids(spec, target)
-        assert row == {"ids": lst.ids, "error": lst.error, "origin": lst.origin or None, "kind": lst.kind}
-        assert (row["ids"] is None) == (row["error"] is not None) and not bad_patterns(row["error"] or "")
+        assert row == target_ids(spec, target)
+        assert (row.ids is None) == (row.error is not None) and not bad_patterns(row.error or "")
     # the demo's draft: vLLM names all three, SGLang cannot capture layer_out[3], z-lab runs DFlash only
-    assert ids["vllm"]["ids"] == [2, 3, 4] and ids["trtllm"]["ids"] == [1, 2, 3]
-    assert ids["sglang"]["kind"] == "not_expressible" and "layer_out[3]" in ids["sglang"]["error"]
-    assert ids["zlab"]["kind"] == "refused" and "DFlash drafts only" in ids["zlab"]["error"]
+    assert ids["vllm"].ids == [2, 3, 4] and ids["trtllm"].ids == [1, 2, 3]
+    assert ids["sglang"].kind == "not_expressible" and "layer_out[3]" in (ids["sglang"].error or "")
+    assert ids["zlab"].kind == "refused" and "DFlash drafts only" in (ids["zlab"].error or "")
 
 
 def test_an_unlisted_target_is_bad_input_naming_the_listed_ones(tmp_path):

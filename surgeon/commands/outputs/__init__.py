@@ -84,8 +84,6 @@ def output_of(command: str, result: Any) -> _Output:
     names ``reported``): each field read from the attribute of its name; a missing or mistyped one
     is an internal error, never a silently different JSON."""
     source = getattr(result, "reported", result)
-    if hasattr(source, "to_json"):  # TRANSITION: removed once no result writes its own JSON
-        return OUTPUTS[command].model_validate({"format": FORMATS[command], **source.to_json()})
     try:
         return OUTPUTS[command].model_validate(_Stamped(source, FORMATS[command]), from_attributes=True)
     except ValidationError as e:

@@ -1,4 +1,6 @@
-"""The ``--json`` output models of the audit of a training set: audit."""
+"""The ``--json`` output models of the audit of a training set: audit. Its parts (slots, exact
+identification, profile, flagged files) are the audit layer's own models
+(:mod:`surgeon.audit.output`), re-exported here."""
 
 from __future__ import annotations
 
@@ -6,69 +8,19 @@ from typing import Literal
 
 from pydantic import Field
 
-from surgeon.commands.outputs.base import Point, _Closed, _Output
+from surgeon.audit.output import (
+    AuditExact,
+    AuditFinding,
+    AuditOutlier,
+    AuditPointProfile,
+    AuditProfile,
+    AuditSlot,
+    Seconds,
+)
+from surgeon.commands.outputs.base import _Output
 
-
-class AuditFinding(_Closed):
-    kind: str = Field(description="structure, unreadable, nonfinite, zero, constant, repeated, stale, identity, exact; "
-                                  "error: the file's audit hit an error no check foresaw (exit 1)")
-    slot: str | None
-    detail: str
-
-
-class AuditOutlier(_Closed):
-    path: str
-    findings: list[AuditFinding]
-
-
-class AuditSlot(_Closed):
-    name: str
-    declared: Point | None
-    files: int
-    norm_mean: float | None = Field(description="mean over files of the slot's mean per-token L2 norm")
-    norm_min: float | None
-    norm_max: float | None
-    log_norm_median_mean: float | None = Field(description="the identity statistic (median log per-token norm), "
-                                                           "its mean over files")
-    log_norm_median_std: float | None
-    identity: dict[str, int] = Field(description="nearest point of the profile (or the verdict) -> files")
-    verdicts: dict[str, int] = Field(description="the statistics' identity verdicts: ok, mismatch, no_match, "
-                                                 "unresolved, not_run -> files (every key, 0 included)")
-    exact: dict[str, int] = Field(description="on the files identified exactly: matched point (or verdict) -> files")
-    exact_verdicts: dict[str, int] = Field(description="exact identification's verdicts: ok, mismatch, no_match, "
-                                                       "undecided, unlabelled -> files (every key, 0 included)")
-    undecided: int = Field(description="files whose identity neither the statistics (unresolved, or not_run without "
-                                       "a finding of the slot's own) nor exact identification decided")
-
-
-class AuditPointProfile(_Closed):
-    point: Point
-    centre: float
-    spread: float
-    tol: float
-
-
-class AuditProfile(_Closed):
-    source: str
-    prompts: int
-    tokens: int
-    ladder: list[int] = Field(description="the rungs of sample lengths judged each against its own profile: rung n "
-                                          "holds samples of n to 2n-1 rows (the last, longer ones too); [] : one "
-                                          "profile for every length")
-    points: list[AuditPointProfile]
-
-
-class AuditExact(_Closed):
-    model: str | None = Field(description="the HF model folder run on each file's own tokens; null: no --reference hf:")
-    files: int = Field(description="files identified exactly (this run's and the resume state's)")
-    budget: int | None = Field(description="--exact N; null: auto (see rule)")
-    rule: str = Field(description="the budget's rule in words")
-    params: int | None = Field(description="the target's parameter count (its safetensors headers); null: not read")
-    undecided_files: int = Field(description="files the statistics left undecided: the escalation's candidates")
-    escalated: int = Field(description="of those, the files selected for exact identification")
-    spot_checked: int = Field(description="other files selected, evenly spaced, as a spot check")
-    found: int = Field(description="files identified exactly with a slot not its declared point")
-    seconds: float = Field(description="wall time of this run's exact identification")
+__all__ = ["AuditExact", "AuditFinding", "AuditOutlier", "AuditOutput", "AuditPointProfile", "AuditProfile",
+           "AuditSlot"]
 
 
 class AuditOutput(_Output):
@@ -88,7 +40,7 @@ class AuditOutput(_Output):
     flagged: int
     findings: dict[str, int] = Field(description="finding kind -> files with it")
     layouts: dict[str, int]
-    seconds: float
+    seconds: Seconds
     bytes: int
     files_per_s: float | None
     mb_per_s: float | None

@@ -1,4 +1,7 @@
-"""The ``--json`` output models of capture code and dumps: dump-info, export, check-hooks."""
+"""The ``--json`` output models of capture code and dumps: dump-info, export, check-hooks. Each
+reads its command's result (:mod:`surgeon.commands.capture_commands`: ``DumpInfo``, ``Exported``,
+``HookCheck``, its findings ``surgeon.capture.graphsafe.Finding``) by its field names; a dump's
+captures, producer and records are the result's own dicts."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from surgeon.commands.outputs.base import Point, _Closed, _Output
+from surgeon.commands.outputs.base import PathText, Point, _Closed, _Output
 
 
 class DumpCapture(_Closed):
@@ -65,9 +68,9 @@ class DumpInfoOutput(_Output):
 
 class ExportOutput(_Output):
     layout: Literal["specforge", "speculators"]
-    written: list[str]
-    manifest: str | None = Field(default=None,
-                                 description="surgeon-export.json: per written file its source and each slot's point")
+    written: list[PathText]
+    manifest: PathText | None = Field(default=None,
+                                      description="surgeon-export.json: per written file its source and each slot's point")
 
 
 class HookFinding(_Closed):

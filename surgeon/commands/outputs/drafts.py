@@ -1,34 +1,30 @@
-"""The ``--json`` output models of drafts: demo, infer-wiring, accept."""
+"""The ``--json`` output models of drafts: demo, infer-wiring, accept.
+
+The demo nests the infer-wiring and accept outputs of its draft step without a format of their
+own (:class:`InferWiring`, :class:`Accept`), in its ``draft`` object (:class:`DemoDraftStep`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
-from surgeon.commands.outputs.base import Point, _Closed, _Output
+from surgeon.commands.outputs.base import PathText, Point, _Closed, _Output
 from surgeon.commands.outputs.harness import MatchResult
 
 
-class DemoOutput(_Output):
-    ok: bool = Field(description="the spec's wiring verified, the mis-wiring was caught, the revert is byte-identical, "
-                                 "and the draft step named its trained wiring")
-    workdir: str
-    model: str
-    spec: str
-    wrong_spec: str
-    reference: str
-    dump: str
-    heatmap: str
-    heatmap_right: str
-    engine_root: str
-    model_file: str
-    reverted_byte_identical: bool
-    right: MatchResult | None
-    wrong: MatchResult | None
-    draft: dict[str, Any] | None = Field(description="the draft step (surgeon.draft.demo): ok, trained_on, drop, and "
-                                                     "the infer-wiring and accept outputs")
-    timings_s: dict[str, float]
+def _said(value: Any) -> Any:
+    return value() if callable(value) else value
+
+
+def _blank_none(value: Any) -> Any:
+    return value or None
+
+
+#: A text a result says through a method (``headline()``): the method's answer.
+Said = Annotated[str, BeforeValidator(_said)]
+#: A text that is ``null`` where the result holds an empty one.
+BlankNone = Annotated[str | None, BeforeValidator(_blank_none)]
 
 
 class InferSlot(_Closed):
@@ -76,7 +72,7 @@ class InferCandidate(_Closed):
 class InferIds(_Closed):
     ids: list[int] | None
     error: str | None = Field(description="why there are no ids, the reason alone (null: ids given)")
-    origin: str | None
+    origin: BlankNone
     kind: Literal["not_expressible", "refused"] | None = Field(
         default=None, description="null: ids given; not_expressible: the target's convention cannot name the "
                                   "wiring; refused: the target cannot serve it or cannot be read here")
@@ -96,7 +92,7 @@ class InferStated(_Closed):
     engines: list[InferStatedEngine]
 
 
-class InferWiringOutput(_Output):
+class InferWiring(_Closed):
     ok: bool = Field(description="false when the draft config states no ids, or ids that disagree with a decided wiring "
                                  "(exit 3), or when the evidence does not decide the wiring (exit 4)")
     headline: str = Field(description="the report's first line: decided or undecided, and what the stated ids say")
@@ -120,6 +116,10 @@ class InferWiringOutput(_Output):
     notes: list[str]
 
 
+class InferWiringOutput(InferWiring, _Output):
+    pass
+
+
 class AcceptWiring(_Closed):
     name: str
     why: str
@@ -134,13 +134,13 @@ class AcceptWiring(_Closed):
                                                  "per chain summed over its K steps (null: not measured)")
 
 
-class AcceptOutput(_Output):
+class Accept(_Closed):
     ok: bool = Field(description="exit 0: the spec's position-1 acceptance is at least --min and ahead of every other "
                                  "wiring (exit 3 below --min, not servable or behind one; 4 when one is within noise)")
     verdict: Literal["separated", "undecided", "better", "not_run"] = Field(
         description="separated: the spec's wiring accepts more than every other at position 1 by 2 standard errors; "
                     "undecided: one accepts as much within them; better: one accepts more by them")
-    headline: str = Field(description="the report's first line: the verdict and the wirings it rests on")
+    headline: Said = Field(description="the report's first line: the verdict and the wirings it rests on")
     spec: str
     draft: str
     target: str
@@ -153,4 +153,52 @@ class AcceptOutput(_Output):
     sampling: str
     wirings: list[AcceptWiring] = Field(description="the spec's wiring first, then the miswirings")
     notes: list[str]
+    timings_s: dict[str, float]
+
+
+class AcceptOutput(Accept, _Output):
+    pass
+
+
+class DemoDraftStep(_Closed):
+    """The demo's draft step (surgeon.draft.demo.DraftDemo), printed as the demo's ``draft`` object."""
+
+    ok: bool
+    target: PathText
+    draft: PathText
+    trained_on: list[Point]
+    spec: PathText
+    prompts: PathText
+    drop: float | None
+    infer_wiring: InferWiring
+    accept: Accept
+    timings_s: dict[str, float]
+
+
+def _draft_step(value: Any) -> Any:
+    return None if value is None else DemoDraftStep.model_validate(value, from_attributes=True).model_dump(mode="json")
+
+
+#: The draft step, read through :class:`DemoDraftStep` (the schema leaves its keys open).
+DraftStep = Annotated[dict[str, Any] | None, BeforeValidator(_draft_step)]
+
+
+class DemoOutput(_Output):
+    ok: bool = Field(description="the spec's wiring verified, the mis-wiring was caught, the revert is byte-identical, "
+                                 "and the draft step named its trained wiring")
+    workdir: PathText
+    model: PathText
+    spec: PathText
+    wrong_spec: PathText
+    reference: PathText
+    dump: PathText
+    heatmap: PathText
+    heatmap_right: PathText
+    engine_root: PathText
+    model_file: str
+    reverted_byte_identical: bool
+    right: MatchResult | None
+    wrong: MatchResult | None
+    draft: DraftStep = Field(description="the draft step (surgeon.draft.demo): ok, trained_on, drop, and "
+                                                     "the infer-wiring and accept outputs")
     timings_s: dict[str, float]

@@ -1,20 +1,45 @@
-"""The ``--json`` output models of the wiring harness: match, verify."""
+"""The ``--json`` output models of the wiring harness: match, verify.
+
+:class:`MatchResult` reads a :class:`surgeon.verify.harness.HarnessResult` (verify's result reports
+its own ``result``): each field from the attribute of its name, the annotated types below turning
+an attribute into its JSON form where the two differ."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
-from surgeon.commands.outputs.base import Point, _Closed, _Output
+from surgeon.commands.outputs.base import Finite, _Closed, _Output
+from surgeon.core.points import Point
+
+
+def _point_text(value: Any) -> Any:
+    return str(value) if isinstance(value, Point) else value
+
+
+def _said(value: Any) -> Any:
+    return value() if callable(value) else value
+
+
+def _source_of(value: Any) -> Any:
+    return value if isinstance(value, str) else value.source
+
+
+#: A physical point ("embed", "layer_out[k]", "layer_delta[k]", "final_norm"), printed as its name.
+PointText = Annotated[str, BeforeValidator(_point_text)]
+#: A text a result says through a method (``headline()``): the method's answer.
+Said = Annotated[str, BeforeValidator(_said)]
+#: What was read (a :class:`surgeon.verify.subjects.Subject`), printed as where it came from.
+SourceText = Annotated[str, BeforeValidator(_source_of)]
 
 
 class MatchedSlot(_Closed):
     name: str
-    declared: Point | None
-    matched: Point | None = Field(description="the point the slot holds; null: no point fits")
-    rel_err: float | None = Field(description="relative error of the best candidate; null: not finite (NaN/Inf)")
-    margin: float | None = Field(description="runner-up error / best error; null when exact")
+    declared: PointText | None
+    matched: PointText | None = Field(description="the point the slot holds; null: no point fits")
+    rel_err: Finite = Field(description="relative error of the best candidate; null: not finite (NaN/Inf)")
+    margin: Finite = Field(description="runner-up error / best error; null when exact")
     exact: bool = Field(description="the slot equals its best candidate bit for bit")
     verdict: Literal["ok", "mismatch", "no_match", "unlabelled", "undecided"] = Field(
         description="undecided: the slot fits several points about equally, its declared point among them")
@@ -26,7 +51,7 @@ class Diagnosis(_Closed):
 
 
 class Suggested(_Closed):
-    captures: dict[str, Point]
+    captures: dict[str, PointText]
     engine_ids: dict[str, list[int] | str] = Field(description="engine -> ids for the corrected captures, or why none")
 
 
@@ -38,13 +63,13 @@ class MatchResult(_Closed):
     verdict: Literal["ok", "mismatch", "undecided", "identified"] = Field(
         description="mismatch: a slot is not its declared point or matches none; undecided: else, a slot the "
                     "reference cannot tell apart (exit 4); identified: every slot matched one point, none declared")
-    headline: str = Field(description="the report's first line: the verdict and the slots it rests on")
+    headline: Said = Field(description="the report's first line: the verdict and the slots it rests on")
     slots: list[MatchedSlot]
     diagnosis: list[Diagnosis] = Field(description="what went wrong, the explanation covering the most slots first")
     missing: list[str] = Field(default_factory=list, description="the spec's dump slots ('name: point') at points "
                                                                 "no slot's record gives (a mismatch)")
     suggested: Suggested
-    subject: str
+    subject: SourceText
     layout: str
     reference: str
     alignment: str

@@ -1,12 +1,21 @@
-"""The ``--json`` output models of patches: apply, revert, status, doctor, diff, coverage."""
+"""The ``--json`` output models of patches: apply, revert, status, doctor, diff, coverage.
+
+Each model reads the attributes of the command's result (``surgeon.patch.apply.ApplyOutcome``, the
+reports of :mod:`surgeon.commands.patch_commands`, ``surgeon.patch.coverage.CoverageReport``) and the
+objects nested in it, by its field names."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, SerializerFunctionWrapHandler, model_serializer
 
-from surgeon.commands.outputs.base import _Closed, _Output
+from surgeon.commands.outputs.base import PathText, _Closed, _Output
+
+#: Seconds, rounded to the millisecond.
+Seconds = Annotated[float, AfterValidator(lambda v: round(v, 3))]
+#: A fraction, rounded to 4 decimals.
+Fraction = Annotated[float, AfterValidator(lambda v: round(v, 4))]
 
 
 class SpecRef(_Closed):
@@ -18,7 +27,7 @@ class ApplyOutput(_Output):
     patch: str
     engine: str
     engine_version: str
-    engine_root: str
+    engine_root: PathText
     model_file: str
     loop_class: str | None
     hooks_file: str
@@ -34,6 +43,14 @@ class ApplyOutput(_Output):
     replaced: list[str]
     recovered: str | None
     diff: str | None = Field(None, description="present with --diff")
+
+    @model_serializer(mode="wrap")
+    def _diff_only_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The ``diff`` key is printed only when there is a diff (--diff or --dry-run)."""
+        data = handler(self)
+        if self.diff is None:
+            data.pop("diff", None)
+        return data
 
 
 class EngineRevert(_Closed):
@@ -59,7 +76,7 @@ class PatchedFile(_Closed):
 
 class AppliedPatch(_Closed):
     engine: str
-    engine_root: str
+    engine_root: PathText
     name: str
     state: str = Field(description="applied, drifted or missing")
     spec: SpecRef
@@ -68,11 +85,22 @@ class AppliedPatch(_Closed):
     files: list[PatchedFile]
 
 
+class UnrecordedFile(_Closed):
+    engine: str
+    relpath: str
+    patch: str = Field(description="the patch its marker names")
+    spec_sha256: str
+    manifest_id: str
+    original_sha256: str
+    restorable: bool = Field(description="the stored original its marker names is there (surgeon doctor --repair)")
+    advice: str
+
+
 class StatusOutput(_Output):
     ok: bool = Field(description="every patched file is as applied (exit 3 otherwise)")
     patches: list[AppliedPatch]
-    # being added next to this (issue 14): patched files no manifest records, interrupted transactions
-    unrecorded: list[dict[str, Any]] | None = None
+    # patched files no manifest records, interrupted transactions (issue 14); always printed
+    unrecorded: list[UnrecordedFile] | None = None
     recovered: list[str] | None = None
     pending: list[str] | None = None
 
@@ -87,7 +115,7 @@ class DoctorFinding(_Closed):
 
 class DoctorEngine(_Closed):
     engine: str
-    engine_root: str
+    engine_root: PathText
     repair: bool
     healthy: bool
     findings: list[DoctorFinding]
@@ -139,9 +167,15 @@ class ClassCoverage(_Closed):
 class CoverageFigures(_Closed):
     patchable: int
     total: int
-    fraction: float
+    fraction: Fraction
     patchable_with_guard: int
-    fraction_with_guard: float
+    fraction_with_guard: Fraction
+
+
+class NonDecoderClasses(_Closed):
+    total: int
+    patchable: int
+    classes: list[str] = Field(description="PATH:LINE CLASS of each")
 
 
 class UnparsedFile(_Closed):
@@ -155,7 +189,7 @@ class EngineCoverage(_Closed):
     root: str
     files: int
     files_parsed: int
-    seconds: float
+    seconds: Seconds
     probe_error: str | None
     unparsed: list[UnparsedFile]
     decoder: CoverageFigures
@@ -163,13 +197,13 @@ class EngineCoverage(_Closed):
     native: int
     final_norm: int
     classes: list[ClassCoverage]
-    # being added next to this (issue 14): the platform, per-directory counts, non-decoder classes apart
+    # the platform, per-directory counts, non-decoder classes apart (issue 14); always printed
     platform: str | None = None
     trees: list[dict[str, Any]] | None = None
-    non_decoder: dict[str, Any] | None = None
+    non_decoder: NonDecoderClasses | None = None
     decoder_failures: list[str] | None = None
 
 
 class CoverageOutput(_Output):
-    seconds: float
+    seconds: Seconds
     engines: list[EngineCoverage]

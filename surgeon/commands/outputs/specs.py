@@ -1,12 +1,58 @@
-"""The ``--json`` output models of specs: lint, explain, render, check-draft, review, conventions."""
+"""The ``--json`` output models of specs: lint, explain, render, check-draft, review, conventions.
+
+Each model reads its result's attributes of the same names (``from_attributes``). Where the probe's
+attribute has another form than its JSON (a method, a count of a list, a rule object printed by its
+name), a value type below converts it; the ``dict[str, Any]`` parts of ``conventions`` (the runner,
+the per-platform dispatch) are filled through private models that declare their keys."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable, Sized
+from dataclasses import asdict, is_dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from surgeon.commands.outputs.base import Point, _Closed, _Output
+
+
+def _called(value: Any) -> Any:
+    """A method of the result read as what it returns (``EngineProbe.coverage()``, ``ArchDispatch.text()``)."""
+    return value() if callable(value) else value
+
+
+def _count(value: Any) -> Any:
+    """A collection read as how many it holds (``EngineProbe.classified``)."""
+    return len(value) if isinstance(value, Sized) and not isinstance(value, str) else value
+
+
+def _named(value: Any) -> Any:
+    """A rule object read as its name (``ClassConvention.id_rule``: ``IdRule.name``)."""
+    return getattr(value, "name", value)
+
+
+def _texts(value: Any) -> Any:
+    """A list of terms read as their texts (``ClassConvention.default``: ``L//2``, ``2``)."""
+    return None if value is None else [str(t) for t in value]
+
+
+def _records(value: Any) -> Any:
+    """Plain records (dataclasses whose fields are the JSON keys) read as dicts."""
+    return None if value is None else [asdict(r) if is_dataclass(r) and not isinstance(r, type) else r for r in value]
+
+
+def _by_place(value: Any) -> Any:
+    """Probed classes (by key) listed in file order."""
+    return sorted(value.values(), key=lambda c: (c.path, c.line)) if isinstance(value, dict) else value
+
+
+def _through(model: type[_Closed]) -> Callable[[Any], Any]:
+    """An object read through a private model into the plain dict a loosely typed field holds."""
+    def convert(value: Any) -> Any:
+        if value is None or isinstance(value, dict):
+            return value
+        return model.model_validate(value, from_attributes=True).model_dump(mode="json")
+    return convert
 
 
 class Issue(_Closed):
@@ -211,8 +257,8 @@ class ProbedClass(_Closed):
     reason: str | None
     setter: str | None
     setter_owner: str | None
-    id_rule: str | None
-    default: list[str] | None
+    id_rule: Annotated[str | None, BeforeValidator(_named)]
+    default: Annotated[list[str] | None, BeforeValidator(_texts)]
     default_through_rule: bool
     sorts: bool
     dedups: bool
@@ -225,25 +271,90 @@ class ProbedClass(_Closed):
     no_capture: bool
     delegates: bool = False
     # being added next to this (issue 14): the capture sites read and whether the answer is verified
-    sites: list[dict[str, Any]] | None = None
+    sites: Annotated[list[dict[str, Any]] | None, BeforeValidator(_records)] = None
     verified: bool | None = None
     unverified_reason: str | None = None
-    evidence: list[dict[str, Any]] | None = None
+    evidence: Annotated[list[dict[str, Any]] | None, BeforeValidator(_records)] = None
+
+
+# -- the keys of conventions' loosely typed parts (not in its schema: `dict[str, Any]` there) ----------
+class _IdSource(_Closed):
+    key: str
+    offset: int
+    path: str
+    line: int
+    when: str | None
+    origin: Literal["draft_config", "engine"]
+
+
+class _RunnerCall(_Closed):
+    path: str
+    line: int
+    function: str
+    setter: str
+    passes: str
+    default_method: str | None
+    sources: list[_IdSource]
+    detail: str | None
+
+
+class _Runner(_Closed):
+    """``runner``: every setter call read in the release's model runner, and what they add up to."""
+
+    engine: str
+    version: str
+    files: list[str]
+    calls: list[_RunnerCall]
+    verified: bool
+    reason: str | None
+    graph_default: str | None
+    ignores_draft_ids: bool
+
+
+class _PlatformTarget(_Closed):
+    platform: str
+    path: str | None
+    class_name: str
+    line: int
+    evidence: str
+    verified: bool
+    reason: str | None
+    convention: str | None
+
+
+class _ArchDispatch(_Closed):
+    """``dispatch``: per registered architecture, what runs on each platform."""
+
+    architecture: str
+    module: str
+    platform: str
+    targets: list[_PlatformTarget]
+    disagree: str | None
+    text: Annotated[str, BeforeValidator(_called)]
+
+
+def _dispatch_by_arch(value: Any) -> Any:
+    """Per registered architecture, sorted, what runs on each platform."""
+    if not isinstance(value, dict):
+        return value
+    convert = _through(_ArchDispatch)
+    return {a: convert(d) for a, d in sorted(value.items())}
 
 
 class ConventionsOutput(_Output):
-    coverage: dict[str, CoverageCounts]
+    coverage: Annotated[dict[str, CoverageCounts], BeforeValidator(_called)]
     engine: str
     version: str
     root: str
     files_scanned: int
-    classified: int
-    unclassified: int
+    classified: Annotated[int, BeforeValidator(_count)]
+    unclassified: Annotated[int, BeforeValidator(_count)]
     architectures: dict[str, str] = Field(description="registered architecture -> probed class")
     registered: dict[str, str] = Field(default_factory=dict,
                                        description="registered architecture without a capture interface -> path:line class")
-    classes: list[ProbedClass]
+    classes: Annotated[list[ProbedClass], BeforeValidator(_by_place)]
     # being added next to this (issue 14): the platform answered for, per-platform dispatch, the runner read
     platform: str | None = None
-    dispatch: dict[str, Any] | None = None
-    runner: dict[str, Any] | None = None
+    dispatch: Annotated[dict[str, Any] | None, BeforeValidator(_dispatch_by_arch)] = None
+    runner: Annotated[dict[str, Any] | None, BeforeValidator(_through(_Runner))] = None
+

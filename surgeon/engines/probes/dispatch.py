@@ -263,10 +263,6 @@ class Candidate:
             return f"nothing ({self.problem})"
         return f"{self.path}:{self.line} {self.class_name}"
 
-    def to_json(self) -> dict:
-        return {"path": self.path, "class": self.class_name, "line": self.line, "evidence": self.evidence,
-                "assumptions": list(self.assumptions), "problem": self.problem}
-
 
 @dataclass(frozen=True)
 class Resolution:
@@ -299,10 +295,6 @@ class Resolution:
         conds = sorted({a for c in self.candidates for a in c.assumptions})
         return (f"{len(self.candidates)} candidates: {'; '.join(c.label() for c in self.candidates)}"
                 + (f" (not evaluable: {', '.join(conds)})" if conds else ""))
-
-    def to_json(self) -> dict:
-        return {"module": self.module, "name": self.name, "platform": self.platform, "verified": self.verified,
-                "reason": self.reason, "candidates": [c.to_json() for c in self.candidates]}
 
 
 @dataclass

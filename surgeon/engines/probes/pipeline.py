@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -85,11 +85,6 @@ class PipelineAnswer:
                     None: "unverified"}[p.reaches]
             out.append(f"{self.engine}: pp {self.pp}: {p.point} captured on {where}: {fate}: {p.why}")
         out.extend(f"{self.engine}: {n}" for n in self.notes)
-        return out
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out.pop("misread")
         return out
 
 
@@ -830,8 +825,9 @@ def pipeline_answer(engine: str, root: str, release: str, cc: ClassConvention, p
 
 
 def lint_pipeline(spec: Spec, engine: str, root: str, release: str, cc: ClassConvention, pp: int, tp: int,
-                  *, strict: bool) -> tuple[list[Issue], list[str], dict | None]:
-    """``surgeon lint --pp``: (issues at the spec's fc_input, checked lines, the answer as JSON).
+                  *, strict: bool) -> tuple[list[Issue], list[str], PipelineAnswer | None]:
+    """``surgeon lint --pp``: (issues at the spec's fc_input, checked lines, the answer: ``lint --json``
+    prints it through its output model, ``misread`` left to the issues).
     A capture that does not reach the draft, or an engine refusing the draft at this pp, is an
     error; an answer resting on code not read is a warning (an error when ``strict``)."""
     fc = ("draft", "fc_input")
@@ -858,4 +854,4 @@ def lint_pipeline(spec: Spec, engine: str, root: str, release: str, cc: ClassCon
         elif p.reaches is None:
             issues.append(spec.issue(fc, f"{engine}: pp {pp}: unverified: whether {p.point} (stage {p.stage}) "
                                          f"reaches the draft on stage {last}: {p.why}", severity=unverified))
-    return issues, ans.lines(), ans.to_json()
+    return issues, ans.lines(), ans

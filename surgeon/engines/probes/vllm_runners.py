@@ -135,10 +135,6 @@ class Served:
                f"at {self.call}")
         return f"{self.runner} ({self.chosen}) {got}"
 
-    def to_json(self) -> dict:
-        return {"runner": self.runner, "call": self.call, "chosen": self.chosen, "key": self.key,
-                "read_at": self.read_at, "ids": self.ids, "captured": self.captured}
-
 
 def choice_where(loc: EngineLocation | None) -> str | None:
     """file:line of ``use_v2_model_runner`` in the release's config/vllm.py, or None."""
