@@ -215,7 +215,7 @@ def print_inferred_wiring(r: Any) -> None:
 
 
 def print_accept(r: Any) -> None:
-    word, _, rest = r.headline().partition(":")
+    word, _, rest = r.headline.partition(":")
     out.print(f"[{ {'separated': 'green', 'undecided': 'yellow'}.get(word, 'red') }]{word}[/]:{escape(rest)}")
     out.print(f"[bold]{escape(r.draft)}[/] on {escape(r.target)} against {escape(r.spec)}: {r.steps} draft steps, "
               f"greedy, {r.n_prompts} prompts continued to {r.length} tokens")
@@ -300,7 +300,7 @@ def print_match(result: Any) -> None:
     for s in result.report.slots:
         table.add_row(s.name, str(s.declared or "-"), str(s.matched or "none"), f"{s.rel_err:.4f}",
                       s.margin_text, f"[{style.get(s.verdict, 'white')}]{s.verdict}[/]")
-    head = result.headline()
+    head = result.headline
     word, _, rest = head.partition(":")
     colour = {"ok": "green", "identified": "green", "undecided": "yellow"}.get(word, "red")
     out.print(f"[{colour}]{word}[/]:{escape(rest)}")

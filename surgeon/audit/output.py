@@ -13,16 +13,11 @@ form where the two differ. ``dump(Model, obj)`` is that JSON form.
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
-Point = str  # a physical point, as surgeon.commands.outputs.base.Point
-
-
-def _finite(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+from surgeon.core.shapes import Closed, Finite, Point, Seconds
 
 
 def _most_first(value: Any) -> Any:
@@ -33,33 +28,25 @@ def _rungs(value: Any) -> Any:
     return [r[0] if isinstance(r, tuple) else r for r in value] if isinstance(value, (list, tuple)) else value
 
 
-#: A number, ``null`` when it is not known or not finite (as surgeon.commands.outputs.base.Finite).
-Finite = Annotated[float | None, BeforeValidator(_finite)]
-#: Seconds of wall time, to the millisecond.
-Seconds = Annotated[float, AfterValidator(lambda s: round(s, 3))]
 #: Counts by key (a Counter), the largest first.
 MostFirst = Annotated[dict[str, int], BeforeValidator(_most_first)]
 #: A profile's ladder ((rung, its points), ...), as its rungs.
 Rungs = Annotated[list[int], BeforeValidator(_rungs)]
 
 
-class _Closed(BaseModel):  # as surgeon.commands.outputs.base._Closed (that layer is above this one)
-    model_config = ConfigDict(extra="forbid")
-
-
-class AuditFinding(_Closed):
+class AuditFinding(Closed):
     kind: str = Field(description="structure, unreadable, nonfinite, zero, constant, repeated, stale, identity, exact; "
                                   "error: the file's audit hit an error no check foresaw (exit 1)")
     slot: str | None
     detail: str
 
 
-class AuditOutlier(_Closed):
+class AuditOutlier(Closed):
     path: str
     findings: list[AuditFinding]
 
 
-class AuditSlot(_Closed):
+class AuditSlot(Closed):
     name: str
     declared: Point | None
     files: int
@@ -79,14 +66,14 @@ class AuditSlot(_Closed):
                                        "a finding of the slot's own) nor exact identification decided")
 
 
-class AuditPointProfile(_Closed):
+class AuditPointProfile(Closed):
     point: Point
     centre: float
     spread: float
     tol: float
 
 
-class AuditProfile(_Closed):
+class AuditProfile(Closed):
     source: str
     prompts: int
     tokens: int
@@ -96,7 +83,7 @@ class AuditProfile(_Closed):
     points: list[AuditPointProfile]
 
 
-class AuditExact(_Closed):
+class AuditExact(Closed):
     model: str | None = Field(description="the HF model folder run on each file's own tokens; null: no --reference hf:")
     files: int = Field(description="files identified exactly (this run's and the resume state's)")
     budget: int | None = Field(description="--exact N; null: auto (see rule)")

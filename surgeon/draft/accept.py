@@ -353,6 +353,7 @@ class AcceptReport:
         close, better = self.rivals()
         return "better" if better else "undecided" if close else "separated"
 
+    @property
     def headline(self) -> str:
         me = self.spec_row
         if me.per_position is None:

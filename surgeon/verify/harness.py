@@ -156,6 +156,7 @@ class HarnessResult:
         """Where the reference came from (its :attr:`reference_source`)."""
         return self.reference_source
 
+    @property
     def headline(self) -> str:
         """The first line of the report: the verdict, and which slots it rests on."""
         slots = self.report.slots

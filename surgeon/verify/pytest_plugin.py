@@ -40,7 +40,7 @@ class WiringError(AssertionError):
 
 def _format(result) -> str:
     differs = "cannot be judged against" if result.verdict == "undecided" else "differs from"
-    lines = [f"wiring of {result.subject.source} {differs} the spec: {result.headline()}"]
+    lines = [f"wiring of {result.subject.source} {differs} the spec: {result.headline}"]
     for s in result.report.slots:
         if s.verdict not in ("ok", "unlabelled"):
             lines.append(f"  {s.name}: declared {s.declared}, is {s.matched or 'no one point'} "

@@ -27,9 +27,9 @@ def test_a_wiring_the_prompts_cannot_tell_from_the_spec_is_undecided():
     r = _report(_row("spec", SPEC, 0.50), _row("off by one", [layer_out(2), layer_out(3)], 0.47),
                 _row("reversed", SPEC[::-1], 0.10))
     assert r.verdict == "undecided"
-    assert r.headline().startswith("undecided: off by one accepts as much") and "reversed" not in r.headline()
+    assert r.headline.startswith("undecided: off by one accepts as much") and "reversed" not in r.headline
     data = json_output("accept", r)
-    assert data["verdict"] == "undecided" and data["headline"] == r.headline() and data["min"] is None
+    assert data["verdict"] == "undecided" and data["headline"] == r.headline and data["min"] is None
     assert data["draft_info"]["target_hidden_size"] == 8 and data["draft_info"]["notes"] == []
     assert data["wirings"][0]["points"] == ["layer_out[1]", "layer_out[3]"] and data["wirings"][0]["accept_length"] == 1.5
 
@@ -37,8 +37,8 @@ def test_a_wiring_the_prompts_cannot_tell_from_the_spec_is_undecided():
 def test_the_spec_separated_from_every_other_and_one_better():
     sep = _report(_row("spec", SPEC, 0.50), _row("off by one", [layer_out(2), layer_out(3)], 0.30),
                   _row("same points", SPEC, 0.50))  # the same points as the spec's are no rival
-    assert sep.verdict == "separated" and sep.headline().startswith("separated:")
+    assert sep.verdict == "separated" and sep.headline.startswith("separated:")
     better = _report(_row("spec", SPEC, 0.30), _row("off by one", [layer_out(2), layer_out(3)], 0.50))
-    assert better.verdict == "better" and better.headline().startswith("better: off by one accepts more")
+    assert better.verdict == "better" and better.headline.startswith("better: off by one accepts more")
     few = _report(_row("spec", SPEC, 0.50, chains=10), _row("off by one", [layer_out(2), layer_out(3)], 0.30, chains=10))
     assert few.verdict == "undecided"  # 10 chains: 0.5 against 0.3 is within the noise

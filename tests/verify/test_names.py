@@ -53,7 +53,7 @@ def test_a_correctly_named_file_verifies_ok_whatever_its_stored_order(tmp_path, 
     stored = {NAMES[i]: ref.states[spec.captures[NAMES[i]]] for i in order}
     f = _write(tmp_path, fmt, stored, ref.input_ids, "".join(map(str, order)))
     r = match(f, str(ref_file), spec=spec)
-    assert [(s.name, s.verdict) for s in r.report.slots] == [(n, "ok") for n in NAMES], r.headline()
+    assert [(s.name, s.verdict) for s in r.report.slots] == [(n, "ok") for n in NAMES], r.headline
     assert r.verdict == "ok" and r.report.diagnosis == []
 
 
@@ -77,7 +77,7 @@ def test_every_relabelling_of_a_named_file_is_named(tmp_path, field_target, fmt,
     wrong = [NAMES[i] for i in range(4) if perm[i] != i]
     text = " ".join(d.detail for d in r.report.diagnosis)
     assert all(repr(n) in text for n in wrong), text
-    assert r.verdict == "mismatch" and r.headline().startswith("mismatch:")
+    assert r.verdict == "mismatch" and r.headline.startswith("mismatch:")
 
 
 def test_a_surgeon_dump_is_read_by_its_capture_names(tmp_path, field_target):

@@ -9,10 +9,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from surgeon.commands.outputs.base import PathText, Point, _Closed, _Output
+from surgeon.commands.outputs.base import _Output
+from surgeon.core.shapes import Closed, PathText, Point
 
 
-class DumpCapture(_Closed):
+class DumpCapture(Closed):
     name: str
     point: Point | None = Field(description="null: the file does not record it (a TensorRT-LLM or Model Optimizer "
                                             "dump without --slots)")
@@ -20,14 +21,14 @@ class DumpCapture(_Closed):
     dtype: str | None = None
 
 
-class DumpProducer(_Closed):
+class DumpProducer(Closed):
     detected: list[str] = Field(description="the producers whose writer gives a file these keys "
                                             "(trtllm, modelopt-hf, modelopt-vllm, modelopt-trtllm)")
     why: str = Field(description="what in the file decides it, with the writer's file:line")
     given: str | None = Field(description="the --slots PRODUCER:IDS the slots are labelled by; null: none")
 
 
-class DumpRecord(_Closed):
+class DumpRecord(Closed):
     index: int
     id: str | None = Field(description="the record's id in the file (TensorRT-LLM 'id N', Model Optimizer "
                                        "'conversation C'); null when it has none")
@@ -36,7 +37,7 @@ class DumpRecord(_Closed):
     loss_mask: int | None = Field(description="tokens in the loss (Model Optimizer's loss_mask); null: no mask")
 
 
-class DumpSpec(_Closed):
+class DumpSpec(Closed):
     name: str | None
     sha256: str | None
 
@@ -73,7 +74,7 @@ class ExportOutput(_Output):
                                       description="surgeon-export.json: per written file its source and each slot's point")
 
 
-class HookFinding(_Closed):
+class HookFinding(Closed):
     file: str
     line: int
     col: int

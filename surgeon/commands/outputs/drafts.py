@@ -9,25 +9,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from surgeon.commands.outputs.base import PathText, Point, _Closed, _Output
+from surgeon.commands.outputs.base import _Output
 from surgeon.commands.outputs.harness import MatchResult
-
-
-def _said(value: Any) -> Any:
-    return value() if callable(value) else value
+from surgeon.core.shapes import Closed, PathText, Point
 
 
 def _blank_none(value: Any) -> Any:
     return value or None
 
 
-#: A text a result says through a method (``headline()``): the method's answer.
-Said = Annotated[str, BeforeValidator(_said)]
 #: A text that is ``null`` where the result holds an empty one.
 BlankNone = Annotated[str | None, BeforeValidator(_blank_none)]
 
 
-class InferSlot(_Closed):
+class InferSlot(Closed):
     slot: int
     point: Point
     score: float = Field(description="alignment of the fc slot's amplification W_j^T W_j (isotropic part removed) "
@@ -39,14 +34,14 @@ class InferSlot(_Closed):
     contradicted: bool = Field(description="the decided behaviour signal names another point for this slot")
 
 
-class InferWeightSpace(_Closed):
+class InferWeightSpace(Closed):
     wiring: list[Point]
     margin: float | None = Field(description="the smallest slot margin")
     decides: bool
     slots: list[InferSlot]
 
 
-class InferBehaviour(_Closed):
+class InferBehaviour(Closed):
     wiring: list[Point]
     steps: int = Field(description="chained draft steps the divergence sums over")
     divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats per "
@@ -61,7 +56,7 @@ class InferBehaviour(_Closed):
     evaluations: int
 
 
-class InferCandidate(_Closed):
+class InferCandidate(Closed):
     label: str
     wiring: list[Point]
     weight_score: float = Field(description="mean over slots of the alignment relative to the slot's best (1: every slot's best)")
@@ -69,7 +64,7 @@ class InferCandidate(_Closed):
     divergence: float | None
 
 
-class InferIds(_Closed):
+class InferIds(Closed):
     ids: list[int] | None
     error: str | None = Field(description="why there are no ids, the reason alone (null: ids given)")
     origin: BlankNone
@@ -78,7 +73,7 @@ class InferIds(_Closed):
                                   "wiring; refused: the target cannot serve it or cannot be read here")
 
 
-class InferStatedEngine(_Closed):
+class InferStatedEngine(Closed):
     engine: str
     agrees: bool | None = Field(description="null: not checked (see problems)")
     reads: list[int] | None
@@ -86,13 +81,13 @@ class InferStatedEngine(_Closed):
     problems: list[str]
 
 
-class InferStated(_Closed):
+class InferStated(Closed):
     ids: dict[str, list[int]] = Field(description="config key -> ids as written")
     agree: bool | None
     engines: list[InferStatedEngine]
 
 
-class InferWiring(_Closed):
+class InferWiring(Closed):
     ok: bool = Field(description="false when the draft config states no ids, or ids that disagree with a decided wiring "
                                  "(exit 3), or when the evidence does not decide the wiring (exit 4)")
     headline: str = Field(description="the report's first line: decided or undecided, and what the stated ids say")
@@ -120,7 +115,7 @@ class InferWiringOutput(InferWiring, _Output):
     pass
 
 
-class AcceptWiring(_Closed):
+class AcceptWiring(Closed):
     name: str
     why: str
     points: list[str | None] = Field(description="the point fed to each fc slot; null: never captured")
@@ -134,13 +129,13 @@ class AcceptWiring(_Closed):
                                                  "per chain summed over its K steps (null: not measured)")
 
 
-class Accept(_Closed):
+class Accept(Closed):
     ok: bool = Field(description="exit 0: the spec's position-1 acceptance is at least --min and ahead of every other "
                                  "wiring (exit 3 below --min, not servable or behind one; 4 when one is within noise)")
     verdict: Literal["separated", "undecided", "better", "not_run"] = Field(
         description="separated: the spec's wiring accepts more than every other at position 1 by 2 standard errors; "
                     "undecided: one accepts as much within them; better: one accepts more by them")
-    headline: Said = Field(description="the report's first line: the verdict and the wirings it rests on")
+    headline: str = Field(description="the report's first line: the verdict and the wirings it rests on")
     spec: str
     draft: str
     target: str
@@ -160,7 +155,7 @@ class AcceptOutput(Accept, _Output):
     pass
 
 
-class DemoDraftStep(_Closed):
+class DemoDraftStep(Closed):
     """The demo's draft step (surgeon.draft.demo.DraftDemo), printed as the demo's ``draft`` object."""
 
     ok: bool

@@ -10,31 +10,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from surgeon.commands.outputs.base import Finite, _Closed, _Output
-from surgeon.core.points import Point
-
-
-def _point_text(value: Any) -> Any:
-    return str(value) if isinstance(value, Point) else value
-
-
-def _said(value: Any) -> Any:
-    return value() if callable(value) else value
+from surgeon.commands.outputs.base import _Output
+from surgeon.core.shapes import Closed, Finite, PointText
 
 
 def _source_of(value: Any) -> Any:
     return value if isinstance(value, str) else value.source
 
 
-#: A physical point ("embed", "layer_out[k]", "layer_delta[k]", "final_norm"), printed as its name.
-PointText = Annotated[str, BeforeValidator(_point_text)]
-#: A text a result says through a method (``headline()``): the method's answer.
-Said = Annotated[str, BeforeValidator(_said)]
 #: What was read (a :class:`surgeon.verify.subjects.Subject`), printed as where it came from.
 SourceText = Annotated[str, BeforeValidator(_source_of)]
 
 
-class MatchedSlot(_Closed):
+class MatchedSlot(Closed):
     name: str
     declared: PointText | None
     matched: PointText | None = Field(description="the point the slot holds; null: no point fits")
@@ -45,17 +33,17 @@ class MatchedSlot(_Closed):
         description="undecided: the slot fits several points about equally, its declared point among them")
 
 
-class Diagnosis(_Closed):
+class Diagnosis(Closed):
     kind: str
     detail: str
 
 
-class Suggested(_Closed):
+class Suggested(Closed):
     captures: dict[str, PointText]
     engine_ids: dict[str, list[int] | str] = Field(description="engine -> ids for the corrected captures, or why none")
 
 
-class MatchResult(_Closed):
+class MatchResult(Closed):
     """A match or verify result (the demo nests two, without a format of their own)."""
 
     ok: bool = Field(description="nothing wrong and nothing undecided: every declared slot is its declared point, "
@@ -63,7 +51,7 @@ class MatchResult(_Closed):
     verdict: Literal["ok", "mismatch", "undecided", "identified"] = Field(
         description="mismatch: a slot is not its declared point or matches none; undecided: else, a slot the "
                     "reference cannot tell apart (exit 4); identified: every slot matched one point, none declared")
-    headline: Said = Field(description="the report's first line: the verdict and the slots it rests on")
+    headline: str = Field(description="the report's first line: the verdict and the slots it rests on")
     slots: list[MatchedSlot]
     diagnosis: list[Diagnosis] = Field(description="what went wrong, the explanation covering the most slots first")
     missing: list[str] = Field(default_factory=list, description="the spec's dump slots ('name: point') at points "

@@ -6,19 +6,15 @@ objects nested in it, by its field names."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from surgeon.commands.outputs.base import PathText, _Closed, _Output
-
-#: Seconds, rounded to the millisecond.
-Seconds = Annotated[float, AfterValidator(lambda v: round(v, 3))]
-#: A fraction, rounded to 4 decimals.
-Fraction = Annotated[float, AfterValidator(lambda v: round(v, 4))]
+from surgeon.commands.outputs.base import _Output
+from surgeon.core.shapes import Closed, Fraction, PathText, Seconds
 
 
-class SpecRef(_Closed):
+class SpecRef(Closed):
     name: str
     sha256: str
 
@@ -53,7 +49,7 @@ class ApplyOutput(_Output):
         return data
 
 
-class EngineRevert(_Closed):
+class EngineRevert(Closed):
     engine: str
     engine_root: str
     reverted: list[str]
@@ -66,7 +62,7 @@ class RevertOutput(_Output):
     reverted: list[EngineRevert]
 
 
-class PatchedFile(_Closed):
+class PatchedFile(Closed):
     relpath: str
     state: str
     created: bool
@@ -74,7 +70,7 @@ class PatchedFile(_Closed):
     sha256_after: str
 
 
-class AppliedPatch(_Closed):
+class AppliedPatch(Closed):
     engine: str
     engine_root: PathText
     name: str
@@ -85,7 +81,7 @@ class AppliedPatch(_Closed):
     files: list[PatchedFile]
 
 
-class UnrecordedFile(_Closed):
+class UnrecordedFile(Closed):
     engine: str
     relpath: str
     patch: str = Field(description="the patch its marker names")
@@ -105,7 +101,7 @@ class StatusOutput(_Output):
     pending: list[str] | None = None
 
 
-class DoctorFinding(_Closed):
+class DoctorFinding(Closed):
     path: str
     problem: str
     action: str | None
@@ -113,7 +109,7 @@ class DoctorFinding(_Closed):
     repairable: bool
 
 
-class DoctorEngine(_Closed):
+class DoctorEngine(Closed):
     engine: str
     engine_root: PathText
     repair: bool
@@ -127,13 +123,13 @@ class DoctorOutput(_Output):
     engines: list[DoctorEngine]
 
 
-class DiffFile(_Closed):
+class DiffFile(Closed):
     relpath: str
     created: bool
     state: str
 
 
-class PatchDiff(_Closed):
+class PatchDiff(Closed):
     engine: str
     name: str
     state: str
@@ -145,7 +141,7 @@ class DiffOutput(_Output):
     patches: list[PatchDiff]
 
 
-class ClassCoverage(_Closed):
+class ClassCoverage(Closed):
     path: str
     class_name: str
     method: str
@@ -164,7 +160,7 @@ class ClassCoverage(_Closed):
     patchable_with_guard: bool
 
 
-class CoverageFigures(_Closed):
+class CoverageFigures(Closed):
     patchable: int
     total: int
     fraction: Fraction
@@ -172,18 +168,18 @@ class CoverageFigures(_Closed):
     fraction_with_guard: Fraction
 
 
-class NonDecoderClasses(_Closed):
+class NonDecoderClasses(Closed):
     total: int
     patchable: int
     classes: list[str] = Field(description="PATH:LINE CLASS of each")
 
 
-class UnparsedFile(_Closed):
+class UnparsedFile(Closed):
     path: str
     reason: str
 
 
-class EngineCoverage(_Closed):
+class EngineCoverage(Closed):
     engine: str
     version: str
     root: str

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from surgeon.commands.outputs.base import Point, _Closed, _Output
+from surgeon.commands.outputs.base import _Output
+from surgeon.core.shapes import Closed, Point
 
 
 def _called(value: Any) -> Any:
@@ -46,7 +47,7 @@ def _by_place(value: Any) -> Any:
     return sorted(value.values(), key=lambda c: (c.path, c.line)) if isinstance(value, dict) else value
 
 
-def _through(model: type[_Closed]) -> Callable[[Any], Any]:
+def _through(model: type[Closed]) -> Callable[[Any], Any]:
     """An object read through a private model into the plain dict a loosely typed field holds."""
     def convert(value: Any) -> Any:
         if value is None or isinstance(value, dict):
@@ -55,7 +56,7 @@ def _through(model: type[_Closed]) -> Callable[[Any], Any]:
     return convert
 
 
-class Issue(_Closed):
+class Issue(Closed):
     file: str
     line: int = Field(description="1-based; 0 when the issue has no place in the file")
     col: int
@@ -64,7 +65,7 @@ class Issue(_Closed):
     message: str
 
 
-class StagePlacement(_Closed):
+class StagePlacement(Closed):
     point: Point
     position: int | None = Field(description="capture index (stream position); null: not captured")
     stage: int | None = Field(description="0-based pipeline stage whose loop captures it; null: never captured")
@@ -73,7 +74,7 @@ class StagePlacement(_Closed):
     why: str = Field(description="the capture site and the forwarding rule read, file:line")
 
 
-class PipelineCheck(_Closed):
+class PipelineCheck(Closed):
     engine: str
     release: str
     pp: int
@@ -86,7 +87,7 @@ class PipelineCheck(_Closed):
     notes: list[str]
 
 
-class LintedSpec(_Closed):
+class LintedSpec(Closed):
     file: str
     ok: bool
     checked: list[str] = Field(description="what was checked and passed, one line each")
@@ -99,7 +100,7 @@ class LintOutput(_Output):
     specs: list[LintedSpec]
 
 
-class IdList(_Closed):
+class IdList(Closed):
     convention: str
     origin: str = Field(description="where the rule was read: a probe of the engine source, or the built-in table")
     ids: list[int] | None = Field(description="null: not expressible (see error)")
@@ -110,7 +111,7 @@ class IdList(_Closed):
                                   "refused: the target cannot serve them or cannot be read here")
 
 
-class ExplainRow(_Closed):
+class ExplainRow(Closed):
     name: str
     point: Point
     fc_slot: int | None
@@ -130,7 +131,7 @@ class ExplainOutput(_Output):
     notes: list[str]
 
 
-class RenderedCapture(_Closed):
+class RenderedCapture(Closed):
     fc_slot: int
     name: str
     point: Point
@@ -139,7 +140,7 @@ class RenderedCapture(_Closed):
     verified: bool | None = Field(default=None, description="false when that site's value was not read")
 
 
-class Launch(_Closed):
+class Launch(Closed):
     argv: list[str] = Field(description="the launch flags, one argument per item (<DRAFT>: the draft's path)")
     shell: str = Field(description="the same, quoted for a POSIX shell (shlex.join)")
 
@@ -164,13 +165,13 @@ class RenderOutput(_Output):
     platform: str | None = Field(default=None, description="the platform the engine answer holds for (all: no dispatch)")
 
 
-class DraftFinding(_Closed):
+class DraftFinding(Closed):
     severity: Literal["error", "warning", "info"]
     kind: str
     detail: str
 
 
-class DraftNorm(_Closed):
+class DraftNorm(Closed):
     flag: Literal["norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"]
     state: Literal["used", "read_unused", "not_read", "unverified"] = Field(
         description="what the engine's draft model file does with the flag: used (a use site found), read_unused (read, "
@@ -182,7 +183,7 @@ class DraftNorm(_Closed):
     detail: str
 
 
-class DraftRunner(_Closed):
+class DraftRunner(Closed):
     runner: str = Field(description="vLLM's model runner (V1 or V2) whose setter call the probe read")
     call: str = Field(description="file:line of its setter call")
     chosen: str = Field(description="when vLLM runs it, with the file:line that decides")
@@ -212,13 +213,13 @@ class CheckDraftOutput(_Output):
                                        "the probe read serves for this config (ids_used/captured: V1's)")
 
 
-class ReviewCapture(_Closed):
+class ReviewCapture(Closed):
     name: str
     was: Point | None
     now: Point | None
 
 
-class ReviewIds(_Closed):
+class ReviewIds(Closed):
     target: str
     before: list[int] | None
     after: list[int] | None
@@ -233,7 +234,7 @@ class ReviewOutput(_Output):
     markdown: str = Field(description="the pull-request comment (GitHub-flavoured Markdown)")
 
 
-class CoverageCounts(_Closed):
+class CoverageCounts(Closed):
     total: int
     classified: int
     no_capture: int
@@ -241,14 +242,14 @@ class CoverageCounts(_Closed):
     unclassified: int
 
 
-class ProbedBypass(_Closed):
+class ProbedBypass(Closed):
     line: int
     description: str
     layers: str
     path: str | None
 
 
-class ProbedClass(_Closed):
+class ProbedClass(Closed):
     engine: str
     path: str
     class_name: str
@@ -278,7 +279,7 @@ class ProbedClass(_Closed):
 
 
 # -- the keys of conventions' loosely typed parts (not in its schema: `dict[str, Any]` there) ----------
-class _IdSource(_Closed):
+class _IdSource(Closed):
     key: str
     offset: int
     path: str
@@ -287,7 +288,7 @@ class _IdSource(_Closed):
     origin: Literal["draft_config", "engine"]
 
 
-class _RunnerCall(_Closed):
+class _RunnerCall(Closed):
     path: str
     line: int
     function: str
@@ -298,7 +299,7 @@ class _RunnerCall(_Closed):
     detail: str | None
 
 
-class _Runner(_Closed):
+class _Runner(Closed):
     """``runner``: every setter call read in the release's model runner, and what they add up to."""
 
     engine: str
@@ -311,7 +312,7 @@ class _Runner(_Closed):
     ignores_draft_ids: bool
 
 
-class _PlatformTarget(_Closed):
+class _PlatformTarget(Closed):
     platform: str
     path: str | None
     class_name: str
@@ -322,7 +323,7 @@ class _PlatformTarget(_Closed):
     convention: str | None
 
 
-class _ArchDispatch(_Closed):
+class _ArchDispatch(Closed):
     """``dispatch``: per registered architecture, what runs on each platform."""
 
     architecture: str

@@ -1,0 +1,49 @@
+"""What every ``--json`` output model is made of: closed objects, and the value types that turn a
+result's attribute into its JSON form (a path or a point into its text, a number that is not finite
+into ``null``, wall time to the millisecond). The models themselves live with the outputs
+(:mod:`surgeon.commands.outputs`; the audit's parts in :mod:`surgeon.audit.output`, which the audit
+serializes itself); these are shared by all of them, here in the lowest layer so every layer can
+use them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import PurePath
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
+
+from surgeon.core.points import Point as _PhysicalPoint
+
+#: A physical point's name: "embed", "layer_out[k]", "layer_delta[k]", "final_norm".
+Point = str
+
+
+class Closed(BaseModel):
+    """An object of an output: a key not declared here is an error (``additionalProperties: false``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _path_text(value: Any) -> Any:
+    return str(value) if isinstance(value, PurePath) else value
+
+
+def _point_text(value: Any) -> Any:
+    return str(value) if isinstance(value, _PhysicalPoint) else value
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+#: A path, printed as its text.
+PathText = Annotated[str, BeforeValidator(_path_text)]
+#: A physical point (:class:`surgeon.core.points.Point`), printed as its name.
+PointText = Annotated[str, BeforeValidator(_point_text)]
+#: A number, ``null`` when it is not known or not finite.
+Finite = Annotated[float | None, BeforeValidator(_finite)]
+#: Seconds of wall time, to the millisecond.
+Seconds = Annotated[float, AfterValidator(lambda v: round(v, 3))]
+#: A fraction, to 4 decimals.
+Fraction = Annotated[float, AfterValidator(lambda v: round(v, 4))]
