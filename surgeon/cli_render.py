@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -15,8 +15,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from surgeon.commands.outputs import json_output
+from surgeon.commands.outputs import AuditOutput, InferWiringOutput, output_of
 from surgeon.commands.progress import HEARTBEAT_S, Heartbeat
+
+if TYPE_CHECKING:
+    from surgeon.audit.pipeline import AuditReport
+    from surgeon.commands.capture_commands import DumpInfo, HookCheck
+    from surgeon.commands.demo_command import DemoReport
+    from surgeon.commands.patch_commands import DoctorReport, RevertReport, StatusReport
+    from surgeon.commands.results import GeneratedText
+    from surgeon.commands.spec_commands import LintReport
+    from surgeon.core.idrules import EngineProbe
+    from surgeon.draft.accept import AcceptReport
+    from surgeon.draft.infer import InferReport
+    from surgeon.patch.apply import ApplyOutcome
+    from surgeon.patch.coverage import CoverageReport
+    from surgeon.verify.harness import HarnessResult
+    from surgeon.wiring.draft import DraftReport
+    from surgeon.wiring.render import Explanation, Rendering
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -67,7 +83,7 @@ class RichProgress:
             yield
 
 
-def print_generated(result: Any) -> None:
+def print_generated(result: GeneratedText) -> None:
     """Generated text: on stdout, or a note of the new file it went to."""
     if result.written is None:
         click.echo(result.text, nl=False)
@@ -76,7 +92,7 @@ def print_generated(result: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------- specs
-def print_lint(report: Any) -> None:
+def print_lint(report: LintReport) -> None:
     for r in report.results:
         for issue in r.issues:
             click.echo(str(issue), err=True)
@@ -84,7 +100,7 @@ def print_lint(report: Any) -> None:
             click.echo(f"{r.file}: ok" + "".join(f"\n  {c}" for c in r.checked))
 
 
-def print_explanation(ex: Any) -> None:
+def print_explanation(ex: Explanation) -> None:
     out.print(f"[bold]{escape(ex.spec)}[/] ({escape(ex.file)}): L={ex.num_layers}, hidden={ex.hidden_size}")
     cols = [c for c in ("hf", "sglang", "vllm", "eagle", "trtllm", "modelopt-hf", "modelopt-trtllm", "modelopt-vllm")
             if c in ex.conventions]
@@ -115,18 +131,18 @@ def print_explanation(ex: Any) -> None:
         out.print(f"[yellow]note:[/] {escape(n)}")
 
 
-def print_rendering(r: Any) -> None:
+def print_rendering(r: Rendering) -> None:
     out.print(f"[bold]{escape(r.spec)}[/] for {r.target}" + (f" ({escape(r.model_class)})" if r.model_class else "")
-              + (f" on platform {escape(r.platform)}" if getattr(r, "platform", None) else ""))
+              + (f" on platform {escape(r.platform)}" if r.platform else ""))
     out.print(f"convention: {escape(r.convention)} ({escape(r.origin)})")
     out.print(f"ids: {r.ids}")
     for c in r.captures:
-        where = f", captured at {c['site']}" if c.get("site") else ""
-        caveat = "" if c.get("verified", True) else " [yellow]unverified[/]"
-        out.print(f"  fc slot {c['fc_slot']}: {c['name']} = {c['point']}  (replayed: {c['captured']}{where}){caveat}")
-    if not getattr(r, "verified", True):
+        where = f", captured at {c.site}" if c.site else ""
+        caveat = " [yellow]unverified[/]" if c.verified is False else ""
+        out.print(f"  fc slot {c.fc_slot}: {c.name} = {c.point}  (replayed: {c.captured}{where}){caveat}")
+    if not r.verified:
         out.print(f"[yellow]unverified:[/] {escape(r.unverified_reason or '')}")
-    for e in getattr(r, "evidence", []):
+    for e in r.evidence:
         out.print(f"[dim]evidence: {escape(e)}[/]")
     out.print("draft config fragment:")
     out.print(json.dumps(r.draft_config, indent=2), markup=False)
@@ -137,7 +153,7 @@ def print_rendering(r: Any) -> None:
         out.print(f"[yellow]note:[/] {escape(n)}")
 
 
-def print_draft_check(r: Any) -> None:
+def print_draft_check(r: DraftReport) -> None:
     model_class = f" ({escape(r.model_class)})" if r.model_class else ""
     out.print(f"[bold]{escape(r.draft)}[/] on {r.engine}{model_class} against {escape(r.spec)}")
     out.print(f"  expected fc input: {', '.join(r.expected)}")
@@ -151,70 +167,71 @@ def print_draft_check(r: Any) -> None:
     out.print("[green]ok[/]" if r.ok else "[red]mismatch[/]")
 
 
-def print_inferred_wiring(r: Any) -> None:
-    data = json_output("infer-wiring", r)
-    word, _, rest = data["headline"].partition(":")
-    out.print(f"[{'green' if data['decided'] else 'yellow'}]{word}[/]:{escape(rest)}")
-    out.print(f"[bold]{escape(data['draft'])}[/] ({escape(data['fc_tensor'])}) against {escape(data['target'])}: "
-              f"{data['n_slots']} fc slots, {data['num_layers']} layers, {data['tokens']} tokens")
+def print_inferred_wiring(r: InferReport) -> None:
+    data = output_of("infer-wiring", r)
+    assert isinstance(data, InferWiringOutput)
+    word, _, rest = data.headline.partition(":")
+    out.print(f"[{'green' if data.decided else 'yellow'}]{word}[/]:{escape(rest)}")
+    out.print(f"[bold]{escape(data.draft)}[/] ({escape(data.fc_tensor)}) against {escape(data.target)}: "
+              f"{data.n_slots} fc slots, {data.num_layers} layers, {data.tokens} tokens")
     table = Table(title="weight space: each fc slot's alignment with each point's states (relative to its slot)")
     for h in ("slot", "point", "score", "runner-up", "score", "margin", "decides"):
         table.add_column(h)
-    for x in data["weight_space"]["slots"]:
-        margin = "-" if x["margin"] is None else f"{100 * x['margin']:.1f}%"
-        table.add_row(str(x["slot"]), x["point"], f"{x['score']:.4g}", x["runner_up"] or "-",
-                      "-" if x["runner_up_score"] is None else f"{x['runner_up_score']:.4g}", margin,
-                      "[green]yes[/]" if x["decides"] else
-                      "[yellow]contradicted by behaviour[/]" if x["contradicted"] else "[yellow]does not decide[/]")
+    for x in data.weight_space.slots:
+        margin = "-" if x.margin is None else f"{100 * x.margin:.1f}%"
+        table.add_row(str(x.slot), x.point, f"{x.score:.4g}", x.runner_up or "-",
+                      "-" if x.runner_up_score is None else f"{x.runner_up_score:.4g}", margin,
+                      "[green]yes[/]" if x.decides else
+                      "[yellow]contradicted by behaviour[/]" if x.contradicted else "[yellow]does not decide[/]")
     out.print(table)
-    b = data["behaviour"]
+    b = data.behaviour
     if b is not None:
         def num(x: Any, fmt: str) -> str:
             return "-" if x is None else format(x, fmt)
 
-        out.print(f"behaviour over {b['evaluations']} wirings: divergence from the target {num(b['divergence'], '.4f')} "
-                  f"nats ({b['steps']} chained steps), step-1 agreement {num(b['agreement'], '.1%')}")
-        out.print(f"  runner-up {', '.join(b['runner_up'] or ['-'])}: divergence {num(b['runner_up_divergence'], '.4f')}, "
-                  f"agreement {num(b['runner_up_agreement'], '.1%')}; margin {num(b['margin'], '+.4f')} nats, "
-                  f"{num(b['z'], '.1f')} standard errors" + ("" if b["decides"] else ": [yellow]does not decide[/]"))
-    verdict = "" if data["decided"] else " [yellow](the evidence does not decide: see margins)[/]"
-    out.print(f"inferred fc input: [bold]{', '.join(data['wiring'])}[/]{verdict}")
-    for target, ids in data["ids"].items():
-        none = f"{'refused' if ids.get('kind') == 'refused' else 'not expressible'}: {ids['error'] or 'no reason given'}"
-        out.print(f"  {target}: " + (str(ids["ids"]) if ids["ids"] is not None else f"[dim]{escape(none)}[/]"))
-    stated = data["stated"]
-    if not stated["ids"]:
+        out.print(f"behaviour over {b.evaluations} wirings: divergence from the target {num(b.divergence, '.4f')} "
+                  f"nats ({b.steps} chained steps), step-1 agreement {num(b.agreement, '.1%')}")
+        out.print(f"  runner-up {', '.join(b.runner_up or ['-'])}: divergence {num(b.runner_up_divergence, '.4f')}, "
+                  f"agreement {num(b.runner_up_agreement, '.1%')}; margin {num(b.margin, '+.4f')} nats, "
+                  f"{num(b.z, '.1f')} standard errors" + ("" if b.decides else ": [yellow]does not decide[/]"))
+    verdict = "" if data.decided else " [yellow](the evidence does not decide: see margins)[/]"
+    out.print(f"inferred fc input: [bold]{', '.join(data.wiring)}[/]{verdict}")
+    for target, ids in data.ids.items():
+        none = f"{'refused' if ids.kind == 'refused' else 'not expressible'}: {ids.error or 'no reason given'}"
+        out.print(f"  {target}: " + (str(ids.ids) if ids.ids is not None else f"[dim]{escape(none)}[/]"))
+    stated = data.stated
+    if not stated.ids:
         out.print("[red]the draft config states no ids[/]: every engine silently uses its default")
-    for e in stated["engines"]:
-        mark = {True: "[green]agrees[/]", False: "[red]disagrees[/]", None: "[dim]not checked[/]"}[e["agrees"]]
-        if e["reads"] is None and not e["captures"]:  # not read (see the problems), or nothing stated
-            out.print(f"  stated ids, {e['engine']}: {mark}")
+    for e in stated.engines:
+        mark = {True: "[green]agrees[/]", False: "[red]disagrees[/]", None: "[dim]not checked[/]"}[e.agrees]
+        if e.reads is None and not e.captures:  # not read (see the problems), or nothing stated
+            out.print(f"  stated ids, {e.engine}: {mark}")
         else:
-            reads = "no ids (the model's default)" if e["reads"] is None else str(e["reads"])
-            got = ", ".join("nothing" if c is None else str(c) for c in e["captures"]) or "nothing"
-            out.print(f"  stated ids, {e['engine']}: reads {reads} -> {got}: {mark}")
-        for p in e["problems"]:
+            reads = "no ids (the model's default)" if e.reads is None else str(e.reads)
+            got = ", ".join("nothing" if c is None else str(c) for c in e.captures) or "nothing"
+            out.print(f"  stated ids, {e.engine}: reads {reads} -> {got}: {mark}")
+        for p in e.problems:
             out.print(f"    {escape(p)}")
-    for note in data["notes"]:
+    for note in data.notes:
         out.print(f"[dim]note: {escape(note)}[/]")
-    if data["written"]:
-        out.print(f"spec written to {escape(data['written'])}")
-    against = [e["engine"] for e in stated["engines"] if e["agrees"] is False]
-    if data["ok"]:  # exit 0: ids stated, and no decided wiring they disagree with
-        if not data["decided"]:
+    if data.written:
+        out.print(f"spec written to {escape(data.written)}")
+    against = [e.engine for e in stated.engines if e.agrees is False]
+    if data.ok:  # exit 0: ids stated, and no decided wiring they disagree with
+        if not data.decided:
             text = "nothing contradicts the draft config's ids (the evidence does not decide)"
-        elif stated["agree"] is None:
+        elif stated.agree is None:
             text = "the inferred wiring is decided; the config's ids were checked against no engine (see above)"
         else:
             text = "the inferred wiring is decided and the draft config's ids agree with it"
         out.print(f"[green]ok[/]: {text}")
     else:  # exit 3: no ids stated, or a decided wiring some engine's reading of them disagrees with
-        why = ["the config states no ids"] if not stated["ids"] else [
+        why = ["the config states no ids"] if not stated.ids else [
             f"the config's ids disagree with the decided wiring for {', '.join(against)}"]
         out.print(f"[red]mismatch[/]: {'; '.join(why)}")
 
 
-def print_accept(r: Any) -> None:
+def print_accept(r: AcceptReport) -> None:
     word, _, rest = r.headline.partition(":")
     out.print(f"[{ {'separated': 'green', 'undecided': 'yellow'}.get(word, 'red') }]{word}[/]:{escape(rest)}")
     out.print(f"[bold]{escape(r.draft)}[/] on {escape(r.target)} against {escape(r.spec)}: {r.steps} draft steps, "
@@ -225,7 +242,7 @@ def print_accept(r: Any) -> None:
         table.add_column(h)
     for row in r.rows:
         pts = ", ".join("-" if p is None else str(p) for p in row.wiring.points)
-        if row.per_position is None:
+        if row.per_position is None or row.expected_accepted is None:
             cells = ["-"] * r.steps + ["-", "-", escape("; ".join(x for x in (row.not_servable, row.wiring.note) if x))]
         else:
             kl = "-" if row.divergence is None else f"{row.divergence:.3f}"
@@ -241,7 +258,7 @@ def print_accept(r: Any) -> None:
                   else f"[red]the spec's position-1 acceptance is below {r.min_rate:.1%}[/]")
 
 
-def _convention_groups(probe: Any) -> dict[tuple, list]:
+def _convention_groups(probe: EngineProbe) -> dict[tuple, list]:
     """Classes whose id rule, default, ordering and capture site are identical, together."""
     groups: dict[tuple, list] = {}
     for c in probe.classified:
@@ -251,7 +268,7 @@ def _convention_groups(probe: Any) -> dict[tuple, list]:
     return groups
 
 
-def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
+def print_conventions(engine: str, probe: EngineProbe, show_all: bool) -> None:
     out.print(f"[bold]{engine} {escape(probe.version)}[/] at {escape(probe.root)}: {probe.files_scanned} model files, "
               f"platform {escape(probe.platform)}")
     table = Table(title="conventions (classes grouped by identical rules)")
@@ -276,7 +293,7 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
         tag = ("[yellow]no capture[/]" if c.no_capture else "[yellow]delegates[/]" if c.delegates
                else "[red]unclassified[/]")
         out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")
-    runner = getattr(probe, "runner", None)
+    runner = probe.runner
     if runner is not None:
         tag = "[green]runner[/]" if runner.verified else "[yellow]runner (unverified)[/]"
         out.print(f"{tag}: {escape(runner.reason or '')}")
@@ -292,7 +309,7 @@ def print_conventions(engine: str, probe: Any, show_all: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------------- harness
-def print_match(result: Any) -> None:
+def print_match(result: HarnessResult) -> None:
     table = Table()
     for h in ("slot", "declared", "matched", "rel err", "margin", "verdict"):
         table.add_column(h)
@@ -317,53 +334,54 @@ def print_match(result: Any) -> None:
         out.print(f"[dim]note: {escape(n)}[/]")
 
 
-def print_audit(report: Any) -> None:
+def print_audit(report: AuditReport) -> None:
     from surgeon.audit.summary import counts, histogram
 
-    j = json_output("audit", report)
-    word, _, rest = j["headline"].partition(":")
+    j = output_of("audit", report)
+    assert isinstance(j, AuditOutput)
+    word, _, rest = j.headline.partition(":")
     out.print(f"[{ {'ok': 'green', 'undecided': 'yellow'}.get(word, 'red') }]{word}[/]:{escape(rest)}")
-    out.print(f"{escape(j['root'])}: {j['files']} files ({', '.join(f'{v} {k}' for k, v in j['layouts'].items())}), "
-              f"{j['resumed']} from the resume state; {j['files_per_s'] or '-'} files/s, {j['mb_per_s'] or '-'} MB/s "
-              f"({j['backend']}, {j['workers']} worker{'s' if j['workers'] != 1 else ''})")
+    out.print(f"{escape(j.root)}: {j.files} files ({', '.join(f'{v} {k}' for k, v in j.layouts.items())}), "
+              f"{j.resumed} from the resume state; {j.files_per_s or '-'} files/s, {j.mb_per_s or '-'} MB/s "
+              f"({j.backend}, {j.workers} worker{'s' if j.workers != 1 else ''})")
     table = Table()
     for h in ("slot", "declared", "files", "norm mean", "ok", "mismatch", "no_match", "unresolved", "not_run",
               "exact", "undecided", "identity (nearest point: files)"):
         table.add_column(h)
-    for s in j["slots"]:
+    for s in j.slots:
         bars, more = histogram(s, 4)
         ident = ", ".join(f"{k}: {v}" for k, v in bars) + (f", +{more} more" if more else "")
-        exact = ", ".join(f"{k} {v}" for k, v in s["exact_verdicts"].items() if v)
-        open_ = f"[yellow]{s['undecided']}[/]" if 2 * s["undecided"] > s["files"] else str(s["undecided"])
-        table.add_row(s["name"], s["declared"] or "-", str(s["files"]),
-                      "-" if s["norm_mean"] is None else f"{s['norm_mean']:.4g}",
-                      *(str(s["verdicts"].get(v, 0)) for v in ("ok", "mismatch", "no_match", "unresolved", "not_run")),
+        exact = ", ".join(f"{k} {v}" for k, v in s.exact_verdicts.items() if v)
+        open_ = f"[yellow]{s.undecided}[/]" if 2 * s.undecided > s.files else str(s.undecided)
+        table.add_row(s.name, s.declared or "-", str(s.files),
+                      "-" if s.norm_mean is None else f"{s.norm_mean:.4g}",
+                      *(str(s.verdicts.get(v, 0)) for v in ("ok", "mismatch", "no_match", "unresolved", "not_run")),
                       escape(exact) or "-", open_, escape(ident))
     out.print(table)
-    for o in j["outliers"][:20]:
-        out.print(f"[red]{escape(o['path'])}[/]")
-        for f in o["findings"]:
-            out.print(f"  {f['kind']}{' ' + escape(f['slot']) if f['slot'] else ''}: {escape(f['detail'])}")
-    if j["outliers_listed"] > 20:
-        out.print(f"... and {j['flagged'] - 20} more flagged files (--json lists {j['outliers_listed']})")
-    for n in j["notes"]:
+    for o in j.outliers[:20]:
+        out.print(f"[red]{escape(o.path)}[/]")
+        for f in o.findings:
+            out.print(f"  {f.kind}{' ' + escape(f.slot) if f.slot else ''}: {escape(f.detail)}")
+    if j.outliers_listed > 20:
+        out.print(f"... and {j.flagged - 20} more flagged files (--json lists {j.outliers_listed})")
+    for n in j.notes:
         out.print(f"[dim]note: {escape(n)}[/]")
-    if j["report"]:
-        out.print(f"report: {escape(j['report'])}")
-    if j["undecided"]:
-        out.print(f"[yellow]identity undecided for most files of {escape(', '.join(j['undecided']))}: this run cannot "
-                  f"see {escape(', '.join(j['cannot_see']))}[/]")
-    if j["flagged"]:
-        out.print(f"[red]{j['flagged']} of {j['files']} files flagged: "
-                  + escape(", ".join(f"{k} {v}" for k, v in j["findings"].items())) + "[/]")
+    if j.report:
+        out.print(f"report: {escape(j.report)}")
+    if j.undecided:
+        out.print(f"[yellow]identity undecided for most files of {escape(', '.join(j.undecided))}: this run cannot "
+                  f"see {escape(', '.join(j.cannot_see))}[/]")
+    if j.flagged:
+        out.print(f"[red]{j.flagged} of {j.files} files flagged: "
+                  + escape(", ".join(f"{k} {v}" for k, v in j.findings.items())) + "[/]")
     else:
-        out.print("[green]every file is what the spec declares[/]" if j["ok"] else
+        out.print("[green]every file is what the spec declares[/]" if j.ok else
                   "[yellow]no finding, but the identity is undecided: not a pass (exit 4)[/]")
-    for s in j["slots"]:
-        out.print(f"  {escape(s['name'])} identity: {escape(counts(s))}")
+    for s in j.slots:
+        out.print(f"  {escape(s.name)} identity: {escape(counts(s))}")
 
 
-def print_dump_info(info: Any) -> None:
+def print_dump_info(info: DumpInfo) -> None:
     m = info.meta
     if info.layout != "surgeon":
         _print_field_dump_info(info)
@@ -376,7 +394,7 @@ def print_dump_info(info: Any) -> None:
         out.print(f"  {c['name']}: {c['point']} {c['shape']}")
 
 
-def _print_field_dump_info(info: Any) -> None:
+def _print_field_dump_info(info: DumpInfo) -> None:
     """A field or training dump: what it is, who could have written it, each slot's point."""
     m, p = info.meta, info.producer
     what = {"trtllm": "TensorRT-LLM SaveHiddenStates dump", "modelopt": "Model Optimizer collect_hidden_states dump",
@@ -399,7 +417,7 @@ def _print_field_dump_info(info: Any) -> None:
         out.print(f"[dim]note: {escape(n)}[/]")
 
 
-def print_hook_check(check: Any) -> None:
+def print_hook_check(check: HookCheck) -> None:
     for x in check.findings:
         click.echo(str(x))
     if not check.findings:
@@ -407,7 +425,7 @@ def print_hook_check(check: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------- patches
-def print_apply(outcome: Any) -> None:
+def print_apply(outcome: ApplyOutcome) -> None:
     p = outcome.plan
     if outcome.diff is not None:
         click.echo(outcome.diff, nl=False)
@@ -428,7 +446,7 @@ def print_apply(outcome: Any) -> None:
         out.print(f"  {escape(a)}")
 
 
-def print_revert(report: Any) -> None:
+def print_revert(report: RevertReport) -> None:
     if not report.reverted:
         out.print("no surgeon patches applied; nothing to revert")
     for r in report.reverted:
@@ -440,7 +458,7 @@ def print_revert(report: Any) -> None:
             err.print(f"warning: {escape(w)}")
 
 
-def print_status(report: Any) -> None:
+def print_status(report: StatusReport) -> None:
     from surgeon.patch.manifest import ABSENT
 
     for line in report.recovered:
@@ -465,7 +483,7 @@ def print_status(report: Any) -> None:
     out.print(table)
 
 
-def print_doctor(report: Any) -> None:
+def print_doctor(report: DoctorReport) -> None:
     for engine, r in report.results:
         if not r.findings:
             out.print(f"{engine} {escape(str(r.root))}: patch state healthy")
@@ -474,7 +492,7 @@ def print_doctor(report: Any) -> None:
             out.print(f"{mark} {engine} {escape(f.path)}: {escape(f.problem)}; {escape(f.action)}")
 
 
-def print_coverage(report: Any, show_all: bool) -> None:
+def print_coverage(report: CoverageReport, show_all: bool) -> None:
     from surgeon.patch.coverage import render_coverage_lines
 
     for line in render_coverage_lines(report, all_classes=show_all):
@@ -518,7 +536,7 @@ def demo_display(as_json: bool, started: float, console: Console | None = None, 
         yield step, note
 
 
-def print_demo(report: Any, started: float) -> None:
+def print_demo(report: DemoReport, started: float) -> None:
     import time
 
     result = report.result

@@ -19,7 +19,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from surgeon.audit.output import AuditSlot, dump
+from surgeon.audit.output import AuditSlot
 from surgeon.audit.summary import counts, histogram
 from surgeon.core.errors import BadInput
 
@@ -35,8 +35,8 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _profile_figure(profile: Any, slots: list[dict[str, Any]]):
-    """``profile``: a :class:`~surgeon.audit.profile.Profile` or None; ``slots``: their JSON."""
+def _profile_figure(profile: Any, slots: list[AuditSlot]):
+    """``profile``: a :class:`~surgeon.audit.profile.Profile` or None; ``slots``: their models."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -51,11 +51,11 @@ def _profile_figure(profile: Any, slots: list[dict[str, Any]]):
         ax.set_xticks(range(len(pts)))
         ax.set_xticklabels([p.point for p in pts], rotation=60, fontsize=7)
     for k, s in enumerate(slots):
-        if s["log_norm_median_mean"] is None:
+        if s.log_norm_median_mean is None:
             continue
-        x = xs.get(s["declared"], len(xs) + k)
-        ax.errorbar([x + 0.08 * (k - 1)], [s["log_norm_median_mean"]], yerr=[s["log_norm_median_std"] or 0.0], fmt="o",
-                    capsize=3, label=f"{s['name']} (declared {s['declared']})")
+        x = xs.get(s.declared, len(xs) + k)
+        ax.errorbar([x + 0.08 * (k - 1)], [s.log_norm_median_mean], yerr=[s.log_norm_median_std or 0.0], fmt="o",
+                    capsize=3, label=f"{s.name} (declared {s.declared})")
     ax.set_ylabel("median log per-token norm")
     ax.set_title("each slot over the set, at its declared point, against the target's profile", fontsize=9)
     if ax.get_legend_handles_labels()[0]:  # nothing to label (a structure pass): no legend, no warning
@@ -64,24 +64,24 @@ def _profile_figure(profile: Any, slots: list[dict[str, Any]]):
     return fig
 
 
-def _histogram_figure(slots: list[dict[str, Any]]):
+def _histogram_figure(slots: list[AuditSlot]):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, max(1, len(slots)), figsize=(3 * max(1, len(slots)), 3), squeeze=False)
     for ax, s in zip(axes[0], slots):
         items, more = histogram(s, BARS)
         ax.bar(range(len(items)), [v for _, v in items],
-               color=["tab:green" if k == s["declared"] else "tab:red" for k, _ in items])
+               color=["tab:green" if k == s.declared else "tab:red" for k, _ in items])
         ax.set_xticks(range(len(items)))
         ax.set_xticklabels([k for k, _ in items], rotation=60, fontsize=7)
         ax.set_yscale("log")
-        ax.set_title(f"{s['name']} (declared {s['declared']})" + (f", +{more} more" if more else ""), fontsize=8)
+        ax.set_title(f"{s.name} (declared {s.declared})" + (f", +{more} more" if more else ""), fontsize=8)
     fig.suptitle("identity histogram: files per nearest point (green: the declared one)", fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def _slot_table(slots: list[dict[str, Any]], undecided: list[str]) -> str:
+def _slot_table(slots: list[AuditSlot], undecided: list[str]) -> str:
     """Per slot: the identity verdicts of the statistics, exact identification's, the files neither
     decided, and the histogram's points (all of them: the plot shows :data:`BARS`)."""
     e = html.escape
@@ -91,10 +91,10 @@ def _slot_table(slots: list[dict[str, Any]], undecided: list[str]) -> str:
     for s in slots:
         bars, more = histogram(s, BARS)
         ident = ", ".join(f"{k}: {v}" for k, v in bars) + (f", +{more} more" if more else "")
-        exact = ", ".join(f"{k} {v}" for k, v in s["exact_verdicts"].items() if v) or "-"
-        cells = [s["name"], s["declared"] or "-", s["files"], *(s["verdicts"].get(v, 0) for v in
-                 ("ok", "mismatch", "no_match", "unresolved", "not_run")), exact, s["undecided"], ident]
-        style = ' style="background:#fff3c4"' if s["name"] in undecided else ""
+        exact = ", ".join(f"{k} {v}" for k, v in s.exact_verdicts.items() if v) or "-"
+        cells = [s.name, s.declared or "-", s.files, *(s.verdicts.get(v, 0) for v in
+                 ("ok", "mismatch", "no_match", "unresolved", "not_run")), exact, s.undecided, ident]
+        style = ' style="background:#fff3c4"' if s.name in undecided else ""
         rows.append(f"<tr{style} title=\"{e(counts(s))}\">" + "".join(f"<td>{e(str(c))}</td>" for c in cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
@@ -106,7 +106,7 @@ def write_report(report: Any, path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     r, e = report, html.escape
-    slots = [dump(AuditSlot, s) for s in r.slots]
+    slots = [AuditSlot.model_validate(s, from_attributes=True) for s in r.slots]
     ex = r.exact
     rows = "".join(
         f"<tr><td>{e(o['path'])}</td><td>{'<br>'.join(e(f['kind'] + (' ' + f['slot'] if f['slot'] else '') + ': ' + f['detail']) for f in o['findings'])}</td></tr>"  # noqa: E501

@@ -12,24 +12,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from surgeon.audit.output import AuditSlot
+
 # what only the identity pass finds (the values pass finds NaN/Inf, zero, constant, repeated and
 # stale rows whatever the identity): the faults a run of undecided identity cannot see
 CANNOT_SEE = ("labels shifted by a slot (a slot holding its neighbour's point)", "a slot off by one layer",
               "a slot holding another point (slots swapped, a wrong layer id)")
 
 
-def counts(s: dict[str, Any]) -> str:
-    """A slot's identity counts (its JSON, :class:`surgeon.audit.output.AuditSlot`): the statistics'
+def counts(s: AuditSlot) -> str:
+    """A slot's identity counts (its :class:`surgeon.audit.output.AuditSlot`): the statistics'
     verdicts, exact identification's, and the files neither decided."""
-    stats = ", ".join(f"{k} {v}" for k, v in s["verdicts"].items())
-    exact = ", ".join(f"{k} {v}" for k, v in s["exact_verdicts"].items() if v)
-    return f"{stats}; exact: {exact or 'none'}; undecided {s['undecided']} of {s['files']}"
+    stats = ", ".join(f"{k} {v}" for k, v in s.verdicts.items())
+    exact = ", ".join(f"{k} {v}" for k, v in s.exact_verdicts.items() if v)
+    return f"{stats}; exact: {exact or 'none'}; undecided {s.undecided} of {s.files}"
 
 
-def histogram(s: dict[str, Any], shown: int) -> tuple[list[tuple[str, int]], int]:
-    """The ``shown`` largest bars of a slot's identity histogram (its JSON), and how many points it
+def histogram(s: AuditSlot, shown: int) -> tuple[list[tuple[str, int]], int]:
+    """The ``shown`` largest bars of a slot's identity histogram, and how many points it
     leaves out."""
-    items = sorted(s["identity"].items(), key=lambda kv: -kv[1])
+    items = sorted(s.identity.items(), key=lambda kv: -kv[1])
     return items[:shown], max(0, len(items) - shown)
 
 

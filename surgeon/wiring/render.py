@@ -357,6 +357,23 @@ class Launch:
 
 
 @dataclass
+class RenderedSlot:
+    """One fc slot of a rendering: the spec's capture there and what the rendered ids capture."""
+
+    fc_slot: int
+    name: str
+    point: str
+    captured: str | None  # what the ids capture there, replayed through the engine's setter
+    site: str | None = None  # file:line of the capture site the engine uses (engine targets)
+    verified: bool | None = None  # False when that site's value was not read; None: no site asked
+
+
+def rendered_slots(spec: Spec, captured: list) -> list[RenderedSlot]:
+    """The spec's fc slots, each with what the ids capture there (``captured``, in fc order)."""
+    return [RenderedSlot(i, n, str(p), captured[i]) for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))]
+
+
+@dataclass
 class Rendering:
     spec: str
     target: str
@@ -364,7 +381,7 @@ class Rendering:
     convention: str
     origin: str
     ids: list[int]
-    captures: list[dict]  # fc slot, name, point, what the ids capture (replayed)
+    captures: list[RenderedSlot]
     draft_config: dict
     launch_flags: list[str]  # argv: one argument per item, for the engine's launch command
     dump: dict | None
@@ -440,15 +457,12 @@ def _render_served(spec: Spec, target: str, engine_root, model_class: str | None
         cc = view.class_convention(cls)
         unverified_reason, evidence = _engine_answer(spec, view, cc, notes)
     verified = unverified_reason is None
-    captures = [
-        {"fc_slot": i, "name": n, "point": str(p), "captured": lst.captures[i]}
-        for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))
-    ]
+    captures = rendered_slots(spec, lst.captures)
     if view is not None:
         for c, p in zip(captures, spec.fc_points):
             site = cc.site_for(p.position, spec.num_layers) if p.position is not None else None
-            c["site"] = None if site is None else f"{site.path}:{site.line}"
-            c["verified"] = p.position is not None and cc.unverified_for([p.position], spec.num_layers) is None
+            c.site = None if site is None else f"{site.path}:{site.line}"
+            c.verified = p.position is not None and cc.unverified_for([p.position], spec.num_layers) is None
     draft_config, flags, dump = _fragment(spec, target, ids, captures, notes, evidence)
     _norm_flags(spec, target, engine_root, draft_config, notes)
     platform = view.probe.platform if view is not None and view.probe is not None else None
@@ -456,7 +470,7 @@ def _render_served(spec: Spec, target: str, engine_root, model_class: str | None
                      verified, unverified_reason, evidence, platform)
 
 
-def _fragment(spec: Spec, target: str, ids: list[int], captures: list[dict], notes: list[str],
+def _fragment(spec: Spec, target: str, ids: list[int], captures: list[RenderedSlot], notes: list[str],
               evidence: list[str]) -> tuple[dict, list[str], dict | None]:
     """The draft-config fragment, launch flags and dump layout for an engine-decided target
     (sglang, vllm, speculators) or SpecForge's EAGLE config; adds the target's notes and evidence."""
@@ -483,12 +497,12 @@ def _fragment(spec: Spec, target: str, ids: list[int], captures: list[dict], not
         draft_config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
         flags = ["scripts/prepare_hidden_states.py", "--enable-aux-hidden-states", "--draft-model-config",
                  "<DRAFT>/config.json"]
-        dump = {"layout": "specforge", "aux_hidden_state": [c["point"] for c in captures], "hidden_state": "final_norm"}
+        dump = {"layout": "specforge", "aux_hidden_state": [c.point for c in captures], "hidden_state": "final_norm"}
         notes.append("SpecForge ids are layer outputs (id k = layer_out[k]); it refuses -1, so embed cannot be an fc input")
     if target == "speculators":
         last = f"layer_out[{spec.num_layers - 1}]"
         dump = {"layout": "speculators", "tensor": "hidden_states [T, n, H]",
-                "slots": [c["point"] for c in captures] + [last],
+                "slots": [c.point for c in captures] + [last],
                 "note": f"the last slot is {last}, before the final norm"}
     return draft_config, flags, dump
 
@@ -500,8 +514,7 @@ def _render_table(spec: Spec, target: str, engine_root, model_class: str | None)
 
 def _table_rendering(spec: Spec, target: str, ans: TableAnswer) -> Rendering:
     """A Rendering from a cited-table target's answer (:mod:`surgeon.wiring.render_field`)."""
-    captures = [{"fc_slot": i, "name": n, "point": str(p), "captured": ans.captured[i]}
-                for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))]
+    captures = rendered_slots(spec, ans.captured)
     return Rendering(spec.name, target, ans.model_class, ans.convention, ans.origin, ans.ids, captures, ans.draft_config,
                      ans.flags, ans.dump, ans.notes, ans.unverified is None, ans.unverified, ans.evidence, None)
 
@@ -602,8 +615,7 @@ def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None, 
 def _render_sglang_dflash(spec: Spec, engine_root, model_class: str | None, target: str = "sglang") -> Rendering:
     """SGLang's DFlash answer, for SGLang or for SpecForge (which captures through SGLang's setter)."""
     ans = sglang_dflash(spec, engine_root, model_class, target)
-    captures = [{"fc_slot": i, "name": n, "point": str(p), "captured": ans.captures[i]}
-                for i, (n, p) in enumerate(zip(spec.fc_names, spec.fc_points))]
+    captures = rendered_slots(spec, ans.captures)
     draft_config: dict = {"dflash_config": {"target_layer_ids": ans.ids}}
     flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "<DRAFT>"]
     notes, evidence = list(ans.notes), list(ans.evidence)

@@ -213,7 +213,7 @@ def _fake_demo(harness, pause: float):
     dump, ref = harness / "dump.safetensors", harness / "ref.safetensors"
     right = match(dump, str(ref), spec=load_spec(DEMO))
     wrong = SimpleNamespace(**{**vars(right), "ok": False, "verdict": "mismatch",
-                               "headline": lambda: "mismatch: 4 of 4 slots not what were declared"})
+                               "headline": "mismatch: 4 of 4 slots not what were declared"})
 
     def run_demo(work, *, step, note, engine_root=None):
         for title in ("making", "reference", "applying"):

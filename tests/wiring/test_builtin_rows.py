@@ -83,7 +83,7 @@ def _outcome(spec, engine: str) -> tuple:
         r = render(spec, engine)
     except BadInput as e:
         return ("refused", re.sub(r"^.*?cannot render for \w+: ", "", str(e)))
-    return ("ids", r.ids, [c["captured"] for c in r.captures], r.evidence)
+    return ("ids", r.ids, [c.captured for c in r.captures], r.evidence)
 
 
 @pytest.mark.parametrize("spec_file", sorted(SPECS.glob("*.yaml")), ids=lambda p: p.stem)

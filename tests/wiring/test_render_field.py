@@ -107,7 +107,7 @@ def test_zlab_ids_are_the_cited_hidden_states_offset(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setitem(ZLAB, "offset", dataclasses.replace(ZLAB["offset"], needle="offset = 0"))
         after = render(_spec(tmp_path), "zlab")
-        assert after.ids == [2, 4, 6] and [c["captured"] for c in after.captures] == ["layer_out[1]", "layer_out[3]",
+        assert after.ids == [2, 4, 6] and [c.captured for c in after.captures] == ["layer_out[1]", "layer_out[3]",
                                                                                       "layer_out[5]"]
     for p in ("embed", "layer_out[0]", "layer_out[6]", "final_norm"):
         point = parse_point(p)
@@ -120,7 +120,7 @@ def test_zlab_ids_are_the_cited_hidden_states_offset(tmp_path, monkeypatch):
 
 def test_zlab_renders_embed_with_the_engines_hazard_and_refuses_the_last_layer(tmp_path):
     r = render(_spec(tmp_path, ("embed", "layer_out[3]", "layer_out[5]")), "zlab")
-    assert r.ids == [-1, 3, 5] and [c["captured"] for c in r.captures][0] == "embed"
+    assert r.ids == [-1, 3, 5] and [c.captured for c in r.captures][0] == "embed"
     assert any("hazard: id -1" in n for n in r.notes)
     with pytest.raises(BadInput, match="final norm's output"):
         render(_spec(tmp_path, ("layer_out[1]", "layer_out[3]", "layer_out[7]")), "zlab")

@@ -37,7 +37,7 @@ def test_sglang_dflash_ids_are_layer_outputs_like_vllm(tmp_path):
     r = render(spec, "sglang")
     assert r.ids == [1, 3, 5] and r.verified
     assert r.draft_config == {"dflash_config": {"target_layer_ids": [1, 3, 5]}}
-    assert [c["captured"] for c in r.captures] == ["layer_out[1]", "layer_out[3]", "layer_out[5]"]
+    assert [c.captured for c in r.captures] == ["layer_out[1]", "layer_out[3]", "layer_out[5]"]
     assert r.launch_flags[:2] == ["--speculative-algorithm", "DFLASH"]
     assert any(e.startswith("setter: srt/models/llama.py:") for e in r.evidence)
     assert any("set_dflash_layers_to_capture(dflash_target_layer_ids)" in e for e in r.evidence)
@@ -107,7 +107,7 @@ def test_explain_gives_the_sglang_dflash_answer_render_gives(tmp_path):
     r = render(spec, "sglang")
     e = explain(spec)
     assert e.fc_lists["sglang"].ids == r.ids == [0, 2, 6]
-    assert e.fc_lists["sglang"].captures == [c["captured"] for c in r.captures]
+    assert e.fc_lists["sglang"].captures == [c.captured for c in r.captures]
     assert [row.ids["sglang"] for row in e.rows if row.fc_slot is not None] == r.ids
     sglang = [n for n in e.notes if n.startswith("sglang:")]
     setters = {n.split("setter: ", 1)[1] for n in sglang if "evidence: setter:" in n}
