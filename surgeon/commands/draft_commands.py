@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from surgeon.commands.platform import engine_command
 from surgeon.commands.progress import QUIET, Progress
 
 
+@engine_command
 def accept(*, spec: str, draft: str, target: str, prompts: str | None = None, steps: int = 3,
            min_rate: float | None = None, length: int | None = None, progress: Progress = QUIET) -> Any:
     """Teacher-forced greedy acceptance of ``draft`` on ``target`` for the spec's wiring and the

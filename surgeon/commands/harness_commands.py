@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from surgeon.commands.platform import engine_command
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.core.errors import BadInput
 
@@ -50,6 +51,7 @@ def fingerprint(*, ref: str, output: str, input_ids: str | None = None, dim: int
     return FingerprintWritten(output, len(fp.proj), fp.input_ids.numel(), fp.dim, fp.seed)
 
 
+@engine_command
 def match(*, subject: str, ref: str, spec: str | None = None, slots: Sequence[str] = (),
           input_ids: str | None = None, plot: str | None = None, progress: Progress = QUIET) -> Any:
     """Which physical point each slot of ``subject`` really is (a HarnessResult); ``plot`` also
@@ -71,6 +73,7 @@ def match(*, subject: str, ref: str, spec: str | None = None, slots: Sequence[st
     return result
 
 
+@engine_command
 def verify(*, spec: str, subject: str, ref: str, slots: Sequence[str] = (), input_ids: str | None = None,
            plot: str | None = None, progress: Progress = QUIET) -> Verification:
     """Is every slot of ``subject`` what ``spec`` declares? Not: a mismatch (exit 3)."""

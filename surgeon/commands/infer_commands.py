@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from surgeon.commands.platform import engine_command
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.commands.results import write_new_file
 from surgeon.core.errors import BadInput
@@ -37,6 +38,7 @@ def read_prompts(path: str) -> list[Any]:
     return prompts
 
 
+@engine_command
 def infer_wiring(*, draft: str, target: str, prompts: str | None = None, output: str | None = None,
                  progress: Progress = QUIET) -> Any:
     """The wiring ``draft``'s fc was trained on, against the HF model ``target``, with margins, each

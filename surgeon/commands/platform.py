@@ -4,6 +4,9 @@ vLLM picks some architectures' classes per platform (``vllm/models/<family>/<pla
 command that probes an engine takes ``platform`` ("cuda", the default, "rocm" or "cpu") and runs
 inside :func:`surgeon.engines.view.platform_scope`, so every engine it opens, however deep in the
 library, answers for that platform and says so.
+
+A command that only reads engines (:func:`engine_command`) also runs inside one
+:func:`surgeon.engines.view.engine_session`: each engine is opened once for the whole command.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from surgeon.engines.view import PLATFORM_CHOICES, platform_scope
+from surgeon.engines.view import PLATFORM_CHOICES, engine_session, platform_scope
 
-__all__ = ["PLATFORM_CHOICES", "platform_command"]
+__all__ = ["PLATFORM_CHOICES", "engine_command", "platform_command"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -31,5 +34,18 @@ def platform_command(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         with platform_scope(platform):
             return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def engine_command(fn: Callable[P, R]) -> Callable[P, R]:
+    """:func:`platform_command` for a command that reads engines and edits none: it also opens each
+    engine once (one :class:`surgeon.engines.view.EngineView` per engine for the whole command)."""
+    scoped = platform_command(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with engine_session():
+            return scoped(*args, **kwargs)
 
     return wrapper

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from surgeon.commands.platform import platform_command
+from surgeon.commands.platform import engine_command
 from surgeon.commands.progress import QUIET, Progress, open_engines
 from surgeon.commands.results import GeneratedText, write_new_file
 from surgeon.core.errors import BadInput
@@ -35,7 +35,7 @@ def schema(*, output: str = "spec") -> SchemaResult:
     return SchemaResult(output_schema(output))
 
 
-@platform_command
+@engine_command
 def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str | None = None,
          strict: bool = False, platform: str | None = None, progress: Progress = QUIET,
          skip_non_specs: bool = False, pp: int | None = None, tp: int = 1) -> LintReport:
@@ -57,7 +57,7 @@ def lint(*, specs: Sequence[str], engines: Sequence[str] = (), engine_root: str 
     return LintReport(lint_files(specs, engines=tuple(engines), roots=roots, strict=strict, pp=pp, tp=tp))
 
 
-@platform_command
+@engine_command
 def explain(*, spec: str, engine: str | None = None, engine_root: str | None = None,
             model_class: str | None = None, platform: str | None = None, progress: Progress = QUIET) -> Any:
     """Per capture: its point, every convention's id (or why none), fc slot and dump slot."""
@@ -70,7 +70,7 @@ def explain(*, spec: str, engine: str | None = None, engine_root: str | None = N
     return explain_spec(s, roots=roots, model_classes={engine: model_class} if engine and model_class else {})
 
 
-@platform_command
+@engine_command
 def render(*, spec: str, target: str, engine_root: str | None = None, model_class: str | None = None,
            pin: bool = False, platform: str | None = None, progress: Progress = QUIET) -> RenderReport:
     """The draft-config fragment and launch flags for ``target``; ``pin`` also writes the
@@ -94,7 +94,7 @@ def render(*, spec: str, target: str, engine_root: str | None = None, model_clas
     return report
 
 
-@platform_command
+@engine_command
 def check_draft(*, spec: str, draft: str, engine: str, engine_root: str | None = None,
                 model_class: str | None = None, platform: str | None = None,
                 progress: Progress = QUIET) -> DraftVerdict:
@@ -109,7 +109,7 @@ def check_draft(*, spec: str, draft: str, engine: str, engine_root: str | None =
     return DraftVerdict(check(s, draft, engine, engine_root=engine_root, model_class=model_class))
 
 
-@platform_command
+@engine_command
 def review(*, old: str, new: str, platform: str | None = None, progress: Progress = QUIET) -> ReviewReport:
     """Markdown for a pull-request comment on the change from spec ``old`` to spec ``new``."""
     from surgeon.core.spec import load_spec
@@ -120,7 +120,7 @@ def review(*, old: str, new: str, platform: str | None = None, progress: Progres
     return ReviewReport(review_specs(a, b))
 
 
-@platform_command
+@engine_command
 def conventions(*, engine: str, engine_root: str | None = None, platform: str | None = None,
                 progress: Progress = QUIET) -> Any:
     """The installed engine's probe: what its ids mean, per model class, read from its source."""

@@ -1,8 +1,11 @@
 """Which convention applies: the installed engine's probe when there is one, else the built-in
 table (and every report says which).
 
-An :class:`EngineView` is one engine as surgeon sees it in this environment. Views are cached per
-(engine, root) for the process, so a command that renders several specs probes once.
+An :class:`EngineView` is one engine as surgeon sees it in this environment: the handle every
+question about the engine goes to. A probe is cached for the process while the engine's model
+files are unchanged; within an :func:`engine_session` (a command that reads engines) the view
+itself is opened once, so the command neither locates the engine again nor re-reads its files'
+signature per question, and all its answers rest on one reading.
 """
 
 from __future__ import annotations
@@ -189,6 +192,23 @@ def _open(engine: str, root: str | None) -> EngineView:
 
 _progress_hook: dict[str, Callable[[int, int], None]] = {}
 
+# The engines the running command has opened, by (engine, root, platform): within a session every
+# question about an engine goes to the one view opened first, instead of locating the engine and
+# reading its source's signature again (a walk of every model file) for each question.
+_session: ContextVar[dict[tuple, EngineView] | None] = ContextVar("surgeon_engine_session", default=None)
+
+
+@contextlib.contextmanager
+def engine_session() -> Iterator[None]:
+    """Within the block, each engine (per root and platform) is opened once: every answer of the
+    command rests on the same reading of its source. For commands that read engines, never for one
+    that edits an engine's files (apply, revert, the demo), which must see the files change."""
+    token = _session.set({})
+    try:
+        yield
+    finally:
+        _session.reset(token)
+
 
 def open_engine(engine: str, root: str | Path | None = None, *, progress: Callable[[int, int], None] | None = None,
                 platform: str | None = None) -> EngineView:
@@ -203,10 +223,18 @@ def open_engine(engine: str, root: str | Path | None = None, *, progress: Callab
             return open_engine(engine, root, progress=progress)
     if progress is not None:
         _progress_hook[engine] = progress
+    resolved = None if root is None else str(Path(root).resolve())
+    opened = _session.get()
+    key = (engine, resolved, current_platform() if engine == "vllm" else None)
+    if opened is not None and key in opened:
+        return opened[key]
     try:
-        return _open(engine, None if root is None else str(Path(root).resolve()))
+        view = _open(engine, resolved)
     finally:
         _progress_hook.pop(engine, None)
+    if opened is not None:
+        opened[key] = view
+    return view
 
 
 def model_class_for(spec, engine: str, override: str | None = None) -> str:
