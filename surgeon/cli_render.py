@@ -83,6 +83,14 @@ class RichProgress:
             yield
 
 
+def _headline(text: str, colours: str | dict[str, str]) -> None:
+    """A report's first line, its verdict word coloured: by the verdict (``colours`` a dict, red for
+    any verdict it does not name) or as ``colours`` says."""
+    word, _, rest = text.partition(":")
+    colour = colours if isinstance(colours, str) else colours.get(word, "red")
+    out.print(f"[{colour}]{word}[/]:{escape(rest)}")
+
+
 def print_generated(result: GeneratedText) -> None:
     """Generated text: on stdout, or a note of the new file it went to."""
     if result.written is None:
@@ -170,8 +178,7 @@ def print_draft_check(r: DraftReport) -> None:
 def print_inferred_wiring(r: InferReport) -> None:
     data = output_of("infer-wiring", r)
     assert isinstance(data, InferWiringOutput)
-    word, _, rest = data.headline.partition(":")
-    out.print(f"[{'green' if data.decided else 'yellow'}]{word}[/]:{escape(rest)}")
+    _headline(data.headline, "green" if data.decided else "yellow")
     out.print(f"[bold]{escape(data.draft)}[/] ({escape(data.fc_tensor)}) against {escape(data.target)}: "
               f"{data.n_slots} fc slots, {data.num_layers} layers, {data.tokens} tokens")
     table = Table(title="weight space: each fc slot's alignment with each point's states (relative to its slot)")
@@ -232,8 +239,7 @@ def print_inferred_wiring(r: InferReport) -> None:
 
 
 def print_accept(r: AcceptReport) -> None:
-    word, _, rest = r.headline.partition(":")
-    out.print(f"[{ {'separated': 'green', 'undecided': 'yellow'}.get(word, 'red') }]{word}[/]:{escape(rest)}")
+    _headline(r.headline, {"separated": "green", "undecided": "yellow"})
     out.print(f"[bold]{escape(r.draft)}[/] on {escape(r.target)} against {escape(r.spec)}: {r.steps} draft steps, "
               f"greedy, {r.n_prompts} prompts continued to {r.length} tokens")
     out.print(f"  prompts: {escape(r.prompts)}")
@@ -317,10 +323,7 @@ def print_match(result: HarnessResult) -> None:
     for s in result.report.slots:
         table.add_row(s.name, str(s.declared or "-"), str(s.matched or "none"), f"{s.rel_err:.4f}",
                       s.margin_text, f"[{style.get(s.verdict, 'white')}]{s.verdict}[/]")
-    head = result.headline
-    word, _, rest = head.partition(":")
-    colour = {"ok": "green", "identified": "green", "undecided": "yellow"}.get(word, "red")
-    out.print(f"[{colour}]{word}[/]:{escape(rest)}")
+    _headline(result.headline, {"ok": "green", "identified": "green", "undecided": "yellow"})
     out.print(f"{escape(result.subject.source)} ({result.subject.layout}) vs {escape(str(result.reference_source))}; "
               f"tokens: {escape(result.alignment)}")
     out.print(table)
@@ -339,8 +342,7 @@ def print_audit(report: AuditReport) -> None:
 
     j = output_of("audit", report)
     assert isinstance(j, AuditOutput)
-    word, _, rest = j.headline.partition(":")
-    out.print(f"[{ {'ok': 'green', 'undecided': 'yellow'}.get(word, 'red') }]{word}[/]:{escape(rest)}")
+    _headline(j.headline, {"ok": "green", "undecided": "yellow"})
     out.print(f"{escape(j.root)}: {j.files} files ({', '.join(f'{v} {k}' for k, v in j.layouts.items())}), "
               f"{j.resumed} from the resume state; {j.files_per_s or '-'} files/s, {j.mb_per_s or '-'} MB/s "
               f"({j.backend}, {j.workers} worker{'s' if j.workers != 1 else ''})")

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from surgeon.core.shapes import Reads, reads
+
 PARAM_TOKENS = 5e11  # the automatic budget: the target's parameters x the escalated files' tokens
 # a target this small runs on one torch thread: its ops take a few ms, and two threads stall at each
 # op's barrier when a neighbour is busy (measured on 2 cores, a Llama of 14M parameters on 1024 tokens:
@@ -128,6 +130,7 @@ class ExactRun:
         return head + f"; {found} with a slot not its declared point; {self.seconds:.1f} s"
 
 
+@reads("run", "model budget rule params seconds")
 @dataclass(frozen=True)
 class ExactReport:
     """Exact identification as an audit reports it (``exact`` in the JSON:
@@ -138,37 +141,9 @@ class ExactReport:
     files: int
     found: int
 
-    @property
-    def model(self) -> str | None:
-        return self.run.model
-
-    @property
-    def budget(self) -> int | None:
-        return self.run.budget
-
-    @property
-    def rule(self) -> str:
-        return self.run.rule
-
-    @property
-    def params(self) -> int | None:
-        return self.run.params
-
-    @property
-    def undecided_files(self) -> int:
-        return self.run.undecided
-
-    @property
-    def escalated(self) -> int:
-        return len(self.run.escalated)
-
-    @property
-    def spot_checked(self) -> int:
-        return len(self.run.spot)
-
-    @property
-    def seconds(self) -> float:
-        return self.run.seconds
+    undecided_files = Reads("run.undecided")
+    escalated = property(lambda self: len(self.run.escalated))  # how many of the undecided files
+    spot_checked = property(lambda self: len(self.run.spot))  # how many others, evenly spaced
 
 
 def select(run: ExactRun, n: int, undecided: list[tuple[int, int]]) -> None:

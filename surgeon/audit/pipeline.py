@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from surgeon.audit import summary
 from surgeon.audit.aggregate import Aggregate, SlotAggregate
 from surgeon.audit.exact import PARAM_TOKENS, ExactReport, ExactRun, identify_exactly, open_slots, select
 from surgeon.audit.heap import settled, trim
@@ -40,6 +41,7 @@ from surgeon.audit.worker import (
     run_batch_here,
 )
 from surgeon.core.errors import UNDECIDED, BadInput
+from surgeon.core.shapes import Reads
 
 FAILING = ("identity", "exact")  # finding kinds that say a slot is not what the spec declares
 
@@ -85,30 +87,15 @@ class AuditReport:
         (an internal error: the rest of the set audited and reported all the same)."""
         return 1 if self.agg.kinds.get(ERROR) else 3 if self.agg.flagged else UNDECIDED if self.undecided else 0
 
-    @property
-    def verdict(self) -> str:
-        """ok, flagged, undecided or error (:func:`surgeon.audit.summary.verdict`)."""
-        from surgeon.audit import summary
-
-        return summary.verdict(self)
-
-    @property
-    def headline(self) -> str:
-        """The report's first line (:func:`surgeon.audit.summary.headline`)."""
-        from surgeon.audit import summary
-
-        return summary.headline(self)
+    verdict = property(summary.verdict)  # ok, flagged, undecided or error
+    headline = property(summary.headline)  # the report's first line
 
     @property
     def cannot_see(self) -> list[str]:
         """Where a slot is undecided, the faults only the identity pass finds; else none."""
-        from surgeon.audit import summary
-
         return list(summary.CANNOT_SEE) if self.undecided else []
 
-    @property
-    def flagged(self) -> int:
-        return self.agg.flagged
+    flagged = Reads("agg.flagged")
 
     @property
     def findings(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ from typing import Any
 from surgeon.commands.platform import engine_command
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.core.errors import BadInput
+from surgeon.core.shapes import Reads
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -105,17 +106,8 @@ class Verification:
 
     result: Any  # surgeon.verify.harness.HarnessResult
 
-    @property
-    def ok(self) -> bool:
-        return bool(self.result.ok)
-
-    @property
-    def exit_code(self) -> int:
-        """0 every declared slot as declared, 3 one is not, 4 undecided (none wrong, one the reference
-        cannot tell apart)."""
-        return int(self.result.exit_code)
-
-    @property
-    def reported(self) -> Any:
-        """The match behind the verdict: what ``--json`` prints (surgeon.commands.outputs.harness.VerifyOutput)."""
-        return self.result
+    ok = Reads("result.ok")
+    # 0 every declared slot as declared, 3 one is not, 4 undecided (none wrong, one the reference
+    # cannot tell apart)
+    exit_code = Reads("result.exit_code")
+    reported = Reads("result")  # what --json prints (surgeon.commands.outputs.harness.VerifyOutput)

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from surgeon.commands.outputs.patches import EngineRevert
 from surgeon.commands.platform import platform_command
 from surgeon.commands.progress import QUIET, Progress, open_engines
 from surgeon.core.errors import BadInput
+from surgeon.core.shapes import Reads, reads
 from surgeon.patch.apply import SpecIdentity
 from surgeon.patch.manifest import ABSENT, FileStatus, PatchStatus, Unrecorded
 
@@ -90,7 +92,8 @@ def revert(*, name: str | None = None, all_: bool = False, force: bool = False, 
     report = RevertReport()
     for e, m in choose_reverts(engines_with_managers(engine, engine_root), name, all_):
         r = m.revert(name, all=all_, force=force)
-        report.reverted.append(EngineRevert(e, str(m.root), r.reverted, r.restored, r.warnings, r.recovered))
+        report.reverted.append(EngineRevert(engine=e, engine_root=str(m.root), reverted=r.reverted, restored=r.restored,
+                                            warnings=r.warnings, recovered=r.recovered))
     return report
 
 
@@ -132,21 +135,10 @@ class EngineDoctor:
     engine: str
     result: Any  # surgeon.patch.doctor.DoctorResult
 
-    @property
-    def engine_root(self) -> Path:
-        return self.result.root
-
-    @property
-    def repair(self) -> bool:
-        return self.result.repair
-
-    @property
-    def healthy(self) -> bool:
-        return self.result.healthy
-
-    @property
-    def findings(self) -> list[Any]:  # surgeon.patch.doctor.Finding
-        return self.result.findings
+    engine_root = Reads("result.root")
+    repair = Reads("result.repair")
+    healthy = Reads("result.healthy")
+    findings = Reads("result.findings")  # surgeon.patch.doctor.Finding
 
 
 @dataclass
@@ -160,9 +152,7 @@ class DoctorReport:
     def healthy(self) -> bool:
         return all(r.healthy for _, r in self.results)
 
-    @property
-    def ok(self) -> bool:
-        return self.healthy
+    ok = Reads("healthy")
 
     @property
     def engines(self) -> list[EngineDoctor]:
@@ -182,17 +172,9 @@ def doctor(*, engine: str | None = None, engine_root: str | None = None, repair:
 
 
 @dataclass
-class EngineRevert:
-    engine: str
-    engine_root: str
-    reverted: list[str]
-    restored: list[str]
-    warnings: list[str]
-    recovered: str | None
-
-
-@dataclass
 class RevertReport:
+    """What each engine's revert did; each entry is its output model (one declaration of the shape)."""
+
     reverted: list[EngineRevert] = field(default_factory=list)  # empty: --all with nothing applied
 
 
@@ -214,13 +196,8 @@ class _PatchView:
 
     patch: PatchStatus
 
-    @property
-    def name(self) -> str:
-        return self.patch.name
-
-    @property
-    def state(self) -> str:
-        return self.patch.state
+    name = Reads("patch.name")
+    state = Reads("patch.state")
 
     @property
     def files(self) -> list[PatchedFile]:
@@ -239,9 +216,7 @@ class EnginePatch(_PatchView):
     def spec(self) -> SpecIdentity:
         return SpecIdentity(self.patch.spec_name, self.patch.spec_sha256)
 
-    @property
-    def engine_version(self) -> str:
-        return self.patch.engine_version
+    engine_version = Reads("patch.engine_version")
 
     @property
     def created(self) -> str:
@@ -249,35 +224,19 @@ class EnginePatch(_PatchView):
         return self.patch.created
 
 
-class EngineUnrecorded(NamedTuple):
-    """A file carrying a patch marker no manifest records, and the engine it is in."""
-
+class _Unrecorded(NamedTuple):
     engine: str
     file: Unrecorded
 
-    @property
-    def relpath(self) -> str:
-        return self.file.relpath
 
-    @property
-    def patch(self) -> str:
-        return self.file.marker.name
+@reads("file.marker", "spec_sha256 manifest_id original_sha256")
+class EngineUnrecorded(_Unrecorded):
+    """A file carrying a patch marker no manifest records, and the engine it is in (unpacks as
+    ``(engine, file)``)."""
 
-    @property
-    def spec_sha256(self) -> str:
-        return self.file.marker.spec_sha256
-
-    @property
-    def manifest_id(self) -> str:
-        return self.file.marker.manifest_id
-
-    @property
-    def original_sha256(self) -> str:
-        return self.file.marker.original_sha256
-
-    @property
-    def restorable(self) -> bool:
-        return self.file.restorable
+    relpath = Reads("file.relpath")
+    patch = Reads("file.marker.name")
+    restorable = Reads("file.restorable")
 
     @property
     def advice(self) -> str:

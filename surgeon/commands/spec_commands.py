@@ -12,6 +12,7 @@ from surgeon.commands.platform import engine_command
 from surgeon.commands.progress import QUIET, Progress, open_engines
 from surgeon.commands.results import GeneratedText, write_new_file
 from surgeon.core.errors import BadInput
+from surgeon.core.shapes import Reads
 
 ENGINES = ("sglang", "vllm")
 
@@ -162,9 +163,7 @@ class LintReport:
     def exit_code(self) -> int:
         return 0 if self.ok else 2
 
-    @property
-    def specs(self) -> list[Any]:
-        return self.results
+    specs = Reads("results")
 
 
 @dataclass
@@ -174,9 +173,7 @@ class RenderReport:
     rendering: Any  # surgeon.wiring.render.Rendering
     pinned: dict | None = None  # the engines.<engine> values written into the spec (--pin)
 
-    @property
-    def reported(self) -> Any:
-        return self.rendering
+    reported = Reads("rendering")
 
 
 @dataclass
@@ -185,27 +182,17 @@ class DraftVerdict:
 
     report: Any  # surgeon.wiring.draft.DraftReport
 
-    @property
-    def ok(self) -> bool:
-        return bool(self.report.ok)
+    ok = Reads("report.ok")
+    reported = Reads("report")
 
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 3
-
-    @property
-    def reported(self) -> Any:
-        return self.report
 
 
 @dataclass
 class ReviewReport:
     review: Any  # surgeon.wiring.review.Review
 
-    @property
-    def markdown(self) -> str:
-        return self.review.markdown
-
-    @property
-    def reported(self) -> Any:
-        return self.review
+    markdown = Reads("review.markdown")
+    reported = Reads("review")

@@ -44,25 +44,8 @@ def atomic_write(path: Path, data: bytes | None, mode: int | None = None) -> Non
             os.unlink(path)
         fsync_dir(path.parent)
         return
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
-    except OSError as e:
-        raise _named(e, path) from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            if mode is not None:
-                os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):  # disk full, file too large, permission denied: name the file
-            raise _named(e, path) from None
-        raise
-    fsync_dir(path.parent)
+    with atomic_writer(path, mode) as tmp:
+        tmp.write_bytes(data)
 
 
 @contextlib.contextmanager

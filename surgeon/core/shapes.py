@@ -8,8 +8,10 @@ use them."""
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable
 from pathlib import PurePath
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
@@ -47,3 +49,34 @@ Finite = Annotated[float | None, BeforeValidator(_finite)]
 Seconds = Annotated[float, AfterValidator(lambda v: round(v, 3))]
 #: A fraction, to 4 decimals.
 Fraction = Annotated[float, AfterValidator(lambda v: round(v, 4))]
+#: Seconds per step (a dict of them), to the hundredth.
+Timings = Annotated[dict[str, float], AfterValidator(lambda d: {k: round(v, 2) for k, v in d.items()})]
+
+
+class Reads:
+    """An attribute that is another object's, read through a dotted path: ``engine =
+    Reads("plan.engine")`` on a result whose output reports its plan's engine at its own level.
+    What an output model reads where the result holds the field one object down, declared in one
+    line instead of a property that only forwards."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._get = operator.attrgetter(path)
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else self._get(obj)
+
+
+_T = TypeVar("_T", bound=type)
+
+
+def reads(path: str, names: str) -> Callable[[_T], _T]:
+    """A class decorator: each of ``names`` (space-separated) becomes ``Reads(f"{path}.{name}")``,
+    for a result whose output reports several fields of one object it holds under their own names."""
+
+    def add(cls: _T) -> _T:
+        for name in names.split():
+            setattr(cls, name, Reads(f"{path}.{name}"))
+        return cls
+
+    return add

@@ -36,6 +36,7 @@ import torch
 
 from surgeon.core.errors import UNDECIDED, BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
+from surgeon.core.shapes import Reads
 from surgeon.core.spec import Spec
 from surgeon.draft.behaviour import LOGPROB_BYTES, kl_to_draft
 from surgeon.draft.model import DraftInfo, Eagle3Draft, chained_logits, one_thread
@@ -102,22 +103,15 @@ class WiringResult:
     not_servable: str | None = None
     divergence: float | None = None  # nats per chain, summed over the K steps (module docstring)
 
-    @property
-    def name(self) -> str:
-        return self.wiring.name
-
-    @property
-    def why(self) -> str:
-        return self.wiring.why
+    name = Reads("wiring.name")
+    why = Reads("wiring.why")
 
     @property
     def points(self) -> list[str | None]:
         """The wiring's points as written (None: never captured)."""
         return [None if p is None else str(p) for p in self.wiring.points]
 
-    @property
-    def note(self) -> str | None:
-        return self.wiring.note
+    note = Reads("wiring.note")
 
     @property
     def accept_length(self) -> float | None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from surgeon.core.shapes import Reads
+
 TRAINED_ON = ["layer_out[1]", "layer_out[2]", "layer_out[3]"]
 #: vLLM's ids for TRAINED_ON (id k captures layer k's input), in eagle_config: vLLM's V1 model runner
 #: reads them there, its V2 runner does not, and SGLang cannot capture the last layer's output at all,
@@ -59,9 +61,7 @@ class DraftDemo:
         """What infer-wiring found (an InferReport)."""
         return self.inferred
 
-    @property
-    def timings_s(self) -> dict[str, float]:
-        return {k: round(v, 2) for k, v in self.timings.items()}
+    timings_s = Reads("timings")  # printed to the hundredth (surgeon.core.shapes.Timings)
 
 
 def run_draft_demo(work: Path, note: Callable[[str], None] = lambda s: None) -> DraftDemo:

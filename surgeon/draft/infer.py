@@ -43,6 +43,7 @@ from safetensors import safe_open
 from surgeon.core.conventions import EAGLE, HF, Convention
 from surgeon.core.errors import UNDECIDED, BadInput, SurgeonError
 from surgeon.core.points import Point, all_points
+from surgeon.core.shapes import Reads, reads
 from surgeon.core.spec import load_spec
 from surgeon.draft.behaviour import LOGPROB_BYTES, DraftBehaviour, Evaluation, target_logprobs
 from surgeon.draft.model import Eagle3Draft, load_draft
@@ -494,6 +495,7 @@ def stated_check(spec, draft: str) -> list[StatedCheck]:
 # -- what the report says, as infer-wiring prints it ------------------------------------------
 
 
+@reads("score_of", "slot runner_up_score margin")
 @dataclass(frozen=True)
 class SlotVerdict:
     """One slot's weight-space verdict as reported: it does not decide where the decided behaviour
@@ -501,30 +503,15 @@ class SlotVerdict:
 
     score_of: SlotScore
     contradicted: bool
-
-    @property
-    def slot(self) -> int:
-        return self.score_of.slot
+    score = Reads("score_of.best_score")
 
     @property
     def point(self) -> str:
         return str(self.score_of.best)
 
     @property
-    def score(self) -> float:
-        return self.score_of.best_score
-
-    @property
     def runner_up(self) -> str | None:
         return None if self.score_of.runner_up is None else str(self.score_of.runner_up)
-
-    @property
-    def runner_up_score(self) -> float | None:
-        return self.score_of.runner_up_score
-
-    @property
-    def margin(self) -> float | None:
-        return self.score_of.margin
 
     @property
     def decides(self) -> bool:

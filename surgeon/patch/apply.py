@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from surgeon.core.errors import BadInput
+from surgeon.core.shapes import Reads, reads
 from surgeon.core.spec import Spec, load_spec
 from surgeon.engines.source.locate import EngineLocation, ProbeError, locate_engine
 from surgeon.patch.manifest import ApplyResult, FileChange, PatchError, PatchManager, PatchStatus, RevertResult
@@ -88,6 +89,7 @@ class SpecIdentity:
     sha256: str
 
 
+@reads("plan", "engine engine_version engine_root model_file loop_class hooks_file hooks_module mode max_tokens recipe anchors")
 @dataclass
 class ApplyOutcome:
     """What ``surgeon apply`` did: the plan, and (unless a dry run) the transaction's result. The
@@ -99,53 +101,7 @@ class ApplyOutcome:
     result: ApplyResult | None = None
     diff: str | None = None
 
-    @property
-    def patch(self) -> str:
-        return self.plan.name
-
-    @property
-    def engine(self) -> str:
-        return self.plan.engine
-
-    @property
-    def engine_version(self) -> str:
-        return self.plan.engine_version
-
-    @property
-    def engine_root(self) -> Path:
-        return self.plan.engine_root
-
-    @property
-    def model_file(self) -> str:
-        return self.plan.model_file
-
-    @property
-    def loop_class(self) -> str | None:
-        return self.plan.loop_class
-
-    @property
-    def hooks_file(self) -> str:
-        return self.plan.hooks_file
-
-    @property
-    def hooks_module(self) -> str:
-        return self.plan.hooks_module
-
-    @property
-    def mode(self) -> str:
-        return self.plan.mode
-
-    @property
-    def max_tokens(self) -> int:
-        return self.plan.max_tokens
-
-    @property
-    def recipe(self) -> str:
-        return self.plan.recipe
-
-    @property
-    def anchors(self) -> list[str]:
-        return self.plan.anchors
+    patch = Reads("plan.name")
 
     @property
     def spec(self) -> SpecIdentity:

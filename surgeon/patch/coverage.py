@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from surgeon.core.errors import BadInput
+from surgeon.core.shapes import Reads
 from surgeon.engines.source.anatomy import ast_span, loops_over_ast
 from surgeon.engines.source.locate import ProbeError, layout_of, locate_engine
 from surgeon.patch.planner import Checker
@@ -84,9 +85,7 @@ class ClassCoverage:
     # (embed / final_norm then say what the guarded patch inserts)
     with_guard: bool = False
 
-    @property
-    def patchable(self) -> bool:
-        return self.layers
+    patchable = Reads("layers")
 
     @property
     def patchable_with_guard(self) -> bool:
@@ -181,13 +180,8 @@ class EngineCoverage:
         """How many classes take the final-norm capture."""
         return sum(c.final_norm for c in self.classes)
 
-    @property
-    def fraction(self) -> float:
-        return self.decoder.fraction
-
-    @property
-    def fraction_all(self) -> float:
-        return self.all.fraction
+    fraction = Reads("decoder.fraction")
+    fraction_all = Reads("all.fraction")
 
     @property
     def fraction_guarded(self) -> float:

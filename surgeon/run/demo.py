@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from surgeon.core.data import data_file
 from surgeon.core.errors import BadInput
+from surgeon.core.shapes import Reads
 
 if TYPE_CHECKING:  # harness imports torch; the demo imports it only when it runs the check
     from surgeon.verify.harness import HarnessResult
@@ -66,13 +67,9 @@ class DemoResult:
         return bool(self.right is not None and self.right.ok and self.wrong is not None and not self.wrong.ok
                     and self.reverted_identical and (self.draft is None or self.draft.ok))
 
-    @property
-    def reverted_byte_identical(self) -> bool:
-        return self.reverted_identical
+    reverted_byte_identical = Reads("reverted_identical")
 
-    @property
-    def timings_s(self) -> dict[str, float]:
-        return {k: round(v, 2) for k, v in self.timings.items()}
+    timings_s = Reads("timings")  # printed to the hundredth (surgeon.core.shapes.Timings)
 
 
 def _reverted_byte_identical(model_file: Path, original_sha: str, hooks_file: Path) -> bool:

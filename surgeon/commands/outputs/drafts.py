@@ -11,7 +11,7 @@ from pydantic import BeforeValidator, Field
 
 from surgeon.commands.outputs.base import _Output
 from surgeon.commands.outputs.harness import MatchResult
-from surgeon.core.shapes import Closed, PathText, Point
+from surgeon.core.shapes import Closed, PathText, Point, Timings
 
 
 def _blank_none(value: Any) -> Any:
@@ -167,7 +167,7 @@ class DemoDraftStep(Closed):
     drop: float | None
     infer_wiring: InferWiring
     accept: Accept
-    timings_s: dict[str, float]
+    timings_s: Timings
 
 
 def _draft_step(value: Any) -> Any:
@@ -196,4 +196,4 @@ class DemoOutput(_Output):
     wrong: MatchResult | None
     draft: DraftStep = Field(description="the draft step (surgeon.draft.demo): ok, trained_on, drop, and "
                                                      "the infer-wiring and accept outputs")
-    timings_s: dict[str, float]
+    timings_s: Timings
