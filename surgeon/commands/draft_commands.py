@@ -1,4 +1,4 @@
-"""Commands on draft checkpoints as evidence of their wiring (issue 15): accept."""
+"""Commands on draft checkpoints as evidence of their wiring: accept."""
 
 from __future__ import annotations
 

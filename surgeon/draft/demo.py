@@ -1,7 +1,7 @@
 """The demo's draft step (``surgeon demo``, after the engine steps): the draft as evidence, offline.
 
 The demo's tiny vLLM model is random, so a draft trained on it would learn nothing from its states
-(issue 15, point 4). This step uses :mod:`surgeon.draft.synthetic`'s tiny target instead (4 layers,
+and would show nothing. This step uses :mod:`surgeon.draft.synthetic`'s tiny target instead (4 layers,
 hidden 64, trained on an induction language) and an EAGLE-3 draft trained on it with a KNOWN wiring
 (layer_out[1..3], its config stating vLLM's ids for them, [2, 3, 4]), both cached under
 ``$XDG_CACHE_HOME/surgeon/draft-fixtures`` (about 25 s to train on 2 busy cores the first time).

@@ -363,7 +363,7 @@ def default_prompts(vocab_size: int, *, count: int = 16, length: int = 36, seed:
     """``count`` prompts of ``length`` token ids (seeded): a run of ``length // 3`` distinct random
     tokens repeated. Repeats are where a target's deep states matter (copying the token that
     followed the previous occurrence takes an induction circuit over several layers); on uniform
-    random tokens a draft can ignore the states and every wiring scores alike (issue 15)."""
+    random tokens a draft can ignore the states and every wiring scores alike."""
     g = torch.Generator().manual_seed(seed)
     run = max(length // 3, 1)
     out = []

@@ -1,8 +1,8 @@
 """A tiny target whose hidden states matter, and EAGLE-3 drafts trained on it with a KNOWN wiring.
 
 Why: on tiny random targets fed uniform random tokens a trained one-layer draft rebuilds the next
-token from its own embeddings and ignores the hidden states, so every wiring scores alike (issue
-15, point 4). Here the target is trained on an induction language: each sequence is a run of
+token from its own embeddings and ignores the hidden states, so every wiring scores alike. Here
+the target is trained on an induction language: each sequence is a run of
 distinct random tokens repeated, so in the copy the next token is "the token that followed the
 previous occurrence of the current token" -- a two-step circuit (previous-token head, then
 induction head) that the target builds over its layers and that one draft layer fed the wrong

@@ -95,7 +95,8 @@ class UnrecordedFile(Closed):
 class StatusOutput(_Output):
     ok: bool = Field(description="every patched file is as applied (exit 3 otherwise)")
     patches: list[AppliedPatch]
-    # patched files no manifest records, interrupted transactions (issue 14); always printed
+    # patched files no manifest records, interrupted transactions: keys added after format 1 was
+    # fixed, so optional in the schema (older outputs still validate); this release always prints them
     unrecorded: list[UnrecordedFile] | None = None
     recovered: list[str] | None = None
     pending: list[str] | None = None
@@ -193,7 +194,8 @@ class EngineCoverage(Closed):
     native: int
     final_norm: int
     classes: list[ClassCoverage]
-    # the platform, per-directory counts, non-decoder classes apart (issue 14); always printed
+    # the platform, per-directory counts, non-decoder classes apart: keys added after format 1 was
+    # fixed, so optional in the schema (older outputs still validate); this release always prints them
     platform: str | None = None
     trees: list[dict[str, Any]] | None = None
     non_decoder: NonDecoderClasses | None = None

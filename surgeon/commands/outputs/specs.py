@@ -271,7 +271,8 @@ class ProbedClass(Closed):
     tail_capture: bool
     no_capture: bool
     delegates: bool = False
-    # being added next to this (issue 14): the capture sites read and whether the answer is verified
+    # the capture sites read and whether the answer is verified: keys added after format 1 was fixed,
+    # so optional in the schema (older outputs still validate)
     sites: Annotated[list[dict[str, Any]] | None, BeforeValidator(_records)] = None
     verified: bool | None = None
     unverified_reason: str | None = None
@@ -354,7 +355,8 @@ class ConventionsOutput(_Output):
     registered: dict[str, str] = Field(default_factory=dict,
                                        description="registered architecture without a capture interface -> path:line class")
     classes: Annotated[list[ProbedClass], BeforeValidator(_by_place)]
-    # being added next to this (issue 14): the platform answered for, per-platform dispatch, the runner read
+    # the platform answered for, per-platform dispatch, the runner read: keys added after format 1 was
+    # fixed, so optional in the schema (older outputs still validate)
     platform: str | None = None
     dispatch: Annotated[dict[str, Any] | None, BeforeValidator(_dispatch_by_arch)] = None
     runner: Annotated[dict[str, Any] | None, BeforeValidator(_through(_Runner))] = None
