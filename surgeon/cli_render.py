@@ -393,7 +393,7 @@ def print_dump_info(info: DumpInfo) -> None:
               f"{escape(m.get('engine') or '?')} {escape(m.get('engine.version', ''))}, model {escape(m.get('model') or '?')}, "
               f"{m.get('tokens')} tokens, {m.get('dtype')}")
     for c in info.captures:
-        out.print(f"  {c['name']}: {c['point']} {c['shape']}")
+        out.print(f"  {c.name}: {c.point} {c.shape}")
 
 
 def _print_field_dump_info(info: DumpInfo) -> None:
@@ -404,15 +404,15 @@ def _print_field_dump_info(info: DumpInfo) -> None:
     out.print(f"[bold]{escape(info.file)}[/]: {what}, {len(info.records)} record(s); the first: {m.get('tokens')} tokens, "
               f"hidden {m.get('hidden_size')}, {m.get('dtype')}")
     if p is not None:
-        out.print(f"  written by: {escape(' or '.join(p['detected']))} ({escape(p['why'])})")
-        out.print(f"  labelled by: {escape('--slots ' + p['given']) if p['given'] else '[yellow]nothing (no --slots)[/]'}")
+        out.print(f"  written by: {escape(' or '.join(p.detected))} ({escape(p.why)})")
+        out.print(f"  labelled by: {escape('--slots ' + p.given) if p.given else '[yellow]nothing (no --slots)[/]'}")
     for c in info.captures:
-        point = c["point"] if c["point"] is not None else "[yellow]not recorded[/]"
-        out.print(f"  {escape(c['name'])}: {point} {c['shape']} {c['dtype']}")
+        point = c.point if c.point is not None else "[yellow]not recorded[/]"
+        out.print(f"  {escape(c.name)}: {point} {c.shape} {c.dtype}")
     for r in info.records[:10]:
-        mask = f", {r['loss_mask']} in the loss" if r["loss_mask"] is not None else ""
-        out.print(f"  record {r['index']} ({escape(r['id'] or '-')}): {r['tokens']} tokens, "
-                  f"input ids {'yes' if r['input_ids'] else 'no'}{mask}")
+        mask = f", {r.loss_mask} in the loss" if r.loss_mask is not None else ""
+        out.print(f"  record {r.index} ({escape(r.id or '-')}): {r.tokens} tokens, "
+                  f"input ids {'yes' if r.input_ids else 'no'}{mask}")
     if len(info.records) > 10:
         out.print(f"  ... and {len(info.records) - 10} more records (--json lists them)")
     for n in info.notes:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from surgeon.commands.outputs.capture import DumpCapture, DumpProducer, DumpRecord, DumpSpec
 from surgeon.commands.results import GeneratedText, write_new_file
 from surgeon.core.errors import BadInput, InternalError
 
@@ -59,10 +60,10 @@ def dump_info(*, dump: str, slots: Sequence[str] = (), spec: str | None = None) 
                        "is for TensorRT-LLM and Model Optimizer .pt dumps and hidden_states stacks (vllm:IDS)")
     d = read_dump_header(gated)
     return DumpInfo(dump, {k: v for k, v in d.meta.items() if k != "captures"},
-                    [{"name": n, "point": str(p), "shape": shape,
-                      "dtype": _ST_DTYPES.get(gated.tensors[n]["dtype"], gated.tensors[n]["dtype"].lower())}
+                    [DumpCapture(name=n, point=str(p), shape=shape,
+                                 dtype=_ST_DTYPES.get(gated.tensors[n]["dtype"], gated.tensors[n]["dtype"].lower()))
                      for n, p, shape in d.captures],
-                    records=[{"index": 0, "id": None, "tokens": d.tokens, "input_ids": True, "loss_mask": None}])
+                    records=[DumpRecord(index=0, id=None, tokens=d.tokens, input_ids=True, loss_mask=None)])
 
 
 def _training_file_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpInfo:
@@ -79,9 +80,8 @@ def _training_file_info(dump: str, slots: Sequence[str], spec: str | None) -> Du
     engine = "SpecForge" if sub.layout == "specforge" else "vLLM hidden-state connector or speculators"
     meta = {"engine": engine, "num_layers": str(num_layers) if num_layers else "", "hidden_size": str(H),
             "tokens": str(T), "dtype": dtypes}
-    captures = [{"name": n, "point": str(p) if p is not None else None, "shape": list(t.shape),
-                 "dtype": str(t.dtype).removeprefix("torch.")} for n, p, t in sub.slots]
-    records = [{"index": 0, "id": None, "tokens": int(T), "input_ids": sub.input_ids is not None, "loss_mask": None}]
+    captures = [_capture(n, p, t) for n, p, t in sub.slots]
+    records = [DumpRecord(index=0, id=None, tokens=int(T), input_ids=sub.input_ids is not None, loss_mask=None)]
     return DumpInfo(dump, meta, captures, sub.layout, None, records, list(sub.notes))
 
 
@@ -103,11 +103,9 @@ def _field_dump_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpI
     meta = {"engine": "TensorRT-LLM" if fd.layout == "trtllm" else "Model Optimizer",
             "num_layers": str(num_layers) if num_layers else "", "hidden_size": str(H), "tokens": str(T),
             "dtype": _dtypes(first)}
-    captures = [{"name": n, "point": str(p) if p is not None else None, "shape": list(t.shape),
-                 "dtype": str(t.dtype).removeprefix("torch.")}
-                for n, p, t in zip(first.names, first.declared, first.tensors)]
-    records = [{"index": i, "id": r.record, "tokens": int(r.tensors[-1].shape[0]), "input_ids": r.ids is not None,
-                "loss_mask": int((r.loss_mask != 0).sum()) if r.loss_mask is not None else None}
+    captures = [_capture(n, p, t) for n, p, t in zip(first.names, first.declared, first.tensors)]
+    records = [DumpRecord(index=i, id=r.record, tokens=int(r.tensors[-1].shape[0]), input_ids=r.ids is not None,
+                          loss_mask=int((r.loss_mask != 0).sum()) if r.loss_mask is not None else None)
                for i, r in enumerate(fd.records)]
     given = f"{fd.producer.name}:{fd.producer.ids_text}" if fd.producer else None
     notes = list(first.notes)
@@ -119,8 +117,14 @@ def _field_dump_info(dump: str, slots: Sequence[str], spec: str | None) -> DumpI
         if odd:
             notes.append(f"records differing from the first in dtype or hidden size: {', '.join(odd[:5])}"
                          + (f" and {len(odd) - 5} more" if len(odd) > 5 else ""))
-    return DumpInfo(dump, meta, captures, fd.layout, {"detected": fd.candidates, "why": fd.why, "given": given},
+    return DumpInfo(dump, meta, captures, fd.layout, DumpProducer(detected=fd.candidates, why=fd.why, given=given),
                     records, notes)
+
+
+def _capture(name: str, point: object, tensor) -> DumpCapture:
+    """A slot of a file that is not a surgeon dump: its point where something records it (else None)."""
+    return DumpCapture(name=name, point=str(point) if point is not None else None, shape=list(tensor.shape),
+                       dtype=str(tensor.dtype).removeprefix("torch."))
 
 
 def _dtypes(record) -> str:
@@ -153,14 +157,6 @@ def _number(text: str | None) -> int | None:
         return None
 
 
-@dataclass(frozen=True)
-class DumpSpecStamp:
-    """The spec a dump says it was written for; None where it does not say."""
-
-    name: str | None
-    sha256: str | None
-
-
 @dataclass
 class DumpInfo:
     """What a dump says it is. ``dump-info --json`` prints it through
@@ -169,15 +165,15 @@ class DumpInfo:
 
     file: str
     meta: dict  # the dump's metadata, without its captures list (safetensors metadata: all strings)
-    captures: list[dict]  # name, point (None: not recorded), shape, dtype per capture
+    captures: list[DumpCapture]  # point None: not recorded
     layout: str = "surgeon"  # surgeon | trtllm | modelopt | specforge | vllm-connector
-    producer: dict | None = None  # a field dump's: detected (candidates), why, given (--slots)
-    records: list[dict] = field(default_factory=list)  # per sequence: index, id, tokens, input_ids, loss_mask
+    producer: DumpProducer | None = None  # a field dump's: which writers its keys allow, and --slots
+    records: list[DumpRecord] = field(default_factory=list)  # per sequence
     notes: list[str] = field(default_factory=list)
 
     @property
     def labelled(self) -> bool:
-        return all(c["point"] is not None for c in self.captures)
+        return all(c.point is not None for c in self.captures)
 
     def _text(self, key: str) -> str | None:
         return self.meta.get(key) or None  # an empty field is "not recorded"
@@ -188,8 +184,8 @@ class DumpInfo:
         return _number(self.meta.get("surgeon.format"))
 
     @property
-    def spec(self) -> DumpSpecStamp:
-        return DumpSpecStamp(self._text("spec.name"), self._text("spec.sha256"))
+    def spec(self) -> DumpSpec:
+        return DumpSpec(name=self._text("spec.name"), sha256=self._text("spec.sha256"))
 
     @property
     def engine(self) -> str | None:

@@ -1,7 +1,7 @@
 """The ``--json`` output models of capture code and dumps: dump-info, export, check-hooks. Each
 reads its command's result (:mod:`surgeon.commands.capture_commands`: ``DumpInfo``, ``Exported``,
 ``HookCheck``, its findings ``surgeon.capture.graphsafe.Finding``) by its field names; a dump's
-captures, producer and records are the result's own dicts."""
+captures, producer and records are built as these models by the command."""
 
 from __future__ import annotations
 
