@@ -299,6 +299,8 @@ def print_conventions(engine: str, probe: EngineProbe, show_all: bool) -> None:
         tag = ("[yellow]no capture[/]" if c.no_capture else "[yellow]delegates[/]" if c.delegates
                else "[red]unclassified[/]")
         out.print(f"{tag} {c.class_name} ({escape(c.path)}:{c.line}): {escape(c.reason or '')}")
+    for path, why in sorted(probe.unreadable.items()):
+        out.print(f"[red]unreadable[/] {escape(path)}: {escape(why)}")
     runner = probe.runner
     if runner is not None:
         tag = "[green]runner[/]" if runner.verified else "[yellow]runner (unverified)[/]"

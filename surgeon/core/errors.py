@@ -75,3 +75,10 @@ class InternalError(SurgeonError):
 
     def report_lines(self) -> list[str]:
         return [f"surgeon: internal error: {self}"]
+
+
+def unreadable(exc: BaseException) -> str:
+    """What a reader of engine source says of code it cannot handle (a construct it does not know,
+    where it raised instead of refusing): one reason, so the file or class becomes one
+    "unreadable" entry of the answer and the rest of the engine is still answered."""
+    return f"unreadable: surgeon's reader cannot handle this code ({type(exc).__name__}: {exc})"

@@ -384,6 +384,9 @@ class EngineProbe:
     # Every registered architecture the probe found no capture interface for -> "path:line Class"
     # of the class the registry names: why such a class cannot be rendered is then located.
     registered: dict[str, str] = field(default_factory=dict)
+    # Model files the probe's reader could not handle (a construct it raised on): path -> why. Their
+    # classes are not answered; every other file's are.
+    unreadable: dict[str, str] = field(default_factory=dict)
 
     def get(self, class_name: str) -> ClassConvention | None:
         """The convention of a class by key (its name), else by registered architecture name. An

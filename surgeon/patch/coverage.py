@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, unreadable
 from surgeon.core.shapes import Reads
 from surgeon.engines.source.anatomy import ast_span, loops_over_ast
 from surgeon.engines.source.locate import ProbeError, layout_of, locate_engine
@@ -248,54 +248,60 @@ def _file_task(args) -> list[ClassCoverage]:
     engine, path, relpath, owners, spans = args
     recipes = _recipes_cached(load_recipes)
     source = Path(path).read_bytes()
-    out: list[ClassCoverage] = []
     # the rewriter's own reduction (same line numbers; encoding cookie, BOM and default indent
     # kept exact, else the whole file), so that coverage reads what `surgeon apply` reads
-    reduced = parse_reduced(source, spans)
-    if reduced is not None:
-        module, source = reduced
-    else:
-        try:
+    try:
+        reduced = parse_reduced(source, spans)
+        if reduced is not None:
+            module, source = reduced
+        else:
             module = parse(source, relpath)
-        except PatchApplicationError as exc:
-            return [ClassCoverage(relpath, c, meth, line, dec, False, False, False, reason=exc.reason)
-                    for c, meth, line, dec in owners]
+    except Exception as exc:  # a file the reader cannot handle: each of its classes says so
+        why = exc.reason if isinstance(exc, PatchApplicationError) else unreadable(exc)
+        return [ClassCoverage(relpath, c, meth, line, dec, False, False, False, reason=why)
+                for c, meth, line, dec in owners]
+    out: list[ClassCoverage] = []
     for cls, meth, line, decoder in owners:
-        recipe = find_recipe(recipes, engine=engine, relpath=relpath, class_name=cls)
-        rname = None if recipe.name == "generic" else recipe.name
-
-        checker = Checker(module, relpath=relpath, class_name=cls, recipe=recipe, source_bytes=source)
-
-        # checker is bound as a default: these closures are called within this iteration only, and the
-        # binding keeps that true if they ever outlive it
-        def attempt(positions: set[int], final: bool, guard: bool = False,
-                    checker: Checker = checker) -> tuple[str | None, bool]:
-            """(refusal or None, whether the refusal is a decoder-layer bypass)"""
-            try:
-                checker.check(positions, final, guard_bypass=guard)
-                return None, False
-            except PatchApplicationError as exc:
-                return f"{exc.anchor}: {exc.reason}", ":bypass@" in exc.anchor
-
-        def plans(guard: bool) -> tuple[str | None, bool, str | None, str | None]:
-            if attempt(set(PROBE_POSITIONS) | {0}, True, guard)[0] is None:  # the usual case: one plan
-                return None, False, None, None
-            reason, bypass = attempt(set(PROBE_POSITIONS), False, guard)
-            embed_reason = attempt({0}, False, guard)[0] if reason is None else reason
-            return reason, bypass, embed_reason, attempt(set(), True, guard)[0]
-
-        reason, bypass, embed_reason, final_reason = plans(False)
-        layers, with_guard = reason is None, False
-        if bypass:
-            g_reason, _, g_embed, g_final = plans(True)
-            if g_reason is None:
-                with_guard, embed_reason, final_reason = True, g_embed, g_final
-            else:  # the guard would not be enough: say so next to the bypass
-                reason = f"{reason}; with --guard-bypass still: {g_reason}"
-        out.append(ClassCoverage(relpath, cls, meth, line, decoder, layers, embed_reason is None,
-                                 final_reason is None, reason=reason, embed_reason=embed_reason,
-                                 final_norm_reason=final_reason, recipe=rname, with_guard=with_guard))
+        try:
+            out.append(_class_task(engine, recipes, module, source, relpath, cls, meth, line, decoder))
+        except Exception as exc:  # one class the reader cannot handle never takes down the others
+            out.append(ClassCoverage(relpath, cls, meth, line, decoder, False, False, False, reason=unreadable(exc)))
     return out
+
+
+def _class_task(engine: str, recipes, module, source: bytes, relpath: str, cls: str, meth: str, line: int,
+                decoder: bool) -> ClassCoverage:
+    """One loop-owning class: which of layer outputs, embed and final norm the rewriter can capture."""
+    recipe = find_recipe(recipes, engine=engine, relpath=relpath, class_name=cls)
+    rname = None if recipe.name == "generic" else recipe.name
+    checker = Checker(module, relpath=relpath, class_name=cls, recipe=recipe, source_bytes=source)
+
+    def attempt(positions: set[int], final: bool, guard: bool = False) -> tuple[str | None, bool]:
+        """(refusal or None, whether the refusal is a decoder-layer bypass)"""
+        try:
+            checker.check(positions, final, guard_bypass=guard)
+            return None, False
+        except PatchApplicationError as exc:
+            return f"{exc.anchor}: {exc.reason}", ":bypass@" in exc.anchor
+
+    def plans(guard: bool) -> tuple[str | None, bool, str | None, str | None]:
+        if attempt(set(PROBE_POSITIONS) | {0}, True, guard)[0] is None:  # the usual case: one plan
+            return None, False, None, None
+        reason, bypass = attempt(set(PROBE_POSITIONS), False, guard)
+        embed_reason = attempt({0}, False, guard)[0] if reason is None else reason
+        return reason, bypass, embed_reason, attempt(set(), True, guard)[0]
+
+    reason, bypass, embed_reason, final_reason = plans(False)
+    layers, with_guard = reason is None, False
+    if bypass:
+        g_reason, _, g_embed, g_final = plans(True)
+        if g_reason is None:
+            with_guard, embed_reason, final_reason = True, g_embed, g_final
+        else:  # the guard would not be enough: say so next to the bypass
+            reason = f"{reason}; with --guard-bypass still: {g_reason}"
+    return ClassCoverage(relpath, cls, meth, line, decoder, layers, embed_reason is None, final_reason is None,
+                         reason=reason, embed_reason=embed_reason, final_norm_reason=final_reason, recipe=rname,
+                         with_guard=with_guard)
 
 
 _RECIPES = None

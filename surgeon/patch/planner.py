@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
+from surgeon.core.errors import SurgeonError, unreadable
 from surgeon.engines.source.anatomy import (
     COUNTER,
     AnatomyRefusal,
@@ -255,6 +256,10 @@ class CapturePlanner:
             return self._plan(positions, capture_final, hooks, guard_bypass, aux_return)
         except AnatomyRefusal as exc:
             raise self.refuse(exc.anchor, exc.reason) from None
+        except SurgeonError:
+            raise
+        except Exception as exc:  # code the reader cannot handle: a refusal of this class, never a crash
+            raise self.refuse(self.class_name or "module", unreadable(exc)) from None
         finally:
             self.idx.forget_children()
 

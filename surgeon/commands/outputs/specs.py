@@ -360,4 +360,7 @@ class ConventionsOutput(_Output):
     platform: str | None = None
     dispatch: Annotated[dict[str, Any] | None, BeforeValidator(_dispatch_by_arch)] = None
     runner: Annotated[dict[str, Any] | None, BeforeValidator(_through(_Runner))] = None
+    unreadable: dict[str, str] | None = Field(
+        default=None, description="model file -> why surgeon's reader could not handle it (its classes are not "
+                                  "answered; every other file's are); added after format 1, always printed")
 

@@ -102,6 +102,7 @@ def _encode(probe: EngineProbe) -> dict:
         "defining": sorted(probe.defining),
         "architectures": probe.architectures,
         "registered": probe.registered,
+        "unreadable": probe.unreadable,
         "classes": {k: asdict(c) for k, c in probe.classes.items()},
     }
 
@@ -112,7 +113,7 @@ def _decode(data: dict) -> EngineProbe:
     probe = EngineProbe(engine=data["engine"], version=data["version"], root=data["root"],
                         files_scanned=data["files_scanned"], defining=set(data["defining"]),
                         architectures=dict(data["architectures"]), platform=data["platform"],
-                        registered=dict(data.get("registered", {})))
+                        registered=dict(data.get("registered", {})), unreadable=dict(data.get("unreadable", {})))
     for a, d in data["dispatch"].items():
         targets = tuple(PlatformTarget(**t) for t in d["targets"])
         probe.dispatch[a] = ArchDispatch(d["architecture"], d["module"], d["platform"], targets, d["disagree"])

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from surgeon.core.errors import SurgeonError, unreadable
 from surgeon.core.idrules import Branch, ClassConvention, DefaultTerm, Engine, Evidence, IdRule
 from surgeon.engines.interp import (
     Const,
@@ -206,6 +207,10 @@ class Classifier:
         except Unclassifiable as e:
             return ClassConvention(status="unclassified", reason=str(e), no_capture=e.no_capture,
                                    delegates=e.delegates, **base)
+        except SurgeonError:
+            raise
+        except Exception as e:  # code the reader cannot handle: this class unclassified, never a crash
+            return ClassConvention(status="unclassified", reason=unreadable(e), **base)
 
     def _classify(self, target: Target, base: dict) -> ClassConvention:
         key, entry = target.key, target.entry

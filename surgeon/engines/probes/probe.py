@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
+from surgeon.core.errors import SurgeonError, unreadable
 from surgeon.core.idrules import ClassConvention, Engine, EngineProbe
 from surgeon.engines.probes import cache as _cache
 from surgeon.engines.probes import sglang as _sglang
@@ -111,8 +112,15 @@ def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Pr
                                    line=info.line if info else 0, status="unclassified", reason=interface_problem)
         return classifier.classify(target)
 
-    def per_file(path: str) -> list[tuple[Target, ClassConvention]]:
-        return [(t, one(t)) for t in mod.select(index, only={path})[0]]
+    def per_file(path: str) -> tuple[list[tuple[Target, ClassConvention]], str | None]:
+        """The file's classes and their conventions; a file the reader cannot handle is one
+        "unreadable" entry (why), never the end of the probe."""
+        try:
+            return [(t, one(t)) for t in mod.select(index, only={path})[0]], None
+        except SurgeonError:
+            raise
+        except Exception as e:
+            return [], unreadable(e)
 
     # Files, not classes, are the unit of work: what a file's classes share (its parse, its bases)
     # is read once. The runner (one large file) is read here while the child works.
@@ -124,10 +132,11 @@ def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Pr
         alongside_weight=sum(sizes) // RUNNER_SHARE)
     for path in child_reads or []:  # what the child read counts for the cache like what this process read
         index.text(path)
-    conventions: list[tuple[Target, ClassConvention]] = [pair for pairs in per for pair in pairs]
+    conventions: list[tuple[Target, ClassConvention]] = [pair for pairs, _ in per for pair in pairs]
     exported = _vllm.exported(index, files, platform) if engine == "vllm" else mod.exported(index, files)
     probe = EngineProbe(engine=engine, version=location.version, root=str(location.root),
-                        files_scanned=len(index.model_files), platform=platform, runner=runner)
+                        files_scanned=len(index.model_files), platform=platform, runner=runner,
+                        unreadable={f: why for f, (_, why) in zip(files, per) if why is not None})
     keys = _keys(conventions, set(exported.values()))
     for (target, cc), k in zip(conventions, keys):
         probe.classes[k] = cc

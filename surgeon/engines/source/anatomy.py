@@ -551,7 +551,7 @@ def _enumerate_seq_start(seq: cst.BaseExpression, attr: str) -> tuple[cst.BaseEx
     if (isinstance(seq, cst.Subscript) and m.matches(seq, _layers_sub(attr)) and len(seq.slice) == 1
             and isinstance(seq.slice[0].slice, cst.Slice)):
         return seq.slice[0].slice.lower, None
-    return cst.Name("?"), f"enumerate over {code(seq)}: cannot tell whether the index is the global layer index"
+    return None, f"enumerate over {code(seq)}: cannot tell whether the index is the global layer index"
 
 
 def _pair_names(tgt: cst.Tuple) -> tuple[str, str]:
