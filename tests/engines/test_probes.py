@@ -435,3 +435,24 @@ def test_json_is_serialisable(sg, vl):
         data = json.loads(json.dumps(json_output("conventions", probe)))
         assert data["classified"] == len(probe.classified)
         assert {c["class_name"] for c in data["classes"]} == {c.class_name for c in probe.classes.values()}
+
+
+# -- constructor-chosen inner models ------------------------------------------------------------------
+def test_a_language_model_class_passed_by_position_to_the_parent_constructor_is_followed(sg, engine_copy, tmp_path):
+    """sglang 0.5.23 qwen3_5.py:2387: Qwen3_5ForConditionalGeneration hands its own language_model_cls
+    (qwen3_5.py's Qwen3_5ForCausalLM) to Qwen3VLForConditionalGeneration.__init__ BY POSITION, and
+    qwen3_vl.py builds ``self.model`` from it: the ids go to Qwen3_5ForCausalLM's own setter and
+    per-layer flags (qwen3_5.py:1894), never to the parent's default Qwen3LLMModel (which the probe
+    cited before it read positional arguments)."""
+    cc = _classified(sg, "Qwen3_5ForConditionalGeneration")
+    assert "ids stored in self.model.layers_to_capture, a Qwen3_5ForCausalLM (srt/models/qwen3_5.py)" in cc.reason
+    assert {e.path for e in cc.evidence if e.role == "capture_site"} == {"srt/models/qwen3_5.py"}
+    parent = _classified(sg, "Qwen3VLForConditionalGeneration")  # built with its default
+    assert "ids stored in self.model.layers_to_capture, a Qwen3LLMModel (srt/models/qwen3_vl.py)" in parent.reason
+
+    root, models = _copy_engine(engine_copy, tmp_path, "sglang")  # the argument left out: the default again
+    _edit(models / "qwen3_5.py", "super().__init__(config, quant_config, prefix, language_model_cls)",
+          "super().__init__(config, quant_config, prefix)", count=2)
+    copied = probe_engine("sglang", root, cache=False)
+    assert "ids stored in self.model.layers_to_capture, a Qwen3LLMModel (srt/models/qwen3_vl.py)" in \
+        _classified(copied, "Qwen3_5ForConditionalGeneration").reason

@@ -7,8 +7,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
-
 from surgeon.engines.facts.sglang_dflash import RUNNER_DIRS, SETTER, classify_dflash, read_dflash_runner
 from tests.conftest import installed_engine, release_engine
 
@@ -162,15 +160,18 @@ def test_the_default_must_be_the_modules_builder_and_only_without_ids(engine_cop
     assert "build_target_layer_ids" in why and "not modelled" in why
 
 
-def test_a_classifier_bug_is_not_turned_into_a_refusal(monkeypatch):
+def test_a_classifier_bug_is_named_as_surgeons_never_as_the_engines_refusal(monkeypatch):
+    """Code the reader raises on is one unclassified class whose reason says surgeon could not read
+    it (issue 34: never the end of the command), never a reason in the engine's name."""
     from surgeon.engines.probes import classify
 
     def broken(self, target, base):
         raise KeyError("a bug in the classifier")
 
     monkeypatch.setattr(classify.Classifier, "_classify", broken)
-    with pytest.raises(KeyError, match="a bug in the classifier"):
-        classify_dflash(installed_engine("sglang").root, "LlamaForCausalLM")
+    cc = classify_dflash(installed_engine("sglang").root, "LlamaForCausalLM")
+    assert cc is not None and cc.status == "unclassified"
+    assert cc.reason == "unreadable: surgeon's reader cannot handle this code (KeyError: 'a bug in the classifier')"
 
     def refuses(self, target, base):
         raise classify.Unclassifiable("a deliberate refusal")

@@ -231,7 +231,7 @@ class AttributeResolver(InterpBase):
         params = fn.node.params
         named = [*params.posonly_params, *params.params]
         frame.locals[named[0].name.value if named else "self"] = obj
-        passed = self._super_init_args(obj, owner)
+        passed = self._super_init_args(obj, owner, [p.name.value for p in named[1:]])
         for p in [*named[1:], *params.kwonly_params]:
             pname = p.name.value
             if pname in passed:
@@ -242,14 +242,19 @@ class AttributeResolver(InterpBase):
                 frame.locals[pname] = Unknown(f"constructor argument {pname}")
         return frame
 
-    def _super_init_args(self, obj: Obj, owner: ClassKey) -> dict[str, Value]:
-        """Keyword arguments the subclasses of ``owner`` (in ``obj``'s MRO) pass up through
-        ``super().__init__(...)``, evaluated in their own constructors."""
+    def _super_init_args(self, obj: Obj, owner: ClassKey, positional: list[str]) -> dict[str, Value]:
+        """Arguments the subclasses of ``owner`` (in ``obj``'s MRO) pass up through
+        ``super().__init__(...)``, evaluated in their own constructors: by keyword, and by position
+        (``positional``: ``owner.__init__``'s positional parameters after ``self``) from the subclass
+        whose ``super().__init__`` is ``owner``'s (a class passing its own language-model class to the
+        parent's constructor positionally chooses the inner model as surely as by keyword)."""
         out: dict[str, Value] = {}
         mro = self.index.mro(obj.cls)
         if owner not in mro:
             return out
-        for k in mro[: mro.index(owner)]:
+        below = mro[: mro.index(owner)]
+        for i, k in enumerate(below):
+            calls_owner = not any(self._defines_init(x) for x in below[i + 1:])  # k's super().__init__ is owner's
             info = self.index.class_info(k)
             if info is None or "__init__" not in info.functions:
                 continue
@@ -269,9 +274,20 @@ class AttributeResolver(InterpBase):
                     for a in c.args:
                         if a.keyword is not None and a.keyword.value not in out:
                             out[a.keyword.value] = self.eval(a.value, frame)
+                    by_position = [a for a in c.args if a.keyword is None]
+                    explicit = not m.matches(c.func, m.Attribute(value=m.Call(func=m.Name("super"))))
+                    if explicit:  # Parent.__init__(self, ...): the first argument is the object
+                        by_position = by_position[1:]
+                    if calls_owner and not any(a.star for a in by_position):
+                        for pname, a in zip(positional, by_position):
+                            out.setdefault(pname, self.eval(a.value, frame))
                 finally:
                     self._lazy_guard.discard((obj.cls, k))
         return out
+
+    def _defines_init(self, key: ClassKey) -> bool:
+        info = self.index.class_info(key)
+        return info is not None and "__init__" in info.functions
 
 
 def _repath(v: Value, path: str) -> Value:
