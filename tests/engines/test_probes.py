@@ -448,6 +448,12 @@ def test_a_language_model_class_passed_by_position_to_the_parent_constructor_is_
     assert "ids stored in self.model.layers_to_capture, a Qwen3_5ForCausalLM (srt/models/qwen3_5.py)" in cc.reason
     assert {e.path for e in cc.evidence if e.role == "capture_site"} == {"srt/models/qwen3_5.py"}
     parent = _classified(sg, "Qwen3VLForConditionalGeneration")  # built with its default
+    # qwen4_exp.py:2240 hands Qwen4ExpVLModel up the same way; its loop (qwen4_exp.py:2133) passes
+    # captured_last_layer_outputs to layers whose forward never reads it: nothing would be captured,
+    # where the probe answered ids (citing Qwen3LLMModel) before it read positional arguments
+    exp = sg.get("Qwen4ExpForConditionalGeneration")
+    assert exp is not None and exp.status == "unclassified"
+    assert "qwen4_exp.py:Qwen4ExpModel.forward:2106" in exp.reason and "never read it" in exp.reason
     assert "ids stored in self.model.layers_to_capture, a Qwen3LLMModel (srt/models/qwen3_vl.py)" in parent.reason
 
     root, models = _copy_engine(engine_copy, tmp_path, "sglang")  # the argument left out: the default again
