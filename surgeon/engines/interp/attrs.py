@@ -278,7 +278,9 @@ class AttributeResolver(InterpBase):
                     explicit = not m.matches(c.func, m.Attribute(value=m.Call(func=m.Name("super"))))
                     if explicit:  # Parent.__init__(self, ...): the first argument is the object
                         by_position = by_position[1:]
-                    if calls_owner and not any(a.star for a in by_position):
+                    to_owner = (m.matches(c.func, m.Attribute(value=m.Name(owner[1]))) if explicit
+                                else calls_owner)  # the call that reaches owner's __init__, no other
+                    if to_owner and not any(a.star for a in by_position):
                         for pname, a in zip(positional, by_position):
                             out.setdefault(pname, self.eval(a.value, frame))
                 finally:
