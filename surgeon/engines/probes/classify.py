@@ -33,6 +33,7 @@ from surgeon.engines.interp import (
     explore,
 )
 from surgeon.engines.probes.capture import CaptureAnalyzer, CaptureResult
+from surgeon.engines.probes.recorder import RecorderUnreadable, read_recorder, records_outputs
 from surgeon.engines.source.index import ClassKey, SourceIndex, key_str
 
 
@@ -223,6 +224,8 @@ class Classifier:
                 raise Unclassifiable(f"no {entry.setter} in the class hierarchy")
             setter_owner = key_str(found[0])
             evidence.append(Evidence("setter", found[0][0], found[1].line, f"{found[0][1]}.{entry.setter}"))
+            if records_outputs(self.index, found[0], found[1]):
+                return self._recorded(target, base, found[0], evidence)
             leaves, raised = self._leaves(key, entry.setter, [Seq(None)], "explicit ids")
             if raised and not leaves:
                 raise Unclassifiable(f"with explicit ids the setter {raised[0]}", no_capture=True)
@@ -280,6 +283,36 @@ class Classifier:
             verified=not unverified,
             unverified_reason="; ".join(dict.fromkeys(unverified)) or None,
             evidence=tuple(evidence),
+            **base,
+        )
+
+    def _recorded(self, target: Target, base: dict, owner: ClassKey, evidence: list[Evidence]) -> ClassConvention:
+        """A setter that hooks an HF ``OutputRecorder`` on one decoder layer per id
+        (:mod:`surgeon.engines.probes.recorder`): no loop of the engine's own reads the ids."""
+        assert target.entry.setter is not None
+        try:
+            rec = read_recorder(self.index, owner, target.entry.setter, target.key)
+        except RecorderUnreadable as e:
+            raise Unclassifiable(str(e)) from None
+        default, notes = self._default(target, Obj(target.key, "self"), "")
+        notes = [*rec.notes, *notes, *(self.extra_notes(target.key) if self.extra_notes else [])]
+        return ClassConvention(
+            status="classified",
+            reason="; ".join(dict.fromkeys(notes)) or None,
+            setter_owner=key_str(owner),
+            id_rule=IdRule((Branch(rec.offset),)),
+            default=default,
+            default_through_rule=target.entry.default_through_rule,
+            sorts=False,
+            dedups=True,  # one recorder per id: a repeated id re-registers the same key
+            emit_order="ids",
+            capture_site="exit",
+            captured_value="residual_stream",
+            loop_owner=None,  # the decoder loop is the HF model's, not the engine's
+            sites=rec.sites(),
+            verified=not rec.unverified,
+            unverified_reason="; ".join(rec.unverified) or None,
+            evidence=(*evidence, *rec.evidence),
             **base,
         )
 
