@@ -5,7 +5,7 @@ for text, the output model of ``surgeon.commands.outputs`` for ``--json``).
 Exit codes, mapped in one place (:class:`_Group`): 0 fine; 2 bad input (a one-line message per
 problem, located where there is a file; nothing written); 3 the checked wiring differs from the
 spec; 4 the evidence does not decide (``surgeon.core.errors.UNDECIDED``: match, verify, audit,
-infer-wiring); 1 internal error; 130 interrupted. A command's error carries its code
+infer-wiring, upgrade-check); 1 internal error; 130 interrupted. A command's error carries its code
 (``surgeon.core.errors.SurgeonError.exit_code``); a returned report carries its verdict
 (``exit_code``), applied after it is rendered.
 """
@@ -268,6 +268,30 @@ def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: b
     probe = commands.conventions(engine=engine, engine_root=engine_root, platform=platform,
                                  progress=RichProgress())
     return _show(probe, as_json, lambda p: show.print_conventions(engine, p, show_all))
+
+
+@main.command("upgrade-check")
+@click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--engine", type=ENGINE_CHOICE,
+              help="The engine (default: the one both roots' dist-info names; needed with a version).")
+@click.option("--from", "from_release", required=True, metavar="ROOT_OR_VERSION",
+              help="The release deployed now: an engine package directory (or the folder holding it), or a version "
+                   "(from the fetched cache under $XDG_CACHE_HOME/surgeon/releases, else pip-downloaded there as sources).")
+@click.option("--to", "to_release", required=True, metavar="ROOT_OR_VERSION", help="The release to upgrade to (as --from).")
+@click.option("--json", "as_json", is_flag=True)
+@PLATFORM_OPTION
+def upgrade_check(specs: tuple[str, ...], engine: str | None, from_release: str, to_release: str, as_json: bool,
+                  platform: str | None) -> Any:
+    """Before an engine upgrade: every spec's ids on both releases, whether the draft config deployed
+    now would be served differently, and each class whose id meaning, capture sites or runner reads
+    changed, with file:line on both sides.
+
+    Exit 0, 3 when a deployed draft config would capture other points, 4 when that is undecided
+    (code not read), 2 on bad input.
+    """
+    report = commands.upgrade_check(specs=specs, engine=engine, from_release=from_release, to_release=to_release,
+                                    platform=platform, progress=RichProgress(as_json))
+    return _show(report, as_json, show.print_upgrade_check)
 
 
 @main.command("sweep-spec")

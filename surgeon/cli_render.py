@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from surgeon.verify.harness import HarnessResult
     from surgeon.wiring.draft import DraftReport
     from surgeon.wiring.render import Explanation, Rendering
+    from surgeon.wiring.upgrade import Change, SpecUpgrade, UpgradeReport
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -262,6 +263,46 @@ def print_accept(r: AcceptReport) -> None:
     if r.min_rate is not None:
         out.print(f"[green]at least {r.min_rate:.1%}[/]" if r.above_min
                   else f"[red]the spec's position-1 acceptance is below {r.min_rate:.1%}[/]")
+
+
+_SERVED = {"same": "served the same", "differently": "SERVED DIFFERENTLY", "undecided": "undecided",
+           "not_deployed": "not deployed"}
+
+
+def _upgrade_spec_line(s: SpecUpgrade) -> str:
+    before = s.before if s.before is not None else "refused"
+    after = s.after if s.after is not None else "refused"
+    return f"{s.spec} ({s.model_class}): ids {before} -> {after}; deployed config {_SERVED[s.served]}"
+
+
+def _upgrade_details(r: UpgradeReport, change: Change) -> str:
+    where = [f"{r.before.version}: {', '.join(change.before_at) or '-'}",
+             f"{r.after.version}: {', '.join(change.after_at) or '-'}"]
+    return f"  {change.subject}: {change.aspect}: " + "; ".join(where)
+
+
+def print_upgrade_check(r: UpgradeReport) -> None:
+    """One line when nothing changed; else one line per spec and per change, then the reasons and
+    the file:line of each change on both sides."""
+    head = f"{r.engine} {r.before.version} -> {r.after.version}"
+    if not r.changed:
+        out.print(f"{escape(head)}: nothing changed for {len(r.specs)} spec(s) or any of {r.classes_compared} classes")
+        return
+    colour = "red" if r.served_differently else "yellow" if r.undecided else "green"
+    out.print(f"[{colour}]{escape(head)}[/]: {len(r.served_differently)} spec(s) served differently, "
+              f"{len(r.undecided)} undecided; {sum(len(d.changes) for d in r.classes)} class change(s), "
+              f"{len(r.runner)} runner change(s)")
+    changes = [c for d in r.classes for c in d.changes] + r.runner
+    for s in r.specs:
+        out.print(escape(_upgrade_spec_line(s)))
+    for c in changes:
+        out.print(escape(c.summary))
+    out.print("details:")
+    for s in r.specs:
+        for why in s.reasons:
+            out.print(escape(f"  {s.spec}: {why}"))
+    for c in changes:
+        out.print(escape(_upgrade_details(r, c)))
 
 
 def _convention_groups(probe: EngineProbe) -> dict[tuple, list]:

@@ -14,7 +14,8 @@ How a command says something went wrong, one way each:
   (the report through its output model, :mod:`surgeon.commands.outputs`, under its ``"format"``
   number; its shape ``schema(output=verb)``); its verdict
   is ``exit_code`` (absent means 0; :func:`exit_code_of` reads it): 3 when the checked wiring
-  differs (check-draft, verify, check-hooks, status, demo), 2 when lint finds invalid specs.
+  differs (check-draft, verify, check-hooks, status, demo, upgrade-check: a deployed draft config
+  the new release serves differently), 2 when lint finds invalid specs.
   A report with a ``problem`` also names it in one line.
 
 Progress goes through a :class:`surgeon.commands.progress.Progress` (default: none shown).
@@ -35,6 +36,7 @@ from surgeon.commands.patch_commands import apply, coverage, diff, doctor, rever
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.commands.results import exit_code_of
 from surgeon.commands.spec_commands import check_draft, conventions, explain, lint, render, review, schema, sweep_spec
+from surgeon.commands.upgrade_commands import upgrade_check
 
 # Every CLI verb and the one function behind it (tests check the CLI has no other verbs).
 COMMANDS: dict[str, Callable[..., object]] = {
@@ -43,10 +45,11 @@ COMMANDS: dict[str, Callable[..., object]] = {
     "reference": reference, "fingerprint": fingerprint, "match": match, "verify": verify,
     "hooks": hooks, "check-hooks": check_hooks, "dump-info": dump_info, "export": export,
     "apply": apply, "revert": revert, "status": status, "diff": diff, "doctor": doctor, "coverage": coverage,
-    "demo": demo, "infer-wiring": infer_wiring, "accept": accept, "audit": audit,
+    "demo": demo, "infer-wiring": infer_wiring, "accept": accept, "audit": audit, "upgrade-check": upgrade_check,
 }
 
 __all__ = ["COMMANDS", "FORMATS", "QUIET", "Progress", "exit_code_of", "json_output",
            "schema", "lint", "explain", "render", "check_draft", "review", "conventions", "sweep_spec",
            "reference", "fingerprint", "match", "verify", "hooks", "check_hooks", "dump_info", "export",
-           "apply", "revert", "status", "diff", "doctor", "coverage", "demo", "infer_wiring", "accept", "audit"]
+           "apply", "revert", "status", "diff", "doctor", "coverage", "demo", "infer_wiring", "accept", "audit",
+           "upgrade_check"]

@@ -33,6 +33,7 @@ from surgeon.commands.outputs.specs import (
     RenderOutput,
     ReviewOutput,
 )
+from surgeon.commands.outputs.upgrade import UpgradeCheckOutput
 from surgeon.core.errors import InternalError
 
 #: The format number of every ``--json`` output, by CLI verb. A number changes when a key is
@@ -44,6 +45,7 @@ FORMATS: dict[str, int] = {
     "infer-wiring": 1,
     "accept": 1,
     "audit": 2,  # 2: ok is false where identity is undecided (exit 4), not only on a finding
+    "upgrade-check": 1,
 }
 
 OUTPUTS: dict[str, type[_Output]] = {
@@ -53,6 +55,7 @@ OUTPUTS: dict[str, type[_Output]] = {
     "apply": ApplyOutput, "revert": RevertOutput, "status": StatusOutput, "diff": DiffOutput,
     "coverage": CoverageOutput, "demo": DemoOutput, "doctor": DoctorOutput,
     "infer-wiring": InferWiringOutput, "accept": AcceptOutput, "audit": AuditOutput,
+    "upgrade-check": UpgradeCheckOutput,
 }
 
 
