@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -34,9 +34,11 @@ from surgeon.core.idrules import Bypass, CapturedValue, CaptureSite, SiteRecord,
 from surgeon.engines.source.anatomy import (
     STREAM_SNAPSHOT_CALLS,
     LayerLoop,
+    assigned_names,
     hands_layers_on,
     index_offset,
     layer_loops,
+    split_layer_calls,
 )
 from surgeon.engines.source.follow import HelperFollower
 from surgeon.engines.source.index import ClassKey, CstFunction, FuncInfo, SourceIndex, code, key_str
@@ -280,20 +282,139 @@ def _snapshot_names(fn: CstFunction, body: cst.CSTNode) -> set[str]:
 
 
 def _bind_helper(h: _Helper, call: cst.Call) -> dict[str, cst.BaseExpression]:
-    bound: dict[str, cst.BaseExpression] = {}
-    params = [p for p in h.params if p != "self"]
-    for i, arg in enumerate(call.args):
-        if arg.keyword is not None:
-            bound[arg.keyword.value] = arg.value
-        elif i < len(params) and not arg.star:
-            bound[params[i]] = arg.value
-    return bound
+    return _bind_call([p for p in h.params if p != "self"], call)
+
+
+def _guarded_value(fn: CstFunction, body: cst.CSTNode, test: cst.CSTNode) -> cst.BaseExpression | None:
+    """What the block a capture test guards collects: ``aux.append(v)`` / ``aux.capture(v)``, or
+    ``d[<the tested index>] = v`` (a dict keyed by layer index)."""
+    collects = m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in ("append", "capture")))))
+    appended = fn.findall_of(cst.Call, collects, within=body)
+    if appended:
+        return appended[0].args[0].value if appended[0].args else None
+    if not isinstance(test, cst.Comparison):
+        return None
+    tested = code(test.left)
+    key = m.Index(m.MatchIfTrue(lambda e: code(e) == tested))
+    keyed = m.Assign(targets=[m.AssignTarget(m.Subscript(value=m.Name(), slice=[m.SubscriptElement(key)]))])
+    stores = fn.findall_of(cst.Assign, keyed, within=body)
+    return stores[0].value if stores else None
+
+
+def _same_value_root(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """``residual`` of ``residual.clone()`` (methods that return the same values)."""
+    while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in _SAME_VALUE:
+        expr = expr.func.value
+    return expr
+
+
+def _guards_store(fn: CstFunction, node: cst.CSTNode, helpers: dict[str, _Helper]) -> bool:
+    """``node`` (a capture test, or a helper call) collects something: a helper call does; a test
+    does when the block it guards appends or stores under the tested index."""
+    if isinstance(node, cst.Call):
+        return _called_method(node) in helpers
+    for anc in fn.ancestors(node):
+        if isinstance(anc, cst.If) and (anc.test is node or fn.inside(node, anc.test)):
+            return _guarded_value(fn, anc.body, node) is not None
+    return False
+
+
+def _keyword_of(fn: CstFunction, cmp: cst.CSTNode, call: cst.Call) -> str | None:
+    """``kw`` when ``cmp`` is handed straight to ``call`` as ``kw=<cmp>``."""
+    parent = fn.parent(cmp)
+    if isinstance(parent, cst.Arg) and parent.keyword is not None and fn.parent(parent) is call:
+        return parent.keyword.value
+    return None
 
 
 def _called_method(call: cst.Call) -> str:
     """``name`` of a ``<x>.name(...)`` call; "" when the callee is not an attribute (no helper or
     method has that name, so lookups by it simply miss)."""
     return call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
+
+
+# -- the stream held by a name: bindings live at a node, fused add-norms --------------------------
+def _exclusive(fn: CstFunction, a: cst.CSTNode, b: cst.CSTNode) -> bool:
+    """``a`` and ``b`` sit on different sides of one ``if``/``else`` (never both run)."""
+    for anc in fn.ancestors(a):
+        if isinstance(anc, cst.If) and fn.inside(b, anc) and not fn.inside(b, anc.test):
+            if fn.inside(a, anc.body) != fn.inside(b, anc.body):
+                return True
+    return False
+
+
+def _certain(fn: CstFunction, a: cst.CSTNode, node: cst.CSTNode) -> bool:
+    """``a`` runs on every path that reaches ``node``: each ``if``/``for`` around it is around ``node`` too."""
+    return all(fn.inside(node, anc) for anc in fn.ancestors(a) if isinstance(anc, (cst.If, cst.For, cst.While)))
+
+
+def _binds(a: cst.Assign, name: str) -> bool:
+    return any(name in assigned_names(t.target) for t in a.targets)
+
+
+def live_bindings(fn: CstFunction, name: str, node: cst.CSTNode) -> list[cst.Assign]:
+    """The assignments of ``name`` whose value may reach ``node`` (:func:`reaching`)."""
+    return reaching(fn, name, node)[0]
+
+
+def reaching(fn: CstFunction, name: str, node: cst.CSTNode) -> tuple[list[cst.Assign], bool]:
+    """(assignments of ``name`` whose value may reach ``node``, closed): the last one before it, and
+    the ones before that while the later ones are alternatives that do not run on every path.
+    ``closed``: every path binds it (one runs whenever ``node`` does, or an ``if`` binds it in every
+    branch); False: the value from before them (a parameter) may reach ``node`` too."""
+    cands = [a for a in fn.findall_of(cst.Assign, m.Assign()) if fn.order(a) < fn.order(node)
+             and not fn.inside(node, a) and _binds(a, name) and not _exclusive(fn, a, node)]
+    group: list[cst.Assign] = []
+    for a in reversed(cands):
+        group.append(a)
+        if _certain(fn, a, node) or _every_branch(fn, group, node):
+            return group, True
+    return group, False
+
+
+def _every_branch(fn: CstFunction, group: list[cst.Assign], node: cst.CSTNode) -> bool:
+    return any(isinstance(anc, cst.If) and _certain(fn, anc, node) and not fn.inside(node, anc)
+               and _branch_binds(fn, anc, group) for a in group for anc in fn.ancestors(a))
+
+
+def _branch_binds(fn: CstFunction, block: cst.CSTNode, group: list[cst.Assign]) -> bool:
+    """Every path through ``block`` (an ``if`` with its ``elif``/``else``, or one branch) runs one of ``group``."""
+    if isinstance(block, cst.If):
+        return _branch_binds(fn, block.body, group) and block.orelse is not None and _branch_binds(fn, block.orelse, group)
+    if isinstance(block, cst.Else):
+        block = block.body
+
+    def direct(n: cst.CSTNode) -> bool:  # not under a compound statement inside ``block``
+        return not any(isinstance(x, (cst.If, cst.For, cst.While, cst.Try)) and fn.inside(x, block) for x in fn.ancestors(n))
+
+    if any(fn.inside(a, block) and direct(a) for a in group):
+        return True
+    return any(direct(i) and _branch_binds(fn, i, group) for i in fn.findall_of(cst.If, m.If(), within=block))
+
+
+def _norm_ref(expr: cst.BaseExpression) -> bool:
+    """``self.<...norm...>`` (``self.norm``, ``self.input_layernorm.weight``): a norm module of the model."""
+    attrs: list[str] = []
+    while isinstance(expr, cst.Attribute):
+        attrs.append(expr.attr.value)
+        expr = expr.value
+    return m.matches(expr, m.Name("self")) and any("norm" in a.lower() for a in attrs)
+
+
+def fused_add_norm(call: cst.BaseExpression | None, hidden: str, residual: str) -> bool:
+    """A call handed the hidden and residual names and a norm module (the callee, or an argument such
+    as its weight): vLLM's fused add-norm, which returns ``(norm(hidden + residual), hidden + residual)``."""
+    if not isinstance(call, cst.Call):
+        return False
+    args = [a.value for a in call.args]
+    named = {a.value for a in args if isinstance(a, cst.Name)}
+    return {hidden, residual} <= named and (_norm_ref(call.func) or any(_norm_ref(a) for a in args))
+
+
+def _pair_names(target: cst.BaseExpression) -> list[str | None]:
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [e.value.value if isinstance(e.value, cst.Name) else None for e in target.elements]
+    return [target.value] if isinstance(target, cst.Name) else []
 
 
 class CaptureAnalyzer:
@@ -303,6 +424,8 @@ class CaptureAnalyzer:
         self._layer_loops: dict[tuple[ClassKey, str], list[LayerLoop]] = {}
         self.layer_keywords = LayerKeywords(index)
         self.surroundings = LoopSurroundings(index)
+        self.steps = StreamSteps(index, self.layer_keywords)
+        self.returned = ReturnedCaptures(index, self.layer_keywords)
 
     # -- public ------------------------------------------------------------------------------
     def analyze(self, holder: ClassKey, attr: str, flags: Sequence[str] = ()) -> CaptureResult:
@@ -322,20 +445,7 @@ class CaptureAnalyzer:
 
     # -- internals ---------------------------------------------------------------------------
     def _methods(self, holder: ClassKey) -> list[tuple[ClassKey, FuncInfo]]:
-        """The methods an instance of ``holder`` runs: the most derived definition of each name,
-        and a base's definition too when the override calls ``super().<name>(...)``."""
-        chained: dict[str, bool] = {}  # name -> the last included definition calls super()
-        out: list[tuple[ClassKey, FuncInfo]] = []
-        for k in self.index.mro(holder):
-            info = self.index.class_info(k)
-            if info is None:
-                continue
-            for name, fi in info.functions.items():
-                if name in chained and not chained[name]:
-                    continue
-                out.append((k, fi))
-                chained[name] = f"super().{name}(" in self.index.function_text(k, fi)
-        return out
+        return methods_of(self.index, holder)
 
     def _helpers(self, holder: ClassKey, attr: str) -> dict[str, _Helper]:
         helpers: dict[str, _Helper] = {}
@@ -391,14 +501,7 @@ class CaptureAnalyzer:
                     readers.append(f"{owner[0]}:{owner[1]}.{name}")
                 continue
             loops.extend(lc for lc, _ in found)
-            loop_nodes = [node for _, node in found]
-            h, t, around = self.surroundings.captures(fn, attr, helpers, loop_nodes)
-            heads += h
-            tails += t
-            result.sites.extend(self._around_sites(fn, holder, helpers, found[0][1], around))
-            collectors = set().union(*(self.surroundings.collectors(fn, lp, helpers) for lp in loop_nodes))
-            result.bypasses.extend(self.surroundings.bypasses(fn, holder, attr, loop_nodes, collectors,
-                                                              self.layer_loops(fn)))
+            self._surround(fn, holder, attr, helpers, [node for _, node in found], result, (heads, tails))
         if not loops and readers:
             result.problem = (f"{', '.join(readers)} test{'s' if len(readers) == 1 else ''} self.{attr} outside a "
                               f"decoder-layer loop the probe recognises")
@@ -445,12 +548,27 @@ class CaptureAnalyzer:
                               "is never captured, which the exit convention assumes")
         return result
 
-    def _around_sites(self, fn: CstFunction, holder: ClassKey, helpers: dict[str, _Helper], loop: cst.For,
+    def _surround(self, fn: CstFunction, holder: ClassKey, attr: str, helpers: dict[str, _Helper],
+                  loop_nodes: list[cst.For], result: CaptureResult, notes: tuple[list[str], list[str]]) -> None:
+        """The captures before / after the loops of ``fn`` (in ``fn``, and where ``fn`` is a helper,
+        around its call in the methods that call it), and the paths that bypass the loops."""
+        h, t, around = self.surroundings.captures(fn, attr, helpers, loop_nodes)
+        notes[0].extend(h)
+        notes[1].extend(t)
+        result.sites.extend(self._around_sites(fn, holder, helpers, loop_nodes[0], around))
+        for caller, (h, t, around) in self.surroundings.in_callers(holder, fn, attr, helpers):
+            notes[0].extend(x for x in h if x not in notes[0])
+            notes[1].extend(x for x in t if x not in notes[1])
+            result.sites.extend(s for s in self._around_sites(caller, holder, helpers, None, around) if s not in result.sites)
+        collectors = set().union(*(self.surroundings.collectors(fn, lp, helpers) for lp in loop_nodes))
+        result.bypasses.extend(self.surroundings.bypasses(fn, holder, attr, loop_nodes, collectors, self.layer_loops(fn)))
+
+    def _around_sites(self, fn: CstFunction, holder: ClassKey, helpers: dict[str, _Helper], loop: cst.For | None,
                       around: list[tuple[SiteWhere, cst.CSTNode]]) -> list[SiteRecord]:
         """Site records of the captures before / after the loop: what they append, and whether it
         evaluates at index 0 (a residual still None there)."""
-        call = next((ll.call for ll in self.layer_loops(fn) if ll.node is loop), None)
-        names = _residual_names(fn, call, loop) if call is not None else (set(), {"residual"}, None)
+        call = next((ll.call for ll in self.layer_loops(fn) if ll.node is loop), None) if loop is not None else None
+        names = _residual_names(fn, call, loop) if call is not None and loop is not None else (set(), {"residual"}, None)
         out: list[SiteRecord] = []
         for where, node in around:
             expr: cst.BaseExpression | None = None
@@ -467,7 +585,7 @@ class CaptureAnalyzer:
                 ev = self._consumer(fn, node, None, holder, names)
                 if ev is not None and ev[3] is not None:
                     expr, value = ev[3], ev[1]
-                    text = f"`{code(expr)}`"
+                    text = f"`{code(expr)}`" + ev[2].removeprefix(f"appends {code(expr)}")
             if expr is None:
                 out.append(SiteRecord(where, fn.path, fn.line(node), f"`{code(node)}`", "unknown", None, False,
                                       f"{fn.path}:{fn.line(node)}: what is appended there was not read"))
@@ -490,7 +608,7 @@ class CaptureAnalyzer:
     def _loop(self, fn: CstFunction, ll: LayerLoop, holder: ClassKey, attr: str, flags: tuple[str, ...],
               helpers: dict[str, _Helper]) -> LoopCapture | None:
         """What the capture tests in one layer loop capture (None: the loop tests nothing)."""
-        loop, idx, call = ll.node, ll.index_var, ll.call
+        loop, idx = ll.node, ll.index_var
         member = fn.findall_of(cst.Comparison, _member_of(attr), within=loop.body)
         flag_tests = _flag_tests(fn, loop.body, flags, ll.layer_vars)
         self_calls = fn.findall_of(cst.Call, m.Call(func=m.Attribute(value=m.Name("self"))), within=loop.body)
@@ -501,26 +619,35 @@ class CaptureAnalyzer:
             return LoopCapture(fn, loop, None, "unknown", "",
                                problem=f"cannot tell the layer index of `for {code(loop.target)} in ...`")
         try:
-            return self._loop_events(fn, loop, holder, attr, flags, helpers, idx, call, member, flag_tests, helper_calls)
+            return self._loop_events(fn, ll, holder, helpers, idx, member, flag_tests, helper_calls)
         except _LoopProblem as e:
             return LoopCapture(fn, loop, None, "unknown", "", problem=str(e), no_capture=True)
 
-    def _loop_events(self, fn: CstFunction, loop: cst.For, holder: ClassKey, attr: str, flags: tuple[str, ...],
-                     helpers: dict[str, _Helper], idx: str, call: cst.Call, member: list[cst.Comparison],
-                     flag_tests: list[cst.CSTNode], helper_calls: list[cst.Call]) -> LoopCapture | None:
+    def _loop_events(self, fn: CstFunction, ll: LayerLoop, holder: ClassKey, helpers: dict[str, _Helper], idx: str,
+                     member: list[cst.Comparison], flag_tests: list[cst.CSTNode],
+                     helper_calls: list[cst.Call]) -> LoopCapture | None:
+        loop, call = ll.node, ll.call
         residual = _residual_names(fn, call, loop)
         events: list[_Event] = []
         problems: list[str] = []
+        stages = split_layer_calls(loop, "layers", ll.layer_vars, fn.findall)
 
         def place(node: cst.CSTNode) -> str:
             if fn.inside(node, call):
                 return "in-layer"
-            return "before" if fn.order(node) < fn.order(call) else "after"
+            if fn.order(node) < fn.order(call):
+                return "before"
+            return "between" if stages and fn.order(node) < fn.order(stages[-1]) else "after"
 
         for cmp in member:
             k = index_offset(cmp.left, idx)
             if k is None:
                 problems.append(f"captures under index `{code(cmp.left)}`, not a fixed offset of the loop index {idx}")
+                continue
+            kw = _keyword_of(fn, cmp, call)
+            returned = self.returned.event(fn, ll, holder, kw, k, cmp, self._value_kind) if kw else None
+            if returned is not None:
+                events.append(returned)
                 continue
             ev = self._consumer(fn, cmp, call, holder, residual)
             if ev is None:
@@ -554,6 +681,11 @@ class CaptureAnalyzer:
             return LoopCapture(fn, loop, None, "unknown", "", problem=f"{len(events)} captures per layer: "
                                + "; ".join(f"{e.where} ({e.how})" for e in events))
         event = events[0]
+        if event.where == "between":  # between the stages of a split layer call
+            problem = self.steps.stage_problem(fn, holder, stages, event.node, residual[1])
+            if problem:
+                return LoopCapture(fn, loop, None, event.value, event.how, problem=problem)
+            event.where = "before"
         kind, k, value, how = event.where, event.k, event.value, event.how
         if kind in ("before", "in-layer"):
             site: CaptureSite | None = "entry" if k == 0 else None
@@ -578,7 +710,8 @@ class CaptureAnalyzer:
         if kind == "in-layer":
             return _Event("in-layer", k, value, how, node, how)
         fails = _first_index_fails(fn, expr, {}, residual, loop) if expr is not None else None
-        return _Event(where, k, value, how, node, f"`{code(expr)}`" if expr is not None else how, fails)
+        text = f"`{code(expr)}`" + how.removeprefix(f"appends {code(expr)}") if expr is not None else how
+        return _Event(where, k, value, how, node, text, fails)
 
     def _consumer(self, fn: CstFunction, test: cst.CSTNode, call: cst.Call | None, holder: ClassKey,
                   names: tuple[set[str], set[str], bool | None]
@@ -587,16 +720,16 @@ class CaptureAnalyzer:
         handed to the layer call, else "inline"."""
         for anc in fn.ancestors(test):
             if isinstance(anc, cst.If) and (anc.test is test or fn.inside(test, anc.test)):
-                collects = m.Call(func=m.Attribute(attr=m.Name(m.MatchIfTrue(lambda v: v in ("append", "capture")))))
-                appended = fn.findall_of(cst.Call, collects, within=anc.body)
-                if not appended:
-                    return None
-                value = appended[0].args[0].value if appended[0].args else None
+                value = _guarded_value(fn, anc.body, test)
                 if value is None:
                     return None
                 value = _origin(fn, value, anc.body)
                 snapshots = _snapshot_names(fn, anc.body)
-                return "inline", self._value_kind(value, {}, names, fn, snapshots), f"appends {code(value)}", value
+                root = _same_value_root(value)
+                streams = (self.steps.stream_names(fn, anc, holder, {root.value}) if isinstance(root, cst.Name)
+                           and root.value in names[1] | {"residual"} else {})
+                how = f"appends {code(value)}" + "".join(f" ({why})" for why in streams.values())
+                return "inline", self._value_kind(value, {}, names, fn, snapshots | set(streams)), how, value
             if isinstance(anc, cst.IfExp):
                 target = _ifexp_target(anc, call, fn)
                 if target is None:
@@ -662,6 +795,10 @@ class LayerKeywords:
     def __init__(self, index: SourceIndex) -> None:
         self.index = index
         self.follower = HelperFollower(index)
+
+    def layer_classes(self, holder: ClassKey) -> list[ClassKey]:
+        """The decoder-layer classes the holder builds ``self.layers`` from (none when not read)."""
+        return self._layer_classes(holder, "")
 
     def read(self, holder: ClassKey, kw: str) -> tuple[CapturedValue, str, str | None]:
         """What the layers do with a capture keyword: (value, how, problem)."""
@@ -885,10 +1022,12 @@ class LoopSurroundings:
     def __init__(self, index: SourceIndex) -> None:
         self.index = index
 
-    def captures(self, fn: CstFunction, attr: str, helpers: dict[str, _Helper],
-                 loops: list[cst.For]) -> tuple[list[str], list[str], list[tuple[SiteWhere, cst.CSTNode]]]:
-        first = min(fn.order(lp) for lp in loops)
-        last = max(fn.end(lp) for lp in loops)
+    def captures(self, fn: CstFunction, attr: str, helpers: dict[str, _Helper], loops: Sequence[cst.CSTNode],
+                 span: tuple[int, int] | None = None, keep: Callable[[cst.CSTNode], bool] | None = None,
+                 ) -> tuple[list[str], list[str], list[tuple[SiteWhere, cst.CSTNode]]]:
+        """Captures before ``loops`` (index start) and after them (index end) in ``fn``; ``span``:
+        the (first, last) order they are before / after instead; ``keep``: which tests count."""
+        first, last = span or (min(fn.order(lp) for lp in loops), max(fn.end(lp) for lp in loops))
         heads: dict[str, list[int]] = {}  # used as ordered sets
         tails: dict[str, list[int]] = {}
         nodes: list[tuple[SiteWhere, cst.CSTNode]] = []
@@ -907,7 +1046,7 @@ class LoopSurroundings:
                     index_arg = bound[helpers[name].index_param]
                     probes.append((hc, index_arg, f"{name}(..., {code(index_arg)}, ...)"))
         for node, index_expr, text in probes:
-            if in_loop(node):
+            if in_loop(node) or (keep is not None and not keep(node)):
                 continue
             which = self._boundary_index(index_expr, fn)
             # (no line numbers here: resolving positions for a whole forward costs more than it tells)
@@ -919,6 +1058,36 @@ class LoopSurroundings:
                                  f"loop by {text} in {fn.label}", [])
                 nodes.append(("after_loop", node))
         return list(heads), list(tails), nodes
+
+    def in_callers(self, holder: ClassKey, owner: CstFunction, attr: str, helpers: dict[str, _Helper],
+                   ) -> list[tuple[CstFunction, tuple[list[str], list[str], list[tuple[SiteWhere, cst.CSTNode]]]]]:
+        """Where the loop owner is a helper (``forward`` calls ``self._run_layers(...)``, then
+        ``self._collapse(...)``, which stores the last layer's output when ``self.end_layer in
+        self.<attr>``): the captures around each call of it, in the caller and in the methods the
+        caller calls before / after it (those with no layer loop). Only tests that guard a store count."""
+        out = []
+        by_name = {fi.name: k for k, fi in reversed(methods_of(self.index, holder))}  # the most derived wins
+        for caller, call in _calls_of(self.index, holder, owner.name):
+            span = (caller.order(call), caller.end(call))
+
+            def keep(node: cst.CSTNode, f: CstFunction = caller) -> bool:
+                return _guards_store(f, node, helpers)
+
+            out.append((caller, self.captures(caller, attr, helpers, [call], keep=keep)))
+            for c in caller.findall_of(cst.Call, m.Call(func=m.Attribute(value=m.Name("self")))):
+                name = _called_method(c)
+                if name in (owner.name, caller.name, *helpers) or name not in by_name or span[0] <= caller.order(c) <= span[1]:
+                    continue
+                sib = self.index.function(by_name[name], name)
+                if sib is None or f"self.{attr}" not in code(sib.node) or layer_loops(sib.node, "layers", sib.findall):
+                    continue
+                at = (-1, -1) if caller.order(c) > span[1] else (1 << 30, 1 << 30)
+
+                def keep_sib(node: cst.CSTNode, f: CstFunction = sib) -> bool:
+                    return _guards_store(f, node, helpers)
+
+                out.append((sib, self.captures(sib, attr, helpers, [], span=at, keep=keep_sib)))
+        return out
 
     @staticmethod
     def _boundary_index(expr: cst.BaseExpression, fn: CstFunction) -> str | None:
@@ -1070,3 +1239,340 @@ class LoopSurroundings:
                     if "config" in src:
                         return f" (= {src})"
         return ""
+
+
+def _bind_call(params: Sequence[str], call: cst.Call) -> dict[str, cst.BaseExpression]:
+    """Parameter name -> the argument ``call`` hands it (positional in order, then keywords)."""
+    bound: dict[str, cst.BaseExpression] = {}
+    for i, arg in enumerate(call.args):
+        if arg.keyword is not None:
+            bound[arg.keyword.value] = arg.value
+        elif i < len(params) and not arg.star:
+            bound[params[i]] = arg.value
+    return bound
+
+
+def _params(fn: CstFunction) -> list[str]:
+    return [p.name.value for p in fn.node.params.params if p.name.value != "self"]
+
+
+def _is_none_test(test: cst.BaseExpression, name: str) -> bool:
+    return m.matches(test, m.Comparison(left=m.Name(name), comparisons=[m.ComparisonTarget(m.Is(), m.Name("None"))]))
+
+
+class StreamSteps:
+    """What a residual name holds where a capture reads it: the residual stream after a fused
+    add-norm (``h, r = self.norm(h, r)``: ``r`` is ``h + r``), or after a layer stage that only runs
+    the layer's input norm (``h, r = layer.forward_input_norm(h, r)``, read in the layer class:
+    each of its returns is a fused add-norm of its inputs, or the hidden state itself when it is
+    handed no residual)."""
+
+    def __init__(self, index: SourceIndex, keywords: LayerKeywords) -> None:
+        self.index = index
+        self.keywords = keywords
+
+    def stream_names(self, fn: CstFunction, node: cst.CSTNode, holder: ClassKey, residual: AbstractSet[str]) -> dict[str, str]:
+        """Residual names that hold the residual stream at ``node``, each with how that was read."""
+        out: dict[str, str] = {}
+        for r in residual or {"residual"}:
+            group, closed = reaching(fn, r, node)
+            whys = [self._binding(fn, a, r, holder) for a in group]
+            if closed and all(w is not None for w in whys):
+                out[r] = "; ".join(dict.fromkeys(w for w in whys if w))
+        return out
+
+    def stage_problem(self, fn: CstFunction, holder: ClassKey, stages: list[cst.Call], node: cst.CSTNode,
+                      residual: AbstractSet[str]) -> str | None:
+        """Why a capture between the stages of a split layer call is not at the layer's entry (None:
+        every stage before it only runs the input norm)."""
+        for s in (s for s in stages if fn.order(s) < fn.order(node)):
+            a = fn.parent(s)
+            names = _pair_names(a.targets[0].target) if isinstance(a, cst.Assign) else []
+            r = next((n for n in names if n and (n in residual or "residual" in n)), None)
+            if r is None or not isinstance(a, cst.Assign) or self._stage(fn, a, s, r, holder) is None:
+                return (f"captures between the layer stages {code(stages[0].func)}(...) and {code(stages[-1].func)}(...) "
+                        f"({fn.path}:{fn.line(s)}): {code(s.func)} was not read as running only the layer's input "
+                        f"norm, so which stream position the capture sees is not known")
+        return None
+
+    def _binding(self, fn: CstFunction, a: cst.Assign, r: str, holder: ClassKey) -> str | None:
+        names = _pair_names(a.targets[0].target)
+        if r not in names or not isinstance(a.value, cst.Call):
+            return None
+        if any(fused_add_norm(a.value, h, r) for h in names if h and h != r):
+            return f"`{r}` after the fused add-norm {code(a.value.func)}(...) ({fn.path}:{fn.line(a)}) is hidden + residual"
+        return self._stage(fn, a, a.value, r, holder)
+
+    def _stage(self, fn: CstFunction, a: cst.Assign, call: cst.Call, r: str, holder: ClassKey) -> str | None:
+        if not (isinstance(call.func, cst.Attribute) and call.func.attr.value.startswith("forward_")):
+            return None
+        method, names = call.func.attr.value, _pair_names(a.targets[0].target)
+        reads: list[str] = []
+        for layer in self.keywords.layer_classes(holder):
+            found = self.index.find_function(layer, method)
+            lf = self.index.function(found[0], method) if found is not None else None
+            why = self._input_norm_step(lf, call, names, r) if lf is not None else None
+            if why is None:
+                return None
+            reads.append(why)
+        if not reads:
+            return None
+        return (f"`{r}` after {code(call.func)}(...) ({fn.path}:{fn.line(a)}), which only runs the layer's input norm: "
+                + "; ".join(dict.fromkeys(reads)))
+
+    def _input_norm_step(self, lf: CstFunction, call: cst.Call, names: list[str | None], r: str) -> str | None:
+        bound = _bind_call(_params(lf), call)
+        r_param = next((p for p, v in bound.items() if m.matches(v, m.Name(r))), None)
+        h_param = next((p for p, v in bound.items() if isinstance(v, cst.Name) and v.value in names and v.value != r), None)
+        returns = lf.findall_of(cst.Return, m.Return())
+        if r_param is None or h_param is None or not returns:
+            return None
+        reads: list[str] = []
+        for ret in returns:
+            if fused_add_norm(ret.value, h_param, r_param):
+                reads.append(f"{lf.path}:{lf.line(ret)} returns a fused add-norm")
+                continue
+            got = _pair_names(ret.value) if ret.value is not None else []
+            j = names.index(r)
+            var = got[j] if j < len(got) else None
+            group, closed = reaching(lf, var, ret) if var else ([], False)
+            whys = [self._step_binding(lf, b, h_param, r_param) for b in group]
+            if not closed or any(w is None for w in whys):
+                return None  # a path returns the residual it was handed, or something not read
+            reads.extend(w for w in whys if w)
+        return "; ".join(dict.fromkeys(reads))
+
+    @staticmethod
+    def _step_binding(lf: CstFunction, b: cst.Assign, h: str, r: str) -> str | None:
+        if m.matches(b.value, m.Name(h)) and any(isinstance(anc, cst.If) and _is_none_test(anc.test, r)
+                                                 and lf.inside(b, anc.body) for anc in lf.ancestors(b)):
+            return (f"{lf.path}:{lf.line(b)}: `{code(b.targets[0].target)} = {h}` when {r} is None (the stream is the hidden "
+                    f"state alone)")
+        if fused_add_norm(b.value, h, r):
+            return f"{lf.path}:{lf.line(b)}: fused add-norm"
+        return None
+
+
+def _self_module_call(call: cst.Call) -> bool:
+    """``self.attn(...)``, ``self.ffn.forward_unfinalized(...)``: the layer's own compute (a norm is not)."""
+    e = call.func
+    while isinstance(e, cst.Attribute):
+        e = e.value
+    return m.matches(e, m.Name("self")) and not _norm_ref(call.func)
+
+
+def _value_names(fn: CstFunction, expr: cst.BaseExpression) -> set[str]:
+    """Local names ``expr`` reads (not called functions, attribute or keyword names, ``self``)."""
+    out: set[str] = set()
+    for n in fn.findall_of(cst.Name, m.Name(), within=expr):
+        parent = fn.parent(n)
+        skip = ((isinstance(parent, cst.Attribute) and parent.attr is n) or (isinstance(parent, cst.Arg) and parent.keyword is n)
+                or (isinstance(parent, cst.Call) and parent.func is n) or n.value == "self")
+        if not skip:
+            out.add(n.value)
+    return out
+
+
+def inputs_only(fn: CstFunction, a: cst.Assign) -> str | None:
+    """None when what ``a`` assigns is computed from ``fn``'s inputs alone (its bindings traced back,
+    no call of the layer's own modules on the way); else the call that computes it, with its line."""
+    todo: list[tuple[cst.BaseExpression, cst.CSTNode]] = [(a.value, a)]
+    seen: set[str] = set()
+    while todo:
+        expr, at = todo.pop()
+        for call in fn.findall_of(cst.Call, m.Call(), within=expr):
+            if _self_module_call(call):
+                return f"{fn.path}:{fn.line(at)}: `{code(call.func)}(...)`"
+        for name in _value_names(fn, expr) - seen:
+            seen.add(name)
+            todo.extend((b.value, b) for b in live_bindings(fn, name, at))
+    return None
+
+
+@dataclass
+class _Returned:
+    """What a layer's forward does with a capture flag: ``if <kw>: <var> = <expr>`` and
+    ``return ..., <var>`` (element ``position``)."""
+
+    fn: CstFunction
+    var: str
+    position: int
+    assigns: list[cst.Assign]
+    late: str | None  # why a value is not computed from the layer's inputs alone
+    none_guard: tuple[str, cst.If] | None  # every assignment sits under ``if <param> is None: ... else``
+
+
+class ReturnedCaptures:
+    """A capture flag handed straight to the layer call (``layer(..., capture_x=idx in self.<attr>)``)
+    whose forward returns the captured value (``if capture_x: v = ...`` and ``return ..., v``), which
+    the loop stores under the layer index (``d[idx] = v``) or appends. The stream position is the
+    layer's entry when the value is computed from the layer's inputs alone (nothing of the layer's
+    own compute on the way); the first layer sees nothing when the value is only set where a
+    parameter (the residual) is not None and the first layer is handed None."""
+
+    def __init__(self, index: SourceIndex, keywords: LayerKeywords) -> None:
+        self.index = index
+        self.keywords = keywords
+
+    def read(self, holder: ClassKey, kw: str) -> list[_Returned] | None:
+        layers = self.keywords.layer_classes(holder)
+        reads = [self._layer(k, kw) for k in layers]
+        if not layers or any(r is None for r in reads):
+            return None
+        return [r for r in reads if r is not None]
+
+    def _layer(self, layer: ClassKey, kw: str) -> _Returned | None:
+        found = self.index.find_function(layer, "forward")
+        lf = self.index.function(found[0], "forward") if found is not None else None
+        if lf is None or kw not in _params(lf) and kw not in {p.name.value for p in lf.node.params.kwonly_params}:
+            return None
+        assigns = [a for i in lf.findall_of(cst.If, m.If(test=m.Name(kw)))
+                   for a in lf.findall_of(cst.Assign, m.Assign(targets=[m.AssignTarget(m.Name())]), within=i.body)]
+        names = {cst.ensure_type(a.targets[0].target, cst.Name).value for a in assigns}
+        returns = lf.findall_of(cst.Return, m.Return())
+        if len(names) != 1 or not returns:
+            return None
+        var = names.pop()
+        positions = {(_pair_names(r.value) if r.value is not None else []).index(var)
+                     if var in (_pair_names(r.value) if r.value is not None else []) else -1 for r in returns}
+        if len(positions) != 1 or -1 in positions:
+            return None
+        late = next((why for a in assigns if (why := inputs_only(lf, a)) is not None), None)
+        return _Returned(lf, var, positions.pop(), assigns, late, self._none_guard(lf, assigns))
+
+    @staticmethod
+    def _none_guard(lf: CstFunction, assigns: list[cst.Assign]) -> tuple[str, cst.If] | None:
+        guards: list[tuple[str, cst.If]] = []
+        for a in assigns:
+            g = next(((p, anc) for anc in lf.ancestors(a) if isinstance(anc, cst.If) and not lf.inside(a, anc.body)
+                      for p in _params(lf) if _is_none_test(anc.test, p)), None)
+            if g is None:
+                return None
+            guards.append(g)
+        return guards[0] if len({p for p, _ in guards}) == 1 else None
+
+    def event(self, fn: CstFunction, ll: LayerLoop, holder: ClassKey, kw: str, k: int, cmp: cst.Comparison,
+              value_kind: Callable[..., CapturedValue]) -> _Event | None:
+        """The capture event of ``cmp`` (``<idx + k> in self.<attr>`` handed to the layer as ``kw``);
+        None when the layers do not return a flagged value (another reading applies)."""
+        reads = self.read(holder, kw)
+        if reads is None:
+            return None
+        position = {r.position for r in reads}
+        parent = fn.parent(ll.call)
+        targets = _pair_names(parent.targets[0].target) if isinstance(parent, cst.Assign) else []
+        w = targets[reads[0].position] if len(position) == 1 and reads[0].position < len(targets) else None
+        if w is None:
+            raise _LoopProblem(f"the layer returns the `{kw}` capture as element {reads[0].position} of its result, "
+                               f"which {fn.path}:{fn.line(ll.call)} does not bind to one name")
+        store = self._store(fn, ll.node, w)
+        if store is None:
+            raise _LoopProblem(f"`{w}`, what the layer returns for `{kw}`, is never stored in {fn.label}")
+        node, key = store
+        if key is not None and ll.index_var is not None and index_offset(key, ll.index_var) != k:
+            raise _LoopProblem(f"tests `{code(cmp.left)}` but stores the capture under `{code(key)}` ({fn.path}:{fn.line(node)})")
+        late = [r.late for r in reads if r.late]
+        if late:
+            raise _LoopProblem(f"what the layer returns for `{kw}` is computed by its own modules ({'; '.join(late)}): "
+                               f"which stream position it holds was not read")
+        return self._event(fn, ll, holder, kw, k, cmp, reads, node, value_kind)
+
+    def _event(self, fn: CstFunction, ll: LayerLoop, holder: ClassKey, kw: str, k: int, cmp: cst.Comparison,
+               reads: list[_Returned], store: cst.CSTNode, value_kind: Callable[..., CapturedValue]) -> _Event:
+        exprs = [(r, a) for r in reads for a in r.assigns]
+        values = {value_kind(a.value, {}, (set(), {r.none_guard[0]} if r.none_guard else set(), None), r.fn)
+                  for r, a in exprs}
+        value: CapturedValue = values.pop() if len(values) == 1 else "unknown"
+        lines = ", ".join(f"{r.fn.path}:{r.fn.line(a)}" for r, a in exprs)
+        text = " / ".join(dict.fromkeys(f"`{code(a.value)}`" for _, a in exprs))
+        layers = ", ".join(sorted({r.fn.owner[1] for r in reads}))
+        unverified = None if value != "unknown" else (
+            f"{lines}: {layers}.forward returns {text} for `{kw}`, computed from the layer's inputs (the stream "
+            f"entering it), not read to the residual stream")
+        fails, unread = self._first_fails(fn, ll, holder, reads)
+        unverified = "; ".join(x for x in (unverified, unread) if x) or None
+        store_text = code(store.targets[0].target) + f" = {reads[0].var}" if isinstance(store, cst.Assign) else code(store)
+        expression = (f"{text} returned by {layers}.forward when `{kw}` ({lines}), stored by `{store_text}` "
+                      f"({fn.path}:{fn.line(store)})")
+        how = (f"hands `{kw}` to {layers}, whose forward returns {text} computed from its inputs (the stream "
+               f"entering the layer)")
+        return _Event("in-layer", k, value, how, cmp, expression, fails, unverified)
+
+    def _first_fails(self, fn: CstFunction, ll: LayerLoop, holder: ClassKey,
+                     reads: list[_Returned]) -> tuple[str | None, str | None]:
+        """(why the first layer stores nothing, what about it was not read)."""
+        guards = {r.none_guard[0] for r in reads if r.none_guard is not None}
+        r0 = reads[0]
+        if len(guards) != 1 or r0.none_guard is None or any(r.none_guard is None for r in reads):
+            return None, None
+        param, guard = r0.none_guard
+        head = (f"{r0.fn.owner[1]}.forward sets `{r0.var}` only when `{param}` is not None ({r0.fn.path}:"
+                f"{r0.fn.line(guard)}: its `{param} is None` branch never does)")
+        arg = _bind_call(_params(r0.fn), ll.call).get(param)
+        src = self._none_source(fn, arg.value, ll.node, holder) if isinstance(arg, cst.Name) else None
+        if src is None:
+            return None, f"{head}; whether the first layer is handed `{param}` None was not read"
+        return f"{head}, and the first layer is handed None ({src}), so nothing is stored for it", None
+
+    def _none_source(self, fn: CstFunction, name: str, before: cst.CSTNode, holder: ClassKey) -> str | None:
+        found = _none_binding(fn, name, before)
+        if found is not None or name not in _params(fn):
+            return found
+        for cf, c in _calls_of(self.index, holder, fn.name):  # the loop owner is a helper: where its caller sets it
+            arg = _bind_call(_params(fn), c).get(name)
+            found = _none_binding(cf, arg.value, c) if isinstance(arg, cst.Name) else None
+            if found is not None:
+                return found
+        return None
+
+    @staticmethod
+    def _store(fn: CstFunction, loop: cst.For, w: str) -> tuple[cst.CSTNode, cst.BaseExpression | None] | None:
+        keyed = m.Assign(targets=[m.AssignTarget(m.Subscript(value=m.Name()))], value=m.Name(w))
+        for a in fn.findall_of(cst.Assign, keyed, within=loop.body):
+            el = cst.ensure_type(a.targets[0].target, cst.Subscript).slice[0].slice
+            if isinstance(el, cst.Index):
+                return a, el.value
+        appends = m.Call(func=m.Attribute(attr=m.Name("append")), args=[m.Arg(m.Name(w))])
+        found = fn.findall_of(cst.Call, appends, within=loop.body)
+        return (found[0], None) if found else None
+
+
+def _none_binding(fn: CstFunction, name: str, before: cst.CSTNode) -> str | None:
+    """``path:line: `r = None``` (or ``a, r = x, None``) when ``name`` is None where ``before`` runs."""
+    for a in live_bindings(fn, name, before):
+        target = a.targets[0].target
+        names = _pair_names(target)
+        value = a.value
+        vals = [e.value for e in value.elements] if isinstance(value, cst.Tuple) and len(names) > 1 else [value]
+        if len(vals) == len(names) and m.matches(vals[names.index(name)], m.Name("None")):
+            return f"{fn.path}:{fn.line(a)}: `{code(target)} = {code(value)}`"
+    return None
+
+
+def _calls_of(index: SourceIndex, holder: ClassKey, name: str) -> list[tuple[CstFunction, cst.Call]]:
+    """Each ``self.<name>(...)`` call in the holder's other methods, with the method it is in."""
+    out: list[tuple[CstFunction, cst.Call]] = []
+    for owner, fi in methods_of(index, holder):
+        if fi.name == name or f"self.{name}(" not in index.function_text(owner, fi):
+            continue
+        cf = index.function(owner, fi.name)
+        calls = cf.findall_of(cst.Call, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name)))) if cf else []
+        out.extend((cf, c) for c in calls if cf is not None)
+    return out
+
+
+def methods_of(index: SourceIndex, holder: ClassKey) -> list[tuple[ClassKey, FuncInfo]]:
+    """The methods an instance of ``holder`` runs: the most derived definition of each name, and a
+    base's definition too when the override calls ``super().<name>(...)``."""
+    chained: dict[str, bool] = {}  # name -> the last included definition calls super()
+    out: list[tuple[ClassKey, FuncInfo]] = []
+    for k in index.mro(holder):
+        info = index.class_info(k)
+        if info is None:
+            continue
+        for name, fi in info.functions.items():
+            if name in chained and not chained[name]:
+                continue
+            out.append((k, fi))
+            chained[name] = f"super().{name}(" in index.function_text(k, fi)
+    return out

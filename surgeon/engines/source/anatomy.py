@@ -76,6 +76,7 @@ __all__ = [
     "loops_over_ast",
     "mentions_self_attr",
     "read_loop",
+    "split_layer_calls",
     "stmt_assigns",
     "walk",
 ]
@@ -781,8 +782,20 @@ def loop_layer_call(loop: cst.For, attr: str, find: Finder = find_in) -> tuple[c
             target = cst.ensure_type(a, cst.Assign).targets[0].target
             names.add(cst.ensure_type(target, cst.Name).value)
     found = find(m.Call(func=layer_callee(attr, names, any_subscript=True)), loop.body)
-    calls = [c for c in found if isinstance(c, cst.Call)]
+    calls = [c for c in found if isinstance(c, cst.Call)] or split_layer_calls(loop, attr, frozenset(names), find)
     return (calls[0] if calls else None), frozenset(names)
+
+
+def split_layer_calls(loop: cst.For, attr: str, names: frozenset[str], find: Finder = find_in) -> list[cst.Call]:
+    """The stages of a layer run as two or more of its ``forward_*`` methods in the loop body
+    (``h, r = layer.forward_input_norm(h, r)`` then ``layer.forward_after_input_norm(...)``), in
+    source order; [] unless at least two different stages are called on the same layer."""
+    layer: m.OneOf[m.BaseExpression] = m.OneOf(m.Name(value=m.MatchIfTrue(lambda v: v in names)),
+                                               m.Subscript(value=m.Attribute(value=m.Name("self"), attr=m.Name(attr))))
+    stage = m.Call(func=m.Attribute(value=layer, attr=m.Name(m.MatchRegex(r"^forward_\w+$"))))
+    calls = [c for c in find(stage, loop.body) if isinstance(c, cst.Call)]
+    stages = {cst.ensure_type(c.func, cst.Attribute).attr.value for c in calls}
+    return calls if len(stages) >= 2 else []
 
 
 def layer_loops(fn: cst.FunctionDef, attr: str, find: Finder = find_in) -> list[LayerLoop]:
