@@ -25,22 +25,13 @@ import stat
 from pathlib import Path
 
 from surgeon.core.errors import BadInput
+from surgeon.core.safefile import describe_mode
 
 __all__ = ["PatchError", "check_node", "ensure_dir", "open_file", "read_file", "describe_mode"]
 
 
 class PatchError(BadInput):
     """A patch operation refused or failed; the message is one line."""
-
-
-def describe_mode(mode: int) -> str:
-    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return what
-    return "an unknown kind of file"
 
 
 def _trust(path: Path, st: os.stat_result, want: str) -> None:
