@@ -33,12 +33,14 @@ from surgeon.engines.interp.values import (
     External,
     FlagMark,
     Frame,
+    FuncRef,
     IdItem,
     IdMax,
     L,
     LayerItem,
     Lin,
     Lost,
+    Made,
     ModuleRef,
     Obj,
     Outcome,
@@ -53,14 +55,15 @@ from surgeon.engines.interp.values import (
     Tup,
     Unknown,
     Value,
+    assuming,
     describe,
     explore,
 )
 
-__all__ = ["L", "Bound", "Builtin", "ClassRef", "Const", "Effect", "Elem", "External", "FlagMark", "Frame", "Hooks",
-           "IdItem", "IdMax", "Interp", "InterpBase", "LayerItem", "Lin", "Lost", "ModuleRef", "Obj", "Outcome",
-           "PPGroup", "Pred", "Raised", "Seq", "Site", "Store", "Super", "TooManyPaths", "Tup", "Unknown", "Value",
-           "describe", "explore"]
+__all__ = ["L", "Bound", "Builtin", "ClassRef", "Const", "Effect", "Elem", "External", "FlagMark", "Frame", "FuncRef",
+           "Hooks", "IdItem", "IdMax", "Interp", "InterpBase", "LayerItem", "Lin", "Lost", "Made", "ModuleRef", "Obj",
+           "Outcome", "PPGroup", "Pred", "Raised", "Seq", "Site", "Store", "Super", "TooManyPaths", "Tup", "Unknown",
+           "Value", "assuming", "describe", "explore"]
 
 
 class Interp(StatementExecutor, CallBinder, ExpressionEvaluator, AttributeResolver):

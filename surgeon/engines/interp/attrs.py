@@ -8,7 +8,9 @@ unassigned local is read from its last assignment (lazy frames).
 
 from __future__ import annotations
 
+import ast
 import re
+from dataclasses import replace
 from typing import Any
 
 import libcst as cst
@@ -21,12 +23,15 @@ from surgeon.engines.interp.values import (
     Const,
     External,
     Frame,
+    FuncRef,
+    Made,
     ModuleRef,
     Obj,
     PPGroup,
     Super,
     Unknown,
     Value,
+    assuming,
     describe,
     walk_statements,
 )
@@ -56,6 +61,51 @@ class AttributeResolver(InterpBase):
                 return ModuleRef(r)
         sub = self.index.path_of(f"{module}.{name}")
         return ModuleRef(sub) if sub else External(name)
+
+    def module_function(self, path: str, name: str) -> FuncRef | None:
+        """``name`` at the top level of ``path`` as a function of the package: defined there, or
+        imported from a package module that defines it (the import followed, re-exports included)."""
+        memo = self.index.memo.setdefault("module_functions", {})
+        key = (path, name)
+        if key not in memo:
+            memo[key] = None  # a cycle of imports finds nothing
+            memo[key] = self._find_module_function(path, name)
+        return memo[key]
+
+    def _find_module_function(self, path: str, name: str) -> FuncRef | None:
+        mod = self.index.module(path)
+        if mod is None:
+            return None
+        if any(isinstance(n, ast.FunctionDef) and n.name == name for n in mod.tree.body):
+            return FuncRef(path, name)
+        if name in mod.imports:
+            dotted, attr = mod.imports[name]
+            target = self.index.path_of(dotted) if attr is not None else None
+            if target is not None:
+                return self.module_function(target, attr or name)
+        return None
+
+    def function_of(self, ref: FuncRef) -> CstFunction | None:
+        """The module-level function ``ref`` parsed with libcst (once per index)."""
+        memo = self.index.memo.setdefault("module_function_trees", {})
+        if (ref.path, ref.name) not in memo:
+            memo[(ref.path, ref.name)] = self._parse_module_function(ref)
+        return memo[(ref.path, ref.name)]
+
+    def _parse_module_function(self, ref: FuncRef) -> CstFunction | None:
+        mod = self.index.module(ref.path)
+        node = next((n for n in mod.tree.body if isinstance(n, ast.FunctionDef) and n.name == ref.name), None) if mod else None
+        if mod is None or node is None:
+            return None
+        start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        try:
+            module = cst.parse_module("".join(mod.lines[start - 1 : node.end_lineno or node.lineno]))
+        except cst.ParserSyntaxError:
+            return None
+        fdef = module.body[0] if module.body else None
+        if not isinstance(fdef, cst.FunctionDef):
+            return None
+        return CstFunction((ref.path, "<module>"), ref.path, ref.name, module, fdef, start - 1, node)
 
     def lazy_local(self, name: str, frame: Frame) -> Value | None:
         """The value of local ``name`` from its last assignment before ``frame.line``."""
@@ -91,6 +141,8 @@ class AttributeResolver(InterpBase):
 
     def get_attr(self, base: Value, attr: str) -> Value:
         if isinstance(base, Obj):
+            if attr == "__class__":  # self.__class__: the object's concrete class
+                return ClassRef(base.cls, assumed=base.assumed)
             return self.load_attr(base, attr)
         if isinstance(base, PPGroup):
             if attr in ("is_first_rank", "is_last_rank"):
@@ -108,16 +160,16 @@ class AttributeResolver(InterpBase):
         if isinstance(base, ClassRef):
             found = self.index.find_function(base.cls, attr)
             if found is not None:
-                return Bound(None, found[0], attr)
-            assigned = self.index.find_class_assign(base.cls, attr)
+                return Bound(None, found[0], attr, on=base.cls)
+            assigned = self.index.find_class_assign(base.cls, attr)  # along the MRO of base, the concrete class
             if assigned is not None:
-                return self._eval_class_level(assigned[0], assigned[1])
+                return assuming(self._eval_class_level(assigned[0], assigned[1]), base.assumed)
             return Unknown(f"{base.cls[1]}.{attr}")
         if isinstance(base, ModuleRef):
             resolved = self.index.resolve(base.path, attr)
             if isinstance(resolved, tuple):
                 return ClassRef(resolved)
-            return External(attr)
+            return self.module_function(base.path, attr) or External(attr)
         return Unknown(f"attribute {attr} of {describe(base)}")
 
     def has_attr(self, obj: Obj, attr: str) -> bool | None:
@@ -134,8 +186,14 @@ class AttributeResolver(InterpBase):
         return False
 
     def load_attr(self, obj: Obj, attr: str) -> Value:
+        """``obj.<attr>``: what the run stored, else along the MRO of the object's concrete class (a
+        method, a constructor's assignment, a class attribute). What an object resting on an assumed
+        default holds rests on it too."""
         if (obj.path, attr) in self.heap:
             return self.heap[(obj.path, attr)]
+        return assuming(self._load_declared(obj, attr), obj.assumed)
+
+    def _load_declared(self, obj: Obj, attr: str) -> Value:
         for k in self.index.mro(obj.cls):
             info = self.index.class_info(k)
             if info is None:
@@ -206,7 +264,11 @@ class AttributeResolver(InterpBase):
                 values.append(Unknown(f"{attr} comes from tuple unpacking"))
                 continue
             frame = self._constructor_frame(obj, owner, fn, stmt)
-            v = self.eval(expr, frame)
+            self.constructing += 1
+            try:
+                v = self.eval(expr, frame)
+            finally:
+                self.constructing -= 1
             if isinstance(v, Const) and v.value is None:
                 continue  # "not built in this configuration"; the other assignment is the class
             values.append(_repath(v, f"{obj.path}.{attr}"))
@@ -224,23 +286,56 @@ class AttributeResolver(InterpBase):
         return distinct[choice]
 
     def _constructor_frame(self, obj: Obj, owner: ClassKey, fn: CstFunction, stmt: cst.CSTNode) -> Frame:
-        """A frame of ``owner.__init__`` for an object of class ``obj.cls``: arguments that a
-        subclass's ``super().__init__(...)`` passes are taken from there; the others take their
-        defaults (the model loader passes only the config, quantisation config and prefix)."""
+        """A frame of ``owner.__init__`` for an object of class ``obj.cls``: arguments come from the
+        call that built the object (:attr:`Obj.made`) and from a subclass's ``super().__init__(...)``;
+        the others take their defaults. An object the engine builds (``made`` None: the probed
+        class, or one its registry builds) gets only the engine's fixed keywords (the config, the
+        quantisation config, the prefix), so its defaults hold; a default that a ``*args``/``**kwargs``
+        the probe cannot expand may override is marked as assumed (:func:`assuming`)."""
         frame = Frame(fn=fn, owner=owner, path=fn.path, self_obj=obj, stmt=stmt, lazy=True)
         params = fn.node.params
         named = [*params.posonly_params, *params.params]
         frame.locals[named[0].name.value if named else "self"] = obj
-        passed = self._super_init_args(obj, owner, [p.name.value for p in named[1:]])
+        positional = [p.name.value for p in named[1:]]
+        passed = self._super_init_args(obj, owner, positional)
+        unread = self._unread_arguments(obj, owner)
+        if owner == self._first_init(obj.cls) and obj.made is not None:
+            passed.update(_call_arguments(obj.made, positional, {p.name.value for p in params.kwonly_params}))
         for p in [*named[1:], *params.kwonly_params]:
             pname = p.name.value
             if pname in passed:
                 frame.locals[pname] = passed[pname]
             elif p.default is not None:
-                frame.locals[pname] = self.eval(p.default, Frame(None, owner, fn.path, None))
+                why = (f"rests on the default of {pname} ({fn.path}:{fn.line(p)}): {unread}, "
+                       "and a caller passing another class is not read") if unread else None
+                frame.locals[pname] = assuming(self.eval(p.default, Frame(None, owner, fn.path, None)), why)
             else:
                 frame.locals[pname] = Unknown(f"constructor argument {pname}")
         return frame
+
+    def _first_init(self, cls: ClassKey) -> ClassKey | None:
+        """The class whose ``__init__`` a call of ``cls`` runs (the first in its MRO that defines one)."""
+        return next((k for k in self.index.mro(cls) if self._defines_init(k)), None)
+
+    def _unread_arguments(self, obj: Obj, owner: ClassKey) -> str | None:
+        """Why an argument reaching ``owner.__init__`` may be one the probe did not read: the call
+        that built ``obj`` passes ``*x``/``**x``, or it passes arguments and a constructor between
+        its class and ``owner`` forwards ``*args``/``**kwargs`` up. None: every argument was read
+        (an object the engine builds forwards only the engine's fixed keywords)."""
+        if obj.made is None:
+            return None
+        if obj.made.starred:
+            return f"the call at {obj.made.where} passes *args/**kwargs"
+        if not (obj.made.args or obj.made.kwargs):
+            return None
+        mro = self.index.mro(obj.cls)
+        for k in mro[: mro.index(owner)] if owner in mro else []:
+            fn = self.index.function(k, "__init__") if self._defines_init(k) else None
+            call = m.Call(func=m.Attribute(attr=m.Name("__init__")), args=[m.ZeroOrMore(), m.Arg(star=m.MatchIfTrue(bool)),
+                                                                          m.ZeroOrMore()])
+            if fn is not None and fn.findall(call):
+                return f"{k[1]}.__init__ forwards *args/**kwargs of the call at {obj.made.where}"
+        return None
 
     def _super_init_args(self, obj: Obj, owner: ClassKey, positional: list[str]) -> dict[str, Value]:
         """Arguments the subclasses of ``owner`` (in ``obj``'s MRO) pass up through
@@ -293,4 +388,16 @@ class AttributeResolver(InterpBase):
 
 
 def _repath(v: Value, path: str) -> Value:
-    return Obj(v.cls, path) if isinstance(v, Obj) else v
+    return replace(v, path=path) if isinstance(v, Obj) else v
+
+
+def _call_arguments(made: Made, positional: list[str], kwonly: set[str]) -> dict[str, Value]:
+    """The parameters of the constructor a call ran (``positional``: its positional parameters
+    after ``self``; ``kwonly``: its keyword-only ones) bound to the call's arguments. Starred
+    arguments are not expanded (the caller says so: :meth:`AttributeResolver._unread_arguments`)."""
+    out: dict[str, Value] = {}
+    if not made.starred:
+        out.update(zip(positional, made.args))
+    names = set(positional) | kwonly
+    out.update((k, v) for k, v in made.kwargs if k in names)
+    return out

@@ -17,8 +17,8 @@ from typing import Any
 
 import libcst as cst
 
-from surgeon.engines.interp.values import Effect, Fork, Frame, Obj, Value, frame_line
-from surgeon.engines.source.index import ClassKey, SourceIndex
+from surgeon.engines.interp.values import Effect, Fork, Frame, FuncRef, Obj, Value, frame_line
+from surgeon.engines.source.index import ClassKey, CstFunction, SourceIndex
 
 
 class Hooks:
@@ -48,6 +48,8 @@ class InterpBase:
         self.notes: list[str] = []
         self.labels: dict = {}
         self.depth = 0
+        self.constructing = 0  # > 0 while a constructor's assignment is read: factories are followed
+        self.skipped = 0  # loops the run did not follow
         self._lazy_guard: set = set()
         # constructor assignments depend on the source only: shared by every run on this index
         self._init_cache: dict[tuple[ClassKey, str], list] = index.memo.setdefault("init_assignments", {})
@@ -86,7 +88,8 @@ class InterpBase:
     def store(self, recv: Value, attr: str, value: Value, frame: Frame) -> None:
         raise NotImplementedError  # stmts.StatementExecutor
 
-    def run(self, owner: ClassKey, name: str, self_obj: Obj | None, args: list[Value], kwargs: dict[str, Value]) -> Value:
+    def run(self, owner: ClassKey, name: str, self_obj: Obj | None, args: list[Value], kwargs: dict[str, Value],
+            on: ClassKey | None = None) -> Value:
         raise NotImplementedError  # calls.CallBinder
 
     def eval_call(self, node: cst.Call, frame: Frame) -> Value:
@@ -99,6 +102,12 @@ class InterpBase:
         raise NotImplementedError  # attrs.AttributeResolver
 
     def load_attr(self, obj: Obj, attr: str) -> Value:
+        raise NotImplementedError  # attrs.AttributeResolver
+
+    def module_function(self, path: str, name: str) -> FuncRef | None:
+        raise NotImplementedError  # attrs.AttributeResolver
+
+    def function_of(self, ref: FuncRef) -> CstFunction | None:
         raise NotImplementedError  # attrs.AttributeResolver
 
     def lazy_local(self, name: str, frame: Frame) -> Value | None:

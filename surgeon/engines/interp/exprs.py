@@ -125,6 +125,9 @@ class ExpressionEvaluator(InterpBase):
             return ModuleRef(resolved)
         mod = self.index.module(frame.path)
         if mod is not None:
+            function = self.module_function(frame.path, name)
+            if function is not None:
+                return function
             if name in mod.imports:
                 return External(name)
             if name in mod.assigns:

@@ -80,6 +80,7 @@ class StatementExecutor(InterpBase):
         elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
             frame.locals[stmt.name.value] = Unknown(f"local definition {stmt.name.value}")
         elif isinstance(stmt, cst.While):
+            self.skipped += 1
             self.note(f"a while loop at line {self.line(frame)} was not followed")
         elif isinstance(stmt, cst.SimpleStatementSuite):
             for small in stmt.body:
@@ -134,6 +135,7 @@ class StatementExecutor(InterpBase):
             except BreakLoop:
                 pass
         else:
+            self.skipped += 1
             self.note(f"a loop at line {self.line(frame)} over {code(stmt.iter)} was not followed")
 
     def assign(self, target: cst.BaseExpression, value: Value, frame: Frame) -> None:

@@ -99,14 +99,40 @@ class Pred:
 
 
 @dataclass(frozen=True)
+class Made:
+    """The call that built an object, as the probe read it: ``Cls(*args, **kwargs)`` in the source."""
+
+    args: tuple[Value, ...]
+    kwargs: tuple[tuple[str, Value], ...]
+    starred: bool  # a ``*x`` or ``**x`` argument the probe cannot expand: any parameter may be in it
+    where: str  # ``path:line`` of the call
+
+
+@dataclass(frozen=True)
 class Obj:
+    """An object of class ``cls``. ``made``: the call that built it, when the probe read one (None:
+    the engine builds it, the probed class itself or a class its registry builds, with its own fixed
+    arguments). ``assumed``: why its class is not certain (it rests on a constructor parameter's
+    default that a caller the probe did not read may override). Neither takes part in identity."""
+
     cls: ClassKey
     path: str  # how it was reached, e.g. "self.model" (identity within one run)
+    made: Made | None = field(default=None, compare=False)
+    assumed: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class ClassRef:
     cls: ClassKey
+    assumed: str | None = field(default=None, compare=False)  # as Obj.assumed
+
+
+@dataclass(frozen=True)
+class FuncRef:
+    """A module-level function of the package (``build_model`` defined in ``path``)."""
+
+    path: str
+    name: str
 
 
 @dataclass(frozen=True)
@@ -119,6 +145,7 @@ class Bound:
     obj: Obj | None
     owner: ClassKey
     name: str
+    on: ClassKey | None = None  # the class the method was looked up on (a classmethod's ``cls``)
 
 
 @dataclass(frozen=True)
@@ -162,8 +189,8 @@ class Unknown:
     why: str
 
 
-Value: TypeAlias = (Const | Lin | Seq | Elem | IdItem | IdMax | Pred | Obj | ClassRef | ModuleRef | Bound | Super
-                    | LayerItem | PPGroup | Tup | Builtin | External | Unknown)
+Value: TypeAlias = (Const | Lin | Seq | Elem | IdItem | IdMax | Pred | Obj | ClassRef | FuncRef | ModuleRef | Bound
+                    | Super | LayerItem | PPGroup | Tup | Builtin | External | Unknown)
 
 _BUILTINS = {"list", "tuple", "sorted", "set", "len", "hasattr", "getattr", "setattr", "isinstance",
              "max", "min", "super", "int", "print", "any", "all", "range", "enumerate", "zip",
@@ -315,7 +342,7 @@ def known_truth(v: Value) -> bool | None:
     """The truth of ``v`` when the value alone decides it, else None (the caller forks)."""
     if isinstance(v, Const):
         return bool(v.value)
-    if isinstance(v, (Seq, Obj, ClassRef, Bound, PPGroup, Lin, LayerItem, Elem, ModuleRef, Builtin)):
+    if isinstance(v, (Seq, Obj, ClassRef, FuncRef, Bound, PPGroup, Lin, LayerItem, Elem, ModuleRef, Builtin)):
         return True
     if isinstance(v, Tup):
         return bool(v.items)
@@ -350,6 +377,14 @@ def carries_ids(v: Value) -> bool:
     return isinstance(v, (Seq, Elem)) or (isinstance(v, Tup) and any(carries_ids(i) for i in v.items))
 
 
+def assuming(v: Value, why: str | None) -> Value:
+    """``v`` marked as resting on ``why`` (an object or class whose choice a default decided);
+    other values, and values already marked, are returned as they are."""
+    if why is not None and isinstance(v, (Obj, ClassRef)) and v.assumed is None:
+        return replace(v, assumed=why)
+    return v
+
+
 def describe(v: Value) -> str:
     if isinstance(v, Obj):
         return f"{v.cls[1]} ({v.cls[0]})"
@@ -359,6 +394,8 @@ def describe(v: Value) -> str:
         return v.why
     if isinstance(v, External):
         return f"{v.name} (outside the model files)"
+    if isinstance(v, FuncRef):
+        return f"function {v.name} ({v.path})"
     return type(v).__name__
 
 

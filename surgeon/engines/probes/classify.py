@@ -262,6 +262,8 @@ class Classifier:
             evidence.append(Evidence("loop", cap.loop_line[0], cap.loop_line[1], f"decoder-layer loop of {cap.loop_owner}"))
         evidence.extend(Evidence("capture_site", s.path, s.line, f"{s.where}: {s.expression}") for s in cap.sites)
         unverified = [s.unverified_reason or f"{s.path}:{s.line}: not read" for s in cap.sites if not s.verified]
+        if holder.assumed:  # the holder's class rests on a constructor default a caller may override
+            unverified.insert(0, holder.assumed)
         if cap.value == "unknown" and not unverified:
             unverified.append(f"the value {cap.loop_owner} captures was not read to the residual stream or a layer output")
         return ClassConvention(
