@@ -27,14 +27,24 @@ SpecForge's ``target_p``), over ``ttt`` chained steps (test-time training) with 
 hidden output fed back. Everything is seeded; artifacts are cached under
 ``$XDG_CACHE_HOME/surgeon/draft-fixtures/<hash>`` keyed on every parameter and this module's and
 ``model.py``'s source, so a change of either retrains.
+
+The cache cannot lie (issue 36), as the probe cache (:mod:`surgeon.engines.probes.cache`): a cache
+directory that is a link, another user's, or writable by group or others is not used (the folder
+is built in a private temporary directory instead, and that is said once); each folder carries a
+manifest (:data:`MANIFEST`) of every file's SHA-256, sealed with the key and the per-user secret's
+HMAC, and a folder is reused only when it holds exactly those files, regular and unlinked, with
+those digests; otherwise it is set aside, rebuilt, and a note says why.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,8 +55,10 @@ from torch import nn
 
 from surgeon.core.errors import BadInput, InternalError
 from surgeon.core.points import EMBED, FINAL_NORM, Point, layer_out, parse_point
+from surgeon.core.safefile import UnsafeFile, describe_mode, read_bytes
 from surgeon.draft.layouts import config_for, write_checkpoint
 from surgeon.draft.model import DraftCache, DraftInfo, Eagle3Draft, RMSNorm, SwiGLU, one_thread, rotate_half
+from surgeon.engines.probes import cache as _cache
 
 VOCAB = 64
 SEQ = 36
@@ -57,9 +69,13 @@ MIN_PERIOD: int | None = None
 HEADS = 4
 
 
+MANIFEST = "manifest.json"
+FIXTURE_LIMIT = 256 << 20  # the largest file of a fixture folder (the tiny targets' weights: under 1 MiB)
+_WHAT = "the draft-fixtures cache"
+
+
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "surgeon" / "draft-fixtures"
+    return _cache.directory() / "draft-fixtures"
 
 
 def _key(kind: str, params: dict[str, Any]) -> str:
@@ -71,25 +87,128 @@ def _key(kind: str, params: dict[str, Any]) -> str:
 
 
 def _cached(kind: str, params: dict[str, Any], build) -> Path:
-    """``build(tmp_dir)`` once per key; the folder appears atomically (a rename)."""
-    out = cache_root() / _key(kind, params)
-    if (out / "done").is_file():
+    """``build(tmp_dir)`` once per key; the folder appears atomically (a rename), sealed by its
+    manifest, and is reused only while the manifest vouches for every file in it."""
+    name, root = _key(kind, params), cache_root()
+    secret = None
+    if _cache.make_private(root.parent, _WHAT) and _cache.make_private(root, _WHAT):
+        secret = _cache.secret(create=True, what=_WHAT)
+    if secret is None:
+        return _private_build(name, params, build)
+    out = root / name
+    why = _unsound(out, name, secret)
+    if why is None:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    if why != "absent":
+        _cache.note(f"{out}: {why}; set aside and built again")
+        _discard(out)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
     try:
-        build(tmp)
-        (tmp / "params.json").write_text(json.dumps(params, sort_keys=True, default=str, indent=1) + "\n")
-        (tmp / "done").write_text("ok\n")
+        _fill(tmp, name, params, build, secret)
         try:
             tmp.rename(out)
-        except OSError:  # another process finished first
-            if not (out / "done").is_file():
-                raise
+        except OSError:  # another process finished first: theirs if sound, else ours, uncached
+            if _unsound(out, name, secret) is None:
+                return out
+            return _keep_until_exit(tmp)
     finally:
-        if tmp.exists():
+        if tmp.exists() and tmp not in _KEPT:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _fill(folder: Path, name: str, params: dict[str, Any], build, secret: bytes | None) -> None:
+    build(folder)
+    (folder / "params.json").write_text(json.dumps(params, sort_keys=True, default=str, indent=1) + "\n")
+    if secret is not None:
+        files = {rel: hashlib.sha256((folder / rel).read_bytes()).hexdigest() for rel in _listing(folder)[0]}
+        payload = json.dumps({"files": files}, sort_keys=True).encode()
+        (folder / MANIFEST).write_bytes(_cache.seal(secret, name, payload))
+
+
+_KEPT: list[Path] = []
+
+
+def _keep_until_exit(folder: Path) -> Path:
+    """``folder`` outside the cache, removed when this process exits."""
+    _KEPT.append(folder)
+    if len(_KEPT) == 1:
+        atexit.register(_remove_kept)
+    return folder
+
+
+def _remove_kept() -> None:
+    for folder in _KEPT:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _private_build(name: str, params: dict[str, Any], build) -> Path:
+    """No trustworthy cache: build in a private temporary directory (mode 0700), for this process."""
+    folder = Path(tempfile.mkdtemp(prefix=f"surgeon-{name}."))
+    _keep_until_exit(folder)
+    _fill(folder, name, params, build, None)
+    return folder
+
+
+def _listing(folder: Path) -> tuple[list[str], list[str]]:
+    """(regular files, anything else) under ``folder``, relative, the manifest left out; links
+    are never followed (a link, FIFO or device is "anything else")."""
+    files, odd = [], []
+    for top, dirs, names in os.walk(folder):
+        for n in [*dirs, *names]:
+            rel = os.path.relpath(os.path.join(top, n), folder)
+            mode = os.lstat(os.path.join(top, n)).st_mode
+            if stat.S_ISREG(mode):
+                files.append(rel)
+            elif not stat.S_ISDIR(mode):
+                odd.append(rel)
+    return sorted(f for f in files if f != MANIFEST), sorted(odd)
+
+
+def _unsound(out: Path, name: str, secret: bytes) -> str | None:
+    """Why cached folder ``out`` must not be used ("absent": not there), None when its sealed
+    manifest vouches for exactly the regular files it holds."""
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return "absent"
+    except OSError as e:
+        return f"cannot be inspected ({e.strerror or e})"
+    if not stat.S_ISDIR(mode):
+        return f"is {describe_mode(mode)}, not a folder"
+    return _manifest_problem(out, name, secret)
+
+
+def _manifest_problem(out: Path, name: str, secret: bytes) -> str | None:
+    """Why folder ``out``'s manifest does not vouch for what it holds (None: it does)."""
+    try:
+        raw = read_bytes(out / MANIFEST, limit=1 << 20, follow=False, what="the fixture manifest")
+        files = json.loads(_cache.unseal(secret, name, raw))["files"]
+        listed, odd = _listing(out)
+        if odd or sorted(files) != listed:
+            return f"holds other files than its manifest lists ({', '.join(odd or sorted(set(listed) ^ set(files)))})"
+        for rel, digest in files.items():
+            data = read_bytes(out / rel, limit=FIXTURE_LIMIT, follow=False, what="the fixture file")
+            if hashlib.sha256(data).hexdigest() != digest:
+                return f"{rel} does not match its digest (edited or damaged)"
+    except FileNotFoundError:
+        return "a file is missing (no manifest: an older surgeon's, or damaged)"
+    except (UnsafeFile, _cache.Mismatch, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
+def _discard(out: Path) -> None:
+    """Set ``out`` aside (a rename: a link is moved, never followed) and remove it."""
+    aside = out.with_name(f".{out.name}.discard-{secrets.token_hex(4)}")
+    try:
+        os.rename(out, aside)
+        if stat.S_ISDIR(os.lstat(aside).st_mode):
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.unlink(aside)
+    except OSError:
+        pass
 
 
 # -- the language ---------------------------------------------------------------------------

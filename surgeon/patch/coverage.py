@@ -36,9 +36,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from surgeon.core.errors import BadInput, unreadable
+from surgeon.core.safefile import UnsafeFile
+from surgeon.core.safefile import read_bytes as safe_read_bytes
 from surgeon.core.shapes import Reads
 from surgeon.engines.source.anatomy import ast_span, loops_over_ast
 from surgeon.engines.source.locate import ProbeError, layout_of, locate_engine
+from surgeon.engines.source.reading import SOURCE_LIMIT
 from surgeon.patch.planner import Checker
 from surgeon.patch.recipes import (
     PatchApplicationError,
@@ -247,7 +250,11 @@ def _class_spans(cls: ast.ClassDef, methods: set[str]) -> list[tuple[int, int]]:
 def _file_task(args) -> list[ClassCoverage]:
     engine, path, relpath, owners, spans = args
     recipes = _recipes_cached(load_recipes)
-    source = Path(path).read_bytes()
+    try:  # read again in the worker: what was a regular file at the prefilter may be a FIFO now
+        source = _read_model_file(path)
+    except (OSError, UnsafeFile) as exc:
+        return [ClassCoverage(relpath, c, meth, line, dec, False, False, False, reason=_why(exc))
+                for c, meth, line, dec in owners]
     # the rewriter's own reduction (same line numbers; encoding cookie, BOM and default indent
     # kept exact, else the whole file), so that coverage reads what `surgeon apply` reads
     try:
@@ -351,8 +358,8 @@ def _prefilter(engine: str, root: Path, models_dirs: tuple[str, ...], recipes,
             if r.engine in (None, engine) and r.file is not None and (relpath == r.file or relpath.endswith("/" + r.file)):
                 pairs.add((r.method, r.layers_attr))
         try:
-            owners, spans = _scan(f.read_bytes(), pairs)
-        except (SyntaxError, ValueError, OSError) as exc:  # ValueError: null bytes, bad encoding
+            owners, spans = _scan(_read_model_file(f), pairs)
+        except (SyntaxError, ValueError, OSError, UnsafeFile) as exc:  # ValueError: null bytes, bad encoding
             unparsed.append(Unparsed(relpath, _why(exc)))
             continue
         if owners:
@@ -360,11 +367,19 @@ def _prefilter(engine: str, root: Path, models_dirs: tuple[str, ...], recipes,
     return len(files), tasks, unparsed
 
 
+def _read_model_file(path: str | Path) -> bytes:
+    """A model file's bytes through :mod:`surgeon.core.safefile`: links followed, but a FIFO, a
+    device or a file over :data:`SOURCE_LIMIT` is refused (:class:`UnsafeFile`), never waited on."""
+    return safe_read_bytes(path, limit=SOURCE_LIMIT, follow=True, what="the model file")
+
+
 def _why(exc: Exception) -> str:
     if isinstance(exc, SyntaxError) and exc.lineno:
         return f"line {exc.lineno}: {exc.msg}"
     if isinstance(exc, OSError):
         return f"cannot be read: {exc.strerror or exc}"
+    if isinstance(exc, UnsafeFile):
+        return f"cannot be read: {str(exc).splitlines()[0]}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 

@@ -32,6 +32,7 @@ from surgeon.core.spec import NORM_FLAGS
 from surgeon.engines.facts.norm_flow import NO_DEFAULT, FlagUse, ValueFlow, key_reads
 from surgeon.engines.source.index import SourceIndex
 from surgeon.engines.source.locate import EngineLocation
+from surgeon.engines.source.reading import SOURCE_ERRORS, read_source
 
 # Other names an engine reads for a flag (SGLang's legacy ``use_aux_norm`` enables ``fc_norm``).
 ALIASES = {"use_aux_norm": "fc_norm"}
@@ -119,7 +120,7 @@ def _use_note(r: FlagRead) -> str:
 
 def parse_source(file: Path, rel: str) -> ast.Module:
     try:
-        return ast.parse(file.read_text(encoding="utf-8"), filename=rel)
+        return ast.parse(read_source(file), filename=rel)
     except SyntaxError as e:
         raise BadInput(f"{file}:{e.lineno or 0}:{e.offset or 0}: cannot parse: {e.msg}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -130,7 +131,7 @@ def parse_module(file: Path, rel: str) -> cst.Module:
     """``file`` as a libcst module; a file that is not Python is refused in one line."""
     parse_source(file, rel)  # the stdlib parser locates a syntax error in one line
     try:
-        return cst.parse_module(file.read_text(encoding="utf-8"))
+        return cst.parse_module(read_source(file))
     except cst.ParserSyntaxError as e:
         raise BadInput(f"{file}:{e.raw_line}:{e.raw_column}: cannot parse: {e.message}") from None
 
@@ -260,8 +261,8 @@ def vllm_eagle3_arch(loc: EngineLocation, arch: str) -> str:
     and 0.33.0 ``transformers_utils/configs/eagle.py``); applied only where that file still writes
     ``f"Eagle3{arch}"``, else ``arch`` unchanged."""
     try:
-        text = (loc.root / VLLM_EAGLE_CONFIG).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+        text = read_source(loc.root / VLLM_EAGLE_CONFIG)
+    except SOURCE_ERRORS:
         return arch
     if 'f"Eagle3{arch}"' not in text or 'arch.endswith("Eagle3")' not in text:
         return arch

@@ -25,6 +25,7 @@ from pathlib import Path
 from surgeon.core.conventions import HF, InvalidId, NotExpressible, PointwiseConvention
 from surgeon.core.idrules import DefaultTerm
 from surgeon.core.points import FINAL_NORM, Point, layer_out
+from surgeon.engines.source.reading import read_source
 
 TRTLLM_REPO = "NVIDIA/TensorRT-LLM"
 MODELOPT_REPO = "NVIDIA/Model-Optimizer"
@@ -240,7 +241,7 @@ def check_against_source(cites: dict[str, Cite], root: str | Path) -> list[str]:
         if not path.is_file():
             problems.append(f"{key}: {cite.path} is not under {root}")
             continue
-        lines = path.read_text(errors="replace").splitlines()
+        lines = read_source(path).splitlines()
         if cite.line is not None:
             here = lines[cite.line - 1] if cite.line <= len(lines) else ""
             if cite.needle not in here:

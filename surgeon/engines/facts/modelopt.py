@@ -22,7 +22,6 @@ directory: an answer does not depend on where the command is run.
 from __future__ import annotations
 
 import ast
-import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 from surgeon.core.errors import BadInput
 from surgeon.engines.source.locate import tool_packages
 from surgeon.engines.source.pureeval import NotPure, evaluate_function
+from surgeon.engines.source.reading import SOURCE_ERRORS, dist_version, read_source
 
 EAGLE_FILE = "torch/speculative/plugins/hf_eagle.py"
 DFLASH_FILE = "torch/speculative/plugins/modeling_dflash.py"
@@ -180,11 +180,7 @@ def _dflash_offset(tree: ast.Module, path: str) -> Read | None:
 
 
 def _version(package: Path) -> str:
-    for meta in sorted(package.parent.glob("nvidia_modelopt-*.dist-info/METADATA")):
-        m = re.search(r"^Version:\s*(\S+)", meta.read_text(errors="replace"), re.M)
-        if m:
-            return m.group(1)
-    return "unknown"
+    return dist_version(package.parent, "nvidia_modelopt") or "unknown"
 
 
 def _returns(fn: ast.FunctionDef, path: str) -> Read:
@@ -202,9 +198,10 @@ def _read(package: Path) -> ModeloptSource:
     src = ModeloptSource(package, _version(package))
     for rel, fn_name, key in ((EAGLE_FILE, EAGLE_FN, "eagle_default"), (DFLASH_FILE, DFLASH_FN, "dflash_preset")):
         path = package / rel
-        if not path.exists():
+        try:
+            tree = ast.parse(read_source(path), filename=str(path))
+        except (FileNotFoundError, *SOURCE_ERRORS):
             continue
-        tree = ast.parse(path.read_text(), filename=str(path))
         shown = f"modelopt/{rel}"
         node = _find_function(tree, fn_name)
         if node is not None:
@@ -215,8 +212,8 @@ def _read(package: Path) -> ModeloptSource:
             if hook is not None:
                 src.reads["eagle_hook"] = hook
     path = package / DFLASH_HF_FILE
-    if path.exists():
-        found = _dflash_offset(ast.parse(path.read_text()), f"modelopt/{DFLASH_HF_FILE}")
+    if path.is_file():
+        found = _dflash_offset(ast.parse(read_source(path)), f"modelopt/{DFLASH_HF_FILE}")
         if found is not None:
             src.reads["dflash_offset"] = found
     return src

@@ -25,6 +25,7 @@ from surgeon.engines.probes import sglang as probe_sglang
 from surgeon.engines.probes.capture import CaptureAnalyzer
 from surgeon.engines.probes.classify import Classifier, Target
 from surgeon.engines.source.index import ClassKey, SourceIndex
+from surgeon.engines.source.reading import SOURCE_ERRORS, read_source
 
 SETTER = probe_sglang.DFLASH_SETTER
 FIELD = "dflash_target_layer_ids"
@@ -85,8 +86,8 @@ class DFlashRunner:
 
 def _parse(root: Path, rel: str) -> ast.Module | None:
     try:
-        return ast.parse((root / rel).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
+        return ast.parse(read_source(root / rel))
+    except (*SOURCE_ERRORS, SyntaxError, ValueError):
         return None
 
 
@@ -120,8 +121,8 @@ def read_dflash_runner(root: str | Path) -> DFlashRunner:
     trees = {}
     for rel in _runner_files(root):
         try:
-            text = (root / rel).read_text(encoding="utf-8")
-        except OSError:
+            text = read_source(root / rel)
+        except SOURCE_ERRORS:
             continue
         if SETTER in text or FIELD in text or RESOLVE in text:
             tree = _parse(root, rel)

@@ -30,7 +30,6 @@ cited table below against a checkout and prints what the analysis reads there.
 from __future__ import annotations
 
 import ast
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from surgeon.core.spec import NORM_FLAGS
 from surgeon.engines.facts.draft_norms import FlagRead, NormReading, model_reads, parse_module, parse_source
 from surgeon.engines.facts.norm_flow import FlagUse, ValueFlow
 from surgeon.engines.source.locate import tool_packages
+from surgeon.engines.source.reading import dist_version, read_source
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DRAFT_DIR = "modeling/draft"
@@ -107,13 +107,12 @@ class Source:
 
 
 def _version(package: Path, dist: str) -> str:
-    for meta in sorted(package.parent.glob(f"{dist}-*.dist-info/METADATA")):
-        m = re.search(r"^Version:\s*(\S+)", meta.read_text(encoding="utf-8", errors="replace"), re.M)
-        if m:
-            return m.group(1)
+    found = dist_version(package.parent, dist)
+    if found is not None:
+        return found
     for f in (package.parent / "version.txt", package / "version.txt"):
         if f.is_file():
-            return f.read_text(encoding="utf-8").strip() or "checkout"
+            return read_source(f).strip() or "checkout"
     return "checkout"
 
 
@@ -292,7 +291,7 @@ def confirm(src: Source, table: list[tuple[str, int, str]]) -> list[str]:
     bad = []
     for path, line, text in table:
         f = src.package / path
-        lines = f.read_text(encoding="utf-8", errors="replace").splitlines() if f.is_file() else []
+        lines = read_source(f).splitlines() if f.is_file() else []
         got = lines[line - 1].strip() if 0 < line <= len(lines) else None
         if got != text:
             bad.append(f"{src.rel(path)}:{line}: cited {text!r}, found {got!r}")

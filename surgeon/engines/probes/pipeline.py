@@ -36,6 +36,7 @@ from surgeon.core.points import Point
 from surgeon.core.spec import Issue, Spec
 from surgeon.engines.source.booltest import condition_values, leaves
 from surgeon.engines.source.pureeval import NotPure, call_function
+from surgeon.engines.source.reading import SOURCE_ERRORS, read_source
 
 _PARTITION_FILE = {"vllm": "distributed/utils.py", "sglang": "srt/distributed/utils.py"}
 _TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -92,7 +93,7 @@ class PipelineAnswer:
 @lru_cache(maxsize=64)
 def _parse(path: str, stamp: tuple[int, int] = (0, 0)) -> ast.Module:
     """``stamp`` (mtime, size) keys the cache, so an edited file is read again."""
-    return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
+    return ast.parse(read_source(Path(path)), filename=path)
 
 
 def _module(root: str, rel: str) -> ast.Module | None:
@@ -100,7 +101,10 @@ def _module(root: str, rel: str) -> ast.Module | None:
     if not path.is_file():
         return None
     st = path.stat()
-    return _parse(str(path), (st.st_mtime_ns, st.st_size))
+    try:
+        return _parse(str(path), (st.st_mtime_ns, st.st_size))
+    except SOURCE_ERRORS:  # swapped for a FIFO or grown past the bound since the stat
+        return None
 
 
 def _top(tree: ast.Module, name: str, kind: type) -> ast.AST | None:

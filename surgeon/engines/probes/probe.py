@@ -136,7 +136,7 @@ def _probe(name: str, location: EngineLocation, index: SourceIndex, progress: Pr
     exported = _vllm.exported(index, files, platform) if engine == "vllm" else mod.exported(index, files)
     probe = EngineProbe(engine=engine, version=location.version, root=str(location.root),
                         files_scanned=len(index.model_files), platform=platform, runner=runner,
-                        unreadable={f: why for f, (_, why) in zip(files, per) if why is not None})
+                        unreadable=_unreadable(index, files, per))
     keys = _keys(conventions, set(exported.values()))
     for (target, cc), k in zip(conventions, keys):
         probe.classes[k] = cc
@@ -176,3 +176,11 @@ def _keys(conventions: list[tuple[Target, ClassConvention]], exported: set) -> l
                 continue
             keys[i] = f"{conventions[i][1].path}:{name}"
     return keys
+
+
+def _unreadable(index: SourceIndex, files: list[str], per: list) -> dict[str, str]:
+    """Model files the probe could not read: those the safe reader refused (a FIFO, a device, an
+    over-large file named ``*.py``) and those whose reading raised."""
+    models = set(index.model_files)
+    refused = {f: why for f, why in index.refused.items() if f in models}
+    return {**refused, **{f: why for f, (_, why) in zip(files, per) if why is not None}}

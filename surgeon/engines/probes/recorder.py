@@ -36,6 +36,7 @@ import libcst.matchers as m
 
 from surgeon.core.idrules import Evidence, SiteRecord
 from surgeon.engines.source.index import ClassKey, CstFunction, FuncInfo, SourceIndex, code
+from surgeon.engines.source.reading import SOURCE_ERRORS, read_source
 
 RECORDER = "OutputRecorder"
 _RECORDER_CALL = m.Call(func=m.Name(RECORDER) | m.Attribute(attr=m.Name(RECORDER)))
@@ -246,11 +247,9 @@ def _transformers_capture(engine_dir: Path) -> tuple[Path, int, str] | None:
         candidates += [Path(p) for p in spec.submodule_search_locations]
     for pkg in candidates:
         f = pkg / "utils" / "output_capturing.py"
-        if not f.is_file():  # a FIFO or device there would block the read
-            continue
         try:
-            text = f.read_text(encoding="utf-8")
-        except OSError:
+            text = read_source(f)  # a FIFO or device there is refused, never waited on
+        except SOURCE_ERRORS:
             continue
         for n, line in enumerate(text.splitlines(), 1):
             if _ORDER.search(line):

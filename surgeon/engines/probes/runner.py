@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from surgeon.core.runnerfacts import IdSource, RunnerCall, RunnerModel, summarise
+from surgeon.engines.source.reading import SOURCE_ERRORS, read_source
 
 SETTERS = {"vllm": ("set_aux_hidden_state_layers",),
            "sglang": ("set_eagle3_layers_to_capture", "set_dflash_layers_to_capture")}
@@ -54,6 +55,7 @@ class RunnerReader:
         self.engine = engine
         self.root = Path(root)
         self._modules: dict[str, _Module | None] = {}
+        self._texts: dict[str, str | None] = {}
         self._files: list[str] | None = None
 
     # -- files -------------------------------------------------------------------------------
@@ -68,12 +70,24 @@ class RunnerReader:
         self._files = out
         return out
 
+    def text(self, rel: str) -> str | None:
+        """The source of runner file ``rel`` (None: absent, or not a regular file of a sane size:
+        a FIFO there is refused at once by :func:`read_source`, never waited on)."""
+        if rel not in self._texts:
+            try:
+                self._texts[rel] = read_source(self.root / rel)
+            except SOURCE_ERRORS:
+                self._texts[rel] = None
+        return self._texts[rel]
+
     def module(self, rel: str) -> _Module | None:
         if rel not in self._modules:
+            text = self.text(rel)
             try:
-                text = (self.root / rel).read_text(encoding="utf-8")
-                tree = ast.parse(text)
-            except (OSError, SyntaxError, ValueError):
+                tree = ast.parse(text) if text is not None else None
+            except (SyntaxError, ValueError):
+                tree = None
+            if tree is None:
                 self._modules[rel] = None
                 return None
             parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
@@ -87,11 +101,8 @@ class RunnerReader:
         calls: list[RunnerCall] = []
         sites: list[_Site] = []
         for rel in files:
-            try:
-                text = (self.root / rel).read_text(encoding="utf-8")
-            except OSError:
-                continue
-            if not any(s in text for s in setters):
+            text = self.text(rel)
+            if text is None or not any(s in text for s in setters):
                 continue
             mod = self.module(rel)
             if mod is None:
@@ -217,10 +228,7 @@ class RunnerReader:
         """Every call of ``function`` in the runner files with ``param=`` given: (module, call, value)."""
         out: list[tuple[_Module, ast.Call, ast.expr]] = []
         for rel in self.runner_files():
-            try:
-                if function not in (self.root / rel).read_text(encoding="utf-8"):
-                    continue
-            except OSError:
+            if function not in (self.text(rel) or ""):
                 continue
             mod = self.module(rel)
             if mod is None:

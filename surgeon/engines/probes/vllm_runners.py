@@ -36,6 +36,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.runnerfacts import RunnerCall, RunnerModel
 from surgeon.engines.facts.draft_norms import speculators_reads
 from surgeon.engines.source.locate import EngineLocation
+from surgeon.engines.source.reading import SOURCE_ERRORS, read_source
 
 Get = Callable[[str], "list[int] | None"]  # a validated id list at a dotted config key, or None
 Line = tuple[str, str, str]  # (severity, kind, detail)
@@ -141,8 +142,8 @@ def choice_where(loc: EngineLocation | None) -> str | None:
     if loc is None:
         return None
     try:
-        text = (loc.root / RUNNER_CHOICE).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+        text = read_source(loc.root / RUNNER_CHOICE)
+    except SOURCE_ERRORS:
         return None
     found = re.search(r"^\s*def use_v2_model_runner\b", text, re.M)
     return None if found is None else f"vllm/{RUNNER_CHOICE}:{text.count(chr(10), 0, found.start()) + 1}"
@@ -274,8 +275,8 @@ def aux_translation(loc: EngineLocation, algo: str) -> AuxTranslation | None:
     ``ast``; None where that function never reads the key."""
     rel = "transformers_utils/configs/speculators/algos.py"
     try:
-        tree = ast.parse((loc.root / rel).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        tree = ast.parse(read_source(loc.root / rel))
+    except (*SOURCE_ERRORS, SyntaxError, ValueError):
         return None
     fn = _registered(tree, algo)
     if fn is None:
@@ -334,8 +335,8 @@ def source_line(root: Path | None, rel: str, pattern: str, package: str, anchor:
     if root is None:
         return None
     try:
-        lines = (root / rel).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
+        lines = read_source(root / rel).splitlines()
+    except SOURCE_ERRORS:
         return None
     start = next((i for i, t in enumerate(lines) if re.search(anchor, t)), None) if anchor else 0
     if start is None:

@@ -1,7 +1,10 @@
 """An engine's source as the probe reads it, in three tiers of cost.
 
 1. Text (every model file): read once, hashed for the cache, and pre-filtered with a regular
-   expression over class headers, so only files that can matter go further.
+   expression over class headers, so only files that can matter go further. Every read goes
+   through :func:`read_source` (:mod:`surgeon.core.safefile`): a FIFO, device, directory or
+   over-large file named ``*.py`` is refused at once (kept in :attr:`SourceIndex.refused` with the
+   reason), never waited on or read into memory.
 2. :mod:`ast` (the files that matter, and whatever their imports lead to): classes, bases,
    imports and each function's line range. Cheap, and enough to resolve names and inheritance
    across files.
@@ -30,6 +33,7 @@ import libcst.matchers as m
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from surgeon.engines.source.cstwalk import StatementLines
+from surgeon.engines.source.reading import SOURCE_ERRORS, read_source
 
 ClassKey = tuple[str, str]  # (path relative to the package dir, class name)
 
@@ -283,6 +287,8 @@ class SourceIndex:
         self.models_dirs = tuple(d.strip("/") for d in dirs)
         self.models_dir = self.models_dirs[0]
         self._texts: dict[str, str | None] = {}
+        #: files that exist but cannot be read (a FIFO, a device, too large, no permission): why
+        self.refused: dict[str, str] = {}
         self._modules: dict[str, ModuleInfo | None] = {}
         self._functions: dict[tuple[ClassKey, str], CstFunction | None] = {}
         self._exprs: dict[tuple[str, int, int], cst.BaseExpression | None] = {}
@@ -304,10 +310,13 @@ class SourceIndex:
 
     def text(self, path: str) -> str | None:
         if path not in self._texts:
+            self._texts[path] = None
             try:
-                self._texts[path] = (self.package_dir / path).read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                self._texts[path] = None
+                self._texts[path] = read_source(self.package_dir / path)
+            except FileNotFoundError:
+                pass
+            except SOURCE_ERRORS as e:
+                self.refused[path] = str(e).splitlines()[0] if str(e) else type(e).__name__
         return self._texts[path]
 
     def read_paths(self) -> list[str]:
@@ -321,7 +330,7 @@ class SourceIndex:
             h.update(p.encode())
             h.update(b"\0")
             h.update((self.text(p) or "").encode("utf-8", "surrogatepass"))
-            h.update(b"\0")
+            h.update(b"\0unreadable\0" if p in self.refused else b"\0")
         return h.hexdigest()
 
     def prefilter(self, triggers: Iterable[str]) -> tuple[list[str], set[str]]:

@@ -15,6 +15,11 @@ from typing import Any, cast
 
 from surgeon.core.errors import BadInput
 from surgeon.core.idrules import Engine
+from surgeon.core.safefile import UnsafeFile, read_bytes
+
+#: The most bytes read of one METADATA, RECORD or version file (vLLM's RECORD is under 1 MiB): a
+#: larger one, a FIFO or a device there is not read (the version is then "unknown"), never a hang.
+META_LIMIT = 16 << 20
 
 
 class ProbeError(BadInput):
@@ -220,33 +225,38 @@ def _metadata_of(package_dir: Path, layout: EngineLayout) -> tuple[str | None, s
     return sorted(found)[0][1:] if found else (None, None)
 
 
+def _read_meta(path: Path) -> str | None:
+    """The text of a distribution's METADATA/RECORD or a version file through
+    :mod:`surgeon.core.safefile` (links followed; a FIFO, device or over-large file refused at
+    once); None when absent or refused."""
+    try:
+        return read_bytes(path, limit=META_LIMIT, what="the distribution file").decode("utf-8", "replace")
+    except (OSError, UnsafeFile):
+        return None
+
+
 def _metadata_fields(path: Path) -> dict[str, str]:
     fields: dict[str, str] = {}
-    try:
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    break  # headers end at the first blank line
-                key, sep, value = line.partition(":")
-                if sep and not key.startswith((" ", "\t")):
-                    fields.setdefault(key.strip().lower(), value.strip())
-    except OSError:
-        pass
+    for line in (_read_meta(path) or "").splitlines():
+        if not line.strip():
+            break  # headers end at the first blank line
+        key, sep, value = line.partition(":")
+        if sep and not key.startswith((" ", "\t")):
+            fields.setdefault(key.strip().lower(), value.strip())
     return fields
 
 
 def _record_lists(path: Path, entry: str) -> bool:
-    try:
-        with path.open(encoding="utf-8", errors="replace") as f:
-            return any(line.startswith(entry + ",") for line in f)
-    except OSError:
-        return False
+    return any(line.startswith(entry + ",") for line in (_read_meta(path) or "").splitlines())
 
 
 def _version_from_file(path: Path) -> str | None:
+    text = _read_meta(path)
+    if text is None:
+        return None
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-    except (OSError, SyntaxError, ValueError):
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
         return None
     for node in tree.body:
         targets: list[ast.expr] = []
