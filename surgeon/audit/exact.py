@@ -27,6 +27,7 @@ model's load among them, dominate: ~1e9 a second), 22-31 s for 300 files.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,13 +73,16 @@ def _spread(items: list, k: int) -> list:
 def parameters(model_dir: str | Path) -> int | None:
     """The parameter count of the HF model folder, from its safetensors headers (no tensor read);
     None where it holds no safetensors file whose header reads."""
+    from surgeon.core.errors import BadInput
+    from surgeon.core.safefile import open_regular
+
     total, seen = 0, False
     for f in sorted(Path(model_dir).glob("*.safetensors")):
-        try:
-            with open(f, "rb") as fh:
+        try:  # never blocking on a FIFO named *.safetensors, never reading a device
+            with os.fdopen(open_regular(f, what="the safetensors file"), "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
                 header = json.loads(fh.read(n)) if 0 < n < (100 << 20) else {}
-        except (OSError, ValueError):
+        except (OSError, ValueError, BadInput):
             continue
         for name, meta in header.items():
             if name != "__metadata__" and isinstance(meta, dict) and isinstance(meta.get("shape"), list):

@@ -22,6 +22,7 @@ from typing import Any
 from surgeon.audit.output import AuditSlot
 from surgeon.audit.summary import counts, histogram
 from surgeon.core.errors import BadInput
+from surgeon.core.safefile import UnsafeFile, write_file
 
 BARS = 8  # the identity histogram's bars per slot (the rest: "+N more")
 
@@ -127,8 +128,8 @@ with a slot not its declared point.</p>
 <h2>Outliers by file</h2><table>{rows or '<tr><td>none</td></tr>'}</table>
 <h2>Notes</h2><ul>{''.join(f'<li>{e(n)}</li>' for n in r.notes)}</ul></body></html>"""
     out = Path(path)
-    try:
-        out.write_text(page, encoding="utf-8")
-    except OSError as e:
-        raise BadInput(f"--report {path}: cannot write it ({e.strerror or e})") from None
+    try:  # never through a link, never over a file (one made there during the audit included)
+        write_file(out, page.encode("utf-8"), what="the --report file", mode=0o644)
+    except UnsafeFile as e:
+        raise BadInput(f"--report {e}") from None
     return out

@@ -169,7 +169,7 @@ def _local(ctx: Context, todo: list[str], workers: int, cpu: dict[str, float]) -
     # torch's thread pools) start is unsafe there
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=init_worker,
-                             initargs=(ctx,)) as pool:
+                             initargs=(ctx, os.getpid())) as pool:  # each worker dies with this driver
         window: deque = deque()
 
         def take() -> list[dict[str, Any]]:
@@ -238,15 +238,28 @@ def _executor(plan: Plan, ctx: Context, workers: int,
     return (lambda todo: _local(ctx, todo, workers, cpu)), "local"
 
 
+def _workers(plan: Plan, notes: list[str]) -> int:
+    """The local worker processes: ``--workers``, at least 1, at most the usable cores (one more
+    process per core only adds memory and contention: ``--workers 1000000`` must not fork a million,
+    so it runs on the cores with a note); on Ray, ``--workers`` only widens the window of tasks in
+    flight, as given."""
+    workers = plan.workers if plan.workers is not None else 1 if plan.structure_only else usable_cores()
+    if workers < 1:
+        raise BadInput(f"--workers {workers}: at least 1")
+    if not plan.ray_address and workers > (cores := usable_cores()):
+        notes.append(f"--workers {workers}: {cores} worker processes, one per usable core (no more are started)")
+        workers = cores
+    return workers
+
+
 def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None) -> AuditReport:
     from surgeon.audit.reference import build_profile
     from surgeon.core.spec import load_spec
 
     if not plan.root.is_dir():
         raise BadInput(f"{plan.root}: {'no such directory' if not plan.root.exists() else 'not a directory'}")
-    workers = plan.workers if plan.workers is not None else 1 if plan.structure_only else usable_cores()
-    if workers < 1:
-        raise BadInput(f"--workers {workers}: at least 1")
+    notes: list[str] = []
+    workers = _workers(plan, notes)
     spec = load_spec(plan.spec_path)
     root = plan.root.resolve()
     paths = [str(p) for p in discover(root)]  # one key per file however DIR was typed, wherever from
@@ -261,7 +274,6 @@ def run_audit(plan: Plan, update: Callable[[int, int], None] = lambda d, t: None
 
         warm()  # the norm kernel compiled here, before any work (numba missing: exit 2 now); forked workers inherit it
     state_path = plan.state_path or plan.root / STATE_NAME
-    notes: list[str] = []
     if plan.structure_only:
         profile, exact_model = None, None
     else:  # a resumed audit runs the target on the files its state names: the profile recorded

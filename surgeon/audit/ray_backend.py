@@ -10,7 +10,10 @@ Every machine must see the files under the same path (a shared filesystem). ``ra
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -36,7 +39,30 @@ def check_address(address: str) -> None:
         raise BadInput(f"--ray {address}: cannot connect to a Ray cluster there ({e.strerror or e})") from None
 
 
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Everything written to stdout in the block goes to stderr instead: Python's ``sys.stdout``
+    (Ray's driver prints the errors it hears of, "A worker died or was killed...", there, from a
+    thread, whatever ``log_to_driver`` says) and file descriptor 1 (its C++ core's writes), so
+    ``--json`` keeps stdout for the JSON alone. Both restored when the block ends."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run_on_ray(address: str, ctx: Context, todo: list[str], workers: int) -> Iterator[dict[str, Any]]:
+    with stdout_to_stderr():  # for Ray's whole session: its error listener and log threads end at shutdown
+        yield from _on_ray(address, ctx, todo, workers)
+
+
+def _on_ray(address: str, ctx: Context, todo: list[str], workers: int) -> Iterator[dict[str, Any]]:
     import ray
 
     try:

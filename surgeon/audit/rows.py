@@ -58,6 +58,7 @@ class RowPlan:
     path: str
     regions: tuple[Region, ...]
     ids: tuple[int, int, str] | None
+    ident: tuple[int, int] | None = None  # (device, inode) of the file whose header gave the plan: the one read
 
     @property
     def slots(self) -> int:
@@ -76,7 +77,8 @@ class RowPlan:
         return self.regions[0].dtype
 
 
-def plan(path: str, regions: list[Region], ids: tuple[int, int, str] | None, size: int) -> RowPlan | None:
+def plan(path: str, regions: list[Region], ids: tuple[int, int, str] | None, size: int,
+         ident: tuple[int, int] | None = None) -> RowPlan | None:
     """A :class:`RowPlan` where the regions cover slots 0..S-1 once, each a consecutive run, with
     one T >= 1, H >= 1 and
     dtype, T ids (where there are ids), and every byte inside the file (``size``); None otherwise (the caller reads the
@@ -94,7 +96,7 @@ def plan(path: str, regions: list[Region], ids: tuple[int, int, str] | None, siz
         return None
     if ids is not None and (ids[1] != regions[0].rows or ids[0] < 0 or ids[0] + ids[1] * _int_size(ids[2]) > size):
         return None
-    return RowPlan(path, tuple(regions), ids)
+    return RowPlan(path, tuple(regions), ids, ident)
 
 
 def _int_size(name: str) -> int:
@@ -116,14 +118,15 @@ def _buffer(nbytes: int):
     return _BUFFER[0]
 
 
-def _open(path: str):
-    """``path`` opened unbuffered; a file gone or unreadable since its header was read is BadInput."""
-    from surgeon.core.errors import ReadFailure
+def _open(rp: RowPlan):
+    """The plan's file opened unbuffered, never blocking: a file gone since its header was read, or
+    a FIFO, device or other file swapped in at its path, is BadInput
+    (:func:`surgeon.capture.tensorfiles.reopen`)."""
+    import os
 
-    try:
-        return open(path, "rb", buffering=0)
-    except OSError as e:
-        raise ReadFailure(f"{path}: cannot be read ({e.strerror or e})") from None
+    from surgeon.capture.tensorfiles import reopen
+
+    return os.fdopen(reopen(rp.path, rp.ident), "rb", buffering=0)
 
 
 def _read_at(f, view: memoryview, offset: int, path: str) -> None:
@@ -150,7 +153,7 @@ def chunks(rp: RowPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[Region
 
     buf = _buffer(max(chunk_bytes, max(r.row_bytes for r in rp.regions)))
     mv = memoryview(buf.numpy())
-    with _open(rp.path) as f:
+    with _open(rp) as f:
         for reg in rp.regions:
             per = max(1, chunk_bytes // reg.row_bytes)
             for r0 in range(0, reg.rows, per):
@@ -171,7 +174,7 @@ def rows_of(rp: RowPlan, slot: int, idx) -> Any:
     idx = [int(i) for i in idx]
     out = torch.empty(len(idx), reg.hidden, dtype=getattr(torch, reg.dtype))
     most = max(1, CHUNK_BYTES // reg.row_bytes)
-    with _open(rp.path) as f:
+    with _open(rp) as f:
         at = 0
         while at < len(idx):
             end = at + 1
@@ -192,6 +195,6 @@ def read_ids(rp: RowPlan) -> Any:
         return None
     off, n, name = rp.ids
     raw = torch.empty(n * _int_size(name), dtype=torch.uint8)
-    with _open(rp.path) as f:
+    with _open(rp) as f:
         _read_at(f, memoryview(raw.numpy()), off, rp.path)
     return raw.view(getattr(torch, name)).to(torch.int64)

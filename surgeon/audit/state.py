@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import IO, Any
 
 from surgeon.core.errors import BadInput
+from surgeon.core.safefile import UnsafeFile, open_append, open_regular, write_file
 
 # 2: row hashes of a 64-column block, identity on several statistics; 3: the profile's files; 4: the exact
 # identification budget (a file's later record, with its exact identification, supersedes the first)
 VERSION = 4
+WHAT = "the audit state"
+LINE_LIMIT = 64 << 20  # bytes a line of the state may hold (a file's result is a few KB): more is no state of ours
 
 
 def _is_record(r: Any) -> bool:
@@ -37,29 +41,88 @@ def _is_record(r: Any) -> bool:
                    and all(type(v) is int and -(2**63) <= v < 2**63 for v in h) and 0 <= h[0] < 2**31)
 
 
+def _first_line(path: Path) -> bytes | None:
+    """The first line of the state file at ``path`` (None where there is none: absent, empty);
+    opened as :mod:`surgeon.core.safefile` opens surgeon's own files: a link, a FIFO or a device
+    there is UnsafeFile, never followed or waited on."""
+    try:
+        fd = open_regular(path, follow=False, what=WHAT)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.readline(LINE_LIMIT + 1) or None
+
+
+def _header(line: bytes | None) -> dict[str, Any] | None:
+    try:
+        header = json.loads(line) if line else None
+    except ValueError:
+        return None
+    return header if isinstance(header, dict) and "surgeon.audit.state" in header else None
+
+
 class State:
+    """The state file, opened once for the run: appended through one descriptor (never through a
+    link, never a FIFO: :func:`surgeon.core.safefile.open_append`), read back through another on the
+    same file (checked to be the same inode), never reopened by path."""
+
     def __init__(self, path: Path, header: dict[str, Any], resume: bool):
         self.path = path
         self.header = {"surgeon.audit.state": VERSION, **header}
         self._done: dict[str, tuple[int, int, int]] = {}  # path -> (size, mtime_ns, offset)
         try:
-            if resume and path.is_file():
+            if resume and os.path.lexists(path):
+                self._open()
                 self._load()
-                self._out: IO[str] = path.open("a", encoding="utf-8")
             else:
-                self._out = path.open("w", encoding="utf-8")
-                self._write(self.header)
+                self._fresh()
         except OSError as e:
             raise BadInput(f"{path}: cannot write the audit state ({e.strerror or e}): pass --state FILE elsewhere") from None
 
+    def _fresh(self) -> None:
+        """A new state: its header written atomically in place of a state of an earlier run (never
+        of a file that is not one: a link, a FIFO, a file of the user's own)."""
+        first = _first_line(self.path) if os.path.lexists(self.path) else None
+        if first is not None and _header(first) is None:
+            raise UnsafeFile(f"{self.path}: already exists and is not an audit state; refusing to overwrite it "
+                             "(remove it, or pass --state FILE elsewhere)")
+        write_file(self.path, (json.dumps(self.header, separators=(",", ":")) + "\n").encode(), overwrite=True,
+                   what=WHAT)
+        self._open()
+
+    def _open(self) -> None:
+        self._fd = -1
+        self._out: IO[bytes] = open_append(self.path, what=WHAT)
+        try:
+            self._fd = open_regular(self.path, follow=False, what=WHAT)
+        except BaseException:
+            self._out.close()
+            raise
+        a, b = os.fstat(self._out.fileno()), os.fstat(self._fd)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) or a.st_nlink > 1:
+            self.close()
+            raise UnsafeFile(f"{self.path}: {WHAT} " + ("has other hard links; refusing to write to a file shared "
+                                                         "with another name" if a.st_nlink > 1 else
+                                                         "was replaced while being opened") + " (pass --state FILE elsewhere)")
+
+    def _line_at(self, offset: int) -> bytes:
+        """The line from ``offset`` (read through the open descriptor; at most :data:`LINE_LIMIT` + 1 bytes)."""
+        out = bytearray()
+        while len(out) <= LINE_LIMIT:
+            chunk = os.pread(self._fd, 1 << 14, offset + len(out))
+            if not chunk:
+                break
+            end = chunk.find(b"\n")
+            out += chunk if end < 0 else chunk[:end + 1]
+            if end >= 0:
+                break
+        return bytes(out)
+
     def _load(self) -> None:
-        with self.path.open("rb") as f:
-            first = f.readline()
-            try:
-                header = json.loads(first)
-            except ValueError:
-                header = None
-            if not isinstance(header, dict) or "surgeon.audit.state" not in header:
+        with os.fdopen(os.dup(self._fd), "rb") as f:  # a buffered reader of the same file, for this pass only
+            f.seek(0)
+            header = _header(f.readline(LINE_LIMIT + 1))
+            if header is None:
                 raise BadInput(f"{self.path}:1:1: not an audit state file (remove it, or run without --resume)") from None
             if header != self.header:
                 differs = sorted(k for k in set(header) | set(self.header) if header.get(k) != self.header.get(k))
@@ -67,10 +130,11 @@ class State:
                                f"{', '.join(differs)}): remove it, or run without --resume")
             for number in itertools.count(2):
                 offset = f.tell()
-                line = f.readline()
-                if not line:
-                    break
-                if not line.endswith(b"\n"):  # the last line of a killed run: not finished
+                line = f.readline(LINE_LIMIT + 1)
+                if len(line) > LINE_LIMIT:
+                    raise BadInput(f"{self.path}:{number}:1: a line over {LINE_LIMIT} bytes, not a file's audit result: "
+                                   "remove the state, or run without --resume")
+                if not line or not line.endswith(b"\n"):  # the last line of a killed run: not finished
                     break
                 try:
                     r = json.loads(line)
@@ -83,19 +147,13 @@ class State:
         self._truncate_partial()
 
     def _truncate_partial(self) -> None:
-        """Cut a half-written last line (a run killed mid-write) so appends start on a clean line."""
-        with self.path.open("rb+") as f:
-            data_end = f.seek(0, 2)
-            keep = max((o for _, _, o in self._done.values()), default=None)
-            if keep is None:
-                f.seek(0)
-                f.readline()
-                f.truncate(f.tell())
-                return
-            f.seek(keep)
-            f.readline()
-            if f.tell() < data_end:
-                f.truncate(f.tell())
+        """Cut a half-written last line (a run killed mid-write) so appends start on a clean line
+        (through the append descriptor: the file checked when it was opened, nothing by path)."""
+        data_end = os.fstat(self._fd).st_size
+        keep = max((o for _, _, o in self._done.values()), default=0)  # none recorded: after the header
+        end = keep + len(self._line_at(keep))
+        if end < data_end:
+            os.ftruncate(self._out.fileno(), end)
 
     def done(self, key: dict[str, Any], read: bool = True) -> dict[str, Any] | None:
         """The recorded result of the file ``key`` (path, size, mtime_ns), or None if not done
@@ -105,20 +163,17 @@ class State:
             return None
         if not read:
             return {}
-        with self.path.open("rb") as f:
-            f.seek(rec[2])
-            return json.loads(f.readline())
+        return json.loads(self._line_at(rec[2]))
 
     @staticmethod
     def prompt_files(path: Path) -> list[str]:
         """The files the profile of the audit recorded at ``path`` was built on (none where there is
         no such state: its own checks come when it is opened)."""
         try:
-            with path.open("rb") as f:
-                header = json.loads(f.readline())
-        except (OSError, ValueError):
+            header = _header(_first_line(path))
+        except (OSError, BadInput):
             return []
-        files = header.get("prompt_files") if isinstance(header, dict) else None
+        files = header.get("prompt_files") if header else None
         return [p for p in files if isinstance(p, str)] if isinstance(files, list) else []
 
     @property
@@ -127,16 +182,17 @@ class State:
 
     def record(self, result: dict[str, Any]) -> None:
         """Append a file's result (a file recorded again: the later record is the one :meth:`done` reads)."""
-        import os
-
         self._out.flush()
         offset = os.fstat(self._out.fileno()).st_size  # appended: the record starts at the file's end
         self._write(result)
         self._done[result["path"]] = (result["size"], result["mtime_ns"], offset)
 
     def _write(self, obj: dict[str, Any]) -> None:
-        self._out.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        self._out.write((json.dumps(obj, separators=(",", ":")) + "\n").encode())
         self._out.flush()
 
     def close(self) -> None:
         self._out.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -29,7 +29,7 @@ from typing import Any
 
 from surgeon.audit.rows import FLOATS, INTS, Region, RowPlan, plan
 from surgeon.audit.torchzip import TorchZip
-from surgeon.capture.tensorfiles import SAFETENSORS, ZIP, TensorFile, open_tensor_file
+from surgeon.capture.tensorfiles import SAFETENSORS, ZIP, TensorFile, held, open_tensor_file
 from surgeon.core.errors import BadInput
 
 SUFFIXES = (".ckpt", ".safetensors", ".pt")
@@ -51,6 +51,7 @@ class Structure:
     rows: RowPlan | None = field(default=None, repr=False)  # where the slots' rows lie, where the format says
     points: list[str] | None = None  # a surgeon dump's declared point of each slot, and its target's layers
     num_layers: int | None = None
+    gated: TensorFile | None = field(default=None, repr=False)  # the file as the gate read it: every later read is of it
 
 
 def discover(root: str | Path) -> Iterator[Path]:
@@ -170,7 +171,7 @@ def _safetensors_plan(gated: TensorFile, parts: list[tuple[str, tuple[int, ...]]
         if e["dtype"] not in INTS or len(e["shape"]) != 1:
             return None
         ids = (gated.data_start + e["data_offsets"][0], e["shape"][0], INTS[e["dtype"]])
-    return plan(str(gated.path), regions, ids, gated.size)
+    return plan(str(gated.path), regions, ids, gated.size, gated.ident)
 
 
 def _length(t: Any) -> int | None:
@@ -236,12 +237,14 @@ def _load(gated: TensorFile, where: str, mmap: bool = False) -> Any:
 
     import torch
 
-    try:
-        with warnings.catch_warnings():  # its complaints (a TorchScript archive...) become the one line below
-            warnings.simplefilter("ignore")
-            return torch.load(str(gated.path), map_location=where, weights_only=True, mmap=mmap)
-    except Exception as e:
-        raise BadInput(f"{gated.path}: cannot be read with weights_only=True: {str(e).splitlines()[0][:160]}") from None
+    with held(gated) as name:  # the file the gate read, whatever is at its path now
+        try:
+            with warnings.catch_warnings():  # its complaints (a TorchScript archive...) become the one line below
+                warnings.simplefilter("ignore")
+                return torch.load(name, map_location=where, weights_only=True, mmap=mmap)
+        except Exception as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0].replace(name, str(gated.path))
+            raise BadInput(f"{gated.path}: cannot be read with weights_only=True: {first[:160]}") from None
 
 
 def _storage_records(gated: TensorFile) -> dict[str, tuple[int, int, int]]:
@@ -273,7 +276,7 @@ def specforge_data(st: Structure, path: str | Path) -> Any:
 
     if not any(isinstance(v, torch.Tensor) and v.is_meta for v in st.loaded.values()):
         return st.loaded
-    gated = open_tensor_file(path)
+    gated = st.gated if st.gated is not None else open_tensor_file(path)
     return _load(gated, "cpu", mmap=_mappable(gated))
 
 
@@ -316,14 +319,17 @@ def _specforge_plan(gated: TensorFile, aux: Any, hidden: Any, ids: Any, k: int) 
         at_ids = _file_offset(ids.reshape(-1, 1), records) if ids.is_contiguous() else None
         if at_ids is None or ids_type not in INTS.values():
             return None
-    return plan(str(gated.path), regions, None if at_ids is None else (at_ids, ids.numel(), str(ids_type)), gated.size)
+    return plan(str(gated.path), regions, None if at_ids is None else (at_ids, ids.numel(), str(ids_type)), gated.size,
+                gated.ident)
 
 
 def read_structure(path: str | Path) -> Structure:
     """The structure of one file (header only where the format allows); BadInput for a file the
     gate refuses."""
     gated = open_tensor_file(path)
-    return _safetensors_structure(gated) if gated.format == SAFETENSORS else _pickle_structure(gated)
+    st = _safetensors_structure(gated) if gated.format == SAFETENSORS else _pickle_structure(gated)
+    st.gated = gated
+    return st
 
 
 def check_structure(st: Structure, spec) -> list[str]:

@@ -281,13 +281,18 @@ class TorchZip:
 
     @classmethod
     def open(cls, gated: TensorFile) -> TorchZip | None:
-        """The zip (``gated``, through the gate) as torch's reader opens it; None where it cannot."""
+        """The zip (``gated``, through the gate) as torch's reader opens it; None where it cannot.
+        The reader opens the file the gate read (:func:`~surgeon.capture.tensorfiles.held`): a FIFO or
+        another file swapped in at its path since is BadInput, never read."""
         import torch
 
-        try:
-            return cls(torch._C.PyTorchFileReader(str(gated.path)))
-        except Exception:  # noqa: BLE001 - torch's reader refuses it: so will torch.load, whose error is the one said
-            return None
+        from surgeon.capture.tensorfiles import held
+
+        with held(gated) as name:  # the reader keeps its own handle on that file
+            try:
+                return cls(torch._C.PyTorchFileReader(name))
+            except Exception:  # noqa: BLE001 - torch's reader refuses it: so will torch.load, whose error is the one said
+                return None
 
     @functools.cached_property
     def byteorder(self) -> bytes | None:

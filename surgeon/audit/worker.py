@@ -60,19 +60,59 @@ def run_batch(ctx: Context, batch: list[str]) -> list[dict[str, Any]]:
 _WORKER_CTX: list[Context] = []  # a pool worker's context, set once when it starts (nothing pickled per task)
 
 
-def init_worker(ctx: Context) -> None:
+def init_worker(ctx: Context, driver: int | None = None) -> None:
     """A local pool worker's start: one torch thread (a worker is a core; threads of two workers on
     two cores stall each other at barriers; and a forked child must not enter the OpenMP pool its
     parent used), Ctrl-C ignored (the driver's, which shuts the pool down: no traceback from every
-    worker), its context kept for every batch."""
+    worker), its context kept for every batch, and its life tied to the driver's (pid ``driver``):
+    a driver killed with SIGKILL leaves no worker behind (:func:`die_with`)."""
     import signal
 
     import torch
 
+    if driver is not None:
+        die_with(driver)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it stops the pool
     _WORKER_CTX[:] = [ctx]
     settle_owned(collect=False)  # forked: the driver collected before it forked
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+WATCH_S = 1.0  # where the kernel cannot signal a parent's death: how often a worker looks for its parent
+
+
+def die_with(driver: int) -> None:
+    """End this process when the process ``driver`` (its parent) ends, however it ends (SIGKILL
+    included, where no handler of the driver runs to stop its pool): on Linux the kernel sends
+    SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``); elsewhere a daemon thread looks
+    for the parent every :data:`WATCH_S` seconds. A parent already gone when this runs: the
+    process ends now."""
+    import signal
+    import sys
+
+    armed = False
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):  # no prctl in this libc: the watch below
+            armed = False
+    if os.getppid() != driver:  # died before the signal was armed (the kernel then sends none)
+        os._exit(1)
+    if not armed:
+        import threading
+
+        threading.Thread(target=_watch, args=(driver,), name="surgeon-parent-watch", daemon=True).start()
+
+
+def _watch(driver: int) -> None:
+    import time
+
+    while os.getppid() == driver:
+        time.sleep(WATCH_S)
+    os._exit(1)
 
 
 def run_batch_owned(ctx: Context, batch: list[str]) -> list[dict[str, Any]]:

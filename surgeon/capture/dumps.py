@@ -21,6 +21,7 @@ asynchronous writer produce these files; this module is the format, its writer a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Sequence
@@ -28,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from surgeon.capture.tensorfiles import TensorFile, gated_safetensors, unreadable
+from surgeon.capture.tensorfiles import TensorFile, gated_safetensors, held, unreadable
 from surgeon.core.atomicfile import atomic_writer
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, SurgeonError
 from surgeon.core.points import Point, PointError, parse_point
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class DumpHeader:
     num_layers: int
     hidden_size: int
     tokens: int
+    gated: TensorFile | None = None  # the gate's read of the file, which the tensor read reopens
 
 
 def read_dump_header(path: str | Path | TensorFile) -> DumpHeader:
@@ -141,7 +143,7 @@ def read_dump_header(path: str | Path | TensorFile) -> DumpHeader:
         if shape != [T, H]:
             raise BadInput(f"{p}: capture {name!r} has shape {shape}, expected [{T}, {H}] ({T} tokens, hidden size {H})")
         captures.append((name, point, shape))
-    return DumpHeader(p, captures, meta, L, H, T)
+    return DumpHeader(p, captures, meta, L, H, T, gated)
 
 
 def read_dump(path: str | Path | TensorFile) -> Dump:
@@ -150,9 +152,12 @@ def read_dump(path: str | Path | TensorFile) -> Dump:
 
     head = read_dump_header(path)
     try:
-        with safe_open(str(head.path), framework="pt") as f:
+        with held(head.gated) if head.gated is not None else contextlib.nullcontext(str(head.path)) as fname, \
+                safe_open(fname, framework="pt") as f:
             ids = f.get_tensor("input_ids")
             captures = [(name, point, f.get_tensor(name)) for name, point, _ in head.captures]
+    except SurgeonError:
+        raise
     except Exception as e:
         raise unreadable(head.path, e) from None
     return Dump(captures, ids, head.meta, {name: shape for name, _, shape in head.captures})

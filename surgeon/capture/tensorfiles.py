@@ -13,18 +13,27 @@ The gate (torch-free, so a bad file is refused before torch is even imported):
   dtype, non-negative integer dims and data offsets that lie inside the file and match the shape
   (a truncated file is refused here, not halfway through a read); a ``torch.save`` file starts
   with the zip magic (and holds a ``data.pkl``, its entries distinctly named, which every zip
-  reader resolves alike) or a pickle protocol 2-5 opcode.
+  reader resolves alike, and decompresses to at most :data:`MAX_ZIP_RATIO` times its size: a zip
+  bomb is refused before any reader inflates it) or a pickle protocol 2-5 opcode.
+
+A reader that opens the file again after the gate (safetensors, torch's zip reader, ``torch.load``,
+the audit's row reader) goes through :func:`reopen` or :func:`held`: opened again with
+``O_NONBLOCK``, checked on the descriptor to be the very file the gate read (device and inode), so
+a FIFO, a device or another file swapped in after the gate is refused, never waited on or read.
 
 Everything else is :class:`BadInput` (exit 2), one line naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
 import stat
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +45,10 @@ if TYPE_CHECKING:
 
 SAFETENSORS, PICKLE, ZIP = "safetensors", "pickle", "zip"  # torch.save: legacy pickle, or zip (torch >= 1.6)
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
+# a torch.save zip's entries, inflated, hold at most this many times the file's bytes (and 1 MiB in any case):
+# torch writes them stored (1x), deflate of float data gains ~1.1x, of token ids a few x; a zip bomb, thousands
+MAX_ZIP_RATIO = 100
+_ZIP_FLOOR = 1 << 20
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
                 "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
 _NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
@@ -53,6 +66,7 @@ class TensorFile:
     metadata: dict[str, str] = field(default_factory=dict)
     data_start: int = 0  # safetensors: the file offset its tensors' data_offsets count from
     records: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # zip: name -> (data offset, size, compression)
+    ident: tuple[int, int] | None = None  # (device, inode) of the file the gate read: what a reader opens again
 
     @property
     def kind(self) -> str | None:
@@ -87,7 +101,47 @@ def open_tensor_file(path: str | Path, *, formats: tuple[str, ...] = (SAFETENSOR
         st = os.fstat(f.fileno())
         if (what := _describe(st.st_mode)) is not None:  # swapped since the stat
             raise BadInput(f"{p}: is {what}, not a tensor file")
-        return _sniff(p, f, st.st_size, formats)
+        gated = _sniff(p, f, st.st_size, formats)
+    return dataclasses.replace(gated, ident=(st.st_dev, st.st_ino))
+
+
+def reopen(path: str | Path, ident: tuple[int, int] | None) -> int:
+    """A read-only descriptor on ``path`` opened again after the gate: never blocking on a FIFO,
+    checked on the descriptor to be a regular file and, where ``ident`` is given, the file the gate
+    read (its device and inode); BadInput (one line naming the file) for anything swapped in since,
+    ReadFailure where the system cannot open it."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:  # gone since, or the system's refusal: said as the row reader always said it
+        raise ReadFailure(f"{p}: cannot be read ({e.strerror or e})") from None
+    st = os.fstat(fd)
+    what = _describe(st.st_mode)
+    why = None if what is None else f"is {what} since its header was read, not a tensor file"
+    if why is None and ident is not None and (st.st_dev, st.st_ino) != tuple(ident):
+        why = "replaced by another file since its header was read"
+    if why is not None:
+        os.close(fd)
+        raise BadInput(f"{p}: {why}")
+    os.set_blocking(fd, True)  # a regular file: reads never wait on a writer
+    return fd
+
+
+_FD_DIRS = ("/proc/self/fd", "/dev/fd")  # a name that opens the file a descriptor holds (Linux, macOS)
+
+
+@contextlib.contextmanager
+def held(gated: TensorFile) -> Iterator[str]:
+    """A name for a reader that wants one (safetensors, torch), naming the file the gate read,
+    held open (:func:`reopen`) for the block: whatever is renamed over ``gated.path`` meanwhile, the
+    name opens the descriptor's file. Where the system has no such name, the path itself, checked
+    just before."""
+    fd = reopen(gated.path, gated.ident)
+    try:
+        folder = next((d for d in _FD_DIRS if os.path.isdir(d)), None)
+        yield f"{folder}/{fd}" if folder is not None else str(gated.path)
+    finally:
+        os.close(fd)
 
 
 def _sniff(p: Path, f, size: int, formats: tuple[str, ...]) -> TensorFile:
@@ -176,6 +230,7 @@ def _zip(p: Path, f, size: int, bad) -> TensorFile:
         raise bad("a zip without the data.pkl of torch.save")
     if any(i.header_offset + i.compress_size > size for i in infos):
         raise bad("a zip whose entries run past its end: truncated?")
+    _bounded(infos, size, bad)
     return TensorFile(p, ZIP, size, records=_records(f, infos, size, bad))
 
 
@@ -201,6 +256,20 @@ def _ambiguous(infos: list, bad) -> None:
             raise bad(f"two entries named {name!r}" + ("" if other == name else f" and {other!r}")
                       + ": zip readers disagree on which one is read")
         seen[key] = name
+
+
+def _bounded(infos: list, size: int, bad) -> None:
+    """Refuse a zip whose entries inflate beyond :data:`MAX_ZIP_RATIO` times the file (a zip bomb:
+    torch's reader allocates and inflates a record whole, by the size its directory declares), or
+    a stored entry whose two sizes disagree, before any reader inflates anything."""
+    for i in infos:
+        if i.compress_type == zipfile.ZIP_STORED and i.file_size != i.compress_size:
+            raise bad(f"a stored zip entry {i.filename!r} of {i.compress_size} bytes declares {i.file_size} once read")
+    total = sum(i.file_size for i in infos)
+    if total > max(MAX_ZIP_RATIO * size, _ZIP_FLOOR):
+        big = max(infos, key=lambda i: i.file_size)
+        raise bad(f"a zip of {size} bytes whose entries inflate to {total} ({big.filename!r}: {big.compress_size} -> "
+                  f"{big.file_size}), over {MAX_ZIP_RATIO} times its size: a zip bomb?")
 
 
 def _records(f, infos: list, size: int, bad) -> dict[str, tuple[int, int, int]]:
@@ -237,9 +306,10 @@ def read_safetensors(path: str | Path | TensorFile) -> tuple[dict[str, torch.Ten
     from safetensors import safe_open
 
     gated = gated_safetensors(path)
-    try:
-        with safe_open(str(gated.path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-    except Exception as e:  # SafetensorError and friends
-        raise unreadable(gated.path, e) from None
+    with held(gated) as name:
+        try:
+            with safe_open(name, framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+        except Exception as e:  # SafetensorError and friends
+            raise unreadable(gated.path, e) from None
 

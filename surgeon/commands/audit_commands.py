@@ -8,15 +8,27 @@ from typing import Any
 from surgeon.commands.progress import QUIET, Progress
 
 
-def _writable_folder(path: str) -> None:
+def _writable_report(path: str) -> None:
+    """``--report PATH`` checked before the audit, not after it: a writable folder, and nothing at
+    PATH (the report, as every ``-o`` of surgeon, never overwrites a file nor writes through a link;
+    :func:`surgeon.core.safefile.write_file` checks again when it writes)."""
     import os
 
     from surgeon.core.errors import BadInput
+    from surgeon.core.safefile import describe_mode
 
     folder = Path(path).parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise BadInput(f"--report {path}: {folder} is {'not writable' if folder.is_dir() else 'no folder'} "
                        "(checked before the audit, not after it)")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise BadInput(f"--report {path}: cannot inspect it ({e.strerror or e})") from None
+    raise BadInput(f"--report {path}: already exists ({describe_mode(mode)}); refusing to overwrite it "
+                   "(remove it, or name another file)")
 
 
 def audit(*, root: str, spec: str, ref: str | None = None, workers: int | None = None, ray: str | None = None,
@@ -32,7 +44,7 @@ def audit(*, root: str, spec: str, ref: str | None = None, workers: int | None =
 
     if report:
         require("matplotlib")  # before the work, not after it
-        _writable_folder(report)
+        _writable_report(report)
     if ray:
         require("ray")
     from surgeon.audit.pipeline import Plan, run_audit

@@ -43,8 +43,9 @@ from typing import Any
 
 import torch
 
+from surgeon.capture.tensorfiles import PICKLE, ZIP, TensorFile, held, open_tensor_file
 from surgeon.core.conventions import EngineConvention, InvalidId, builtin_convention
-from surgeon.core.errors import BadInput
+from surgeon.core.errors import BadInput, SurgeonError
 from surgeon.core.points import FINAL_NORM, Point
 from surgeon.engines.facts.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER, Cite
 
@@ -362,10 +363,15 @@ def modelopt_backends(data: dict) -> tuple[list[str], str]:
                                               "which wrote it")
 
 
-def load_pickle(path: str | Path) -> Any:
-    """A ``torch.save`` file, read with ``weights_only=True`` only; BadInput (one line) otherwise."""
+def load_pickle(path: str | Path | TensorFile) -> Any:
+    """A ``torch.save`` file, read with ``weights_only=True`` only; BadInput (one line) otherwise.
+    Given the gate's read (a :class:`TensorFile`), that very file is loaded, never gated again."""
+    gated = path if isinstance(path, TensorFile) else open_tensor_file(path, formats=(PICKLE, ZIP))
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+        with held(gated) as name:  # the gate's file, never what was swapped in at the path since
+            return torch.load(name, map_location="cpu", weights_only=True)
+    except SurgeonError:
+        raise
     except Exception as e:  # pickle refusals and corrupt files alike: bad input, one line
         first_line = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise BadInput(f"{path}: cannot be read as a tensor file with weights_only=True: {first_line}") from None
@@ -403,7 +409,7 @@ def read_field_dump(path: str | Path, slots: Sequence[str] = (), num_layers: int
                        f"({', '.join(PRODUCERS)})")
     if gated.format == SAFETENSORS:
         return None
-    data = load_pickle(p)
+    data = load_pickle(gated)
     try:
         layout = detect(data)
     except BadInput as e:

@@ -161,7 +161,7 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
     producer, slots = fielddumps.split_producer(slots)
     n = len(slot_entries(slots)) or None
     if gated.format != SAFETENSORS:
-        read = _read_pickled(p, n, producer, num_layers)
+        read = _read_pickled(gated, n, producer, num_layers)
     elif gated.kind == "dump":
         read = _read_dump(gated)
     else:
@@ -285,11 +285,12 @@ def _check_shapes(p: Path, tensors: list[torch.Tensor], ids: torch.Tensor | None
         raise BadInput(f"{p}: {ids.numel()} input ids for {next(iter(T))} tokens")
 
 
-def _read_pickled(p: Path, n: int | None, producer: fielddumps.Producer | None = None,
+def _read_pickled(gated: TensorFile, n: int | None, producer: fielddumps.Producer | None = None,
                   num_layers: int | None = None) -> FileSlots:
     """A ``torch.save`` file: a SpecForge dict, a TensorRT-LLM or Model Optimizer dump, another dict
     of tensors, a list, or one tensor."""
-    data = fielddumps.load_pickle(p)
+    p = gated.path
+    data = fielddumps.load_pickle(gated)
     try:
         kind = fielddumps.detect(data)
     except BadInput as e:

@@ -259,18 +259,22 @@ def test_a_subject_is_sniffed_once(files, monkeypatch):
                ckpt)
     plain = tmp / "plain.safetensors"
     save_file({"x": torch.randn(T, H), "input_ids": IDS}, str(plain))
-    real_open, opened = os.open, []
+    from surgeon.capture import tensorfiles
 
-    def counting(path, *a, **k):
-        opened.append(Path(path))
-        return real_open(path, *a, **k)
+    real_sniff, sniffed = tensorfiles._sniff, []
 
-    monkeypatch.setattr(os, "open", counting)
+    def counting(p, *a, **k):
+        sniffed.append(Path(p))
+        return real_sniff(p, *a, **k)
+
+    # The format is told once, by the gate; a reader that opens the file again afterwards reopens
+    # the gate's file (checked to be the same inode, never sniffed again).
+    monkeypatch.setattr(tensorfiles, "_sniff", counting)
     for path, layout, n in ((files["dump"], "surgeon", 4), (ckpt, "specforge", 3), (plain, "plain", 1)):
-        opened.clear()
+        sniffed.clear()
         s = read_subject(path)
         assert (s.layout, len(s.slots)) == (layout, n)
-        assert opened.count(path) == 1, (path, opened)
+        assert sniffed.count(path) == 1, (path, sniffed)
 
 
 def test_check_draft_reads_the_fc_shape_through_the_gate(tmp_path):
