@@ -2,7 +2,9 @@
 
 It checks, in order, and stops where going on would mean trusting something untrustworthy:
 
-1. the state directory and each node in it (no link, the right kind, owner and mode);
+1. the state directory and each node in it (no link, the right kind, owner and mode), and the
+   engine root it belongs to (another root's state is reported and never touched; one made by an
+   earlier surgeon whose manifest was made elsewhere is adopted only with ``--repair``);
 2. the journal (an interrupted transaction: ``--repair`` finishes or rolls it back);
 3. the manifest, and for every recorded file its stored original and patched copies (a lost copy
    is rebuilt from the file on disk only when the file hashes to the recorded sha256);
@@ -16,6 +18,8 @@ It never guesses: whatever it cannot prove, it reports with what to do instead.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,7 @@ from surgeon.core.atomicfile import atomic_write as _atomic_write
 from surgeon.core.atomicfile import file_mode as _mode
 from surgeon.patch.manifest import PatchManager, Unrecorded
 from surgeon.patch.markers import hooks_relpath
-from surgeon.patch.statedir import PatchError
+from surgeon.patch.statedir import PatchError, others_may_write
 
 __all__ = ["Finding", "DoctorResult", "doctor"]
 
@@ -59,6 +63,10 @@ def doctor(manager: PatchManager, *, repair: bool = False) -> DoctorResult:
     """Diagnose (and with ``repair`` rebuild what can be proven) the patch state of ``manager``'s root."""
     out = DoctorResult(manager.root, repair)
     store = manager.store
+    st = os.stat(manager.root_resolved)
+    if others_may_write(st):
+        out.add(manager.root_resolved, f"engine root writable by others (mode {stat.S_IMODE(st.st_mode):04o}, no sticky "
+                f"bit): anyone could swap its files under a patch", "apply and revert refuse it: chmod o-w it")
     try:
         exists = store.check()
     except PatchError as e:
@@ -67,7 +75,14 @@ def doctor(manager: PatchManager, *, repair: bool = False) -> DoctorResult:
     if not exists:
         _check_markers(manager, {"patches": {}}, out, repair)
         return out
-    with store.locked(write=repair):
+    unproven = store.record_problem()
+    if unproven:
+        if not repair:
+            out.add(store.state, unproven, "--repair records this root as its owner: only if it is this root's "
+                    "own state; if another root uses it (a mount, a copy), move it aside instead", repairable=True)
+        else:
+            out.add(store.state, unproven, "recorded this root as its owner (--repair)", fixed=True)
+    with store.locked(write=repair, adopt=repair):
         manifest = _check_journal_and_manifest(manager, out, repair)
         if manifest is not None:
             _check_blobs(manager, manifest, out, repair)

@@ -14,14 +14,16 @@ import secrets
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
+
+from surgeon.core.atomicfile import TMP_SUFFIX
 
 # Every write goes through this module-level name (a test injects failures here).
 from surgeon.core.atomicfile import atomic_write as _atomic_write
 from surgeon.core.atomicfile import file_mode as _mode
-from surgeon.core.atomicfile import fsync_dir as _fsync_dir
 from surgeon.patch.rootpaths import EngineRootPaths
-from surgeon.patch.statedir import PatchError
+from surgeon.patch.statedir import PatchError, check_node
 from surgeon.patch.statefiles import MANIFEST_FORMAT
 from surgeon.patch.statestore import StateStore
 
@@ -75,16 +77,20 @@ class TransactionJournal:
         new_manifest = dict(new_manifest, txid=txid)
         journal = {"format": MANIFEST_FORMAT, "txid": txid, "kind": kind, "created": now(),
                    "files": ops, "manifest": new_manifest}
+        for op in ops:
+            self.paths.refuse_open_dirs(op["relpath"])
         try:
             for (bkind, sha), data in blobs.items():
                 if self.store.store_blob(bkind, data) != sha:
                     raise PatchError(f"{self.store.state}: a stored blob does not hash to its name")
             faults.step("blobs")
-            self.store.write_json(self.store.journal_path, journal)
+            self.store.verify()
+            self.store.write_json("journal.json", journal)
         except OSError as e:  # (atomic_write removed its temp file; no engine file was touched)
             raise PatchError(f"{kind} failed before any file changed: {os_error(e)}") from None
         faults.step("journal")
         try:
+            self.store.verify()  # the journal is where the state directory is: engine files may change
             for op in ops:
                 path = self.paths.resolve(op["relpath"])
                 current = self.paths.version(op["relpath"])
@@ -92,7 +98,8 @@ class TransactionJournal:
                     raise PatchError(f"{op['relpath']}: changed on disk during the operation; rolled back")
                 _atomic_write(path, blobs[(op["to_kind"], op["to"])], _mode(path))
                 faults.step("file")
-            self.store.write_json(self.store.manifest_path, new_manifest)  # the commit record
+            self.store.verify()
+            self.store.write_json("manifest.json", new_manifest)  # the commit record
         except BaseException as e:
             try:
                 self.recover()  # manifest not committed -> rolls back
@@ -111,9 +118,7 @@ class TransactionJournal:
         faults.step("done")
 
     def _finish(self, manifest: dict[str, Any]) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.store.journal_path)  # unlink never follows a link
-        _fsync_dir(self.store.state)
+        self.store.remove_journal()
         self.store.gc(manifest, self.protect)
 
     def recover(self) -> str | None:
@@ -121,7 +126,7 @@ class TransactionJournal:
 
         Returns a one-line description of what was done, or None when there was nothing to do."""
         store = self.store
-        store.clean_tmp(store.state)
+        store.clean_tmp()
         journal = store.load_journal()
         if journal is None:  # (blobs of a transaction killed before its journal stay until the next one
             return None       # completes: with the manifest lost they may be all that is left to restore from)
@@ -130,7 +135,7 @@ class TransactionJournal:
         restored, warnings = [], []
         for op in journal["files"]:
             path = self.paths.resolve(op["relpath"])
-            store.clean_tmp(path.parent, path.name)
+            _clean_engine_tmp(path.parent, path.name)
             want, other = ("to", "from") if forward else ("from", "to")
             current = self.paths.version(op["relpath"])
             if current == op[want]:
@@ -149,3 +154,15 @@ class TransactionJournal:
         return msg
 
 
+
+
+def _clean_engine_tmp(directory: Path, name: str) -> None:
+    """Remove the temp files a killed write of engine file ``name`` left beside it."""
+    try:
+        if check_node(directory, "dir") is None:
+            return
+    except PatchError:
+        return  # a directory surgeon does not trust: its temp files are left alone
+    for tmp in directory.glob(f".{name}.*{TMP_SUFFIX}"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()

@@ -8,7 +8,8 @@ State lives inside the engine root, in ``<root>/.surgeon/``::
 
     manifest.json         the committed state: every applied patch and its files (atomic JSON)
     journal.json          present only while a transaction is in flight (atomic JSON)
-    lock                  fcntl.flock'd by every operation (holder's pid written inside)
+    lock                  fcntl.flock'd by every operation (holder's pid written in place, never truncated)
+    root.json             the engine root this state belongs to (path, device, inode): another root's is refused
     originals/<sha256>    original bytes of every patched file (content-addressed)
     patched/<sha256>      patched bytes of every patched file (for diff and roll-forward)
 

@@ -9,8 +9,6 @@ cannot write.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 from surgeon.core.atomicfile import ABSENT, sha256_bytes
 from surgeon.patch.markers import Marker, hooks_relpath, scan
 from surgeon.patch.rootpaths import EngineRootPaths
+from surgeon.patch.rootrecord import derived_id
 from surgeon.patch.statedir import PatchError
 from surgeon.patch.statestore import StateStore
 
@@ -99,8 +98,7 @@ class PatchReader:
                 mid = self.store.load_manifest().get("id")
                 if mid:
                     return str(mid)
-        st = os.stat(self.root_resolved)
-        return hashlib.sha256(f"{self.root_resolved}\0{st.st_dev}\0{st.st_ino}".encode()).hexdigest()[:16]
+        return derived_id(self.root_resolved)
 
     def _file_state(self, f: dict[str, Any]) -> str:
         current = self.paths.version(f["relpath"])

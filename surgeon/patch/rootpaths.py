@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 
 from surgeon.core.atomicfile import ABSENT, sha256_bytes
-from surgeon.patch.statedir import PatchError, describe_mode
+from surgeon.patch.statedir import PatchError, describe_mode, others_may_write
 from surgeon.patch.statefiles import check_relpath
 
 __all__ = ["EngineRootPaths"]
@@ -35,6 +35,20 @@ class EngineRootPaths:
         if path.resolve() != path:
             raise PatchError(f"{relpath}: resolves outside the engine root")
         return path
+
+    def refuse_open_dirs(self, relpath: str) -> None:
+        """Refuse to write ``relpath`` where anyone may swap it under the patch: the root or a
+        directory between it and the file writable by others without the sticky bit."""
+        cur = self.root_resolved
+        for part in ["", *check_relpath(relpath, self.state_dir_name).split("/")[:-1]]:
+            cur = cur / part if part else cur
+            try:
+                st = os.lstat(cur)
+            except FileNotFoundError:
+                return
+            if others_may_write(st):
+                raise PatchError(f"{cur}: writable by others (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit): "
+                                 f"anyone could swap {relpath} under the patch; refusing to write it (chmod o-w it first)")
 
     def existing_file(self, relpath: str) -> Path:
         path = self.resolve(relpath)
