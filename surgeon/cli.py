@@ -38,7 +38,24 @@ PLATFORM_OPTION = click.option(
 class _Group(click.Group):
     """The one place where errors and verdicts become exit codes, without tracebacks."""
 
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        """Ctrl-C while the arguments are parsed: one line, exit 130 (click would say "Aborted!", exit 1)."""
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except KeyboardInterrupt:
+            _say_interrupted()
+            raise click.exceptions.Exit(130) from None
+
     def invoke(self, ctx: click.Context) -> Any:
+        """Ctrl-C anywhere in the command, its error handling or its verdict: one line, exit 130."""
+        try:
+            return self._invoke(ctx)
+        except KeyboardInterrupt:
+            _say_interrupted()
+            ctx.exit(130)
+
+    def _invoke(self, ctx: click.Context) -> Any:
         try:
             result = super().invoke(ctx)
             sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
@@ -56,9 +73,6 @@ class _Group(click.Group):
             for line in e.report_lines():
                 click.echo(line, err=True)
             ctx.exit(e.exit_code)
-        except KeyboardInterrupt:
-            click.echo("surgeon: interrupted", err=True)
-            ctx.exit(130)
         except Exception as e:  # internal error: one line, unless asked for the traceback
             if (missing := missing_dependency(e)) is not None:  # an optional extra not installed: bad input
                 click.echo(f"surgeon: {missing}", err=True)
@@ -74,6 +88,16 @@ class _Group(click.Group):
         if code:
             ctx.exit(code)
         return result
+
+
+def _say_interrupted() -> None:
+    """The one line of an interrupted run (said again if a second Ctrl-C cuts it short)."""
+    for _ in range(3):
+        try:
+            click.echo("surgeon: interrupted", err=True)
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def _drop_stdout() -> None:
@@ -417,8 +441,11 @@ _EXACT_BUDGET = _ExactBudget()
 @click.option("--reference", "ref", help="hf:MODEL (a profile from the set's own first files, and exact identification "
                                          "of a sample), a reference file, a sweep dump or a fingerprint.")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--report", type=click.Path(dir_okay=False), help="Write an HTML report with plots here.")
-@click.option("--workers", type=int, help="Local worker processes [default: one per usable core; 1 with --structure-only].")
+@click.option("--report", type=click.Path(dir_okay=False),
+              help="Write an HTML report with plots here (refuses to overwrite a file, never follows a link).")
+@click.option("--workers", type=int,
+              help="Local worker processes, at most one per usable core [default: one per usable core; 1 with "
+                   "--structure-only].")
 @click.option("--ray", "ray_address", help="Run on the Ray cluster at this address (needs the [ray] extra).")
 @click.option("--resume", is_flag=True, help="Skip the files a previous run recorded as done (same size and mtime).")
 @click.option("--structure-only", is_flag=True, help="Headers only: no values, no identity.")

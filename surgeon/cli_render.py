@@ -43,7 +43,8 @@ if not out.is_terminal:  # piped into a file or a CI log: do not wrap tables at 
 
 # --------------------------------------------------------------------------------------------- plumbing
 def emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    # allow_nan=False: a non-finite number is an error here, never a bare NaN that is not JSON
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str, allow_nan=False))
 
 
 class _RateColumn(ProgressColumn):

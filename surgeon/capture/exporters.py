@@ -28,13 +28,14 @@ What is read is a :data:`Reader`'s business: surgeon dumps by default (one unit 
 verify layer's :func:`surgeon.verify.fielddumps.export_reader` also reads TensorRT-LLM and Model
 Optimizer dumps (one unit per record, points as ``--slots PRODUCER:IDS`` labels them, Model
 Optimizer's ``loss_mask`` carried into SpecForge's). Last, ``surgeon-export.json`` (:data:`MANIFEST`)
-records per written file its source (file and record), its producer and, per slot of the layout,
+records per written file its sha256, its source (file and record), its producer and, per slot of the layout,
 the physical point it holds and the source slot it came from: the trainer files keep their own
 layout, the manifest says what is in them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -50,6 +51,7 @@ from surgeon.capture.dumps import Dump, DumpHeader, read_dump, read_dump_header
 from surgeon.core.conventions import EAGLE, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point, layer_out
+from surgeon.core.safefile import UnsafeFile, open_regular, read_bytes
 
 MANIFEST = "surgeon-export.json"
 
@@ -100,7 +102,7 @@ def _staged(out: Path) -> Iterator[Path]:
     if out.exists() and not out.is_dir():
         raise BadInput(f"{out}: exists and is not a folder")
     if out.is_dir() and (foreign := sorted(set(os.listdir(out)) - _listed(out) - {MANIFEST})):
-        raise BadInput(f"{out}: holds files no surgeon export wrote ({', '.join(foreign[:3])}"
+        raise BadInput(f"{out}: holds files no surgeon export wrote, or changed since ({', '.join(foreign[:3])}"
                        f"{', ...' if len(foreign) > 3 else ''}): a trainer reading the folder would mix them in; "
                        "export into a new or empty folder")
     made = [a for a in out.parents if not a.exists()]
@@ -130,20 +132,56 @@ def _remove_made(made: list[Path]) -> None:
             break
 
 
-def _listed(out: Path) -> set[str]:
-    """The file names a previous export's manifest in ``out`` lists (none: no readable manifest)."""
+#: a previous export's manifest is read whole: at most this many bytes
+MANIFEST_BYTES = 64 << 20
+
+
+def _digest(path: Path) -> str | None:
+    """The sha256 of the regular file ``path``, opened without following a link (None: absent, a
+    link, not a regular file, or unreadable)."""
     try:
-        files = json.loads((out / MANIFEST).read_text()).get("files", [])
-        return {f["file"] for f in files if isinstance(f, dict) and isinstance(f.get("file"), str)
-                and "/" not in f["file"] and f["file"] not in ("", ".", "..")}
-    except (OSError, ValueError, AttributeError):
-        return set()
+        fd = open_regular(path, follow=False, what="an exported file")
+    except (OSError, UnsafeFile):
+        return None
+    h = hashlib.sha256()
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _recorded(out: Path) -> dict[str, str]:
+    """File name -> sha256 as a previous export's manifest in ``out`` records them (plain names
+    only; an entry without a digest records nothing). The manifest is read without following a
+    link, bounded: a link, FIFO or device there is refused (one line)."""
+    try:
+        raw = read_bytes(out / MANIFEST, limit=MANIFEST_BYTES, follow=False, what="the previous export's manifest")
+        files = json.loads(raw.decode("utf-8")).get("files", [])
+    except FileNotFoundError:
+        return {}
+    except (ValueError, AttributeError):  # not JSON, not UTF-8, not an object: it records nothing
+        return {}
+    if not isinstance(files, list):
+        return {}
+    return {f["file"]: f["sha256"] for f in files if isinstance(f, dict) and isinstance(f.get("file"), str)
+            and isinstance(f.get("sha256"), str) and "/" not in f["file"] and "\\" not in f["file"]
+            and f["file"] not in ("", ".", "..", MANIFEST)}
+
+
+def _listed(out: Path) -> set[str]:
+    """The files in ``out`` a previous export wrote: listed in its manifest with their digest, and
+    there now as regular files (not links) with that very content. A forged or edited manifest
+    therefore names nothing export may replace or delete: whatever it lists otherwise counts as
+    the user's file."""
+    return {name for name, digest in _recorded(out).items() if _digest(out / name) == digest}
 
 
 def _publish(stage: Path, out: Path) -> None:
     """``stage`` becomes ``out``: by one rename when ``out`` does not exist, else each file
     replaced into it, then the files of a previous export there that this one does not write
-    removed, the manifest last (a reader who sees the manifest sees every file, and only them)."""
+    removed, the manifest last (a reader who sees the manifest sees every file, and only them).
+    Only files a previous export wrote and that are unchanged since (:func:`_listed`, checked
+    again here) are ever replaced or removed: a file that appeared meanwhile is refused."""
     if not out.exists():
         try:
             os.rename(stage, out)
@@ -152,6 +190,9 @@ def _publish(stage: Path, out: Path) -> None:
             pass
     old = _listed(out)
     names = sorted(p.name for p in stage.iterdir())
+    clash = [n for n in names if n != MANIFEST and n not in old and os.path.lexists(out / n)]
+    if clash:
+        raise BadInput(f"{out / clash[0]}: appeared while exporting, and no surgeon export wrote it; not replaced")
     for name in [n for n in names if n != MANIFEST]:
         os.replace(stage / name, out / name)
     for name in sorted(old - set(names)):
@@ -279,7 +320,8 @@ def _export(dump_paths, out_dir: str | Path, spec, layout: str, needs: list[Need
                 name = file_name(len(written))
                 build(unit, [t for _, t in picked], stage / name)
                 written.append(out / name)
-                files.append({"file": name, "source": str(path), "record": unit.meta.get("record"),
+                files.append({"file": name, "sha256": _digest(stage / name), "source": str(path),
+                              "record": unit.meta.get("record"),
                               "producer": unit.meta.get("producer") or f"surgeon dump ({unit.meta.get('engine') or '?'})",
                               "loss_mask": _mask_note(layout, unit),
                               "captures": [{"name": key, "point": str(p), "from": src}

@@ -24,4 +24,4 @@ def accept(*, spec: str, draft: str, target: str, prompts: str | None = None, st
     s = load_spec(spec)
     with progress.spinner("capturing the target's states once per prompt and running the draft per wiring"):
         return run_accept(s, draft, target, prompts_file=prompts, steps=steps, min_rate=min_rate,
-                          length=length or DEFAULT_LENGTH)
+                          length=DEFAULT_LENGTH if length is None else length)

@@ -10,6 +10,7 @@ from typing import Any
 from surgeon.commands.platform import engine_command
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.core.errors import BadInput
+from surgeon.core.safefile import check_writable
 from surgeon.core.shapes import Reads
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -26,6 +27,7 @@ def reference(*, model: str, input_ids: str, output: str, dtype: str = "float32"
 
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    check_writable(output, what="the reference output")  # refused before the model runs, not after
     model = model[3:] if model.startswith("hf:") else model
     with progress.bar("running the HF reference"):
         ref = capture_reference(model, parse_input_ids(input_ids), dtype=getattr(torch, dtype), device=device)
@@ -42,6 +44,7 @@ def fingerprint(*, ref: str, output: str, input_ids: str | None = None, dim: int
 
     if dim < 8 or dim > 4096:
         raise BadInput("--dim must be between 8 and 4096")
+    check_writable(output, what="the fingerprint output")
     with progress.spinner("fingerprinting the reference"):
         if not ref.startswith("hf:") and Path(ref).is_file():
             fp = fingerprint_file(ref, dim=dim, seed=seed)

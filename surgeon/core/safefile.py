@@ -28,7 +28,7 @@ from pathlib import Path
 from surgeon.core.atomicfile import atomic_write
 from surgeon.core.errors import BadInput
 
-__all__ = ["UnsafeFile", "describe_mode", "open_append", "open_regular", "read_bytes", "read_text",
+__all__ = ["UnsafeFile", "check_writable", "describe_mode", "open_append", "open_regular", "read_bytes", "read_text",
            "untrusted_dir", "write_file"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -124,21 +124,27 @@ def write_file(path: str | os.PathLike, data: bytes, *, overwrite: bool = False,
     """Write ``data`` to ``path`` atomically, never through a link at ``path``: an existing regular
     file is replaced only with ``overwrite``; a link, FIFO, device or directory there is refused."""
     p = Path(path)
-    try:
-        st = os.lstat(p)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise UnsafeFile(f"{p}: cannot inspect {what} ({e.strerror or e})") from None
-    if st is not None:
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFile(f"{p}: {what} is {describe_mode(st.st_mode)}; refusing to write there")
-        if not overwrite:
-            raise UnsafeFile(f"{p}: {what} already exists; refusing to overwrite it")
+    check_writable(p, overwrite=overwrite, what=what)
     try:
         atomic_write(p, data, mode)
     except OSError as e:
         raise UnsafeFile(f"{p}: cannot write {what} ({e.strerror or e})") from None
+
+
+def check_writable(path: str | os.PathLike, *, overwrite: bool = False, what: str = "the output") -> None:
+    """Refuse now what :func:`write_file` would refuse later (a link, FIFO, device or directory at
+    ``path``; an existing file unless ``overwrite``): for commands that should fail before their work."""
+    p = Path(path)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UnsafeFile(f"{p}: cannot inspect {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFile(f"{p}: {what} is {describe_mode(st.st_mode)}; refusing to write there")
+    if not overwrite:
+        raise UnsafeFile(f"{p}: {what} already exists; refusing to overwrite it")
 
 
 def untrusted_dir(path: str | os.PathLike) -> str | None:

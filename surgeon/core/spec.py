@@ -428,20 +428,16 @@ def _pydantic_issues(err: ValidationError, file: str, loc: _Located) -> list[Iss
 
 
 def read_regular_file(path: Path, limit: int) -> bytes:
-    """Read a regular file of at most ``limit`` bytes. Directories, devices and FIFOs are refused
-    before any read (a FIFO or /dev/zero would block or grow without bound)."""
-    import stat
+    """Read a regular file of at most ``limit`` bytes (through :mod:`surgeon.core.safefile`: opened
+    without blocking and checked on the descriptor, so a FIFO swapped in after a check never hangs
+    the read, and /dev/zero is never read). ``FileNotFoundError`` when absent; ``ValueError`` (the
+    reason without the path) for a directory, device, FIFO, a larger file or one that cannot be read."""
+    from surgeon.core.safefile import UnsafeFile, read_bytes
 
-    st = path.stat()
-    if stat.S_ISDIR(st.st_mode):
-        raise ValueError("is a directory, not a file")
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError("is not a regular file (a device, FIFO or socket)")
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"larger than {limit} bytes")
-    return data
+    try:
+        return read_bytes(path, limit=limit, what="it")
+    except UnsafeFile as e:
+        raise ValueError(str(e).removeprefix(f"{path}: ")) from None
 
 
 _SPEC_KEY = re.compile(rb"^spec[ \t]*:", re.M)

@@ -36,10 +36,12 @@ import torch
 
 from surgeon.core.errors import UNDECIDED, BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out
+from surgeon.core.safefile import read_text
 from surgeon.core.shapes import Reads
 from surgeon.core.spec import Spec
 from surgeon.draft.behaviour import LOGPROB_BYTES, kl_to_draft
 from surgeon.draft.model import DraftInfo, Eagle3Draft, chained_logits, one_thread
+from surgeon.verify.reference import require_finite
 
 DEFAULT_PROMPTS = 32
 DEFAULT_PROMPT_LEN = 16
@@ -220,6 +222,10 @@ class PromptStates:
     logprobs: torch.Tensor | None = None  # [T, V] the target's next-token log-probabilities (None: not kept)
 
 
+#: a prompts file is read whole: at most this many bytes
+MAX_PROMPTS_BYTES = 16 << 20
+
+
 def measure(draft: Eagle3Draft, prompts: Sequence[PromptStates], wirings: Sequence[Wiring], steps: int,
             on_wiring: Callable[[str], None] | None = None) -> list[WiringResult]:
     """Acceptance of every wiring over every prompt (module docstring)."""
@@ -236,7 +242,8 @@ def measure(draft: Eagle3Draft, prompts: Sequence[PromptStates], wirings: Sequen
         kl = [0.0, 0]
         with torch.no_grad():
             for pr in prompts:
-                hits, div = _chain_hits(draft, pr, [pr.states[p] for p in w.points if p is not None], steps)
+                hits, div = _chain_hits(draft, pr, [pr.states[p] for p in w.points if p is not None], steps,
+                                        f"{draft.info.path}: under the {w.name} wiring")
                 tally.add(hits)
                 if div is not None:
                     kl[0] += float(div.sum())
@@ -255,12 +262,16 @@ def measure_one_thread(*args: Any, **kwargs: Any) -> list[WiringResult]:
 
 
 def _chain_hits(draft: Eagle3Draft, pr: PromptStates, slots: list[torch.Tensor],
-                steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                steps: int, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[K, n] hits of the chains that start in the continuation: chain ``t`` (from the target's
     state at ``t``) step ``j`` guesses the target's greedy token after ``t+1+j``; and [n] each
-    chain's KL from the target's distributions, summed over its steps (None without log-probs)."""
+    chain's KL from the target's distributions, summed over its steps (None without log-probs).
+    Logits with a NaN or +inf (a forward that overflows) are NotFinite: an argmax over them is no
+    guess (-inf is a token outside the draft's vocabulary, as it should be)."""
     T = pr.ids.shape[0]
     logits = chained_logits(draft, draft.fuse(slots), pr.ids, steps)
+    require_finite([(f"the draft's step-{j + 1} logits", x.masked_fill(torch.isneginf(x), 0.0))
+                    for j, x in enumerate(logits)], where)
     starts = torch.arange(max(pr.prompt_len - 1, 0), T - 1 - steps)
     if starts.numel() == 0:
         return torch.zeros(steps, 0, dtype=torch.bool), None
@@ -389,9 +400,9 @@ def read_prompts(path: str | Path, vocab: int) -> list[list[int]]:
 
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"{p}: cannot read prompts ({e})") from None
+        text = read_text(p, limit=MAX_PROMPTS_BYTES, what="the prompts file")
+    except FileNotFoundError:
+        raise BadInput(f"{p}: no such prompts file") from None
     prompts = []
     for n, line in enumerate(text.splitlines(), 1):
         s = line.strip()
@@ -423,14 +434,12 @@ def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tu
     checks, on a model loaded once instead of once per prompt); the greedy labels are the argmax
     of the target's LM head over the captured ``final_norm``. A note reports positions where the
     generated token is not that argmax (numerics of the cached generation)."""
-    from transformers import AutoModelForCausalLM
-
     from surgeon.core.points import FINAL_NORM as FN
-    from surgeon.verify.reference import ForwardRecorder, checked_structure, quiet_transformers
+    from surgeon.verify.reference import ForwardRecorder, checked_structure, load_model
 
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), local_files_only=True, dtype=torch.float32).eval()
+    model = load_model(target_dir, torch.float32).eval()
     head = model.get_output_embeddings().weight.detach().float()
+    require_finite([("the LM head's weight", head)], str(target_dir))
     continued = _continue_greedily(model, prompts, length)
     keep = sum(int(c.numel()) for c in continued) * head.shape[0] * 4 <= LOGPROB_BYTES
     out, flips = [], 0
@@ -441,6 +450,7 @@ def target_states(target_dir: Path, prompts: list[list[int]], length: int) -> tu
             recorder.record(model, layers, norm, seq)
             recorder.check_plain_residual_stack(target_dir)
             states = recorder.states()
+            require_finite(((f"state {p}", t) for p, t in states.items()), f"{target_dir} (run on a prompt)")
             logits = states[FN] @ head.T
             greedy = logits.argmax(-1)
             P = len(prompt)
@@ -485,6 +495,8 @@ def run_accept(spec: Spec, draft_dir: str | Path, target: str | Path, *, prompts
 
     if steps < 1:
         raise BadInput(f"--steps must be at least 1, got {steps}")
+    if length < 1:
+        raise BadInput(f"--length is tokens per prompt, at least 1, got {length}")
     if min_rate is not None and not 0 <= min_rate <= 1:
         raise BadInput(f"--min is an acceptance rate in 0..1, got {min_rate}")
     t0 = time.perf_counter()
@@ -499,6 +511,9 @@ def run_accept(spec: Spec, draft_dir: str | Path, target: str | Path, *, prompts
     else:
         prompts, source = seeded_prompts(vocab, n_prompts, prompt_len, seed)
     states, notes = target_states(target_dir, prompts, length)
+    if all(pr.ids.shape[0] - steps <= pr.prompt_len for pr in states):  # no chain starts in a continuation
+        raise BadInput(f"--length {length}: no prompt is continued past its own tokens plus {steps} draft steps, so "
+                       "there is no chain to measure (a rate from none would be a made-up number); a longer --length")
     L = len([p for p in states[0].states if p.kind == "layer_out"])
     if L != spec.num_layers:
         raise BadInput(f"{spec.file}: the spec says {spec.num_layers} layers, the target {label} has {L}")

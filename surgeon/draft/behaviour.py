@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from surgeon.draft.model import DraftCache, Eagle3Draft, one_thread
+from surgeon.verify.reference import require_finite
 
 #: a draft log-probability of -inf (a token outside its vocabulary) counts as this, so the KL stays
 #: finite; the term is the same for every wiring, so comparisons are unaffected
@@ -56,14 +58,14 @@ class Evaluation:
 
 def target_logprobs(folder: str, prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The target's next-token log-probabilities ``[T, V]`` at every position of each prompt."""
-    from transformers import AutoModelForCausalLM
+    from surgeon.verify.reference import load_model
 
-    from surgeon.verify.reference import quiet_transformers
-
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    model = load_model(Path(folder), torch.float32).eval()
     with torch.no_grad():
-        return [torch.log_softmax(model(input_ids=ids[None], use_cache=False).logits[0].float(), -1) for ids in prompts]
+        out = [torch.log_softmax(model(input_ids=ids[None], use_cache=False).logits[0].float(), -1) for ids in prompts]
+    require_finite(((f"the target's log-probabilities on prompt {i}", lp.masked_fill(torch.isneginf(lp), 0.0))
+                    for i, lp in enumerate(out)), folder)
+    return out
 
 
 class DraftBehaviour:
@@ -103,4 +105,6 @@ class DraftBehaviour:
                     if j == 0:
                         hits += int((out[:, :n].argmax(-1) == target_lp.argmax(-1)).sum())
                         total += ids.shape[0] * n
+        require_finite([("the divergence of a candidate wiring", divergence)],
+                       f"{self.draft.info.path}: its forward on the target's finite states overflows")
         return Evaluation(divergence, hits / total if total else 0.0)

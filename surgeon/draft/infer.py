@@ -29,7 +29,6 @@ product of all points.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,9 +46,16 @@ from surgeon.core.shapes import Reads, reads
 from surgeon.core.spec import load_spec
 from surgeon.draft.behaviour import LOGPROB_BYTES, DraftBehaviour, Evaluation, target_logprobs
 from surgeon.draft.model import Eagle3Draft, load_draft
-from surgeon.draft.weightspace import SlotScore, alignment_table, contributions, slot_blocks, slot_scores
+from surgeon.draft.weightspace import (
+    SlotScore,
+    alignment_table,
+    contributions,
+    dead_slots,
+    slot_blocks,
+    slot_scores,
+)
 from surgeon.engines.view import open_engine
-from surgeon.verify.reference import capture_reference, resolve_model
+from surgeon.verify.reference import capture_reference, read_model_config, require_finite, resolve_model
 from surgeon.wiring.draft import CHECK_TARGETS, check_draft, fc_weight_shape, read_config, read_ids
 from surgeon.wiring.render import RENDER_TARGETS, IdList, target_ids
 
@@ -337,6 +343,7 @@ def read_draft_fc(draft: str) -> DraftFc:
         raise BadInput(f"{path / found['file']}: cannot read {name}: {str(e).splitlines()[0][:160]}") from None
     if weight.dim() != 2:
         raise BadInput(f"{path / found['file']}: {name} has shape {list(weight.shape)}, not a matrix")
+    require_finite([(name, weight)] + ([] if bias is None else [(bias_name, bias)]), str(path / found["file"]))
     return DraftFc(str(path), data, stated, weight, bias, f"{found['file']}:{name}")
 
 
@@ -378,12 +385,9 @@ def target_config(model_dir) -> tuple[str, int, int, int]:
     """(architecture, num_hidden_layers, hidden_size, vocab_size) from a model folder's config.json."""
 
     cfg = Path(model_dir) / "config.json"
-    try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{cfg}: cannot read the target's config: {e}") from None
-    archs = data.get("architectures") if isinstance(data, dict) else None
-    values = [data.get(k) if isinstance(data, dict) else None for k in ("num_hidden_layers", "hidden_size", "vocab_size")]
+    data = read_model_config(Path(model_dir))
+    archs = data.get("architectures")
+    values = [data.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")]
     if not (isinstance(archs, list) and archs and isinstance(archs[0], str)) or not all(
             type(v) is int and v > 0 for v in values):
         raise BadInput(f"{cfg}: needs architectures, num_hidden_layers, hidden_size and vocab_size")
@@ -584,6 +588,7 @@ class InferReport:
     spec: str
     written: str | None = None
     notes: list[str] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)  # fc slots whose weights are all zero (they read nothing)
 
     @property
     def wiring(self) -> list[str]:
@@ -604,7 +609,7 @@ class InferReport:
     def decided(self) -> bool:
         """Only the behaviour signal decides: the weight-space table is evidence for review (on an
         EAGLE-3 draft trained end to end with AdamW it has named wrong points by wide margins)."""
-        return bool(self.behaviour_decides)
+        return bool(self.behaviour_decides) and not self.dead
 
     @property
     def contradicted(self) -> list[int]:
@@ -627,7 +632,7 @@ class InferReport:
         wiring) or ids that disagree with a decided wiring; 4 when the evidence does not decide."""
         if not self.stated_ids:
             return 3
-        if not self.decided:
+        if not self.decided or self.stated_agree is None:  # no verdict, or no engine could check the stated ids
             return UNDECIDED
         return 3 if self.stated_agree is False else 0
 
@@ -640,7 +645,10 @@ class InferReport:
         """The first line: whether the evidence decides the wiring, and what the stated ids say."""
         s = self.search
         wiring = ", ".join(self.wiring)
-        if self.decided:
+        if self.dead:
+            head = (f"undecided: fc slot(s) {', '.join(map(str, self.dead))} hold only zeros and read nothing, so no "
+                    f"evidence names their point (it leans to {wiring})")
+        elif self.decided:
             z = "" if s.behaviour_z is None else f" by {s.behaviour_z:.1f} standard errors"
             head = f"decided: the fc input is {wiring} (its behaviour leads every other wiring{z})"
         elif not s.behaviour_evaluations:
@@ -657,6 +665,8 @@ class InferReport:
             return head + "; the ids the draft config states disagree with it"
         if self.decided and self.stated_agree:
             return head + "; the ids the draft config states agree"
+        if self.decided:
+            return head + "; the ids the draft config states could not be checked on any engine (see stated)"
         return head
 
     @property
@@ -731,6 +741,10 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
         raise BadInput(f"{draft}: fc in_features {fc.weight.shape[1]} is not a multiple of the target's hidden_size "
                        f"{states.hidden_size}: this draft was not trained on {target}")
     P, N, H = states.states.shape
+    dead = dead_slots(fc.weight, H)
+    if dead:
+        notes.append(f"fc slot(s) {dead} are all zeros: they read nothing, so neither the weights nor the behaviour "
+                     "can name their point; the wiring is not decided")
     large = fc.weight.shape[0] * (fc.weight.shape[1] // H) * P * N * H > FULL_CONTRIBUTIONS_MACS
     contrib = None if large else contributions(fc.weight, states.states)
     if large:
@@ -765,7 +779,7 @@ def infer_wiring(draft: str, target: str, *, prompts: Sequence[torch.Tensor] | N
         notes.append("the draft config states no ids (eagle_aux_hidden_state_layer_ids, eagle_config's, "
                      "dflash_config.target_layer_ids): every engine silently uses its default")
     return InferReport(fc.path, fc.tensor, states.source, states.num_layers, states.hidden_size,
-                       states.states.shape[1], found, ids, stated_ids, stated, text, None, notes)
+                       states.states.shape[1], found, ids, stated_ids, stated, text, None, notes, dead)
 
 
 def _draft_fuse(model: Eagle3Draft, states: TargetStates) -> Callable[[Wiring], torch.Tensor]:

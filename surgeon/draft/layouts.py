@@ -32,6 +32,7 @@ Layouts read here, each with where its names were read:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ import torch
 
 from surgeon.capture.tensorfiles import read_safetensors
 from surgeon.core.errors import BadInput
+from surgeon.core.safefile import open_regular
 from surgeon.wiring.draft import read_config, read_ids
 
 EAGLE3_LAYOUTS = ("specforge", "speculators", "vllm", "sglang")
@@ -83,8 +85,10 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     if not bins:
         raise BadInput(f"{folder}: no *.safetensors or *.bin weights in the draft folder")
     for f in bins:
+        fd = open_regular(f, what="the weights file")  # a FIFO is refused, never waited on
         try:
-            part = torch.load(str(f), map_location="cpu", weights_only=True)
+            with os.fdopen(fd, "rb") as handle:
+                part = torch.load(handle, map_location="cpu", weights_only=True)
         except Exception as e:  # pickle errors of every kind
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise BadInput(f"{f}: not a readable weights file ({first})") from None

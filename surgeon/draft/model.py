@@ -46,6 +46,7 @@ from torch import nn
 
 from surgeon.core.errors import BadInput
 from surgeon.draft.layouts import REQUIRED, Checkpoint, canonical, layer_fields, read_checkpoint, stated_ids
+from surgeon.verify.reference import require_finite
 
 
 @contextlib.contextmanager
@@ -400,6 +401,7 @@ def load_draft(path: str | Path, *, target: str | Path | None = None) -> Eagle3D
     missing = [k for k in REQUIRED if k not in state]
     if missing:
         raise BadInput(f"{ck.path}: missing tensor {missing[0]!r} ({ck.layout} layout)")
+    require_finite(sorted(state.items()), f"{ck.path}: the draft's weights")
     model = Eagle3Draft(info, cfg)
     _load_state(model, state, ck)
     if model.embed_tokens is None and target is not None:
@@ -427,18 +429,22 @@ def _load_state(model: Eagle3Draft, state: dict[str, torch.Tensor], ck: Checkpoi
 
 
 def target_embeddings(target: str | Path) -> torch.Tensor:
-    """The token embedding matrix of an HF target folder (``model.embed_tokens.weight``)."""
+    """The token embedding matrix of an HF target folder (``model.embed_tokens.weight``), refused
+    when it holds a value that is not finite."""
+    from safetensors import safe_open
+
     from surgeon.verify.reference import resolve_model
 
     folder, _ = resolve_model(target)
     for f in sorted(folder.glob("*.safetensors")):
-        from safetensors import safe_open
-
+        weight = None
         try:
             with safe_open(str(f), framework="pt") as handle:
-                for key in ("model.embed_tokens.weight", "embed_tokens.weight"):
-                    if key in handle.keys():
-                        return handle.get_tensor(key).float()
+                key = next((k for k in ("model.embed_tokens.weight", "embed_tokens.weight") if k in handle.keys()), None)
+                weight = None if key is None else handle.get_tensor(key).float()
         except Exception as e:  # SafetensorError and friends
             raise BadInput(f"{f}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
+        if weight is not None:
+            require_finite([("the token embeddings", weight)], str(f))
+            return weight
     raise BadInput(f"{folder}: no model.embed_tokens.weight in its safetensors files")

@@ -159,8 +159,18 @@ def alignment_table(weight: torch.Tensor, states: torch.Tensor, contrib: torch.T
     table = torch.zeros(len(blocks), P, dtype=torch.float64)
     for j, block in enumerate(blocks):
         mu = block.double().square().sum() / H
-        table[j] = (energy[j] / mu - state_energy) / (N * frob)
+        if mu > 0:  # an all-zero slot reads nothing: it aligns with no point (0), never 0/0
+            table[j] = (energy[j] / mu - state_energy) / (N * frob)
+    if not bool(torch.isfinite(table).all()):
+        raise BadInput("the fc's alignment with the target's states is not finite (weights or states too large "
+                       "for float64): no weight-space evidence")
     return table
+
+
+def dead_slots(weight: torch.Tensor, hidden_size: int) -> list[int]:
+    """The fc slots whose weights are all zero: they read nothing, so neither the weights nor the
+    behaviour can say which point they were trained on."""
+    return [j for j, block in enumerate(slot_blocks(weight, hidden_size)) if not bool(block.any())]
 
 
 def slot_scores(table: torch.Tensor, points: Sequence[Point]) -> list[SlotScore]:

@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 
 from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file, read_safetensors, unreadable
-from surgeon.core.atomicfile import atomic_writer
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, all_points, parse_point
+from surgeon.core.safefile import write_file
 from surgeon.verify.streams import run_streams
 
 KIND = "fingerprint"
@@ -270,8 +270,10 @@ def _stream_reference(path: Path, b: _Builder, points: list[Point], T: int, rows
 # -- files ----------------------------------------------------------------------------------------
 
 
-def save_fingerprint(fp: Fingerprint, path: str | os.PathLike) -> None:
-    from safetensors.torch import save_file
+def save_fingerprint(fp: Fingerprint, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Write ``fp`` to one new safetensors file (atomically, never through a link; an existing file
+    is replaced only with ``overwrite``)."""
+    from safetensors.torch import save
 
     points = fp.points
     tensors = {
@@ -292,9 +294,7 @@ def save_fingerprint(fp: Fingerprint, path: str | os.PathLike) -> None:
         "hidden_size": str(int(fp.hidden_size)),
         "source": str(fp.source),
     }
-    path = Path(path)
-    with atomic_writer(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+    write_file(path, save(tensors, metadata=metadata), overwrite=overwrite, what="the fingerprint file")
 
 
 def load_fingerprint(path: str | os.PathLike) -> Fingerprint:

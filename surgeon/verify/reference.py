@@ -19,7 +19,10 @@ A :class:`Reference` saves to one safetensors file: one tensor per ``str(point)`
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
+import stat
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ import torch
 from surgeon.capture.tensorfiles import read_safetensors
 from surgeon.core.errors import BadInput
 from surgeon.core.points import EMBED, FINAL_NORM, Point, all_points, layer_out, parse_point
+from surgeon.core.safefile import UnsafeFile, describe_mode, read_text, write_file
 
 KIND = "reference"
 _META_KEYS = ("surgeon.kind", "num_layers", "hidden_size", "source")
@@ -52,6 +56,23 @@ class Reference:
         if isinstance(point, str):
             point = parse_point(point, self.num_layers, allow_delta=True)
         return self.states[point]
+
+
+class NotFinite(BadInput):
+    """Weights, states or a result holding NaN or infinite values: nothing measured from them is a
+    number worth printing (an acceptance rate, a divergence, an alignment), so the input is refused."""
+
+
+def require_finite(tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """NotFinite naming the first floating tensor of ``tensors`` (name, tensor) with a NaN or an
+    infinite value, and how many it holds."""
+    for name, t in tensors:
+        if not (t.is_floating_point() or t.is_complex()):
+            continue
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise NotFinite(f"{where}: {name} has {bad} of {t.numel()} values that are not finite (NaN or "
+                            "infinite); nothing measured from it would be a number")
 
 
 def sweep_points(num_layers: int) -> list[Point]:
@@ -158,6 +179,7 @@ def resolve_model(model: str | Path) -> tuple[Path, str]:
     works offline). A model that is in neither is BadInput saying how to fetch it."""
     path = Path(model)
     if path.is_dir():
+        check_model_folder(path)
         return path, f"hf:{path.resolve()}"
     text = str(model)
     if path.exists() or not _REPO_ID.fullmatch(text) or text.endswith((".json", ".safetensors")):
@@ -173,22 +195,67 @@ def resolve_model(model: str | Path) -> tuple[Path, str]:
                        f"with `hf download {text}` (or `huggingface-cli download {text}`), then run this again") from None
     except (HFValidationError, ValueError) as e:
         raise BadInput(f"{model}: not a model directory nor a Hugging Face repo id ({str(e).splitlines()[0][:120]})") from None
+    check_model_folder(folder)
     return folder, f"hf:{text}@{folder.name}"
 
 
-def _load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
+#: a model folder's config.json is read whole: at most this many bytes
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def check_model_folder(folder: Path) -> None:
+    """Refuse a model folder holding anything transformers could open that is neither a regular
+    file nor a folder (links followed, as the Hugging Face cache's are): a FIFO named config.json
+    or *.safetensors would hang the load, a device would be read without end."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError as e:
+        raise UnsafeFile(f"{folder}: cannot list the model folder ({e.strerror or e})") from None
+    for entry in entries:
+        try:
+            mode = os.stat(entry.path).st_mode  # never opens it: a FIFO does not block here
+        except FileNotFoundError:  # a dangling link: transformers names it if it needs it
+            continue
+        except OSError as e:
+            raise UnsafeFile(f"{entry.path}: cannot inspect it ({e.strerror or e})") from None
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UnsafeFile(f"{entry.path}: is {describe_mode(mode)}, not a regular file; the model folder "
+                             "is not loaded")
+
+
+def read_model_config(model_dir: Path) -> dict:
+    """A model folder's config.json as a JSON object (regular, bounded, UTF-8), else BadInput."""
+    cfg = model_dir / "config.json"
+    try:
+        data = json.loads(read_text(cfg, limit=MAX_CONFIG_BYTES, what="the model's config.json"))
+    except FileNotFoundError:
+        raise BadInput(f"{model_dir}: no config.json (expected a transformers save_pretrained folder)") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        at = f"{cfg}:{e.lineno}:{e.colno}" if isinstance(e, json.JSONDecodeError) else str(cfg)
+        raise BadInput(f"{at}: invalid JSON: {getattr(e, 'msg', 'nested too deeply')}") from None
+    if isinstance(data, dict):
+        return data
+    raise BadInput(f"{cfg}:1:1: a model config is a JSON object, not {type(data).__name__}")
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
+    """The causal LM of a model folder (checked: no FIFO or device in it, a readable config.json),
+    on ``device``; whatever transformers or safetensors cannot load (a damaged header, weights
+    that do not fit the config) is BadInput naming the folder, one line."""
     from transformers import AutoModelForCausalLM
 
     if not model_dir.is_dir():
         raise BadInput(f"{model_dir}: not a model directory")
-    if not (model_dir / "config.json").is_file():
-        raise BadInput(f"{model_dir}: no config.json (expected a transformers save_pretrained folder)")
+    check_model_folder(model_dir)
+    read_model_config(model_dir)
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise BadInput(f"{model_dir}: cannot load as a causal LM: {first}") from e
+    except MemoryError:
+        raise
+    except Exception as e:  # OSError, ValueError, SafetensorError, a RuntimeError of mismatched shapes, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise BadInput(f"{model_dir}: cannot load as a causal LM: {first}") from None
     try:
         dev = torch.device(device)
         if dev.type == "meta":
@@ -206,7 +273,7 @@ def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dty
     record every point of :func:`sweep_points` with hooks (stored as float32 on the CPU)."""
     ids = _as_input_ids(input_ids)
     model_dir, source = resolve_model(model_dir)
-    model = _load_model(model_dir, dtype, device)
+    model = load_model(model_dir, dtype, device)
     model.eval()
     layers, norm = checked_structure(model, model_dir, ids)
     L = len(layers)
@@ -214,6 +281,7 @@ def capture_reference(model_dir: str | Path, input_ids: Any, *, dtype: torch.dty
     recorder.record(model, layers, norm, ids)
     recorder.check_plain_residual_stack(model_dir)
     states = recorder.states()
+    require_finite(((f"state {p}", t) for p, t in states.items()), f"{model_dir} (run on these ids)")
     T, H = states[EMBED].shape
     for point, t in states.items():
         if tuple(t.shape) != (T, H):
@@ -333,9 +401,10 @@ def adjacent_layer_gap(ref: Reference) -> float:
 # -- files --------------------------------------------------------------------------------
 
 
-def save_reference(ref: Reference, path: str | Path) -> None:
-    """Write ``ref`` to one safetensors file."""
-    from safetensors.torch import save_file
+def save_reference(ref: Reference, path: str | Path, *, overwrite: bool = False) -> None:
+    """Write ``ref`` to one new safetensors file (atomically, never through a link; an existing file
+    is replaced only with ``overwrite``)."""
+    from safetensors.torch import save
 
     tensors = {str(p): t.detach().to("cpu", torch.float32).contiguous() for p, t in ref.states.items()}
     tensors["input_ids"] = ref.input_ids.detach().to("cpu", torch.int64).contiguous()
@@ -345,7 +414,7 @@ def save_reference(ref: Reference, path: str | Path) -> None:
         "hidden_size": str(int(ref.hidden_size)),
         "source": str(ref.source),
     }
-    save_file(tensors, str(path), metadata=metadata)
+    write_file(path, save(tensors, metadata=metadata), overwrite=overwrite, what="the reference file")
 
 
 def load_reference(path: str | Path) -> Reference:
@@ -388,4 +457,5 @@ def load_reference(path: str | Path) -> Reference:
         if t.dtype != torch.float32 or tuple(t.shape) != (T, H):
             raise bad(f"{name} is {t.dtype} {list(t.shape)}, expected float32 {[T, H]}")
         states[point] = t
+    require_finite(((name, tensors[name]) for name in expected), f"{path}: not a usable reference")
     return Reference(states=states, input_ids=ids, num_layers=L, hidden_size=H, source=metadata["source"])

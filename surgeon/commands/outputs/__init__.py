@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from surgeon.commands.outputs.audit import AuditOutput
-from surgeon.commands.outputs.base import _Output
+from surgeon.commands.outputs.base import _Output, non_finite
 from surgeon.commands.outputs.capture import CheckHooksOutput, DumpInfoOutput, ExportOutput
 from surgeon.commands.outputs.drafts import AcceptOutput, DemoOutput, InferWiringOutput
 from surgeon.commands.outputs.harness import MatchOutput, VerifyOutput
@@ -98,5 +98,10 @@ def output_of(command: str, result: Any) -> _Output:
 
 def json_output(command: str, result: Any) -> dict:
     """What ``surgeon COMMAND --json`` prints: the result through its output model, under its format
-    number."""
-    return output_of(command, result).model_dump(mode="json")
+    number. A number that is not finite anywhere in it is an internal error, never a bare ``NaN``."""
+    data = output_of(command, result).model_dump(mode="json")
+    where = non_finite(data)
+    if where is not None:
+        raise InternalError(f"the {command} result holds a number that is not finite at {where}; "
+                            "surgeon prints no NaN or Infinity")
+    return data

@@ -18,6 +18,7 @@ from surgeon.audit.output import (
     Seconds,
 )
 from surgeon.commands.outputs.base import _Output
+from surgeon.core.shapes import Finite
 
 __all__ = ["AuditExact", "AuditFinding", "AuditOutlier", "AuditOutput", "AuditPointProfile", "AuditProfile",
            "AuditSlot"]
@@ -42,8 +43,8 @@ class AuditOutput(_Output):
     layouts: dict[str, int]
     seconds: Seconds
     bytes: int
-    files_per_s: float | None
-    mb_per_s: float | None
+    files_per_s: Finite
+    mb_per_s: Finite
     workers: int
     backend: str
     structure_only: bool

@@ -1,11 +1,40 @@
 """The top of every ``--json`` output: a closed object with its ``format`` number. The value types
-the models share are in :mod:`surgeon.core.shapes`."""
+the models share are in :mod:`surgeon.core.shapes`; here, the one rule every number printed obeys:
+it is finite (JSON has no NaN or Infinity; Python's ``json`` would print them bare)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+import math
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field
 
 from surgeon.core.shapes import Closed
+
+
+def _must_be_finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{value} is not a finite number")
+    return value
+
+
+#: A number that is always known and finite: a non-finite value is the producing code's bug, which
+#: the output refuses (an internal error naming the field) rather than print ``NaN``.
+Real = Annotated[float, AfterValidator(_must_be_finite)]
+
+
+def non_finite(data: Any, where: str = "") -> str | None:
+    """The dotted path of the first number in ``data`` (a model's JSON dump) that is not finite,
+    or None: the check every ``--json`` output passes before it is printed (a field typed
+    ``dict[str, Any]`` is not covered by its model's types)."""
+    if isinstance(data, float):
+        return None if math.isfinite(data) else (where or "(top)")
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = non_finite(value, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class _Output(Closed):

@@ -9,9 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from surgeon.commands.outputs.base import _Output
+from surgeon.commands.outputs.base import Real, _Output
 from surgeon.commands.outputs.harness import MatchResult
-from surgeon.core.shapes import Closed, PathText, Point, Timings
+from surgeon.core.shapes import Closed, Finite, PathText, Point, Timings
 
 
 def _blank_none(value: Any) -> Any:
@@ -25,18 +25,18 @@ BlankNone = Annotated[str | None, BeforeValidator(_blank_none)]
 class InferSlot(Closed):
     slot: int
     point: Point
-    score: float = Field(description="alignment of the fc slot's amplification W_j^T W_j (isotropic part removed) "
+    score: Real = Field(description="alignment of the fc slot's amplification W_j^T W_j (isotropic part removed) "
                                      "with this point's state covariance; relative to its slot")
     runner_up: Point | None
-    runner_up_score: float | None
-    margin: float | None = Field(description="(score - runner_up_score) / score; null when nothing aligns")
+    runner_up_score: Finite
+    margin: Finite = Field(description="(score - runner_up_score) / score; null when nothing aligns")
     decides: bool = Field(description="the margin is wide enough and the decided behaviour signal does not contradict it")
     contradicted: bool = Field(description="the decided behaviour signal names another point for this slot")
 
 
 class InferWeightSpace(Closed):
     wiring: list[Point]
-    margin: float | None = Field(description="the smallest slot margin")
+    margin: Finite = Field(description="the smallest slot margin")
     decides: bool
     slots: list[InferSlot]
 
@@ -44,14 +44,14 @@ class InferWeightSpace(Closed):
 class InferBehaviour(Closed):
     wiring: list[Point]
     steps: int = Field(description="chained draft steps the divergence sums over")
-    divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats per "
+    divergence: Finite = Field(description="KL from the target's next-token distribution to the draft's, nats per "
                                                  "position summed over the chained steps, mean over prompts (searched)")
-    agreement: float | None = Field(description="step-1 top-1 agreement with the target's greedy next token (reported)")
+    agreement: Finite = Field(description="step-1 top-1 agreement with the target's greedy next token (reported)")
     runner_up: list[Point] | None
-    runner_up_divergence: float | None
-    runner_up_agreement: float | None
-    margin: float | None = Field(description="the runner-up's divergence minus the chosen wiring's (nats)")
-    z: float | None = Field(description="margin over the standard error of the per-prompt differences (null: one prompt)")
+    runner_up_divergence: Finite
+    runner_up_agreement: Finite
+    margin: Finite = Field(description="the runner-up's divergence minus the chosen wiring's (nats)")
+    z: Finite = Field(description="margin over the standard error of the per-prompt differences (null: one prompt)")
     decides: bool | None
     evaluations: int
 
@@ -59,9 +59,9 @@ class InferBehaviour(Closed):
 class InferCandidate(Closed):
     label: str
     wiring: list[Point]
-    weight_score: float = Field(description="mean over slots of the alignment relative to the slot's best (1: every slot's best)")
-    agreement: float | None
-    divergence: float | None
+    weight_score: Real = Field(description="mean over slots of the alignment relative to the slot's best (1: every slot's best)")
+    agreement: Finite
+    divergence: Finite
 
 
 class InferIds(Closed):
@@ -121,11 +121,11 @@ class AcceptWiring(Closed):
     points: list[str | None] = Field(description="the point fed to each fc slot; null: never captured")
     note: str | None
     not_servable: str | None = Field(description="why this wiring cannot run at all (null: it runs)")
-    per_position: list[float] | None = Field(description="P(accepted > j) for draft position j = 0..K-1")
-    expected_accepted: float | None = Field(description="expected accepted draft tokens per chain")
-    accept_length: float | None = Field(description="1 + expected_accepted: the target's bonus token counted")
+    per_position: list[Real] | None = Field(description="P(accepted > j) for draft position j = 0..K-1")
+    expected_accepted: Finite = Field(description="expected accepted draft tokens per chain")
+    accept_length: Finite = Field(description="1 + expected_accepted: the target's bonus token counted")
     chains: int
-    divergence: float | None = Field(description="KL from the target's next-token distribution to the draft's, nats "
+    divergence: Finite = Field(description="KL from the target's next-token distribution to the draft's, nats "
                                                  "per chain summed over its K steps (null: not measured)")
 
 
@@ -143,12 +143,12 @@ class Accept(Closed):
     prompts: str = Field(description="where the prompts came from: the seeded rule or the file")
     n_prompts: int
     length: int
-    min: float | None
+    min: Finite
     draft_info: dict[str, Any]
     sampling: str
     wirings: list[AcceptWiring] = Field(description="the spec's wiring first, then the miswirings")
     notes: list[str]
-    timings_s: dict[str, float]
+    timings_s: dict[str, Real]
 
 
 class AcceptOutput(Accept, _Output):
@@ -164,7 +164,7 @@ class DemoDraftStep(Closed):
     trained_on: list[Point]
     spec: PathText
     prompts: PathText
-    drop: float | None
+    drop: Finite
     infer_wiring: InferWiring
     accept: Accept
     timings_s: Timings
