@@ -295,3 +295,13 @@ def tiny_spec(tmp_path: Path, body: str = "", name: str = "s.yaml", fc: str = "[
         draft: {{kind: {kind}, fc_input: {fc}, fc_in_features: {64 * n}}}
         """) + body)
     return f
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test interrupts as a terminal would: SIGINT back to its default
+    disposition. A shell without job control starts background commands with SIGINT ignored, and
+    Python then installs no KeyboardInterrupt handler: a Ctrl-C test run from such a CI job would
+    otherwise send its signal into the void."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -22,6 +22,7 @@ from surgeon.audit.pipeline import Plan, run_audit
 from surgeon.cli import main
 from surgeon.commands.outputs import json_output
 from surgeon.core.errors import BadInput
+from tests.conftest import default_sigint
 
 TIMING = ("seconds", "files_per_s", "mb_per_s", "resumed", "workers", "backend")
 
@@ -147,7 +148,7 @@ def test_ctrl_c_stops_a_pool_with_one_line(specforge_set, tiny_target, tmp_path)
     args = ["audit", str(specforge_set.root), "--spec", str(specforge_set.spec), "--reference", f"hf:{tiny_target}",
             "--exact", "160", "--workers", "2", "--state", str(state), "--json"]
     p = subprocess.Popen([sys.executable, "-m", "surgeon", *args], env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, start_new_session=True)
+                         stderr=subprocess.PIPE, start_new_session=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 60
     while (not state.exists() or len(state.read_bytes().splitlines()) < 3) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from surgeon.cli import main
+from tests.conftest import default_sigint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,7 +130,7 @@ def test_ctrl_c_at_any_instant_of_start_up_is_one_line_and_exit_130():
     for delay in (0.15, 0.4, 0.7, 1.0, 1.4, 1.9, 2.5):
         p = subprocess.Popen([sys.executable, "-m", "surgeon", "explain", str(spec), "--json"], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+                             env=dict(os.environ, PYTHONPATH=str(REPO)), preexec_fn=default_sigint)
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
