@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, Field
 
-from surgeon.core.shapes import Closed, Finite, Point, Seconds
+from surgeon.core.shapes import Closed, Finite, Point, Real, Seconds
 
 
 def _most_first(value: Any) -> Any:
@@ -53,9 +53,9 @@ class AuditSlot(Closed):
     norm_mean: Finite = Field(description="mean over files of the slot's mean per-token L2 norm")
     norm_min: Finite
     norm_max: Finite
-    log_norm_median_mean: float | None = Field(description="the identity statistic (median log per-token norm), "
+    log_norm_median_mean: Finite = Field(description="the identity statistic (median log per-token norm), "
                                                            "its mean over files")
-    log_norm_median_std: float | None
+    log_norm_median_std: Finite
     identity: MostFirst = Field(description="nearest point of the profile (or the verdict) -> files")
     verdicts: dict[str, int] = Field(description="the statistics' identity verdicts: ok, mismatch, no_match, "
                                                  "unresolved, not_run -> files (every key, 0 included)")
@@ -68,9 +68,9 @@ class AuditSlot(Closed):
 
 class AuditPointProfile(Closed):
     point: Point
-    centre: float
-    spread: float
-    tol: float
+    centre: Real
+    spread: Real
+    tol: Real
 
 
 class AuditProfile(Closed):

@@ -45,6 +45,17 @@ PathText = Annotated[str, BeforeValidator(_path_text)]
 PointText = Annotated[str, BeforeValidator(_point_text)]
 #: A number, ``null`` when it is not known or not finite.
 Finite = Annotated[float | None, BeforeValidator(_finite)]
+
+
+def _must_be_finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{value} is not a finite number")
+    return value
+
+
+#: A number that is always known and finite: a non-finite value is the producing code's bug, which
+#: the output refuses (an internal error naming the field) rather than print ``NaN``.
+Real = Annotated[float, AfterValidator(_must_be_finite)]
 #: Seconds of wall time, to the millisecond.
 Seconds = Annotated[float, AfterValidator(lambda v: round(v, 3))]
 #: A fraction, to 4 decimals.

@@ -5,22 +5,11 @@ it is finite (JSON has no NaN or Infinity; Python's ``json`` would print them ba
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import AfterValidator, Field
+from pydantic import Field
 
 from surgeon.core.shapes import Closed
-
-
-def _must_be_finite(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"{value} is not a finite number")
-    return value
-
-
-#: A number that is always known and finite: a non-finite value is the producing code's bug, which
-#: the output refuses (an internal error naming the field) rather than print ``NaN``.
-Real = Annotated[float, AfterValidator(_must_be_finite)]
 
 
 def non_finite(data: Any, where: str = "") -> str | None:

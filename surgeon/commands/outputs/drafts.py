@@ -9,9 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from surgeon.commands.outputs.base import Real, _Output
+from surgeon.commands.outputs.base import _Output
 from surgeon.commands.outputs.harness import MatchResult
-from surgeon.core.shapes import Closed, Finite, PathText, Point, Timings
+from surgeon.core.shapes import Closed, Finite, PathText, Point, Real, Timings
 
 
 def _blank_none(value: Any) -> Any:
