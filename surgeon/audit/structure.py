@@ -131,6 +131,7 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
         st = Structure("speculators", T, H, [f"hidden_states[:, {i}]" for i in range(n)], [FLOATS.get(dtype, dtype)] * n,
                        ids_key is not None,
                        rows=_safetensors_plan(gated, [("hidden_states", tuple(range(n)))], ids_key))
+        _from_sidecar(st, gated, n)
     else:
         floats = [(k, v) for k, v in tensors.items() if v["dtype"] in FLOATS and len(v["shape"]) == 2]
         shapes = {tuple(v["shape"]) for _, v in floats}
@@ -145,6 +146,17 @@ def _safetensors_structure(gated: TensorFile) -> Structure:
     if ids_key is not None:
         _integer_ids(st, ids_key, tensors[ids_key]["dtype"])
     return st
+
+
+def _from_sidecar(st: Structure, gated: TensorFile, n: int) -> None:
+    """A stack a capture route wrote: its rows named and declared by the capture sidecar beside it
+    (:func:`surgeon.capture.sidecar.rows_of`, the check every reader makes), as a dump's header does."""
+    from surgeon.capture.sidecar import find_sidecar, rows_of
+
+    sidecar = find_sidecar(gated.path)
+    if sidecar is not None:
+        points = rows_of(sidecar, gated.path, n, "hidden_states", None)
+        st.names, st.points, st.num_layers = list(sidecar.names), [str(pt) for pt in points], sidecar.num_layers
 
 
 def _integer_ids(st: Structure, key: str, dtype: str) -> None:
@@ -341,11 +353,13 @@ def check_structure(st: Structure, spec) -> list[str]:
     if declared is not None and st.layout in ("specforge", "speculators", "surgeon") and st.layout != declared:
         out.append(f"a {st.layout} sample, the spec's dumps.layout is {declared} (its slots mean other points)")
     if st.num_layers is not None and st.num_layers != spec.num_layers:
-        out.append(f"a dump of a {st.num_layers}-layer target, the spec's has {spec.num_layers}")
+        out.append(f"a {'dump' if st.layout == 'surgeon' else 'capture'} of a {st.num_layers}-layer target, "
+                   f"the spec's has {spec.num_layers}")
     if st.points is not None:
         for name, point in zip(st.names, st.points):
             if name in spec.captures and point != str(spec.captures[name]):
-                out.append(f"slot {name} is {point} in its header, the spec declares {spec.captures[name]}")
+                out.append(f"slot {name} is {point} in its {'header' if st.layout == 'surgeon' else 'capture sidecar'}, "
+                           f"the spec declares {spec.captures[name]}")
     if st.layout in ("specforge", "speculators", "surgeon") and len(st.names) != len(want):
         out.append(f"{len(st.names)} slots ({', '.join(st.names)}), the spec's dump slots are {len(want)} "
                    f"({', '.join(want)})")

@@ -23,7 +23,7 @@ from surgeon.audit.profile import Profile, match_slot
 from surgeon.audit.rows import FLOATS
 from surgeon.audit.structure import Structure, check_structure, read_structure
 from surgeon.core.errors import BadInput, ReadFailure
-from surgeon.core.points import Point
+from surgeon.core.points import Point, parse_point
 
 _SPECS: dict[str, Any] = {}
 
@@ -135,13 +135,19 @@ def file_key(path: str | Path) -> dict[str, Any]:
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _declared(spec, layout: str, names: list[str]) -> tuple[list[str], list[Point | None]]:
-    """Slot names and the points the spec declares for them: a surgeon dump's slots by their own
-    names, any other layout's in that layout's own order (:meth:`surgeon.core.spec.Spec.slot_order`:
-    SpecForge's aux in fc order then its final-norm hidden_state, a stack by ascending depth)."""
-    if layout != "surgeon":
-        order, _ = spec.slot_order(layout)
-        names = order[: len(names)] + names[len(order):]
+def _declared(spec, layout: str, names: list[str], points: list[str] | None = None) -> tuple[list[str], list[Point | None]]:
+    """Slot names and the points the spec declares for them: the slots of a file that records them
+    (a surgeon dump's header, a stack's capture sidecar: ``points``) by their own names (a sidecar's
+    name the spec does not capture at its recorded point); any other layout's in that layout's own
+    order (:meth:`surgeon.core.spec.Spec.slot_order`: SpecForge's aux in fc order then its final-norm
+    hidden_state, a stack by ascending depth)."""
+    if layout == "surgeon":
+        return names, [spec.captures.get(n) for n in names]
+    if points is not None and len(points) == len(names):
+        recorded = [parse_point(pt, spec.num_layers, allow_delta=True) for pt in points]
+        return names, [spec.captures.get(n, r) for n, r in zip(names, recorded)]
+    order, _ = spec.slot_order(layout)
+    names = order[: len(names)] + names[len(order):]
     return names, [spec.captures.get(n) for n in names]
 
 
@@ -186,7 +192,7 @@ def audit_file(ctx: Context, path: str) -> dict[str, Any]:
 
 def _structure_part(ctx: Context, st: Structure, out: dict[str, Any]) -> None:
     out["layout"], out["tokens"] = st.layout, st.tokens
-    names, declared = _declared(ctx.spec, st.layout, st.names)
+    names, declared = _declared(ctx.spec, st.layout, st.names, st.points)
     out["slots"] = [{"name": n, "declared": None if d is None else str(d), "dtype": dt}
                     for n, d, dt in zip(names, declared, st.dtypes)]
     for f in check_structure(st, ctx.spec):
@@ -253,7 +259,7 @@ def _value_part(ctx: Context, path: str, st: Structure, out: dict[str, Any]) -> 
     spec = ctx.spec
     g, ids, count = _gathered(st, path, spec)
     names, declared = _declared(spec, st.layout, st.names if len(st.names) == count
-                                else [f"slot{i}" for i in range(count)])
+                                else [f"slot{i}" for i in range(count)], st.points)
     first = int(ids[0]) if ids is not None and ids.numel() else None
     svs, hashes, moments = gathered_values(names, declared, g)
     stats: list = [None] * len(svs)

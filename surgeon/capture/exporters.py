@@ -27,7 +27,8 @@ parent folder it made, so nothing partial is left.
 What is read is a :data:`Reader`'s business: surgeon dumps by default (one unit per file); the
 verify layer's :func:`surgeon.verify.fielddumps.export_reader` also reads TensorRT-LLM and Model
 Optimizer dumps (one unit per record, points as ``--slots PRODUCER:IDS`` labels them, Model
-Optimizer's ``loss_mask`` carried into SpecForge's). Last, ``surgeon-export.json`` (:data:`MANIFEST`)
+Optimizer's ``loss_mask`` carried into SpecForge's) and vLLM connector stacks (rows labelled by the
+capture sidecar beside them, :mod:`surgeon.capture.sidecar`). Last, ``surgeon-export.json`` (:data:`MANIFEST`)
 records per written file its sha256, its source (file and record), its producer and, per slot of the layout,
 the physical point it holds and the source slot it came from: the trainer files keep their own
 layout, the manifest says what is in them.
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 from surgeon.capture.dumps import Dump, DumpHeader, read_dump, read_dump_header
+from surgeon.capture.sidecar import SIDECAR
 from surgeon.core.conventions import EAGLE, NotExpressible
 from surgeon.core.errors import BadInput
 from surgeon.core.points import FINAL_NORM, Point, layer_out
@@ -58,7 +60,8 @@ MANIFEST = "surgeon-export.json"
 
 def _expand(dump_paths: str | Path | Iterable[str | Path]) -> list[Path]:
     """Dump files in order; a directory stands for its shards in write order, or, without shards,
-    for its ``*.pt`` files (a TensorRT-LLM or Model Optimizer output directory) in name order."""
+    for its ``*.pt`` files (a TensorRT-LLM or Model Optimizer output directory) in name order, or for
+    the ``*.safetensors`` files of a capture route's directory (a :data:`SIDECAR` beside them)."""
     from surgeon.capture.dumpwriter import list_shards
 
     if isinstance(dump_paths, (str, Path)):
@@ -67,8 +70,11 @@ def _expand(dump_paths: str | Path | Iterable[str | Path]) -> list[Path]:
     for p in map(Path, dump_paths):
         if p.is_dir():
             shards = list_shards(p) or sorted(f for f in p.glob("*.pt") if f.is_file())
+            if not shards and (p / SIDECAR).is_file():  # a native route's directory: one stack per request
+                shards = sorted(f for f in p.glob("*.safetensors") if f.is_file())
             if not shards:
-                raise BadInput(f"{p}: no shard-*.safetensors dump shards or *.pt dumps in this directory")
+                raise BadInput(f"{p}: no shard-*.safetensors dump shards, *.pt dumps, or a capture route's "
+                               f"*.safetensors beside a {SIDECAR} in this directory")
             out.extend(shards)
         else:
             out.append(p)

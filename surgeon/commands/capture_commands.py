@@ -141,7 +141,7 @@ def export(*, dumps: Sequence[str], spec: str, layout: str, out_dir: str, slots:
 
     s = load_spec(spec)
     exporter = export_specforge if layout == "specforge" else export_speculators
-    written = list(exporter(list(dumps), out_dir, spec=s, read=export_reader(slots, s.num_layers)))
+    written = list(exporter(list(dumps), out_dir, spec=s, read=export_reader(slots, s.num_layers, spec=s)))
     return Exported(layout, out_dir, written, Path(out_dir) / MANIFEST)
 
 

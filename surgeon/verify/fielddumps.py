@@ -27,6 +27,12 @@ is labelled by that tool's cited convention
 TensorRT-LLM's ``hidden_state``. Labels are declarations: ``verify``/``match`` still identify
 every slot against the reference.
 
+A ``hidden_states [T, n, H]`` stack (vLLM's hidden-state connector; SGLang's aux states saved as
+one) is labelled in one place, :func:`label_connector`: by the capture sidecar beside it, and by
+``--slots vllm:IDS`` (the installed vLLM's probe of the target class) or ``--slots sglang:ALGO:IDS``
+(ALGO EAGLE3 or DFLASH: the installed SGLang class's setter for that algorithm; DSPARK's setter is
+not read, so refused), which must agree with a sidecar that is there.
+
 ``verify``/``match`` read one sequence (a file's first record); ``dump-info`` and ``export`` read the
 whole file (:func:`read_field_dump`: every record, which producers its keys allow), and
 :func:`export_reader` hands its records to :mod:`surgeon.capture.exporters` as dumps, refusing a file
@@ -49,8 +55,10 @@ from surgeon.core.errors import BadInput, SurgeonError
 from surgeon.core.points import FINAL_NORM, Point
 from surgeon.engines.facts.field_tables import MODELOPT, MODELOPT_HF, MODELOPT_TRTLLM, TRTLLM, TRTLLM_CONV, TRTLLM_ONE_LAYER, Cite
 
-PRODUCERS = ("trtllm", "modelopt-hf", "modelopt-vllm", "modelopt-trtllm", "vllm")
-_DIRECTIVE = re.compile(r"\s*(?P<producer>trtllm|modelopt-hf|modelopt-vllm|modelopt-trtllm|vllm)\s*:\s*(?P<ids>.*)", re.S)
+PRODUCERS = ("trtllm", "modelopt-hf", "modelopt-vllm", "modelopt-trtllm", "vllm", "sglang")
+_DIRECTIVE = re.compile(r"\s*(?P<producer>trtllm|modelopt-hf|modelopt-vllm|modelopt-trtllm|vllm|sglang)\s*:\s*(?P<ids>.*)",
+                        re.S)
+IDS_KEYS = ("input_ids", "token_ids")  # a subject's token ids, in this order of preference
 TRT_AUX_KEYS = ("aux_hidden_states", "hidden_state_features")
 TRT_RECORD_KEYS = frozenset({"id", "input_ids", "hidden_state", *TRT_AUX_KEYS})
 MODELOPT_KEYS = frozenset({"input_ids", "hidden_states", "loss_mask", "conversation_id", *TRT_AUX_KEYS})
@@ -451,10 +459,12 @@ def _as_dumps(fd: FieldDump, spec_layers: int) -> list:
     return out
 
 
-def export_reader(slots: Sequence[str], num_layers: int):
+def export_reader(slots: Sequence[str], num_layers: int, spec=None):
     """The :data:`surgeon.capture.exporters.Reader` for ``surgeon export``: surgeon dumps as they
     declare themselves, TensorRT-LLM and Model Optimizer dumps labelled by ``slots`` (refused
-    unlabelled: such a file does not record its layers)."""
+    unlabelled: such a file does not record its layers), ``hidden_states`` stacks (vLLM's connector)
+    labelled by the capture sidecar beside them or ``slots`` (``vllm:IDS``, ``sglang:ALGO:IDS``: those
+    need ``spec``) through :func:`label_connector`, the one labelling every reader uses."""
     from surgeon.capture.exporters import read_surgeon_dump
 
     def read(path: Path, header_only: bool) -> list:
@@ -462,8 +472,11 @@ def export_reader(slots: Sequence[str], num_layers: int):
         if fd is None:
             from surgeon.capture.tensorfiles import SAFETENSORS, open_tensor_file
 
-            if open_tensor_file(path).format != SAFETENSORS:
+            gated = open_tensor_file(path)
+            if gated.format != SAFETENSORS:
                 raise BadInput(f"{path}: neither a surgeon dump nor a TensorRT-LLM or Model Optimizer dump")
+            if gated.kind != "dump" and STACK_KEY in gated.tensors:
+                return [_stack_dump(gated, slots, num_layers, spec)]
             if slots:
                 raise BadInput(f"{path}: a safetensors file (a surgeon dump declares its own slots' points); "
                                f"--slots {slots[0]} names a {PRODUCERS[0]} or Model Optimizer .pt dump")
@@ -477,33 +490,219 @@ def export_reader(slots: Sequence[str], num_layers: int):
     return read
 
 
+def _stack_dump(gated: TensorFile, slots: Sequence[str], num_layers: int, spec):
+    """A ``hidden_states`` stack as one :class:`surgeon.capture.dumps.Dump`, its rows labelled by
+    :func:`label_connector`; refused where nothing labels every row."""
+    from surgeon.capture.dumps import Dump
+    from surgeon.capture.tensorfiles import read_safetensors
+
+    p = gated.path
+    producer, rest = split_producer(slots)
+    if rest:
+        raise BadInput(f"--slots {rest[0]!r}: a hidden_states stack takes one vllm:IDS or sglang:ALGO:IDS entry")
+    data, _ = read_safetensors(gated)
+    ids_key = next((k for k in IDS_KEYS if k in data), None)
+    if ids_key is None:
+        raise BadInput(f"{p}: a hidden_states stack without token_ids: the tokens cannot be exported")
+    read = read_stack(data, int_1d(data.pop(ids_key), f"{p}: {ids_key}"))
+    if read is None:
+        raise BadInput(f"{p}: {STACK_KEY} is not a [T, n, H] stack")
+    label_connector(p, read, producer, num_layers, spec)
+    if any(d is None for d in read.declared):
+        raise BadInput(f"{p}: a hidden_states stack does not record which points its rows hold: keep the capture "
+                       "sidecar surgeon plan wrote beside it, or pass --slots vllm:IDS (or sglang:ALGO:IDS) with --spec")
+    captures = [(n, pt, float_2d(t, f"{p}: {n}")) for n, pt, t in zip(read.names, read.declared, read.tensors)
+                if pt is not None]
+    H = captures[0][2].shape[1]
+    given = f"{producer.name}:{producer.ids_text}" if producer else "capture sidecar"
+    meta = {"num_layers": str(num_layers), "hidden_size": str(H), "producer": f"{given} (hidden_states stack)"}
+    assert read.ids is not None  # read_stack was handed them
+    return Dump(captures, read.ids, meta, {n: list(t.shape) for n, _, t in captures})
+
+
 VLLM_STACK_NOTE = ("hidden_states [T, n, H] with token_ids [T]: vLLM's hidden-state connector "
                    "(extract_hidden_states, ExampleHiddenStatesConnector) writes these keys, and speculators' "
                    "hs_*.safetensors are that connector's files; neither records the ids it captured")
+STACK_KEY = "hidden_states"
 
 
-def label_vllm_stack(p: str, n_slots: int, producer: Producer, num_layers: int, notes: list[str],
-                     convention: EngineConvention) -> list[Point]:
-    """The points of a connector stack's slots from the ids vLLM was given (``--slots vllm:IDS``),
-    in the order vLLM's runner emits them (the stack's order), decoded by ``convention``: the
-    installed vLLM's probe of the target's class."""
-    L = num_layers
-    ids = _int_list(producer)
+def read_stack(data: dict, ids: torch.Tensor | None) -> FileSlots | None:
+    """A ``hidden_states [T, n, H]`` stack (vLLM's connector, speculators) as n slots in file order,
+    none declared; None where ``data`` (a safetensors file's tensors, ids taken out) holds none."""
+    hs = data.get(STACK_KEY)
+    if hs is None or hs.dim() != 3:
+        return None
+    tensors = [hs[:, i] for i in range(hs.shape[1])]
+    read = FileSlots("vllm-connector", [f"{STACK_KEY}[:, {i}]" for i in range(len(tensors))], tensors,
+                     [None] * len(tensors), ids)
+    read.notes.append(VLLM_STACK_NOTE)
+    return read
+
+
+def label_connector(p: Path, read: FileSlots, producer: Producer | None, num_layers: int | None, spec=None) -> None:
+    """The one labelling of a stack's rows: from the capture sidecar beside the file
+    (:mod:`surgeon.capture.sidecar`, which ``surgeon plan`` writes), and by ``--slots vllm:IDS`` /
+    ``sglang:ALGO:IDS`` (:func:`label_stack`), which must then agree with the sidecar. Points a record
+    beside the file gave already (``read.declared``: an export's) must agree with the sidecar too."""
+    from surgeon.capture.sidecar import SIDECAR, find_sidecar, rows_of
+
+    sidecar = find_sidecar(p)
+    if sidecar is not None:
+        points = rows_of(sidecar, p, len(read.tensors), STACK_KEY, num_layers)
+        if any(d is not None for d in read.declared) and read.declared != points:
+            raise BadInput(f"{p}: {SIDECAR} records its rows as {_texts(points)}, the export record beside it as "
+                           f"{_texts(read.declared)}: one of them does not describe this file")
+        read.names, read.declared = list(sidecar.names), list(points)
+        read.notes.append(f"rows declared by {SIDECAR} beside the file ({sidecar.describe()}): "
+                          + ", ".join(f"{n}={pt}" for n, pt in zip(sidecar.names, points)))
+    if producer is None:
+        return
+    if spec is None:
+        raise BadInput(f"--slots {producer.name}:{producer.ids_text}: labelling by {producer.name} ids needs the "
+                       f"target: pass --spec (its class's ids are read from the installed {producer.name})")
+    labelled = label_stack(str(p), len(read.tensors), producer, spec, read.notes)
+    if sidecar is not None and labelled != read.declared:
+        raise BadInput(f"{p}: --slots {producer.name}:{producer.ids_text} labels its rows {_texts(labelled)}, but "
+                       f"{p.parent / SIDECAR} records {_texts(read.declared)}: one of them does not describe this file")
+    read.declared = list(labelled)
+
+
+def _texts(points: Sequence[Point | None]) -> str:
+    return "[" + ", ".join(str(pt) for pt in points) + "]"
+
+
+def label_stack(p: str, n_slots: int, producer: Producer, spec, notes: list[str]) -> list[Point]:
+    """The points of a stack's rows from the ids its engine was given: ``--slots vllm:IDS`` by the
+    installed vLLM's probe of the spec's target class, ``--slots sglang:ALGO:IDS`` by the installed
+    SGLang class's setter for that algorithm; rows in the order the engine emits them."""
+    from surgeon.engines.view import model_class_for, open_engine
+
+    L = spec.num_layers
+    if producer.name == "vllm":
+        conv = open_engine("vllm").convention(model_class_for(spec, "vllm"))
+        ids = _stack_ids(producer, producer.ids_text, range(0, L + 1), L)
+        points = _decode_stack(p, n_slots, producer, ids, L, conv)
+        notes.append(f"labelled as vLLM aux ids {ids} read by {conv.name} ({conv.origin}), in the order its "
+                     "runner emits them")
+        return points
+    algo, ids_text = _sglang_algorithm(producer)
+    conv, how = _sglang_setter(algo, spec)
+    ids = _stack_ids(producer, ids_text, None, L)
+    points = _decode_stack(p, n_slots, producer, ids, L, conv)
+    notes.append(f"labelled as SGLang {algo} ids {ids} through {conv.name}'s {how} ({conv.origin}); {_order(conv)}")
+    positions = [pt.position for pt in points if pt.position is not None]
+    unverified = conv.cc.unverified_for(positions, L)
+    if unverified:
+        notes.append(f"unverified: {unverified}")
+    return points
+
+
+def _stack_ids(producer: Producer, ids_text: str, allowed: range | None, L: int) -> list[int]:
+    ids = _int_list(Producer(producer.name, ids_text))
     if len(set(ids)) != len(ids):
-        raise BadInput(f"--slots vllm:{producer.ids_text}: an id is repeated")
-    bad = [i for i in ids if not 0 <= i <= L]
-    if bad:
-        raise BadInput(f"--slots vllm: ids {bad} are outside [0, {L}] for a target of {L} layers")
+        raise BadInput(f"--slots {producer.name}:{producer.ids_text}: an id is repeated")
+    bad = [i for i in ids if i not in allowed] if allowed is not None else []
+    if bad and allowed is not None:
+        raise BadInput(f"--slots {producer.name}: ids {bad} are outside [{allowed.start}, {allowed.stop - 1}] for a "
+                       f"target of {L} layers")
+    return ids
+
+
+def _decode_stack(p: str, n_slots: int, producer: Producer, ids: list[int], L: int,
+                  convention: EngineConvention) -> list[Point]:
+    given = f"--slots {producer.name}:{producer.ids_text}"
     if len(ids) != n_slots:
-        raise BadInput(f"{p}: {n_slots} slots, but --slots vllm:{producer.ids_text} names {len(ids)} ids: "
-                       "the ids do not fit this file")
+        raise BadInput(f"{p}: {n_slots} slots, but {given} names {len(ids)} ids: the ids do not fit this file")
     try:
         decoded = convention.decode(ids, L)
     except (InvalidId, ValueError) as e:
-        raise BadInput(f"--slots vllm:{producer.ids_text}: {e}") from None
+        raise BadInput(f"{given}: {e}") from None
     if any(pt is None for pt in decoded) or len(decoded) != n_slots:
-        raise BadInput(f"--slots vllm:{producer.ids_text}: {convention.name} does not capture one state per id "
+        raise BadInput(f"{given}: {convention.name} does not capture one state per id "
                        f"({[str(x) for x in decoded]}): the ids do not fit this file")
-    notes.append(f"labelled as vLLM aux ids {ids} read by {convention.name} ({convention.origin}), in the order its "
-                 "runner emits them")
     return [pt for pt in decoded if pt is not None]
+
+
+def _order(conv: EngineConvention) -> str:
+    """In which order the class emits its captures, as the probe read it."""
+    if conv.keeps_order:
+        return "rows in the order of the ids"
+    why = "its setter sorts the ids" if conv.cc.sorts else "its capture loop emits by layer-loop membership"
+    loop = [f"{e.path}:{e.line}" for e in conv.cc.evidence if e.role == ("setter" if conv.cc.sorts else "loop")]
+    return f"rows in ascending layer order ({why}{': ' + ', '.join(loop) if loop else ''})"
+
+
+SGLANG_ALGORITHMS = ("EAGLE3", "DFLASH", "DSPARK")
+
+
+def stack_rows(producer: Producer | None) -> int | None:
+    """How many rows ``--slots sglang:ALGO:IDS`` says a plain stacked tensor holds (one per id),
+    for the reader to split it; None for any other entry (it says nothing of the row count)."""
+    if producer is None or producer.name != "sglang":
+        return None
+    ids = [t for t in producer.ids_text.partition(":")[2].split(",") if t.strip()]
+    return len(ids) or None
+
+
+def _sglang_algorithm(producer: Producer) -> tuple[str, str]:
+    algo, sep, ids_text = producer.ids_text.partition(":")
+    if not sep or algo.strip().upper() not in SGLANG_ALGORITHMS:
+        raise BadInput(f"--slots sglang:{producer.ids_text}: expected sglang:ALGO:IDS with ALGO one of "
+                       f"{', '.join(SGLANG_ALGORITHMS)} (the --speculative-algorithm that selects the setter)")
+    return algo.strip().upper(), ids_text
+
+
+def _sglang_setter(algo: str, spec) -> tuple[EngineConvention, str]:
+    """The installed SGLang class's setter for ``algo``, as a convention, and what it is."""
+    from surgeon.engines.view import model_class_for, open_engine
+
+    view = open_engine("sglang")
+    cls = model_class_for(spec, "sglang")
+    if algo == "EAGLE3":
+        conv = view.convention(cls)
+        return conv, conv.cc.setter or "EAGLE-3 setter"
+    if view.location is None:
+        raise BadInput(f"--slots sglang:{algo}: SGLang is not installed here, and its {algo} setter is read from "
+                       "its source only (pip install --no-deps sglang)")
+    if algo == "DSPARK":
+        raise BadInput(f"--slots sglang:DSPARK: surgeon does not read set_dspark_layers_to_capture, which sglang "
+                       f"{view.version} calls where the class has one ({_call_site(view.location.root, DSPARK_SETTER)}), "
+                       "else the DFlash setter: its ids are not labelled")
+    return _dflash_setter(view, cls)
+
+
+DSPARK_SETTER = "set_dspark_layers_to_capture"
+
+
+def _dflash_setter(view, cls: str) -> tuple[EngineConvention, str]:
+    from surgeon.engines.facts.sglang_dflash import SETTER, classify_dflash, read_dflash_runner
+
+    cc = classify_dflash(view.location.root, cls)
+    why = (f"has no class {cls!r} with {SETTER}" if cc is None else None if cc.status == "classified" else
+           f"{cc.class_name} ({cc.path}:{cc.line}): the probe cannot tell what its DFlash ids mean: {cc.reason}")
+    if why is not None or cc is None:
+        raise BadInput(f"--slots sglang:DFLASH: sglang {view.version} {why}")
+    runner = read_dflash_runner(view.location.root)
+    direct = [e.removeprefix("runner: ") for e in runner.evidence if "only without a draft" in e]
+    how = (f"{SETTER}, handed the ids unchanged without a draft ({'; '.join(direct)})" if direct else
+           f"{SETTER} (how the capture-only route hands it the ids was not read: unverified)")
+    return EngineConvention(cc, f"{view.origin}; {SETTER}"), how
+
+
+def _call_site(root: Path, name: str) -> str:
+    """``path:line`` of the runner's call of ``name`` (read by the name it carries), or why not found."""
+    import ast
+
+    from surgeon.engines.source.reading import SOURCE_ERRORS, read_source
+
+    base = Path(root) / "srt" / "model_executor"
+    for f in sorted(base.rglob("*.py")) if base.is_dir() else []:
+        try:
+            text = read_source(f)
+            tree = ast.parse(text) if name in text else None
+        except (*SOURCE_ERRORS, SyntaxError, ValueError):
+            continue
+        for n in ast.walk(tree) if tree is not None else ():
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name:
+                return f"{f.relative_to(root).as_posix()}:{n.lineno}"
+    return f"no call of {name} found under srt/model_executor"

@@ -6,8 +6,12 @@ Formats (by content, not by file name):
   order, ``hidden_state`` [1, T, H] (after the final norm in SpecForge's semantics), ``input_ids``;
 * ``hidden_states`` [T, n, H] and ``token_ids`` [T]: vLLM's hidden-state connector
   (``extract_hidden_states``) and speculators' ``hs_{i}.safetensors`` (that connector's files). The
-  stack is ordered by ascending vLLM id, but neither writer records the ids: no slot is declared
-  unless ``--slots vllm:IDS`` names the ids vLLM was given (or a spec labels them);
+  stack is ordered by ascending vLLM id, but neither writer records the ids: its rows are declared
+  by the capture sidecar ``surgeon plan`` writes beside the files (:mod:`surgeon.capture.sidecar`),
+  or by ``--slots vllm:IDS`` (the ids vLLM was given) or ``--slots sglang:ALGO:IDS`` (the ids SGLang's
+  setter for that algorithm was given), which must agree with a sidecar that is there
+  (:func:`surgeon.verify.fielddumps.label_connector`, the one labelling export uses too); else none
+  is declared (a spec may label them);
 * TensorRT-LLM ``SaveHiddenStatesDecodingConfig`` ``.pt`` lists and NVIDIA Model Optimizer
   ``collect_hidden_states`` ``.pt`` dicts (hf, vllm, trtllm backends), labelled per the tool's cited
   convention when ``--slots PRODUCER:IDS`` names the ids it was given (:mod:`surgeon.verify.fielddumps`);
@@ -35,13 +39,14 @@ from pathlib import Path
 
 import torch
 
+from surgeon.capture.sidecar import SIDECAR
 from surgeon.capture.tensorfiles import SAFETENSORS, TensorFile, open_tensor_file, read_safetensors
 from surgeon.core.errors import BadInput
 from surgeon.core.points import Point, PointError, parse_point
 from surgeon.verify import fielddumps
-from surgeon.verify.fielddumps import FileSlots
+from surgeon.verify.fielddumps import IDS_KEYS, FileSlots
 
-IDS_KEYS = ("input_ids", "token_ids")
+__all__ = ["IDS_KEYS", "Subject", "align", "read_subject"]
 
 
 @dataclass
@@ -159,49 +164,53 @@ def read_subject(path: str | Path, *, slots: Sequence[str] = (), num_layers: int
     gated = open_tensor_file(path)  # the one sniff: a regular file, its format and header
     p = gated.path
     producer, slots = fielddumps.split_producer(slots)
-    n = len(slot_entries(slots)) or None
+    n = len(slot_entries(slots)) or fielddumps.stack_rows(producer)
     if gated.format != SAFETENSORS:
         read = _read_pickled(gated, n, producer, num_layers)
     elif gated.kind == "dump":
         read = _read_dump(gated)
     else:
         read = _read_safetensors_slots(gated, n, num_layers)
-    if producer is not None:
-        _label_by_producer(p, read, producer, num_layers, spec)
-    elif read.layout in ("vllm-connector", "specforge"):
-        _label_by_export_record(p, read, num_layers)
+    _label_beside(p, read, producer, num_layers, spec)
     if read.layout == "vllm-connector" and all(d is None for d in read.declared):
         read.notes.append("which point each slot holds is not recorded, so each is identified, not assumed "
-                          "(--slots vllm:IDS or a spec labels them)")
+                          f"(a capture sidecar beside the file, {SIDECAR}, --slots vllm:IDS or sglang:ALGO:IDS, "
+                          "or a spec labels them)")
     if not read.tensors:
         raise BadInput(f"{p}: holds no hidden-state tensors")
     if read.keyed and slots:
         names, declared, tensors = select_by_key(p, slots, read, num_layers)
     else:
-        names, declared = _apply_slot_names(p, parse_slot_names(slots, num_layers), read)
+        named = parse_slot_names(slots, num_layers)
+        if named and read.layout == "vllm-connector" and any(d is not None for d in read.declared):
+            _agree_with_record(p, named, read)
+        names, declared = _apply_slot_names(p, named, read)
         tensors = read.tensors
     _check_shapes(p, tensors, read.ids)
     return Subject(list(zip(names, declared, tensors)), read.ids, str(p), read.layout, read.notes, keyed=read.keyed)
 
 
-def _label_by_producer(p: Path, read: FileSlots, producer: fielddumps.Producer, num_layers: int | None,
-                       spec=None) -> None:
-    """``--slots PRODUCER:IDS``: the field dumps label themselves as they are read; a connector stack
-    here, by the installed vLLM's convention for the spec's target class where there is a spec."""
-    if read.layout in ("trtllm", "modelopt"):
-        return
-    if producer.name == "vllm" and read.layout == "vllm-connector":
-        if spec is None:
-            raise BadInput(f"--slots vllm:{producer.ids_text}: labelling by vLLM ids needs the target: pass --spec "
-                           "(its class's ids are read from the installed vLLM)")
-        from surgeon.engines.view import model_class_for, open_engine
+def _label_beside(p: Path, read: FileSlots, producer: fielddumps.Producer | None, num_layers: int | None,
+                  spec=None) -> None:
+    """Labels from what lies beside the file or ``--slots PRODUCER:IDS``: the record an export wrote
+    (a training file), then, for a ``hidden_states`` stack, the capture sidecar and the ids
+    (:func:`surgeon.verify.fielddumps.label_connector`, the one labelling of a stack, export's too)."""
+    if producer is None and read.layout in ("vllm-connector", "specforge"):
+        _label_by_export_record(p, read, num_layers)
+    if read.layout == "vllm-connector" or (producer is not None and producer.name == "sglang"
+                                           and read.layout == "plain" and not read.keyed):
+        fielddumps.label_connector(p, read, producer, num_layers, spec)
+    elif producer is not None and read.layout not in ("trtllm", "modelopt"):
+        what = "vLLM hidden-state connector (or speculators)" if producer.name == "vllm" else producer.name
+        raise BadInput(f"{p}: --slots {producer.name}:... names a {what} dump, but this is a {read.layout} file")
 
-        conv = open_engine("vllm").convention(model_class_for(spec, "vllm"))
-        read.declared = list(fielddumps.label_vllm_stack(str(p), len(read.tensors), producer, spec.num_layers,
-                                                         read.notes, conv))
-        return
-    what = "vLLM hidden-state connector (or speculators)" if producer.name == "vllm" else producer.name
-    raise BadInput(f"{p}: --slots {producer.name}:... names a {what} dump, but this is a {read.layout} file")
+
+def _agree_with_record(p: Path, named: list[tuple[str, Point | None]], read: FileSlots) -> None:
+    """``--slots`` names or points given for rows a record beside the file declares: they must agree."""
+    for i, ((name, point), (own, recorded)) in enumerate(zip(named, zip(read.names, read.declared))):
+        if (point is not None and point != recorded) or (point is None and name != own):
+            raise BadInput(f"{p}: --slots gives row {i} as {name}{'=' + str(point) if point else ''}, but the record "
+                           f"beside the file declares it {own}={recorded} ({'; '.join(read.notes[-1:])})")
 
 
 _SPECFORGE_AUX = re.compile(r"aux_hidden_state\[(\d+)\]")
@@ -377,13 +386,9 @@ def _read_safetensors_slots(gated: TensorFile, n: int | None, num_layers: int | 
             read.tensors.append(fielddumps.float_2d(v, f"{p}: {k}"))
             read.declared.append(parse_point(k, L, allow_delta=True))
         return read
-    if "hidden_states" in data and data["hidden_states"].dim() == 3:
-        hs = data["hidden_states"]
-        tensors = [hs[:, i] for i in range(hs.shape[1])]
-        read = FileSlots("vllm-connector", [f"hidden_states[:, {i}]" for i in range(len(tensors))], tensors,
-                          [None] * len(tensors), ids)
-        read.notes.append(fielddumps.VLLM_STACK_NOTE)
-        return read
+    stack = fielddumps.read_stack(data, ids)
+    if stack is not None:
+        return stack
     items = [(k, v) for k, v in data.items() if v.is_floating_point()]
     if len(items) == 1 and items[0][1].dim() == 3:
         tensors = _stacked(items[0][1], n, f"{p}: {items[0][0]}")
