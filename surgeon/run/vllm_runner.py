@@ -31,7 +31,8 @@ against each prompt's length and refuses a mismatch rather than writing a shifte
 start-up profile run is a step of ``max_num_batched_tokens`` tokens: the hooks' ``max_tokens`` must be
 at least that (128 here), or their ``_write`` raises inside that profile run. So the child imports
 the model file the checkpoint's architecture maps to (which imports its hooks) and checks
-``MAX_TOKENS`` before starting the engine, and reports a hooks overflow from the engine start the
+``MAX_TOKENS`` before starting the engine (after running vLLM's general plugins, so a model module a
+surgeon plugin installs is the one imported), and reports a hooks overflow from the engine start the
 same way: one line naming the hooks and the ``--max-tokens`` to re-apply with.
 """
 
@@ -85,6 +86,32 @@ def vllm_ids_points(ids: Sequence[int], num_layers: int) -> list[str]:
     return out
 
 
+def checked_prompts(prompts: Sequence[Sequence[int]], max_model_len: int, who: str) -> list[list[int]]:
+    """The prompts as int lists: at least one, none empty, each leaving room for one generated token."""
+    plist = [[int(t) for t in p] for p in prompts]
+    if not plist or any(not p for p in plist):
+        raise BadInput(f"{who} needs at least one non-empty prompt")
+    if any(len(p) >= max_model_len for p in plist):
+        raise BadInput(f"a prompt of {max(map(len, plist))} tokens does not fit max_model_len={max_model_len} "
+                       "with one generated token")
+    return plist
+
+
+def child_result(proc: subprocess.CompletedProcess, result_file: Path, progress: Callable[[str], None] | None,
+                 what: str) -> tuple[dict, list[str]]:
+    """A finished child's result JSON and its one-line messages (each handed to ``progress``); a
+    child that failed or wrote no result raises :class:`VllmRunError` with its own last error line,
+    else its exit status, and its stderr tail."""
+    messages = [ln[len(_PREFIX):] for ln in proc.stdout.splitlines() if ln.startswith(_PREFIX)]
+    if progress is not None:
+        for msg in messages:
+            progress(msg)
+    if proc.returncode != 0 or not result_file.is_file():
+        said = next((m[len("error: "):] for m in reversed(messages) if m.startswith("error: ")), None)
+        raise VllmRunError(said or f"{what} exited with {proc.returncode}", _tail(proc.stderr))
+    return json.loads(result_file.read_text()), messages
+
+
 def run_vllm(
     model_dir: str | Path,
     prompts: Sequence[Sequence[int]],
@@ -111,12 +138,7 @@ def run_vllm(
     Raises :class:`VllmRunError` (with the child's stderr tail) when vLLM fails."""
     if mode not in ("hooks", "native", "plain"):
         raise ValueError(f"mode must be hooks, native or plain, not {mode!r}")
-    plist = [[int(t) for t in p] for p in prompts]
-    if not plist or any(not p for p in plist):
-        raise BadInput("run_vllm needs at least one non-empty prompt")
-    if any(len(p) >= max_model_len for p in plist):
-        raise BadInput(f"a prompt of {max(map(len, plist))} tokens does not fit max_model_len={max_model_len} "
-                       "with one generated token")
+    plist = checked_prompts(prompts, max_model_len, "run_vllm")
     if mode == "native":
         if not aux_ids:
             raise BadInput("native mode needs aux_ids")
@@ -151,14 +173,7 @@ def run_vllm(
             tail = _tail(e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or ""))
             raise VllmRunError(f"vLLM did not finish within {timeout:.0f} s", tail) from None
         wall = time.perf_counter() - t0
-        messages = [ln[len(_PREFIX):] for ln in proc.stdout.splitlines() if ln.startswith(_PREFIX)]
-        if progress:
-            for msg in messages:
-                progress(msg)
-        if proc.returncode != 0 or not result_file.is_file():
-            err = next((m[len("error: "):] for m in reversed(messages) if m.startswith("error: ")), None)
-            raise VllmRunError(err or f"vLLM subprocess exited with {proc.returncode}", _tail(proc.stderr))
-        res = json.loads(result_file.read_text())
+        res, messages = child_result(proc, result_file, progress, "vLLM subprocess")
     res["timings"]["total"] = wall
     return VllmRun(dumps=[Path(p) for p in res["dumps"]], outputs=res["outputs"], token_counts=res["token_counts"],
                    timings=res["timings"], engine_version=res["engine_version"], messages=messages)
@@ -188,6 +203,16 @@ def _small_hooks(max_tokens: int) -> str | None:
     name, rows = small[0]
     return (f"hooks {name.rsplit('.', 1)[-1]} hold max_tokens={rows} rows but a vLLM step here has up "
             f"to {max_tokens} tokens (max_num_batched_tokens): re-apply with --max-tokens {max_tokens} or more")
+
+
+def _load_plugins() -> None:
+    """Run vLLM's general plugins now, as ``LLM()`` does first (``vllm/plugins/__init__.py``
+    ``load_general_plugins``, once per process): a surgeon plugin (``surgeon apply --deliver
+    plugin``) installs its patched model module there, so the preload below imports that module
+    and its hooks, not the engine's file. A plugin that refuses raises here, as it would in ``LLM()``."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
 
 
 def _preload_model_module(model_dir: str) -> None:
@@ -370,6 +395,7 @@ def _start_engine(job: dict):
     # hooks with fewer buffer rows raise there: say why before the engine starts (and if a hooks
     # module loaded only by the engine start raises, say the same thing, not a profile-run failure)
     if mode == "hooks":
+        _load_plugins()
         _preload_model_module(job["model"])
         if (small := _small_hooks(mml)) is not None:
             raise _ChildFailed(small)
