@@ -294,6 +294,33 @@ def conventions(engine: str, engine_root: str | None, as_json: bool, show_all: b
     return _show(probe, as_json, lambda p: show.print_conventions(engine, p, show_all))
 
 
+@main.command("plan")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--engine", required=True, type=click.Choice(["vllm", "sglang", "trtllm"]),
+              help="The engine to plan for: its installed release (or --engine-root); trtllm: tables cited from its source.")
+@click.option("--engine-root", type=click.Path(file_okay=False), help="Plan for the engine package at this directory.")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size to plan for.")
+@click.option("--dump-dir", type=click.Path(file_okay=False),
+              help="Where the native route writes its files: the launch names it, and the sidecar that labels them "
+                   "(read by match, verify, audit and export) is written there.")
+@click.option("--json", "as_json", is_flag=True)
+@PLATFORM_OPTION
+def plan(spec: str, engine: str, engine_root: str | None, pp: int, dump_dir: str | None, as_json: bool,
+         platform: str | None) -> Any:
+    """Every route that captures the spec's states on this release, least intrusive first: the serving
+    config alone, the engine's native capture path, surgeon's patch as a plugin, the patch on disk.
+
+    Each is judged for the draft (serve) and for the dumps (dump) from the release's source, with the
+    launch to paste and the hazards, and the first that works is recommended. Example:
+    surgeon plan specs/llama-3.1-8b-eagle3.yaml --engine vllm --dump-dir /data/hs
+
+    Exit 0, 3 when every route refuses a need, 4 when the rest is undecided, 2 on bad input.
+    """
+    report = commands.plan(spec=spec, engine=engine, engine_root=engine_root, platform=platform, pp=pp,
+                           dump_dir=dump_dir, progress=RichProgress(as_json))
+    return _show(report, as_json, show.print_plan)
+
+
 @main.command("upgrade-check")
 @click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--engine", type=ENGINE_CHOICE,
@@ -370,7 +397,9 @@ def _harness_options(f):
                      help="Which slots to read and what they are. A file that names its tensors (a dict, named "
                           "safetensors, a surgeon dump) is read by name: KEY, NAME=KEY or KEY=POINT. A stack, list "
                           "or SpecForge aux is named in its order: name, point or name=point. PRODUCER:IDS labels a "
-                          "dump by the ids its writer was given (vllm, trtllm, modelopt-hf|vllm|trtllm). "
+                          "dump by the ids its writer was given (vllm, trtllm, modelopt-hf|vllm|trtllm; sglang:ALGO:IDS "
+                          "through the SGLang class's EAGLE3 or DFLASH setter). A surgeon-capture.json beside the file "
+                          "(written by `surgeon plan --dump-dir`) labels a hidden_states stack with no flag. "
                           "Comma-separated or repeated.")(f)
     f = click.option("--input-ids", help="Token ids of the subject, when the file carries none.")(f)
     f = click.option("--json", "as_json", is_flag=True)(f)
@@ -473,7 +502,9 @@ def audit(root: str, spec: str, ref: str | None, as_json: bool, report: str | No
 # --------------------------------------------------------------------------------------------- capture code and dumps
 _FIELD_SLOTS = ("PRODUCER:IDS for a dump that does not record its layers: trtllm, modelopt-hf, modelopt-vllm or "
                 "modelopt-trtllm for a TensorRT-LLM or Model Optimizer .pt dump, vllm for a hidden_states stack "
-                "(vLLM's hidden-state connector, speculators), and the ids it was given (e.g. modelopt-vllm:1,3,5).")
+                "(vLLM's hidden-state connector, speculators), and the ids it was given (e.g. modelopt-vllm:1,3,5); "
+                "sglang:ALGO:IDS (EAGLE3 or DFLASH) for states SGLang's --enable-return-aux-hidden-states returned. "
+                "A surgeon-capture.json beside a stack (`surgeon plan --dump-dir`) labels it with no flag.")
 
 
 @main.command("dump-info")
@@ -553,20 +584,27 @@ def check_hooks(files: tuple[str, ...], as_json: bool) -> Any:
 @click.option("--guard-bypass", is_flag=True,
               help="Where decoder layers can run outside the capture loop (SGLang two-batch overlap), insert a runtime guard "
                    "that raises if a captured layer would run there, instead of refusing.")
+@click.option("--deliver", default="disk", show_default=True, type=click.Choice(["disk", "plugin"]),
+              help="disk: write the engine's model file; plugin: build an installable vllm.general_plugins package in -o "
+                   "DIR carrying the rewritten module (the engine is only read; uninstalling it is the revert).")
+@click.option("-o", "--out", type=click.Path(file_okay=False), help="The plugin's folder (with --deliver plugin).")
 @click.option("--json", "as_json", is_flag=True)
 @PLATFORM_OPTION
 def apply(spec: str, engine: str, engine_root: str | None, mode: Any, max_tokens: int, model_file: str | None,
           loop_class: str | None, name: str | None, dry_run: bool, show_diff: bool, replace: bool,
-          guard_bypass: bool, as_json: bool, platform: str | None) -> Any:
-    """Put SPEC's captures into the engine's real model file, with a generated hooks module next to it.
+          guard_bypass: bool, deliver: Any, out: str | None, as_json: bool, platform: str | None) -> Any:
+    """Put SPEC's captures into the engine's real model file, with a generated hooks module next to it,
+    or (--deliver plugin -o DIR) into a plugin package that installs them at engine start.
 
     One journaled transaction: each file ends either original or fully patched; `surgeon revert`
-    gives back the exact original bytes.
+    gives back the exact original bytes. A plugin checks the engine file's sha256 and the release at
+    every engine start and stops the start on drift. Example:
+    surgeon apply specs/llama-3.1-8b-eagle3.yaml --engine vllm --deliver plugin -o ./llama-plugin
     """
     outcome = commands.apply(spec=spec, engine=engine, engine_root=engine_root, mode=mode, max_tokens=max_tokens,
                              model_file=model_file, loop_class=loop_class, name=name, dry_run=dry_run,
-                             diff=show_diff, replace=replace, guard_bypass=guard_bypass, platform=platform,
-                             progress=RichProgress(as_json))
+                             diff=show_diff, replace=replace, guard_bypass=guard_bypass, deliver=deliver, out=out,
+                             platform=platform, progress=RichProgress(as_json))
     return _show(outcome, as_json, show.print_apply)
 
 

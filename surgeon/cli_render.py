@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from surgeon.draft.infer import InferReport
     from surgeon.patch.apply import ApplyOutcome
     from surgeon.patch.coverage import CoverageReport
+    from surgeon.patch.routes import Plan
     from surgeon.verify.harness import HarnessResult
     from surgeon.wiring.draft import DraftReport
     from surgeon.wiring.render import Explanation, Rendering
@@ -306,6 +307,35 @@ def print_upgrade_check(r: UpgradeReport) -> None:
         out.print(escape(_upgrade_details(r, c)))
 
 
+def print_plan(p: Plan) -> None:
+    """One line per need with the recommended route; one line per route and need with its verdict;
+    then the recommended routes' launches and steps, and every hazard once."""
+    release = f"{p.engine} {p.release}" if p.release else p.engine
+    for need, route in p.recommended.items():
+        colour = "green" if route else "red"
+        out.print(f"[{colour}]{escape(need)}[/]: {escape(route or 'no route works')} "
+                  f"({escape(p.spec)} on {escape(release)}{', pp ' + str(p.pp) if p.pp > 1 else ''})")
+    for r in p.routes:
+        for need, v in r.verdicts.items():
+            out.print(escape(f"  {r.route:<6} {need:<5} {v.state:<9} {v.why}"))
+    for route in dict.fromkeys(x for x in p.recommended.values() if x):
+        chosen = p.route(route)
+        for step in chosen.steps:
+            out.print(escape(f"{route}: {step}"))
+        if chosen.launch:
+            out.print(escape(f"{route}: {chosen.launch_shell}"))
+        for name, value in chosen.config.items():
+            out.print(escape(f"{route}: {name}: {json.dumps(value)}"))
+        for label in chosen.labels:
+            out.print(escape(f"{route}: read back: {label}"))
+        for h in chosen.hazards:
+            out.print(escape(f"{route}: hazard: {h}"))
+    if p.sidecar:
+        out.print(escape(f"sidecar: {p.sidecar}"))
+    for n in p.notes:
+        out.print(escape(f"note: {n}"))
+
+
 def _convention_groups(probe: EngineProbe) -> dict[tuple, list]:
     """Classes whose id rule, default, ordering and capture site are identical, together."""
     groups: dict[tuple, list] = {}
@@ -475,6 +505,8 @@ def print_apply(outcome: ApplyOutcome) -> None:
     p = outcome.plan
     if outcome.diff is not None:
         click.echo(outcome.diff, nl=False)
+    if outcome.plugin is not None:
+        return _print_plugin(outcome)
     if outcome.result is not None and outcome.result.recovered:
         err.print(f"recovered first: {escape(outcome.result.recovered)}")
     where = f"{p.engine} {p.engine_version} at {p.engine_root}"
@@ -488,8 +520,17 @@ def print_apply(outcome: ApplyOutcome) -> None:
         out.print(f"applied patch {escape(p.name)}{escape(replaced)}: {escape(p.model_file)} "
                   f"[{escape(p.loop_class or 'its decoder loop')}, recipe {escape(p.recipe)}] "
                   f"and {escape(p.hooks_file)} in {escape(where)}")
-    for a in p.anchors:
-        out.print(f"  {escape(a)}")
+    if p.anchors:
+        out.print("\n".join(f"  {escape(a)}" for a in p.anchors))
+
+
+def _print_plugin(outcome: ApplyOutcome) -> None:
+    b, p = outcome.plugin, outcome.plan
+    out.print(f"built plugin {escape(b.package)} in {escape(str(b.out))} for {escape(p.engine)} {escape(p.engine_version)}: "
+              f"carries {escape(p.model_file)} [{escape(p.loop_class or 'its decoder loop')}] and {escape(b.hooks_module)}; "
+              f"the engine root was only read; insertions: {escape(', '.join(p.anchors))}")
+    out.print(f"use: {escape(b.activate)}")
+    out.print(f"or install: {escape(b.install)}; revert: {escape(b.uninstall)}")
 
 
 def print_revert(report: RevertReport) -> None:
@@ -601,14 +642,15 @@ def print_demo(report: DemoReport, started: float) -> None:
     rows = [("work folder", result.workdir), ("tiny model", result.model), ("spec", result.spec),
             ("mis-wired spec", result.wrong_spec), ("HF reference", result.reference), ("vLLM dump", result.dump),
             ("heatmap (mis-wired)", result.heatmap), ("heatmap (right)", result.heatmap_right),
-            ("patched, then reverted", result.engine_root / result.model_file)]
+            ("patched, then reverted" if result.route == "patch" else "read by the plugin, never written",
+             result.engine_root / result.model_file)]
     if result.draft is not None:
         rows += [("draft (cached)", result.draft.draft), ("its inferred spec", result.draft.spec)]
     table = Table("what", "where", show_header=False)
     for what, where in rows:
         table.add_row(what, escape(str(where)))
     out.print(table)
-    out.print(f"model file reverted byte-identical: {result.reverted_identical}; "
+    out.print(f"route: {result.route}; model file byte-identical after the run: {result.reverted_identical}; "
               f"total {time.perf_counter() - started:.0f} s")
     if report.ok:
         out.print("[green]demo ok[/]: the wiring is proven on the real engine, the mis-wiring is named slot by slot, "

@@ -33,6 +33,7 @@ from surgeon.commands.harness_commands import fingerprint, match, reference, ver
 from surgeon.commands.infer_commands import infer_wiring
 from surgeon.commands.outputs import FORMATS, json_output
 from surgeon.commands.patch_commands import apply, coverage, diff, doctor, revert, status
+from surgeon.commands.plan_commands import plan
 from surgeon.commands.progress import QUIET, Progress
 from surgeon.commands.results import exit_code_of
 from surgeon.commands.spec_commands import check_draft, conventions, explain, lint, render, review, schema, sweep_spec
@@ -46,10 +47,11 @@ COMMANDS: dict[str, Callable[..., object]] = {
     "hooks": hooks, "check-hooks": check_hooks, "dump-info": dump_info, "export": export,
     "apply": apply, "revert": revert, "status": status, "diff": diff, "doctor": doctor, "coverage": coverage,
     "demo": demo, "infer-wiring": infer_wiring, "accept": accept, "audit": audit, "upgrade-check": upgrade_check,
+    "plan": plan,
 }
 
 __all__ = ["COMMANDS", "FORMATS", "QUIET", "Progress", "exit_code_of", "json_output",
            "schema", "lint", "explain", "render", "check_draft", "review", "conventions", "sweep_spec",
            "reference", "fingerprint", "match", "verify", "hooks", "check_hooks", "dump_info", "export",
            "apply", "revert", "status", "diff", "doctor", "coverage", "demo", "infer_wiring", "accept", "audit",
-           "upgrade_check"]
+           "upgrade_check", "plan"]

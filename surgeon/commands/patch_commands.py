@@ -40,20 +40,56 @@ def engines_with_managers(engine: str | None, engine_root: str | None) -> list[t
 def apply(*, spec: str, engine: str, engine_root: str | None = None, mode: Literal["dump", "aux"] = "dump",
           max_tokens: int | None = None, model_file: str | None = None, loop_class: str | None = None,
           name: str | None = None, dry_run: bool = False, diff: bool = False, replace: bool = False,
-          guard_bypass: bool = False, platform: str | None = None, progress: Progress = QUIET) -> Any:
-    """Put the spec's captures into the engine's model file (one journaled transaction); returns
-    the library's ApplyOutcome."""
+          guard_bypass: bool = False, deliver: Literal["disk", "plugin"] = "disk", out: str | None = None,
+          platform: str | None = None, progress: Progress = QUIET) -> Any:
+    """Put the spec's captures into the engine's model file (one journaled transaction), or with
+    ``deliver="plugin"`` build them as an engine plugin in ``out`` (the engine root only read);
+    returns the library's ApplyOutcome (a plugin's: the plan it carries, with ``plugin`` set)."""
     from surgeon.core.spec import load_spec
     from surgeon.patch.apply import DEFAULT_MAX_TOKENS, apply_spec
+
+    if deliver not in ("disk", "plugin"):
+        raise BadInput(f"--deliver must be disk or plugin, not {deliver!r}")
+    if (deliver == "plugin") != (out is not None):
+        raise BadInput("-o/--out names the plugin's folder: give it with --deliver plugin, and only then")
+    if deliver == "plugin" and (dry_run or replace or guard_bypass or name):
+        raise BadInput("--deliver plugin takes none of --dry-run, --replace, --guard-bypass, --name")
+    s = load_spec(spec)
+    if not model_file:  # the probe finds the loop's file: probe first, with its own progress
+        open_engines([engine], {engine: engine_root}, progress)
+    tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if deliver == "plugin":
+        assert out is not None
+        build = deliver_plugin(spec=spec, engine=engine, out=out, engine_root=engine_root, mode=mode, max_tokens=tokens,
+                               model_file=model_file, loop_class=loop_class, progress=progress)
+        carried = apply_spec(s, engine=engine, engine_root=engine_root, mode=mode, max_tokens=tokens,
+                             model_file=model_file, loop_class=loop_class, dry_run=True, diff=diff)
+        carried.plugin = build
+        carried.diff = carried.diff if diff else None  # a dry run always carries its diff; shown only when asked
+        return carried
+    with progress.spinner("rewriting and applying"):
+        return apply_spec(s, engine=engine, engine_root=engine_root, mode=mode, max_tokens=tokens,
+                          model_file=model_file, loop_class=loop_class, name=name, dry_run=dry_run,
+                          diff=diff, replace=replace, guard_bypass=guard_bypass)
+
+
+def deliver_plugin(*, spec: str, engine: str, out: str, engine_root: str | None = None,
+                   mode: Literal["dump", "aux"] = "dump", max_tokens: int | None = None, model_file: str | None = None,
+                   loop_class: str | None = None, progress: Progress = QUIET) -> Any:
+    """Build the spec's patch as an engine plugin package in ``out`` (``surgeon apply --deliver
+    plugin -o DIR``): the engine root is only read. Returns the library's
+    ``surgeon.patch.plugin.PluginBuild`` (the ``plugin`` key of apply's ``--json``)."""
+    from surgeon.core.spec import load_spec
+    from surgeon.patch.apply import DEFAULT_MAX_TOKENS
+    from surgeon.patch.plugin import build_plugin
 
     s = load_spec(spec)
     if not model_file:  # the probe finds the loop's file: probe first, with its own progress
         open_engines([engine], {engine: engine_root}, progress)
-    with progress.spinner("rewriting and applying"):
-        return apply_spec(s, engine=engine, engine_root=engine_root, mode=mode,
-                          max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-                          model_file=model_file, loop_class=loop_class, name=name, dry_run=dry_run,
-                          diff=diff, replace=replace, guard_bypass=guard_bypass)
+    with progress.spinner(f"building the {engine} plugin"):
+        return build_plugin(s, engine=engine, out=out, engine_root=engine_root, mode=mode,
+                            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                            model_file=model_file, loop_class=loop_class)
 
 
 def _applied_summary(applied: dict[str, list[str]]) -> str:

@@ -24,7 +24,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 from surgeon.core.errors import BadInput
 from surgeon.core.shapes import Reads, reads
@@ -100,6 +100,7 @@ class ApplyOutcome:
     applied: bool  # False for a dry run
     result: ApplyResult | None = None
     diff: str | None = None
+    plugin: Any = None  # `--deliver plugin`: the surgeon.patch.plugin.PluginBuild carrying this plan (engine unwritten)
 
     patch = Reads("plan.name")
 

@@ -25,6 +25,7 @@ from surgeon.commands.outputs.capture import CheckHooksOutput, DumpInfoOutput, E
 from surgeon.commands.outputs.drafts import AcceptOutput, DemoOutput, InferWiringOutput
 from surgeon.commands.outputs.harness import MatchOutput, VerifyOutput
 from surgeon.commands.outputs.patches import ApplyOutput, CoverageOutput, DiffOutput, DoctorOutput, RevertOutput, StatusOutput
+from surgeon.commands.outputs.plan import PlanOutput
 from surgeon.commands.outputs.specs import (
     CheckDraftOutput,
     ConventionsOutput,
@@ -46,6 +47,7 @@ FORMATS: dict[str, int] = {
     "accept": 1,
     "audit": 2,  # 2: ok is false where identity is undecided (exit 4), not only on a finding
     "upgrade-check": 1,
+    "plan": 1,
 }
 
 OUTPUTS: dict[str, type[_Output]] = {
@@ -55,7 +57,7 @@ OUTPUTS: dict[str, type[_Output]] = {
     "apply": ApplyOutput, "revert": RevertOutput, "status": StatusOutput, "diff": DiffOutput,
     "coverage": CoverageOutput, "demo": DemoOutput, "doctor": DoctorOutput,
     "infer-wiring": InferWiringOutput, "accept": AcceptOutput, "audit": AuditOutput,
-    "upgrade-check": UpgradeCheckOutput,
+    "upgrade-check": UpgradeCheckOutput, "plan": PlanOutput,
 }
 
 

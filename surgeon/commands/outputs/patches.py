@@ -1,4 +1,5 @@
-"""The ``--json`` output models of patches: apply, revert, status, doctor, diff, coverage.
+"""The ``--json`` output models of patches: apply (a plugin built by ``--deliver plugin`` included),
+revert, status, doctor, diff, coverage.
 
 Each model reads the attributes of the command's result (``surgeon.patch.apply.ApplyOutcome``, the
 reports of :mod:`surgeon.commands.patch_commands`, ``surgeon.patch.coverage.CoverageReport``) and the
@@ -17,6 +18,37 @@ from surgeon.core.shapes import Closed, Fraction, PathText, Seconds
 class SpecRef(Closed):
     name: str
     sha256: str
+
+
+class CarriedModuleOut(Closed):
+    module: str = Field(description="the engine module the plugin replaces at engine start")
+    relpath: str = Field(description="its file under the engine root")
+    file: str = Field(description="the rewritten copy's file name inside the package")
+    sha256: str = Field(description="sha256 of the engine's pristine file, checked at every engine start")
+    carried_sha256: str
+    loop_class: str | None
+
+
+class PluginOutput(Closed):
+    out: PathText = Field(description="the plugin's folder (put it on PYTHONPATH, or pip install it)")
+    package: str
+    entry_point: str | None = Field(description="group:name of the vllm.general_plugins entry point")
+    engine: str
+    engine_version: str = Field(description="the release the plugin was built for and refuses any other")
+    engine_root: PathText = Field(description="read only: the plugin never writes it")
+    version_pin: str | None = Field(description="the spec's engine version pin, checked at engine start")
+    spec: SpecRef
+    mode: str
+    max_tokens: int
+    modules: list[CarriedModuleOut]
+    hooks_module: str
+    architectures: list[str]
+    anchors: list[str]
+    files: list[str] = Field(description="every file written, relative to out")
+    replaced: bool = Field(description="a previous build of the same plugin in out was replaced")
+    activate: str
+    install: str
+    uninstall: str
 
 
 class ApplyOutput(_Output):
@@ -39,11 +71,16 @@ class ApplyOutput(_Output):
     replaced: list[str]
     recovered: str | None
     diff: str | None = Field(None, description="present with --diff")
+    plugin: PluginOutput | None = Field(None, description="present with --deliver plugin: the plugin built (the other "
+                                                          "keys describe the patch it carries; nothing was written "
+                                                          "under the engine root, so dry_run is true)")
 
     @model_serializer(mode="wrap")
     def _diff_only_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The ``diff`` key is printed only when there is a diff (--diff or --dry-run)."""
         data = handler(self)
+        if self.plugin is None:
+            data.pop("plugin", None)
         if self.diff is None:
             data.pop("diff", None)
         return data

