@@ -36,7 +36,7 @@ class DemoReport:
     def problem(self) -> str | None:
         r = self.result
         if not r.reverted_identical:
-            return f"internal error: {r.engine_root / r.model_file} is not byte-identical after the revert"
+            return f"internal error: {r.engine_root / r.model_file} is not byte-identical after the run ({r.route})"
         if not r.right.ok:
             return "the demo's wiring check did not come out as expected (see above): the spec's wiring failed verify"
         if r.wrong.ok:

@@ -3,9 +3,11 @@
 1. make a tiny random HF model from the demo spec's target (``specs/demo-tiny-llama-eagle3.yaml``,
    adjacent layers a few percent apart so every layer is distinguishable);
 2. record the HF reference of every point for the prompt;
-3. ``apply`` the spec to the installed vLLM's model file (dump-mode hooks next to it);
+3. ``plan`` the capture route (:mod:`surgeon.patch.routes`) and take the one it recommends for the
+   dump: the plugin (``apply --deliver plugin``: a package on PYTHONPATH, the engine's files only
+   read) or the on-disk patch (``apply``, then ``revert``, always, even on failure);
 4. run vLLM on the model (a subprocess) and drain the captures into a self-describing dump;
-5. ``revert`` the patch and check the model file is byte-identical (always, even on failure);
+5. check the model file is byte-identical to before;
 6. ``verify`` the dump against the reference: every slot is what the spec says;
 7. a mis-wired variant, the mistake that started this project (the labels shifted to
    ``[embed, layer_out[1], layer_out[3]]``), is caught: each slot's true point is named, and the
@@ -59,6 +61,7 @@ class DemoResult:
     reverted_identical: bool = False
     timings: dict[str, float] = field(default_factory=dict)
     draft: Any = None  # surgeon.draft.demo.DraftDemo
+    route: str = "patch"  # the route `surgeon plan` recommended and the demo took: plugin or patch
 
     @property
     def ok(self) -> bool:
@@ -113,9 +116,8 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
 
     from surgeon.core.spec import load_spec
     from surgeon.draft.demo import run_draft_demo
-    from surgeon.patch.apply import apply_spec, manager_for, revert_patch
+    from surgeon.patch.apply import manager_for
     from surgeon.run.tinymodels import GAP_SCALES, make_tiny_model
-    from surgeon.run.vllm_runner import run_vllm
     from surgeon.verify.harness import match, plot_heatmap
     from surgeon.verify.reference import capture_reference, save_reference
 
@@ -142,31 +144,13 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     save_reference(capture_reference(model, torch.tensor(PROMPT)), ref_path)
     t["reference"] = time.perf_counter() - t0
 
-    manager = manager_for("vllm", engine_root)
-    step(f"applying {spec.name} to vLLM at {manager.root}")
+    step("planning the capture route (surgeon plan): the least intrusive route that writes the spec's dump")
+    route = _plan_route(spec, engine_root, note)
     t0 = time.perf_counter()
-    plan = apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128, dry_run=True).plan
-    model_file = manager.root / plan.model_file
-    if manager.owners().get(plan.model_file):
-        raise BadInput(f"{model_file} is already patched by {manager.owners()[plan.model_file]}: "
-                       f"`surgeon revert` it first; the demo starts from the engine as shipped")
-    original_sha = hashlib.sha256(model_file.read_bytes()).hexdigest()  # the file as it is before the demo
-    apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128)
-    t["apply"] = time.perf_counter() - t0
-    note(f"patched {plan.model_file} ({plan.loop_class}): " + ", ".join(a.split(":")[-1] for a in plan.anchors))
-    note(f"created {plan.hooks_file}")
-    try:
-        step("running the model on vLLM (starting the engine takes a while on a CPU)")
-        t0 = time.perf_counter()
-        run = run_vllm(model, [PROMPT], mode="hooks", out_dir=work / "dumps", progress=note)
-        t["vllm"] = time.perf_counter() - t0
-    finally:
-        step("reverting the patch")
-        t0 = time.perf_counter()
-        revert_patch(plan.name, engine="vllm", engine_root=engine_root)
-        t["revert"] = time.perf_counter() - t0
-    identical = _reverted_byte_identical(model_file, original_sha, manager.root / plan.hooks_file)
-    note(f"{plan.model_file} is byte-identical to before: {identical}")
+    captured = _capture_by_plugin if route == "plugin" else _capture_by_patch
+    run, model_file, identical = captured(spec, model, work, engine_root, step, note)
+    t["vllm"] = time.perf_counter() - t0
+    manager = manager_for("vllm", engine_root)
     dump = run.dumps[0]
 
     step("verifying the dump against the HF reference")
@@ -183,4 +167,69 @@ def run_demo(workdir: str | Path, *, step: Callable[[str], None] = lambda s: Non
     draft = run_draft_demo(work / "draft", note)
     t["draft"] = time.perf_counter() - t0
     return DemoResult(work, model, spec_path, wrong_path, ref_path, dump, work / "heatmap-miswired.png",
-                      work / "heatmap.png", manager.root, plan.model_file, right, wrong, identical, t, draft)
+                      work / "heatmap.png", manager.root, model_file, right, wrong, identical, t, draft, route)
+
+
+def _plan_route(spec, engine_root, note: Callable[[str], None]) -> str:
+    """The route ``surgeon plan`` recommends for the demo spec's dump on this vLLM, for its CPU: the
+    plugin or the on-disk patch (the demo takes either; the native path cannot write final_norm)."""
+    from surgeon.patch.routes import plan
+
+    p = plan(spec, "vllm", engine_root=engine_root, platform="cpu")
+    for r in p.routes:
+        v = r.verdicts["dump"]
+        note(f"{r.route}: {v.state}: {v.why}")
+    route = p.recommended.get("dump")
+    if route not in ("plugin", "patch"):
+        raise BadInput(f"surgeon plan recommends {route or 'no route'} for the demo spec's dump on vLLM "
+                       f"{p.release}; the demo takes the plugin or the on-disk patch")
+    note(f"recommended: {route} ({p.route(route).title})")
+    return route
+
+
+def _capture_by_plugin(spec, model: Path, work: Path, engine_root, step, note):
+    """Build the spec's plugin in ``work/plugin`` and run vLLM with it on PYTHONPATH: the engine's
+    files are only read (their sha256 checked before and after)."""
+    import os
+
+    from surgeon.patch.plugin import build_plugin
+    from surgeon.run.vllm_runner import run_vllm
+
+    step("building the plugin (surgeon apply --deliver plugin): the engine's files are only read")
+    build = build_plugin(spec, engine="vllm", out=work / "plugin", engine_root=engine_root, max_tokens=128)
+    model_file = build.modules[0].relpath
+    path = Path(build.engine_root) / model_file
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    note(f"built {build.package}: carries {model_file} ({build.modules[0].loop_class}); {build.activate}")
+    step("running the model on vLLM with the plugin (starting the engine takes a while on a CPU)")
+    env = {"PYTHONPATH": os.pathsep.join([str(build.out)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    run = run_vllm(model, [PROMPT], mode="hooks", out_dir=work / "dumps", progress=note, extra_env=env)
+    identical = hashlib.sha256(path.read_bytes()).hexdigest() == before
+    note(f"{model_file} is byte-identical to before: {identical} (a plugin never writes it)")
+    return run, model_file, identical
+
+
+def _capture_by_patch(spec, model: Path, work: Path, engine_root, step, note):
+    """Apply the spec to the installed model file, run vLLM, and revert byte-identically."""
+    from surgeon.patch.apply import apply_spec, manager_for, revert_patch
+    from surgeon.run.vllm_runner import run_vllm
+
+    manager = manager_for("vllm", engine_root)
+    step(f"applying {spec.name} to vLLM at {manager.root}")
+    plan = apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128, dry_run=True).plan
+    model_file = manager.root / plan.model_file
+    if manager.owners().get(plan.model_file):
+        raise BadInput(f"{model_file} is already patched by {manager.owners()[plan.model_file]}: "
+                       f"`surgeon revert` it first; the demo starts from the engine as shipped")
+    original_sha = hashlib.sha256(model_file.read_bytes()).hexdigest()  # the file as it is before the demo
+    apply_spec(spec, engine="vllm", engine_root=engine_root, max_tokens=128)
+    note(f"patched {plan.model_file} ({plan.loop_class}): " + ", ".join(a.split(":")[-1] for a in plan.anchors))
+    try:
+        step("running the model on vLLM (starting the engine takes a while on a CPU)")
+        run = run_vllm(model, [PROMPT], mode="hooks", out_dir=work / "dumps", progress=note)
+    finally:
+        step("reverting the patch")
+        revert_patch(plan.name, engine="vllm", engine_root=engine_root)
+    identical = _reverted_byte_identical(model_file, original_sha, manager.root / plan.hooks_file)
+    note(f"{plan.model_file} is byte-identical to before: {identical}")
+    return run, plan.model_file, identical

@@ -191,7 +191,11 @@ class DemoOutput(_Output):
     heatmap_right: PathText
     engine_root: PathText
     model_file: str
-    reverted_byte_identical: bool
+    route: Literal["plugin", "patch"] = Field(description="the route `surgeon plan` recommended for the dump and the "
+                                                          "demo took: the plugin (the engine only read) or the patch "
+                                                          "on disk (reverted)")
+    reverted_byte_identical: bool = Field(description="the engine's model file is byte-identical after the run "
+                                                      "(reverted, or never written by the plugin)")
     right: MatchResult | None
     wrong: MatchResult | None
     draft: DraftStep = Field(description="the draft step (surgeon.draft.demo): ok, trained_on, drop, and "
