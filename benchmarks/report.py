@@ -128,6 +128,12 @@ def rows_matrix(r: dict) -> list[Row]:
     return out
 
 
+def rows_plan(r: dict) -> list[Row]:
+    return [(f"surgeon plan {e['spec']} --engine {engine} (4 routes x 2 needs, warm probe)", _s(e["plan_s"]),
+             f"surgeon render --engine {engine} {_s(e['render_s'])}", f"{e['ratio']}x the time",
+             f"< {e['target_s']:.0f} s") for engine, e in r.items()]
+
+
 def rows_accept(r: dict) -> list[Row]:
     return [(f"accept, {r['prompts']} prompts x {r['length']} tokens x {r['wirings']} wirings "
              f"(target {_s(r['ours_target_s'])} once, draft {_s(r['ours_draft_s'])})", _s(r["ours_s"]),
@@ -203,6 +209,7 @@ BENCHMARKS: dict[str, tuple[list[str], Callable[[dict], list[Row]]]] = {
     "coverage": (["benchmarks/patch.py", "--json"], rows_coverage),
     "matrix": (["benchmarks/matrix.py", "--json"], rows_matrix),
     "apply": (["benchmarks/apply.py", "--json"], rows_apply),
+    "plan": (["benchmarks/plan.py", "--json"], rows_plan),
     "hooks": (["benchmarks/hooks.py", "--json"], rows_hooks),
     "dumps": (["benchmarks/dumps.py", "--json"], rows_dumps),
     "identify": (["benchmarks/identify.py", "--json"], rows_identify),

@@ -289,7 +289,7 @@ def test_a_report_s_verdict_is_the_exit_code_after_it_is_rendered(tmp_path):
     (False, False, True, True, 3, "the spec's wiring failed verify"),
     (True, True, True, True, 3, "the mis-wiring was not caught"),
     (True, False, True, False, 3, "or the mis-labelled deployment did not accept less"),
-    (True, False, False, True, 1, "internal error: /eng/llama.py is not byte-identical after the revert"),
+    (True, False, False, True, 1, "internal error: /eng/llama.py is not byte-identical after the run (plugin)"),
 ])
 def test_the_demo_verdict(right_ok, wrong_ok, identical, draft_ok, code, problem):
     from types import SimpleNamespace
@@ -298,7 +298,8 @@ def test_the_demo_verdict(right_ok, wrong_ok, identical, draft_ok, code, problem
 
     result = SimpleNamespace(right=SimpleNamespace(ok=right_ok), wrong=SimpleNamespace(ok=wrong_ok),
                              draft=None if draft_ok is None else SimpleNamespace(ok=draft_ok),
-                             reverted_identical=identical, engine_root=Path("/eng"), model_file="llama.py")
+                             reverted_identical=identical, engine_root=Path("/eng"), model_file="llama.py",
+                             route="plugin")
     report = DemoReport(result)
     assert report.exit_code == code and report.ok is (code == 0)
     assert (report.problem is None) if problem is None else report.problem.endswith(problem)
