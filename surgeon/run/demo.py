@@ -228,7 +228,7 @@ def _capture_by_patch(spec, model: Path, work: Path, engine_root, step, note):
         step("running the model on vLLM (starting the engine takes a while on a CPU)")
         run = run_vllm(model, [PROMPT], mode="hooks", out_dir=work / "dumps", progress=note)
     finally:
-        step("reverting the patch")
+        note("reverting the patch")
         revert_patch(plan.name, engine="vllm", engine_root=engine_root)
     identical = _reverted_byte_identical(model_file, original_sha, manager.root / plan.hooks_file)
     note(f"{plan.model_file} is byte-identical to before: {identical}")

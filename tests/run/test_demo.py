@@ -29,7 +29,9 @@ def test_demo_runs_end_to_end_and_leaves_the_engine_as_it_was(tmp_path: Path):
                      "high": ("layer_out[3]", "layer_out[5]", "mismatch"), "last": ("final_norm", "final_norm", "ok")}
     for key in ("heatmap", "heatmap_right"):
         assert Path(r[key]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[3/8] applying demo-tiny-llama-eagle3" in p.stderr and "[8/8]" in p.stderr  # progress throughout
+    assert r["route"] == "plugin"  # what `surgeon plan` recommends for the demo spec's dump on vLLM 0.32
+    assert "[3/8] planning the capture route" in p.stderr and "[4/8] building the plugin" in p.stderr
+    assert "[8/8]" in p.stderr  # progress throughout
     d = r["draft"]  # step 8, offline: the synthetic draft's wiring named and its acceptance measured
     assert d["ok"] and d["infer_wiring"]["wiring"] == d["trained_on"] and d["infer_wiring"]["decided"] and d["drop"] > 0
     assert not patch_status(engine="vllm")

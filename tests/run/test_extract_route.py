@@ -216,5 +216,5 @@ def test_plan_recommends_the_native_route_and_its_sidecar_labels_what_it_writes(
     run = run_extract(extracted["model"], PROMPTS[:1], ids, out, timeout=300)
     r = json.loads(cli_run("verify", spec, "--subject", run.files[0], "--reference", f"hf:{extracted['model']}",
                            "--json").stdout)
-    got = [(s["name"], s["declared"], s["verdict"]) for s in r["slots"]]
-    assert got == [(n, p, "ok") for n, p in ROWS], r["slots"]
+    got = {s["name"]: (s["declared"], s["verdict"]) for s in r["slots"]}
+    assert got == {n: (p, "ok") for n, p in ROWS}, r["slots"]

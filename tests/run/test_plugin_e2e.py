@@ -94,3 +94,37 @@ def test_plugin_built_for_another_file_stops_the_engine_start(demo):
     assert "model_executor/models/llama.py" in msg and recorded in msg and found in msg, msg
     assert "PluginRefused" in msg and "\n" not in msg
     assert tree_digest(demo["root"] / "model_executor" / "models") == demo["before"]
+
+
+READ_ONLY_RUN = r"""
+import json, sys
+from surgeon.core.spec import load_spec
+from surgeon.run.vllm_runner import run_vllm
+from surgeon.verify.harness import match
+model, ref, spec, out, plugin = sys.argv[1:6]
+run = run_vllm(model, [json.loads(sys.argv[6])], mode="hooks", out_dir=out, extra_env={"PYTHONPATH": plugin})
+result = match(run.dumps[0], ref, spec=load_spec(spec))
+print(json.dumps([[s.name, s.verdict] for s in result.slots]))
+"""
+
+
+def test_plugin_runs_on_a_read_only_vllm(demo):
+    """The installed vLLM bind-mounted read-only in a private mount namespace (``unshare --mount``),
+    where even root gets EROFS on any write: the plugin still installs the patched module, and the
+    capture verifies slot by slot (what string-patching site-packages cannot do on such an image)."""
+    import shlex
+    import subprocess
+    import sys
+
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --mount is not allowed here: the digest checks above cover 'never written'")
+    root = shlex.quote(str(demo["root"]))
+    args = [sys.executable, "-c", READ_ONLY_RUN, demo["model"], demo["reference"], SPEC, demo["work"] / "dumps-ro",
+            os.pathsep.join([str(demo["report"].out), str(REPO)]), json.dumps(PROMPT)]
+    script = (f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && "
+              f"! touch {root}/.probe-write 2>/dev/null && exec {shlex.join(map(str, args))}")
+    r = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[n, "ok"] for n in ("low", "mid", "high", "last")]
+    assert tree_digest(demo["root"] / "model_executor" / "models") == demo["before"]
