@@ -66,13 +66,15 @@ TABLE = {
         ("plugin", "serve"): ("R", "no `return` of `aux_hidden_states`", None)}),
     ("kimi", V034, 2): (None, "plugin", {
         ("config", "serve"): ("R", "supports_aux_hidden_states_over_pp", None)}),
-    ("kimi", S023, 1): ("config", None, {
+    ("kimi", S023, 1): ("config", "patch", {
         ("config", "serve"): ("W", "", [3, 31, 59]),
         ("native", "serve"): ("R", "validation_hook.py:", None),
         ("native", "dump"): ("R", "spec_aux_hidden_state.py:", None),
         ("plugin", "dump"): ("R", "registry.py:", None),
-        ("patch", "dump"): ("R", "model_forward_stages", None)}),
-    ("kimi", S014, 1): (None, None, {("config", "serve"): ("U", "deepseek_v2.py:", [3, 31, 59])}),
+        ("patch", "serve"): ("R", "no `return` of `aux_hidden_states`", None),
+        ("patch", "dump"): ("W", "--guard-bypass", None)}),  # the guard raises if two-batch overlap would run
+    ("kimi", S014, 1): ("patch", "patch", {("config", "serve"): ("U", "deepseek_v2.py:", [3, 31, 59]),
+                                         ("patch", "serve"): ("W", "--guard-bypass", None)}),
     ("kimi-layers", V032, 1): ("config", "plugin", {
         ("native", "dump"): ("U", "MLA when", [3, 31, 59])}),
     ("kimi-layers", S023, 1): ("config", "native", {
@@ -200,10 +202,12 @@ def test_plan_cli_json_sidecar_and_exit_codes(tmp_path, spec_files):
     assert sc.ids == (2, 16, 29) and sc.points == ("layer_out[1]", "layer_out[15]", "layer_out[28]")
     assert sc.names == ("low", "mid", "high") and sc.method == "extract_hidden_states" and sc.release == "0.32.0"
     assert data["sidecar"] == str(dump_dir / SIDECAR)
-    # every route refuses the dump of a final_norm slot on SGLang 0.5.23's deepseek_v2: exit 3
-    r = CliRunner().invoke(main, ["plan", str(spec_files["kimi"]), "--engine", "sglang"])
+    # at pp 2 on vLLM 0.34 every route refuses to serve the Kimi draft (the config: deepseek_v2 lacks
+    # supports_aux_hidden_states_over_pp; the hooks: fc points on earlier stages): exit 3
+    r = CliRunner().invoke(main, ["plan", str(spec_files["kimi"]), "--engine", "vllm", "--pp", "2",
+                                  "--engine-root", str(release_engine("vllm", "0.34.0"))])
     assert r.exit_code == 3, r.output
-    assert "dump: no route works" in r.output
+    assert "serve: no route works" in r.output
     # bad input: one line, exit 2
     r = CliRunner().invoke(main, ["plan", str(tmp_path / "missing.yaml"), "--engine", "vllm"])
     assert r.exit_code == 2 and "Traceback" not in r.output

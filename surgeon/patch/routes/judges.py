@@ -160,7 +160,9 @@ def patch_route(inp: PlanInput, needs: Sequence[str]) -> RoutePlan:
     if inp.engine == "trtllm":
         return RoutePlan("patch", TITLES["patch"], refused(_NO_TRTLLM_SOURCE, needs))
     rp = _patched("patch", inp, needs)
-    rp.steps = [f"surgeon apply {inp.spec.file} --engine {inp.engine}" + (" --mode aux" if "serve" in needs else "")]
+    guard = " --guard-bypass" if any("--guard-bypass" in h for h in rp.hazards) else ""
+    rp.steps = [f"surgeon apply {inp.spec.file} --engine {inp.engine}{guard} --mode {mode}"
+                for need, mode in (("serve", "aux"), ("dump", "dump")) if need in needs and rp.verdicts[need].ok]
     rp.hazards.append("writes the engine's model file in place: a read-only site-packages or image refuses it, "
                       "and every host and image needs the same apply (the plugin route carries the patch instead)")
     return rp
@@ -169,31 +171,58 @@ def patch_route(inp: PlanInput, needs: Sequence[str]) -> RoutePlan:
 def _patched(route: str, inp: PlanInput, needs: Sequence[str]) -> RoutePlan:
     """The patch planner's answer per need (``aux`` mode feeds the draft, ``dump`` mode writes the
     dump), computed from the pristine files: nothing is written."""
-    from surgeon.patch.apply import plan_patch
-
     rp = RoutePlan(route, TITLES[route], {})
     for need in needs:
         mode: Literal["aux", "dump"] = "aux" if need == "serve" else "dump"
-        key = ("patch", mode)
-        if key not in inp.memo:
-            try:
-                inp.memo[key] = plan_patch(inp.spec, engine=inp.engine, engine_root=inp.engine_root, mode=mode)
-            except BadInput as e:
-                inp.memo[key] = e
-        p = inp.memo[key]
+        p, bypass = _patch_plan(inp, mode)
         if isinstance(p, BadInput):
             rp.verdicts[need] = Verdict(False, _reason(inp, p))
             continue
         where = f"{p.model_file}" + (f" ({p.loop_class})" if p.loop_class else "")
         rp.verdicts[need] = Verdict(True, f"{mode} hooks at the residual-stream sites of {where}: "
-                                          f"{', '.join(_need_points(inp, need))}")
+                                          f"{', '.join(_need_points(inp, need))}"
+                                          + (" (with --guard-bypass)" if bypass else ""))
         rp.evidence.append(f"{need}: rewrites {where}, generates {p.hooks_file}")
+        if bypass and bypass not in rp.hazards:
+            rp.hazards.append(bypass)
     rp.launch = engine_launch(inp.engine, [])
     if "serve" in needs and inp.engine == "vllm":
         rp.config = {"speculative_config": {"method": "eagle3", "model": "<DRAFT>", "num_speculative_tokens": 3}}
     if inp.pp > 1:
         _patched_pp(inp, rp)
     return rp
+
+
+def _patch_plan(inp: PlanInput, mode: Literal["aux", "dump"]):
+    """The patch planner's plan for ``mode`` (or its refusal), once per plan. Where the only refusal
+    is a path that runs decoder layers outside the capture loop (SGLang's two-batch overlap), the
+    plan with ``--guard-bypass``, whose runtime guard raises rather than let a captured layer run
+    uncaptured: returned with that hazard (None otherwise)."""
+    from surgeon.patch.apply import plan_patch
+    from surgeon.patch.recipes import PatchApplicationError
+
+    key = ("patch", mode)
+    if key not in inp.memo:
+        def attempt(guard: bool):
+            try:
+                return plan_patch(inp.spec, engine=inp.engine, engine_root=inp.engine_root, mode=mode,
+                                  guard_bypass=guard)
+            except BadInput as e:
+                return e
+
+        first = attempt(False)
+        hazard = None
+        if isinstance(first, PatchApplicationError) and ":bypass" in first.anchor:
+            guarded = attempt(True)
+            if isinstance(guarded, BadInput):  # refused for another reason as well: that one decides
+                first = guarded
+            else:
+                hazard = (f"needs `surgeon apply --guard-bypass`: {first.relpath}: {first.anchor}: {first.reason}; the "
+                          "guard raises at run time if that path would run a captured layer (serve without it, e.g. "
+                          "SGLang without --enable-two-batch-overlap)")
+                first = guarded
+        inp.memo[key] = (first, hazard)
+    return inp.memo[key]
 
 
 def _patched_pp(inp: PlanInput, rp: RoutePlan) -> None:
