@@ -17,6 +17,7 @@ from rich.text import Text
 
 from surgeon.commands.outputs import AuditOutput, InferWiringOutput, output_of
 from surgeon.commands.progress import HEARTBEAT_S, Heartbeat
+from surgeon.core.errors import InternalError
 
 if TYPE_CHECKING:
     from surgeon.audit.pipeline import AuditReport
@@ -44,8 +45,17 @@ if not out.is_terminal:  # piped into a file or a CI log: do not wrap tables at 
 
 # --------------------------------------------------------------------------------------------- plumbing
 def emit_json(data: Any) -> None:
-    # allow_nan=False: a non-finite number is an error here, never a bare NaN that is not JSON
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str, allow_nan=False))
+    """Print ``data`` as JSON. The rule that every number printed is finite is enforced, with the
+    path of the offending number, by :func:`surgeon.commands.outputs.base.non_finite` in
+    ``json_output``, which every result passes; ``allow_nan=False`` here is only the last-resort
+    assertion behind it (it costs nothing, and it also covers what does not pass ``json_output``:
+    the schema), so a broken promise is an internal error, never a bare ``NaN`` that is not JSON."""
+    try:
+        text = json.dumps(data, indent=2, sort_keys=False, default=str, allow_nan=False)
+    except ValueError as e:  # a non-finite float (json_output's guard bypassed) or a cycle: a bug either way
+        raise InternalError(f"the --json output cannot be printed as JSON ({e}); surgeon prints no NaN or "
+                            "Infinity") from None
+    click.echo(text)
 
 
 class _RateColumn(ProgressColumn):

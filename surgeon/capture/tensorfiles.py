@@ -6,8 +6,8 @@ The gate (torch-free, so a bad file is refused before torch is even imported):
 
 * the path names a *regular* file: a FIFO would block the reader forever, a device (``/dev/zero``)
   would feed it endless bytes, a directory is not a file; each is refused by name. The file is
-  opened with ``O_NONBLOCK`` and checked with ``fstat``, so even a FIFO swapped in after the
-  ``stat`` cannot block the gate itself;
+  opened through :func:`surgeon.core.safefile.open_at` (``O_NONBLOCK``, then ``fstat``), so even a
+  FIFO swapped in after the ``stat`` cannot block the gate itself;
 * its header is sane before any tensor is read: a safetensors file's 8-byte header length fits
   the file and safetensors' 100 MB limit, the header is a JSON object whose entries have a
   dtype, non-negative integer dims and data offsets that lie inside the file and match the shape
@@ -31,7 +31,6 @@ import dataclasses
 import json
 import math
 import os
-import stat
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from surgeon.core.errors import BadInput, ReadFailure
+from surgeon.core.safefile import Voice, open_at
 
 if TYPE_CHECKING:
     import torch
@@ -51,8 +51,10 @@ MAX_ZIP_RATIO = 100
 _ZIP_FLOOR = 1 << 20
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
                 "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
-_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+# how the gate words what core.safefile.open_at refuses (the gate, then a reader opening the file again)
+_GATE = Voice(refused=BadInput, failed=ReadFailure, what="", not_regular=", not a tensor file",
+              cannot="cannot be read ({err})")
+_AGAIN = dataclasses.replace(_GATE, not_regular=" since its header was read, not a tensor file")
 
 
 @dataclass(frozen=True)
@@ -77,54 +79,35 @@ class TensorFile:
         return list(self.tensors[name]["shape"])
 
 
-def _describe(mode: int) -> str | None:
-    return next((what for test, what in _NOT_REGULAR if test(mode)), None if stat.S_ISREG(mode) else "not a regular file")
-
-
 def open_tensor_file(path: str | Path, *, formats: tuple[str, ...] = (SAFETENSORS, PICKLE, ZIP)) -> TensorFile:
     """Check ``path`` is a regular file with a sane header of one of ``formats``; BadInput (one
     line naming the file) for anything else. Nothing but the header is read."""
     p = Path(path)
     try:
-        mode = os.stat(p).st_mode
+        fd, st = open_at(p, os.O_RDONLY, voice=_GATE)
     except FileNotFoundError:
         raise BadInput(f"{p}: no such file") from None
-    except OSError as e:
-        raise ReadFailure(f"{p}: cannot read: {e.strerror or e}") from None
-    if (what := _describe(mode)) is not None:
-        raise BadInput(f"{p}: is {what}, not a tensor file")
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise ReadFailure(f"{p}: cannot read: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if (what := _describe(st.st_mode)) is not None:  # swapped since the stat
-            raise BadInput(f"{p}: is {what}, not a tensor file")
         gated = _sniff(p, f, st.st_size, formats)
     return dataclasses.replace(gated, ident=(st.st_dev, st.st_ino))
 
 
 def reopen(path: str | Path, ident: tuple[int, int] | None) -> int:
-    """A read-only descriptor on ``path`` opened again after the gate: never blocking on a FIFO,
-    checked on the descriptor to be a regular file and, where ``ident`` is given, the file the gate
-    read (its device and inode); BadInput (one line naming the file) for anything swapped in since,
-    ReadFailure where the system cannot open it."""
+    """A read-only descriptor on ``path`` opened again after the gate (through
+    :func:`~surgeon.core.safefile.open_at`): never blocking on a FIFO, checked on the descriptor to
+    be a regular file and, where ``ident`` is given, the file the gate read (its device and inode);
+    BadInput (one line naming the file) for anything swapped in since, ReadFailure where the system
+    cannot open it (gone since, or refused)."""
     p = Path(path)
+
+    def same(st: os.stat_result) -> None:
+        if ident is not None and (st.st_dev, st.st_ino) != tuple(ident):
+            raise BadInput(f"{p}: replaced by another file since its header was read")
+
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:  # gone since, or the system's refusal: said as the row reader always said it
+        return open_at(p, os.O_RDONLY, voice=_AGAIN, check=same)[0]
+    except FileNotFoundError as e:
         raise ReadFailure(f"{p}: cannot be read ({e.strerror or e})") from None
-    st = os.fstat(fd)
-    what = _describe(st.st_mode)
-    why = None if what is None else f"is {what} since its header was read, not a tensor file"
-    if why is None and ident is not None and (st.st_dev, st.st_ino) != tuple(ident):
-        why = "replaced by another file since its header was read"
-    if why is not None:
-        os.close(fd)
-        raise BadInput(f"{p}: {why}")
-    os.set_blocking(fd, True)  # a regular file: reads never wait on a writer
-    return fd
 
 
 _FD_DIRS = ("/proc/self/fd", "/dev/fd")  # a name that opens the file a descriptor holds (Linux, macOS)

@@ -12,8 +12,10 @@ memory runs out. So every such file goes through here:
 * writes of new files never follow a link and never replace an existing file unless asked;
   replacing is atomic (:mod:`surgeon.core.atomicfile`), which replaces a link rather than
   writing through it;
-* :func:`untrusted_dir` says why a directory must not be trusted (a link, owned by another user,
-  writable by group or others), for caches whose content decides answers.
+* :func:`open_at` is the one open behind every such read and write, and behind the patch state's
+  directory handles and the tensor gate (each words its refusals in its own :class:`Voice`);
+* :func:`distrust` is the one trust rule (owned by another user, writable by group or others),
+  used by :func:`untrusted_dir` for caches whose content decides answers and by the patch state.
 
 Every refusal is :class:`UnsafeFile` (bad input, exit 2), one line naming the path.
 """
@@ -23,13 +25,16 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from surgeon.core.atomicfile import atomic_write
 from surgeon.core.errors import BadInput
 
-__all__ = ["UnsafeFile", "check_writable", "describe_mode", "open_append", "open_regular", "read_bytes", "read_text",
-           "untrusted_dir", "write_file"]
+__all__ = ["PLAIN", "UnsafeFile", "Voice", "check_writable", "describe_mode", "distrust", "open_append", "open_at",
+           "note", "open_regular", "others_may_write", "read_bytes", "read_text", "untrusted_dir", "write_file"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -43,7 +48,7 @@ class UnsafeFile(BadInput):
 
 def describe_mode(mode: int) -> str:
     for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device")):
         if test(mode):
@@ -51,29 +56,101 @@ def describe_mode(mode: int) -> str:
     return "an unknown kind of file"
 
 
-def _open(path: Path, flags: int, *, follow: bool, what: str, mode: int = 0o644) -> int:
-    """``os.open`` without blocking on a FIFO (and without following a link unless ``follow``),
-    then the descriptor checked to be a regular file and set back to blocking."""
+@dataclass(frozen=True)
+class Voice:
+    """How a caller of :func:`open_at` words what it refuses, each a line after ``<path>: ``."""
+
+    refused: Callable[[str], Exception] = UnsafeFile  # a link, a FIFO, a device, a directory, a check failed
+    failed: Callable[[str], Exception] = UnsafeFile  # the system's refusal (permissions, I/O)
+    what: str = "the file"  # "<path>: <what> is a FIFO ..."; "" for "<path>: is a FIFO ..."
+    not_regular: str = ", not a regular file"  # after "is <kind>"
+    link: str = "surgeon does not follow links here (remove the link or name the target)"
+    cannot: str = "cannot open {what} ({err})"
+
+    def subject(self) -> str:
+        return f"{self.what} " if self.what else ""
+
+    def is_link(self, path: Path) -> Exception:
+        return self.refused(f"{path}: {self.subject()}is a symbolic link; {self.link}")
+
+    def is_not_regular(self, path: Path, mode: int) -> Exception:
+        return self.refused(f"{path}: {self.subject()}is {describe_mode(mode)}{self.not_regular}")
+
+
+PLAIN = Voice()
+
+
+def open_at(name: str | os.PathLike, flags: int, *, dir_fd: int | None = None, follow: bool = True,
+            shown: Path | None = None, voice: Voice = PLAIN, mode: int = 0o644,
+            check: Callable[[os.stat_result], None] | None = None) -> tuple[int, os.stat_result]:
+    """The one safe open of surgeon: ``name`` (relative to ``dir_fd`` when given) opened with
+    ``flags``, a descriptor and its ``fstat`` back, or the refusal in ``voice`` naming ``shown``
+    (default ``name``). ``FileNotFoundError`` passes through (absent, and not created).
+
+    * seen first without opening (``stat``, through a link only when ``follow``): a link where
+      links are not followed, a FIFO, a device, a directory is refused unopened (opening a device
+      can have effects; opening a FIFO can wait for a writer);
+    * opened with ``O_NONBLOCK`` (whatever was swapped in meanwhile, a FIFO never waits),
+      ``O_CLOEXEC`` and, unless ``follow``, ``O_NOFOLLOW``;
+    * checked on the descriptor: a regular file, then ``check(st)`` (the caller's identity, owner
+      or link-count rule; it raises its own refusal), then set back to blocking; closed on any
+      refusal."""
+    path = shown if shown is not None else Path(name)
+    _seen_first(name, dir_fd, follow, path, voice)
     try:
-        fd = os.open(path, flags | _NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW), mode)
+        fd = os.open(name, flags | _NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW), mode, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as e:
         if e.errno == errno.ELOOP and not follow:
-            raise UnsafeFile(f"{path}: {what} is a symbolic link; surgeon does not follow links here "
-                             "(remove the link or name the target)") from None
+            raise voice.is_link(path) from None
         if e.errno == errno.ENXIO:  # O_WRONLY|O_NONBLOCK on a FIFO without a reader
-            raise UnsafeFile(f"{path}: {what} is a FIFO, not a regular file") from None
-        raise UnsafeFile(f"{path}: cannot open {what} ({e.strerror or e})") from None
+            raise voice.is_not_regular(path, stat.S_IFIFO) from None
+        raise voice.failed(f"{path}: " + voice.cannot.format(what=voice.what, err=e.strerror or e)) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFile(f"{path}: {what} is {describe_mode(st.st_mode)}, not a regular file")
+            raise voice.is_not_regular(path, st.st_mode)
+        if check is not None:
+            check(st)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
+
+
+def _seen_first(name: str | os.PathLike, dir_fd: int | None, follow: bool, path: Path, voice: Voice) -> None:
+    """Refuse ``name`` before opening it when it is already not a regular file (absent, or not to
+    be seen: the open says why)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=follow)
+    except OSError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise voice.is_link(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise voice.is_not_regular(path, st.st_mode)
+
+
+def _open(path: Path, flags: int, *, follow: bool, what: str, mode: int = 0o644) -> int:
+    return open_at(path, flags, follow=follow, voice=_voice(what), mode=mode)[0]
+
+
+def _voice(what: str) -> Voice:
+    return Voice(what=what)
+
+
+def note(message: str, said: set[str] | None = None) -> None:
+    """``surgeon: note: <message>`` on stderr: what surgeon did not use or believe, and why (an
+    untrusted cache, an entry or release that does not match, a file left out); once per message
+    kept in ``said``, when given."""
+    if said is not None:
+        if message in said:
+            return
+        said.add(message)
+    sys.stderr.write(f"surgeon: note: {message}\n")
+    sys.stderr.flush()
 
 
 def open_regular(path: str | os.PathLike, *, follow: bool = True, what: str = "the file") -> int:
@@ -147,9 +224,27 @@ def check_writable(path: str | os.PathLike, *, overwrite: bool = False, what: st
         raise UnsafeFile(f"{p}: {what} already exists; refusing to overwrite it")
 
 
+def distrust(path: str | os.PathLike, st: os.stat_result) -> str | None:
+    """The one trust rule, for anything surgeon believes (a cache, its state): why the node whose
+    ``stat`` is ``st`` must not be trusted, or None. Whoever else owns it (root excepted), or may
+    write it (group or others), could change or swap it between surgeon's check and its use."""
+    euid = os.geteuid()
+    if st.st_uid not in (euid, 0):
+        return f"{path}: owned by uid {st.st_uid}, not by you (uid {euid}) or root"
+    if st.st_mode & 0o022:
+        return f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def others_may_write(st: os.stat_result) -> bool:
+    """A directory anyone may write into and rename out of: writable by others, no sticky bit
+    (the weaker rule for folders surgeon only warns about, such as an engine root)."""
+    return bool(st.st_mode & 0o002) and not st.st_mode & stat.S_ISVTX
+
+
 def untrusted_dir(path: str | os.PathLike) -> str | None:
-    """Why directory ``path`` must not be trusted (None: it may be): a link, not a directory,
-    owned by another user (root excepted), or writable by group or others."""
+    """Why directory ``path`` must not be trusted (None: it may be): a link, not a directory, or
+    :func:`distrust`'s reason."""
     p = Path(path)
     try:
         st = os.lstat(p)
@@ -159,9 +254,4 @@ def untrusted_dir(path: str | os.PathLike) -> str | None:
         return f"{p}: cannot inspect it ({e.strerror or e})"
     if not stat.S_ISDIR(st.st_mode):
         return f"{p}: is {describe_mode(st.st_mode)}, not a directory"
-    euid = os.geteuid()
-    if st.st_uid not in (euid, 0):
-        return f"{p}: owned by uid {st.st_uid}, not by you (uid {euid}) or root"
-    if st.st_mode & 0o022:
-        return f"{p}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
+    return distrust(p, st)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from surgeon.core.atomicfile import TMP_SUFFIX
 from surgeon.core.errors import BadInput
-from surgeon.core.safefile import describe_mode
+from surgeon.core.safefile import Voice, describe_mode, distrust, open_at, others_may_write
 
 __all__ = ["PatchError", "DirHandle", "check_node", "open_dir", "describe_mode", "others_may_write"]
 
@@ -45,9 +45,15 @@ class PatchError(BadInput):
     """A patch operation refused or failed; the message is one line."""
 
 
+# how the state directory words what core.safefile.open_at refuses
+_VOICE = Voice(refused=PatchError, failed=PatchError, what="",
+               not_regular=" where surgeon keeps a regular file; refusing to use it",
+               link="surgeon never follows links in its state directory (remove the link)",
+               cannot="cannot open it ({err})")
+
+
 def _link_refused(path: Path) -> PatchError:
-    return PatchError(f"{path}: is a symbolic link; surgeon never follows links in its state directory "
-                      f"(remove the link)")
+    return PatchError(str(_VOICE.is_link(path)))
 
 
 def _trust(path: Path, st: os.stat_result, want: str) -> None:
@@ -59,17 +65,9 @@ def _trust(path: Path, st: os.stat_result, want: str) -> None:
     if not ok:
         raise PatchError(f"{path}: is {describe_mode(st.st_mode)} where surgeon keeps a "
                          f"{'directory' if want == 'dir' else 'regular file'}; refusing to use it")
-    euid = os.geteuid()
-    if st.st_uid not in (euid, 0):
-        raise PatchError(f"{path}: owned by uid {st.st_uid}, not by you (uid {euid}) or root; refusing to trust it")
-    if st.st_mode & 0o022:
-        raise PatchError(f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                         f"refusing to trust it (chmod go-w)")
-
-
-def others_may_write(st: os.stat_result) -> bool:
-    """A directory anyone may write into and rename out of: writable by others, no sticky bit."""
-    return bool(st.st_mode & 0o002) and not st.st_mode & stat.S_ISVTX
+    why = distrust(path, st)
+    if why is not None:
+        raise PatchError(f"{why}; refusing to trust it (chown it, or chmod go-w)")
 
 
 def check_node(path: Path, want: str) -> os.stat_result | None:
@@ -175,30 +173,24 @@ class DirHandle:
 
     # -- files -------------------------------------------------------------------------------
     def open(self, name: str, flags: int, mode: int = 0o644) -> int | None:
-        """``os.open`` of ``name`` here with ``O_NOFOLLOW | O_NONBLOCK``, then the descriptor
-        checked (a file opened for writing must have one link only); None when absent (and
-        ``O_CREAT`` not given). Never truncates: ``O_TRUNC`` is not allowed."""
+        """``name`` here through :func:`~surgeon.core.safefile.open_at` (never through a link,
+        never waiting on a FIFO, a regular file on the descriptor), the descriptor then trusted
+        (see :func:`_trust`; a file opened for writing must have one link only); None when absent
+        (and ``O_CREAT`` not given). Never truncates: ``O_TRUNC`` is not allowed."""
         assert not flags & os.O_TRUNC
         path = self.path / name
-        try:
-            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=self.fd)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _link_refused(path) from None
-            raise PatchError(f"{path}: cannot open it ({e.strerror or e})") from None
-        try:
-            st = os.fstat(fd)
+
+        def trusted(st: os.stat_result) -> None:
             _trust(path, st, "file")
             if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
                 raise PatchError(f"{path}: has {st.st_nlink} hard links; surgeon writes it in place and never "
                                  f"through a hard link (remove it: surgeon creates it again)")
-            os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+
+        try:
+            return open_at(name, flags, dir_fd=self.fd, follow=False, shown=path, voice=_VOICE, mode=mode,
+                           check=trusted)[0]
+        except FileNotFoundError:
+            return None
 
     def read(self, name: str) -> bytes | None:
         """The bytes of file ``name`` here (never through a link); None when it does not exist."""

@@ -15,7 +15,8 @@ from surgeon.core.shapes import Closed
 def non_finite(data: Any, where: str = "") -> str | None:
     """The dotted path of the first number in ``data`` (a model's JSON dump) that is not finite,
     or None: the check every ``--json`` output passes before it is printed (a field typed
-    ``dict[str, Any]`` is not covered by its model's types)."""
+    ``dict[str, Any]`` is not covered by its model's types). This is the rule, and the one that
+    says where; ``allow_nan=False`` in ``cli_render.emit_json`` only asserts it afterwards."""
     if isinstance(data, float):
         return None if math.isfinite(data) else (where or "(top)")
     items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()

@@ -43,7 +43,6 @@ import json
 import os
 import secrets
 import stat
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -64,6 +63,7 @@ from surgeon.core.idrules import (
     SiteRecord,
 )
 from surgeon.core.safefile import UnsafeFile, open_regular, read_bytes, untrusted_dir
+from surgeon.core.safefile import note as safe_note  # the one note writer; this module's note keeps its own 'once'
 from surgeon.engines.source.index import SourceIndex
 from surgeon.engines.source.reading import SOURCE_LIMIT
 
@@ -81,10 +81,7 @@ class Mismatch(Exception):
 
 def note(message: str) -> None:
     """``surgeon: note: <message>`` on stderr, once per message in this process."""
-    if message not in _noted:
-        _noted.add(message)
-        sys.stderr.write(f"surgeon: note: {message}\n")
-        sys.stderr.flush()
+    safe_note(message, _noted)
 
 
 def directory() -> Path:
