@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
+import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from surgeon.core.errors import BadInput
 from surgeon.core.idrules import Engine
-from surgeon.core.safefile import UnsafeFile, read_bytes
+from surgeon.core.safefile import UnsafeFile, Voice, note, open_at, read_bytes
 
 #: The most bytes read of one METADATA, RECORD or version file (vLLM's RECORD is under 1 MiB): a
 #: larger one, a FIFO or a device there is not read (the version is then "unknown"), never a hang.
 META_LIMIT = 16 << 20
+_ENGINE_FILE = Voice(what="the engine file")
 
 
 class ProbeError(BadInput):
@@ -169,21 +173,55 @@ def tool_packages(engines: Path, dist: str, package: str) -> list[Path]:
 def copy_engine_sources(engine: str, dest: str | Path, root: str | Path | None = None) -> Path:
     """A site-packages-like copy of an engine (the installed one by default) under ``dest``: its
     model files and its distribution's ``*.dist-info`` (so the copy reports the same version).
-    Returns the copied package directory, usable as ``--engine-root``; the original is untouched."""
-    import shutil
+    Returns the copied package directory, usable as ``--engine-root``; the original is untouched.
 
+    Only regular files and real directories are copied: a FIFO, a device, a socket, a link to
+    nothing or a link to a directory in the engine tree is left out with a note on stderr (copying
+    a FIFO would wait for a writer, a device would be read without end, a link to a directory may
+    lead anywhere); each file is read through :func:`surgeon.core.safefile.open_at`, so one swapped
+    in after the listing is left out too, never waited on."""
     loc = locate_engine(engine, root)
     layout = loc.layout
     dest = Path(dest)
     package = dest / layout.package
     for d in (*loc.models_dirs, *layout.support_dirs):
         if (loc.root / d).is_dir():
-            shutil.copytree(loc.root / d, package / d, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(loc.root / d, package / d, ignore=_left_out, copy_function=_copy_regular)
     wanted = {_normalise(d) for d in layout.distributions}
     for info in sorted(loc.root.parent.glob("*.dist-info")):
         if _normalise(info.name[: -len(".dist-info")].partition("-")[0]) in wanted:
-            shutil.copytree(info, dest / info.name)
+            shutil.copytree(info, dest / info.name, ignore=_left_out, copy_function=_copy_regular)
     return package
+
+
+def _left_out(folder: str, names: list[str]) -> set[str]:
+    """What a copy of an engine tree leaves out of ``folder``: ``__pycache__``, and links to
+    directories (with a note)."""
+    out = {n for n in names if n == "__pycache__"}
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.islink(path) and os.path.isdir(path):
+            note(f"{path}: is a link to a directory; not copied")
+            out.add(name)
+    return out
+
+
+def _copy_regular(src: str, dst: str) -> str:
+    """Copy regular file ``src`` (a link to one: its content) to ``dst``; anything else is left
+    out with a note, never opened in a way that could wait or read without end."""
+    try:
+        fd, st = open_at(src, os.O_RDONLY, voice=_ENGINE_FILE)
+    except FileNotFoundError:
+        note(f"{src}: a link to nothing (or gone since it was listed); not copied")
+        return dst
+    except UnsafeFile as e:
+        note(f"{e}; not copied")
+        return dst
+    with os.fdopen(fd, "rb") as f, open(dst, "wb") as out:
+        shutil.copyfileobj(f, out)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.chmod(dst, stat.S_IMODE(st.st_mode))
+    return dst
 
 
 def read_version(package_dir: Path, layout: EngineLayout) -> str:
