@@ -24,6 +24,7 @@ from surgeon import cli_render as show
 from surgeon.audit.exact import PARAM_TOKENS as EXACT_PARAM_TOKENS
 from surgeon.audit.exact import SPOT as EXACT_SPOT
 from surgeon.cli_render import RichProgress, emit_json
+from surgeon.core import interrupts
 from surgeon.core.errors import SurgeonError
 from surgeon.core.optional import missing_dependency
 from surgeon.patch.apply import DEFAULT_MAX_TOKENS
@@ -46,6 +47,9 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             _say_interrupted()
             raise click.exceptions.Exit(130) from None
+        except click.UsageError as e:  # `surgeon --bogus`: one line, exit 2
+            _say_usage(e)
+            raise click.exceptions.Exit(e.exit_code) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         """Ctrl-C anywhere in the command, its error handling or its verdict: one line, exit 130."""
@@ -59,6 +63,9 @@ class _Group(click.Group):
         try:
             result = super().invoke(ctx)
             sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        except click.UsageError as e:  # a bad argument or option: one line, not click's usage block
+            _say_usage(e)
+            ctx.exit(e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except BrokenPipeError:  # `surgeon explain ... | head`: the reader has what it wanted
@@ -74,6 +81,8 @@ class _Group(click.Group):
                 click.echo(line, err=True)
             ctx.exit(e.exit_code)
         except Exception as e:  # internal error: one line, unless asked for the traceback
+            if interrupts.seen():  # an error a Ctrl-C caused (a library that wraps KeyboardInterrupt)
+                raise KeyboardInterrupt from None
             if (missing := missing_dependency(e)) is not None:  # an optional extra not installed: bad input
                 click.echo(f"surgeon: {missing}", err=True)
                 ctx.exit(missing.exit_code)
@@ -88,6 +97,20 @@ class _Group(click.Group):
         if code:
             ctx.exit(code)
         return result
+
+
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2: `surgeon` alone
+
+
+def _say_usage(e: click.UsageError) -> None:
+    """Click's usage error as one line (click prints the usage, a hint and the error on four): the
+    error, then where the help is. A command run without its arguments shows its help, as click does."""
+    if isinstance(e, _NO_ARGS_IS_HELP):
+        e.show()
+        return
+    message = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+    where = f" (`{e.ctx.command_path} -h` for help)" if e.ctx is not None else ""
+    click.echo(f"surgeon: {message}{where}", err=True)
 
 
 def _say_interrupted() -> None:

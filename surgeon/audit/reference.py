@@ -13,7 +13,7 @@
 * a reference file (``surgeon reference``) or an engine's sweep dump: its states;
 * a fingerprint: its stored per-token norms.
 
-A profile of a target with another number of layers than the spec's is bad input.
+A profile of a target with another number of layers or another hidden size than the spec's is bad input.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def build_profile(reference: str | None, spec, paths: list[str], notes: list[str
 
         model_dir, label = resolve_model(reference[3:])
         refs, used = _captured(model_dir, paths, spec.num_layers, notes, prefer)
-        _check_layers(refs[0].num_layers, spec)
+        _check_target(refs[0], spec)
         n = [int(r.input_ids.numel()) for r in refs]
         notes.append(f"identity profile: {label} run on the input ids of {len(refs)} files spread over the set "
                      f"({min(n)}-{max(n)} tokens" + (f", at most {PROFILE_TOKENS} of each" if max(n) == PROFILE_TOKENS else "")
@@ -127,13 +127,17 @@ def build_profile(reference: str | None, spec, paths: list[str], notes: list[str
     from surgeon.verify.harness import load_reference_arg
 
     ref = load_reference_arg(reference, None)
-    _check_layers(ref.num_layers, spec)
+    _check_target(ref, spec)
     notes.append(f"identity profile: {reference} (one prompt, {ref.input_ids.numel()} tokens)")
     if isinstance(ref, Fingerprint):
         return profile_from_norms([ref.norms], spec.num_layers, reference), None
     return profile_from_states([ref.states], spec.num_layers, reference, [int(ref.input_ids.reshape(-1)[0])]), None
 
 
-def _check_layers(num_layers: int, spec) -> None:
-    if num_layers != spec.num_layers:
-        raise BadInput(f"--reference: a {num_layers}-layer target, the spec {spec.name} declares {spec.num_layers}")
+def _check_target(ref, spec) -> None:
+    """A reference of another model than the spec's target (its layers or its width) is bad input."""
+    if ref.num_layers != spec.num_layers:
+        raise BadInput(f"--reference: a {ref.num_layers}-layer target, the spec {spec.name} declares {spec.num_layers}")
+    if ref.hidden_size != spec.hidden_size:
+        raise BadInput(f"--reference: a target of hidden size {ref.hidden_size}, the spec {spec.name} declares "
+                       f"{spec.hidden_size}")

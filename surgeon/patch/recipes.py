@@ -47,9 +47,10 @@ class PatchApplicationError(BadInput):
     """The rewriter refuses to patch: ``relpath`` and ``anchor`` say where, ``reason`` why
     (a BadInput: the CLI reports it as one line, exit 2)."""
 
-    def __init__(self, relpath: str, anchor: str, reason: str):
+    def __init__(self, relpath: str, anchor: str, reason: str, at: tuple[int, int] | None = None):
         self.relpath, self.anchor, self.reason = relpath, anchor, reason
-        super().__init__(f"{relpath}: {anchor}: {reason}")
+        where = f"{relpath}:{at[0]}:{at[1]}" if at is not None else relpath  # line:column where there is one
+        super().__init__(f"{where}: {anchor}: {reason}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def load_recipes(directory: Path | str | Traversable | None = None) -> list[Reci
     recipes: list[Recipe] = []
     found = sorted((f for f in folder.iterdir() if f.name.endswith(".yaml") and f.is_file()), key=lambda f: f.name)
     for path in found:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _recipe_yaml(path)
         items = data if isinstance(data, list) else [data]
         for i, item in enumerate(items):
             if not isinstance(item, dict):
@@ -184,6 +185,16 @@ def load_recipes(directory: Path | str | Traversable | None = None) -> list[Reci
             raise InternalError(f"no patch recipes (*.yaml) in {folder}: the install is incomplete; reinstall surgeon")
         raise ValueError(f"no patch recipes (*.yaml) in {folder}")
     return recipes
+
+
+def _recipe_yaml(path: Path | Traversable) -> object:
+    """A recipe file's YAML; one that is not YAML is a ValueError located at its line and column."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ValueError(f"{at}: not YAML: {getattr(exc, 'problem', None) or exc}") from None
 
 
 def find_recipe(recipes: Sequence[Recipe], *, engine: str | None, relpath: str,
@@ -200,11 +211,45 @@ def find_recipe(recipes: Sequence[Recipe], *, engine: str | None, relpath: str,
 
 
 def parse(source_bytes: bytes, relpath: str) -> cst.Module:
-    """libcst module of ``source_bytes`` (PatchApplicationError when it does not parse)."""
+    """libcst module of ``source_bytes`` (PatchApplicationError, one line located at its line and
+    column, when it is not text in its encoding or does not parse)."""
+    bad = _undecodable(source_bytes)
+    if bad is not None:
+        line, column, why = bad
+        raise PatchApplicationError(relpath, "module", why, at=(line, column))
     try:
         return cst.parse_module(source_bytes)
     except cst.ParserSyntaxError as exc:
-        raise PatchApplicationError(relpath, "module", f"does not parse: {exc}") from exc
+        at, message = (exc.editor_line, exc.editor_column), (exc.message.strip().splitlines() or ["syntax error"])[0]
+    try:  # Python's own parser places the error where a reader looks for it (libcst: where it gave up)
+        ast.parse(source_bytes)
+    except SyntaxError as exc:
+        at, message = (exc.lineno or at[0], exc.offset or 1), exc.msg
+    raise PatchApplicationError(relpath, "module", f"does not parse: {message}", at=at)
+
+
+def _undecodable(source: bytes) -> tuple[int, int, str] | None:
+    """(line, column, why) of the first thing that keeps ``source`` from being Python text (an
+    encoding cookie Python does not know, a byte that is not text in the file's encoding: UTF-8 but
+    where a cookie says otherwise); None when it decodes. The column counts bytes from 1."""
+    try:
+        encoding = tokenize.detect_encoding(io.BytesIO(source).readline)[0]
+    except SyntaxError as exc:  # an unknown cookie, or first lines that are not UTF-8
+        return _bad_byte(source, "utf-8") or (1, 1, f"not Python source text: {exc.msg}")
+    try:
+        return _bad_byte(source, encoding)
+    except LookupError:  # detect_encoding checks the cookie's codec: not reached, said all the same
+        return 1, 1, f"not Python source text: unknown encoding {encoding}"
+
+
+def _bad_byte(source: bytes, encoding: str) -> tuple[int, int, str] | None:
+    try:
+        source.decode(encoding)
+    except UnicodeDecodeError as exc:
+        start = source.rfind(b"\n", 0, exc.start) + 1
+        byte = source[exc.start:exc.start + 1].hex()
+        return source.count(b"\n", 0, exc.start) + 1, exc.start - start + 1, f"not {encoding} text (byte 0x{byte})"
+    return None
 
 
 _CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=]")
@@ -283,7 +328,7 @@ def parse_reduced(source: bytes, spans: list[tuple[int, int]] | None) -> tuple[c
     """libcst module of ``source`` reduced to ``spans`` and the reduced bytes, or None where the
     reduction is not exact or does not parse as the whole file would (then parse the whole)."""
     reduced = reduce_to_spans(source, spans) if spans is not None else None
-    if reduced is None:
+    if reduced is None or _undecodable(source) is not None:  # the whole file's parse says where
         return None
     text, indent = reduced
     try:

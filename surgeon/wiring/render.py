@@ -236,6 +236,8 @@ def explain(
         try:
             conv = view.convention(cls)
         except BadInput as e:
+            if model_classes.get(engine):  # the class the user named is not there: their input, as in render
+                raise
             notes.append(f"{engine}: {e}")
             continue
         engines[engine] = conv
