@@ -250,12 +250,17 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
     read_model_config(model_dir)
     try:
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype)
+            model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype,
+                                                               output_loading_info=True)
     except MemoryError:
         raise
     except Exception as e:  # OSError, ValueError, SafetensorError, a RuntimeError of mismatched shapes, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise BadInput(f"{model_dir}: cannot load as a causal LM: {first}") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers initialises them at random: a reference of such a model records noise
+        raise BadInput(f"{model_dir}: the weights lack {len(missing)} tensor(s) the config needs (e.g. {missing[0]}): "
+                       "config and weights disagree (a config without num_hidden_layers takes transformers' default)")
     try:
         dev = torch.device(device)
         if dev.type == "meta":
