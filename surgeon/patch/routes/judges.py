@@ -143,8 +143,10 @@ def plugin_route(inp: PlanInput, needs: Sequence[str]) -> RoutePlan:
     rp = _patched("plugin", inp, needs)
     where = f" ({loader.cite.where})" if loader.cite else ""
     rp.evidence.insert(0, f"{loader.name}{where}: {loader.reason}")
-    rp.steps = [f"surgeon apply {inp.spec.file} --engine {inp.engine} --deliver plugin -o <PLUGIN_DIR>",
-                "pip install <PLUGIN_DIR> in the engine's environment (or put <PLUGIN_DIR> on its PYTHONPATH)"]
+    modes = [mode for need, mode in (("serve", "aux"), ("dump", "dump")) if need in needs and rp.verdicts[need].ok]
+    rp.steps = [f"surgeon apply {inp.spec.file} --engine {inp.engine} --deliver plugin --mode {mode} -o <PLUGIN_DIR>"
+                + (" (one plugin per mode, one installed at a time)" if len(modes) > 1 else "") for mode in modes]
+    rp.steps.append("pip install <PLUGIN_DIR> in the engine's environment (or put <PLUGIN_DIR> on its PYTHONPATH)")
     if loader.errors:
         rp.hazards.append(f"{loader.name}: {loader.errors}")
     return rp
