@@ -675,12 +675,10 @@ DSPARK_SETTER = "set_dspark_layers_to_capture"
 
 
 def _dflash_setter(view, cls: str) -> tuple[EngineConvention, str]:
-    from surgeon.engines.facts.sglang_dflash import SETTER, classify_dflash, read_dflash_runner
+    from surgeon.engines.facts.sglang_dflash import SETTER, classify_dflash, dflash_unreadable, read_dflash_runner
 
     cc = classify_dflash(view.location.root, cls)
-    why = (f"has no class {cls!r} with {SETTER}" if cc is None else None if cc.status == "classified" else
-           f"{cc.class_name} ({cc.path}:{cc.line}): the probe cannot tell what its DFlash ids mean: {cc.reason}")
-    if why is not None or cc is None:
+    if (why := dflash_unreadable(cc, cls)) is not None or cc is None:
         raise BadInput(f"--slots sglang:DFLASH: sglang {view.version} {why}")
     runner = read_dflash_runner(view.location.root)
     direct = [e.removeprefix("runner: ") for e in runner.evidence if "only without a draft" in e]

@@ -21,7 +21,7 @@ from surgeon.core.errors import BadInput
 from surgeon.core.spec import NORM_FLAGS, Spec, read_regular_file
 from surgeon.engines.facts.dflash_trainers import SPECFORGE as SPECFORGE_DFLASH
 from surgeon.engines.facts.sglang_dflash import SETTER as DFLASH_SETTER
-from surgeon.engines.facts.sglang_dflash import DFlashRunner, classify_dflash, read_dflash_runner
+from surgeon.engines.facts.sglang_dflash import DFlashRunner, classify_dflash, dflash_unreadable, read_dflash_runner
 from surgeon.engines.probes.vllm_runners import (
     RULES,
     Served,
@@ -398,9 +398,7 @@ def _dflash_captures(spec: Spec, engine: str, cfg: Path, data: dict, found: dict
                                 f"{ENGINE_INSTALL['sglang']}, or pass --engine-root)"))
         return ids, key, [], "SGLang not installed: not read", cls
     cc = classify_dflash(loc.root, cls)
-    if cc is None or cc.status != "classified":
-        why = (f"has no class {cls!r} with {DFLASH_SETTER}" if cc is None else
-               f"{cc.class_name} (sglang/{cc.path}:{cc.line}): the probe cannot tell what its DFlash ids mean: {cc.reason}")
+    if (why := dflash_unreadable(cc, cls, "sglang/")) is not None or cc is None:
         findings.append(Finding("warning", "unverified", f"sglang {view.version} {why}: what {who} captures for "
                                 f"{stated} was not verified"))
         return ids, key, [], view.origin, cls

@@ -27,7 +27,7 @@ from surgeon.core.idrules import ClassConvention
 from surgeon.core.points import Point
 from surgeon.core.spec import NORM_FLAGS, Spec
 from surgeon.engines.facts.sglang_dflash import SETTER as DFLASH_SETTER
-from surgeon.engines.facts.sglang_dflash import classify_dflash, read_dflash_runner
+from surgeon.engines.facts.sglang_dflash import classify_dflash, dflash_unreadable, read_dflash_runner
 from surgeon.engines.view import EngineView, model_class_for, open_engine
 from surgeon.wiring.evidence import engine_notes, evidence_lines, refusal
 from surgeon.wiring.field import explain_field
@@ -582,11 +582,8 @@ def sglang_dflash(spec: Spec, engine_root=None, model_class: str | None = None, 
                  f"({ENGINE_INSTALL['sglang']}, or pass --engine-root)")
     where = f"sglang {view.version}"
     cc = classify_dflash(view.location.root, cls)
-    if cc is None:
-        raise no(f"{where} has no class {cls!r} with {DFLASH_SETTER}")
-    if cc.status != "classified":
-        raise no(f"{where} {cc.class_name} ({cc.path}:{cc.line}): the probe cannot tell what its DFlash ids mean: "
-                 f"{cc.reason}")
+    if (unread := dflash_unreadable(cc, cls)) is not None or cc is None:
+        raise no(f"{where} {unread}")
     runner = read_dflash_runner(view.location.root)
     if not runner.verified:
         raise no(f"{where} runner unverified for DFlash: {runner.reason}", DFlashUnverified)

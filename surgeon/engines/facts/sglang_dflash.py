@@ -45,6 +45,18 @@ def _find_key(index: SourceIndex, model_class: str) -> tuple[ClassKey | None, li
     return (found[0] if len(found) == 1 else None), files
 
 
+def dflash_unreadable(cc: ClassConvention | None, model_class: str, path_prefix: str = "") -> str | None:
+    """Why :func:`classify_dflash`'s answer ``cc`` for ``model_class`` gives no DFlash convention
+    (no such class reaches the setter; the setter was not read to the end), or None where it does:
+    the one wording render, check-draft, plan and ``--slots sglang:DFLASH`` give."""
+    if cc is None:
+        return f"has no class {model_class!r} with {SETTER}"
+    if cc.status != "classified":
+        return (f"{cc.class_name} ({path_prefix}{cc.path}:{cc.line}): the probe cannot tell what its DFlash ids "
+                f"mean: {cc.reason}")
+    return None
+
+
 def classify_dflash(root: str | Path, model_class: str) -> ClassConvention | None:
     """The DFlash convention of ``model_class`` in the SGLang package at ``root`` (None: no class of
     that name reaches ``set_dflash_layers_to_capture``). Status "unclassified" carries the reason."""

@@ -32,14 +32,13 @@ def condition_text(c: RouteCondition) -> str:
     return f"{c.text} ({where})" if where else c.text
 
 
-def _find(conds: Sequence[RouteCondition], code: str) -> RouteCondition | None:
-    return next((c for c in conds if c.code == code), None)
+def _first_refusal(nat: NativeCapture, code: str) -> RouteCondition | None:
+    return next(iter(nat.refusal(code)), None)
 
 
-def _applies(c: RouteCondition, inp: PlanInput, platform: str | None) -> bool:
-    if c.code == "pin_memory":
-        return platform == "cpu"
-    return True
+def _applies(c: RouteCondition, platform: str | None) -> bool:
+    """Pinned memory endangers the route only on a CPU platform; every other hazard everywhere."""
+    return c.code != "pin_memory" or platform == "cpu"
 
 
 def engine_native(inp: PlanInput, needs: Sequence[str]) -> RoutePlan:
@@ -55,9 +54,9 @@ def engine_native(inp: PlanInput, needs: Sequence[str]) -> RoutePlan:
     view = open_engine(inp.engine, inp.engine_root)
     platform = view.probe.platform if view.probe is not None else None
     rp.evidence = [f"{c.where}: {c.text}" for c in (nat.defined, nat.ids_read) if c is not None]
-    rp.hazards = [condition_text(h) for h in nat.hazards if _applies(h, inp, platform)]
+    rp.hazards = [condition_text(h) for h in nat.hazards if _applies(h, platform)]
     if "serve" in needs:
-        draft = _find(nat.refusals, "draft")
+        draft = _first_refusal(nat, "draft")
         said = (f": {condition_text(draft)}" if draft else
                 f" (the method replaces the draft: {nat.defined.where})" if nat.defined else "")
         rp.verdicts["serve"] = Verdict(False, "the native path captures for a dump and loads no draft" + said)
@@ -82,7 +81,7 @@ def _refusals(inp: PlanInput, nat: NativeCapture) -> str | None:
     finals = [n for n, p in inp.dump_points or [] if p.kind == "final_norm"]
     if finals and nat.final_state is not None:
         return f"slot {finals[0]!r} is final_norm, and {condition_text(nat.final_state)}"
-    pp = _find(nat.refusals, "pp")
+    pp = _first_refusal(nat, "pp")
     if inp.pp > 1 and pp is not None:
         return f"pp {inp.pp}: {condition_text(pp)}"
     return None
@@ -123,7 +122,7 @@ def _vllm_dump(inp: PlanInput, nat: NativeCapture, rp: RoutePlan, view, platform
     rp.verdicts["dump"] = _graded(inp, conv, ids, order)
     root = view.location.root if view.location is not None else None
     mla = uses_mla("vllm", root, conv.cc.path, conv.cc.class_name) if root is not None else None
-    refusal = _find(nat.refusals, "mla")
+    refusal = _first_refusal(nat, "mla")
     if mla is not None and rp.verdicts["dump"].ok is not False:
         says = f"{conv.cc.class_name}'s attention is MLA {mla.text}" + (f" ({mla.cite.where})" if mla.cite else "")
         against = f"; {condition_text(refusal)}" if refusal else ""
@@ -164,15 +163,15 @@ def _vllm_launch(inp: PlanInput, nat: NativeCapture, rp: RoutePlan, ids: list[in
 def _sglang_conv(view, model_class: str, algorithm: str) -> tuple[EngineConvention | None, str]:
     """The class's convention under ``algorithm``'s setter: EAGLE3's (the probed one), DFLASH's
     (``set_dflash_layers_to_capture``, run by the classifier); None with why for any other."""
-    from surgeon.engines.facts.sglang_dflash import classify_dflash
+    from surgeon.engines.facts.sglang_dflash import SETTER, classify_dflash, dflash_unreadable
 
     if algorithm.upper() == "EAGLE3":
         return view.convention(model_class), "EAGLE3"
     if algorithm.upper() == "DFLASH" and view.location is not None:
         cc = classify_dflash(view.location.root, model_class)
-        if cc is None or cc.status != "classified":
-            return None, f"DFLASH: {model_class} has no DFlash setter read to the end"
-        return EngineConvention(cc, f"{view.origin}; DFlash setter"), "DFLASH"
+        if (why := dflash_unreadable(cc, model_class)) is not None or cc is None:
+            return None, f"DFLASH: {why}"
+        return EngineConvention(cc, f"{view.origin}; {SETTER}"), "DFLASH"
     return None, f"{algorithm}: its setter on {model_class} is not modelled"
 
 
