@@ -119,6 +119,12 @@ class PluginBuild:
         """How the engine picks the plugin up without pip."""
         return f"PYTHONPATH={self.out}"
 
+    def environment(self, pythonpath: str | None = None) -> dict[str, str]:
+        """The environment entry that activates the plugin for an engine process: its folder first on
+        PYTHONPATH, before ``pythonpath`` (default: this process's own)."""
+        rest = os.environ.get("PYTHONPATH") if pythonpath is None else pythonpath
+        return {"PYTHONPATH": os.pathsep.join([str(self.out)] + ([rest] if rest else []))}
+
     @property
     def install(self) -> str:
         return f"pip install {self.out}"

@@ -190,8 +190,6 @@ def _plan_route(spec, engine_root, note: Callable[[str], None]) -> str:
 def _capture_by_plugin(spec, model: Path, work: Path, engine_root, step, note):
     """Build the spec's plugin in ``work/plugin`` and run vLLM with it on PYTHONPATH: the engine's
     files are only read (their sha256 checked before and after)."""
-    import os
-
     from surgeon.patch.plugin import build_plugin
     from surgeon.run.vllm_runner import run_vllm
 
@@ -202,8 +200,7 @@ def _capture_by_plugin(spec, model: Path, work: Path, engine_root, step, note):
     before = hashlib.sha256(path.read_bytes()).hexdigest()
     note(f"built {build.package}: carries {model_file} ({build.modules[0].loop_class}); {build.activate}")
     step("running the model on vLLM with the plugin (starting the engine takes a while on a CPU)")
-    env = {"PYTHONPATH": os.pathsep.join([str(build.out)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    run = run_vllm(model, [PROMPT], mode="hooks", out_dir=work / "dumps", progress=note, extra_env=env)
+    run = run_vllm(model, [PROMPT], mode="hooks", out_dir=work / "dumps", progress=note, extra_env=build.environment())
     identical = hashlib.sha256(path.read_bytes()).hexdigest() == before
     note(f"{model_file} is byte-identical to before: {identical} (a plugin never writes it)")
     return run, model_file, identical

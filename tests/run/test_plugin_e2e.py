@@ -13,6 +13,7 @@ Two vLLM starts (about 15-25 s each on 2 cores).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,10 +37,6 @@ SPEC = REPO / "specs" / DEMO_SPEC_NAME
 def tree_digest(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
-
-
-def with_path(folder: Path) -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join([str(folder)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +66,7 @@ def test_plugin_capture_verifies_against_the_hf_reference(demo):
 
     report = demo["report"]
     run = run_vllm(demo["model"], [PROMPT], mode="hooks", out_dir=demo["work"] / "dumps",
-                   extra_env=with_path(report.out))
+                   extra_env=report.environment())
     assert run.token_counts == [len(PROMPT)]
     result = match(run.dumps[0], str(demo["reference"]), spec=load_spec(SPEC))
     assert result.ok, [(s.name, s.verdict) for s in result.slots]
@@ -88,7 +85,7 @@ def test_plugin_built_for_another_file_stops_the_engine_start(demo):
     manifest["modules"][0]["sha256"] = recorded
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(VllmRunError) as e:  # plain mode: LLM() itself loads the plugins and must fail
-        run_vllm(demo["model"], [PROMPT], mode="plain", extra_env=with_path(other))
+        run_vllm(demo["model"], [PROMPT], mode="plain", extra_env=dataclasses.replace(report, out=other).environment())
     msg = e.value.message
     found = demo["before"]["llama.py"]
     assert "model_executor/models/llama.py" in msg and recorded in msg and found in msg, msg

@@ -19,15 +19,6 @@ from surgeon.patch.routes.model import ENGINES, ROUTES, Plan, PlanInput, RoutePl
 __all__ = ["ENGINES", "ROUTES", "Plan", "PlanInput", "RoutePlan", "Verdict", "plan"]
 
 
-def needs_of(inp: PlanInput) -> dict[str, list[str]]:
-    needs: dict[str, list[str]] = {}
-    if inp.serve_points is not None:
-        needs["serve"] = [str(p) for p in inp.serve_points]
-    if inp.dump_points is not None:
-        needs["dump"] = [str(p) for _, p in inp.dump_points]
-    return needs
-
-
 def plan(spec: Spec, engine: str, *, engine_root=None, platform: str | None = None, pp: int = 1,
          dump_dir: str | None = None) -> Plan:
     """Every route for ``spec`` on ``engine`` (one of :data:`ENGINES`; its installed release, or the
@@ -39,7 +30,7 @@ def plan(spec: Spec, engine: str, *, engine_root=None, platform: str | None = No
     if engine == "trtllm" and engine_root is not None:
         raise BadInput("--engine-root does not apply to trtllm (its answers are a table cited from its GitHub source)")
     inp = PlanInput(spec, engine, engine_root, platform, pp, dump_dir)
-    needs = needs_of(inp)
+    needs = inp.needs
     if not needs:
         raise BadInput(f"{spec.file}: the spec has neither a draft with an fc input nor a dumps section: "
                        "there is nothing to capture for")

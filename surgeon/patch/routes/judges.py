@@ -182,7 +182,7 @@ def _patched(route: str, inp: PlanInput, needs: Sequence[str]) -> RoutePlan:
             continue
         where = f"{p.model_file}" + (f" ({p.loop_class})" if p.loop_class else "")
         rp.verdicts[need] = Verdict(True, f"{mode} hooks at the residual-stream sites of {where}: "
-                                          f"{', '.join(_need_points(inp, need))}"
+                                          f"{', '.join(inp.needs[need])}"
                                           + (" (with --guard-bypass)" if bypass else ""))
         rp.evidence.append(f"{need}: rewrites {where}, generates {p.hooks_file}")
         if bypass and bypass not in rp.hazards:
@@ -253,9 +253,3 @@ def _patched_pp(inp: PlanInput, rp: RoutePlan) -> None:
         rp.verdicts["serve"] = Verdict(False, f"pp {inp.pp}: aux hooks hand the draft every fc slot from the last "
                                               f"stage's rank, which runs layers {start}..{stages[-1][1] - 1} ({where}); "
                                               f"{', '.join(early)} are captured on earlier ranks")
-
-
-def _need_points(inp: PlanInput, need: str) -> list[str]:
-    if need == "serve":
-        return [str(p) for p in inp.spec.fc_points]
-    return [str(p) for _, p in inp.dump_points or []]

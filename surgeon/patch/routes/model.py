@@ -27,13 +27,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from surgeon.core.errors import UNDECIDED
 from surgeon.core.points import Point
 from surgeon.core.spec import Spec
 
-Goal = Literal["serve", "dump"]
 ROUTES = ("config", "native", "plugin", "patch")
 TITLES = {
     "config": "the serving config alone",
@@ -146,6 +145,16 @@ class PlanInput:
         if self.spec.model.dumps is None:
             return None
         return [(n, self.spec.captures[n]) for n in self.spec.dump_slots]
+
+    @property
+    def needs(self) -> dict[str, list[str]]:
+        """Each need the spec has and the points it asks for, in the spec's order."""
+        needs: dict[str, list[str]] = {}
+        if self.serve_points is not None:
+            needs["serve"] = [str(p) for p in self.serve_points]
+        if self.dump_points is not None:
+            needs["dump"] = [str(p) for _, p in self.dump_points]
+        return needs
 
 
 def dumped_json(value: Any) -> str:
