@@ -37,27 +37,15 @@ def _leaving() -> None:
 
 def main() -> None:
     try:
-        from surgeon.core import interrupts
-
-        interrupts.watch()
         from surgeon.cli import main as cli
 
         cli()
     except KeyboardInterrupt:  # during the imports, or in the instant click does not cover
-        _interrupted()
+        signal.signal(signal.SIGINT, _late_interrupt)
+        _late_interrupt(signal.SIGINT, None)
     except SystemExit:
         _leaving()
         raise
-    except Exception:  # an import a Ctrl-C broke (pydantic-core's SchemaError): interrupted; else a real error
-        watching = sys.modules.get("surgeon.core.interrupts")
-        if watching is None or not watching.seen():
-            raise
-        _interrupted()
-
-
-def _interrupted() -> None:
-    signal.signal(signal.SIGINT, _late_interrupt)
-    _late_interrupt(signal.SIGINT, None)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from surgeon import cli_render as show
 from surgeon.audit.exact import PARAM_TOKENS as EXACT_PARAM_TOKENS
 from surgeon.audit.exact import SPOT as EXACT_SPOT
 from surgeon.cli_render import RichProgress, emit_json
-from surgeon.core import interrupts
 from surgeon.core.errors import SurgeonError
 from surgeon.core.optional import missing_dependency
 from surgeon.patch.apply import DEFAULT_MAX_TOKENS
@@ -81,8 +80,6 @@ class _Group(click.Group):
                 click.echo(line, err=True)
             ctx.exit(e.exit_code)
         except Exception as e:  # internal error: one line, unless asked for the traceback
-            if interrupts.seen():  # an error a Ctrl-C caused (a library that wraps KeyboardInterrupt)
-                raise KeyboardInterrupt from None
             if (missing := missing_dependency(e)) is not None:  # an optional extra not installed: bad input
                 click.echo(f"surgeon: {missing}", err=True)
                 ctx.exit(missing.exit_code)

@@ -112,42 +112,6 @@ def test_an_audit_reference_of_another_width_is_bad_input_before_the_audit(tmp_p
         assert sorted(p.name for p in root.iterdir()) == [f"hs_{i}.safetensors" for i in range(3)]  # no state file
 
 
-# -- Ctrl-C that a library turns into an error of its own -------------------------------------------------------
-_ENTRY = """
-import os, signal, sys, time, types
-import surgeon.__main__ as entry
-
-def command():
-    if sys.argv[1] == "interrupt":
-        try:
-            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, arriving as KeyboardInterrupt
-            time.sleep(5)
-        except KeyboardInterrupt:  # what pydantic-core does to it while building a validator
-            raise RuntimeError('Error building "literal" validator: KeyboardInterrupt') from None
-    raise RuntimeError("a real bug")
-
-sys.modules["surgeon.cli"] = types.SimpleNamespace(main=command)  # the CLI's import, seen from the entry point
-entry.main()
-"""
-
-
-@pytest.mark.parametrize("case", ["interrupt", "bug"])
-def test_an_error_a_ctrl_c_caused_is_an_interruption_and_a_real_error_is_not(case):
-    """Seen once in 80 Ctrl-C's during start-up: pydantic-core's SchemaError wrapping KeyboardInterrupt
-    escaped the entry point as a traceback, exit 1. An error with no Ctrl-C before it stays an error."""
-    import subprocess
-    import sys
-
-    from tests.conftest import default_sigint
-
-    p = subprocess.run([sys.executable, "-c", _ENTRY, case], capture_output=True, text=True, timeout=60,
-                       preexec_fn=default_sigint)
-    if case == "interrupt":
-        assert (p.returncode, p.stderr) == (130, "surgeon: interrupted\n")
-    else:
-        assert p.returncode == 1 and "a real bug" in p.stderr
-
-
 def test_a_config_whose_weights_lack_layers_is_bad_input_not_a_reference_of_noise(tmp_path, field_target):
     """A config.json without num_hidden_layers loads with transformers' default of 32 layers, all
     but the saved ones initialised at random: reference (and fingerprint after it) exited 0 with a
